@@ -1,0 +1,13 @@
+//! The `ZeroBackend` decorator: burn's `Backend` over any inner backend, with a float handle
+//! that ZeRO can shard and a gradient hook that ZeRO can reduce from.
+
+mod base;
+pub(crate) mod convert;
+mod distributed;
+pub(crate) mod forward;
+pub mod hooks;
+mod ops_list;
+mod tensor;
+
+pub use base::ZeroBackend;
+pub use tensor::ZeroTensor;

@@ -1,0 +1,291 @@
+//! The `Communicator` trait and the flat buffers it moves.
+
+use core::fmt;
+use core::time::Duration;
+
+use half::{bf16, f16};
+
+/// Element types a communicator moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit IEEE float.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+        })
+    }
+}
+
+/// How values from all ranks are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise sum divided by the world size.
+    Avg,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// A read-only flat buffer of one element type.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub enum Buf<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// bf16 values.
+    Bf16(&'a [bf16]),
+    /// f16 values.
+    F16(&'a [f16]),
+}
+
+/// A writable flat buffer of one element type.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum BufMut<'a> {
+    /// f32 values.
+    F32(&'a mut [f32]),
+    /// bf16 values.
+    Bf16(&'a mut [bf16]),
+    /// f16 values.
+    F16(&'a mut [f16]),
+}
+
+/// Element types that travel through a communicator, with f32 as their arithmetic type.
+pub trait CommElement: Copy + Send + Sync + PartialOrd + Default + 'static {
+    /// The communicator's name for this type.
+    const DTYPE: DType;
+    /// Views a slice as a buffer.
+    fn buf(values: &[Self]) -> Buf<'_>;
+    /// Views a mutable slice as a buffer.
+    fn buf_mut(values: &mut [Self]) -> BufMut<'_>;
+    /// The value in f32, where reductions accumulate.
+    fn to_f32(self) -> f32;
+    /// The f32 accumulator rounded back to this type.
+    fn from_f32(value: f32) -> Self;
+}
+
+macro_rules! comm_element {
+    ($ty:ty, $variant:ident, $to:expr, $from:expr) => {
+        impl CommElement for $ty {
+            const DTYPE: DType = DType::$variant;
+            fn buf(values: &[Self]) -> Buf<'_> {
+                Buf::$variant(values)
+            }
+            fn buf_mut(values: &mut [Self]) -> BufMut<'_> {
+                BufMut::$variant(values)
+            }
+            fn to_f32(self) -> f32 {
+                $to(self)
+            }
+            fn from_f32(value: f32) -> Self {
+                $from(value)
+            }
+        }
+        impl<'a> From<&'a [$ty]> for Buf<'a> {
+            fn from(values: &'a [$ty]) -> Self {
+                Buf::$variant(values)
+            }
+        }
+        impl<'a> From<&'a mut [$ty]> for BufMut<'a> {
+            fn from(values: &'a mut [$ty]) -> Self {
+                BufMut::$variant(values)
+            }
+        }
+    };
+}
+
+comm_element!(f32, F32, |v: f32| v, |v: f32| v);
+comm_element!(bf16, Bf16, bf16::to_f32, bf16::from_f32);
+comm_element!(f16, F16, f16::to_f32, f16::from_f32);
+
+impl Buf<'_> {
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buf::F32(_) => DType::F32,
+            Buf::Bf16(_) => DType::Bf16,
+            Buf::F16(_) => DType::F16,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Buf::F32(v) => v.len(),
+            Buf::Bf16(v) => v.len(),
+            Buf::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl BufMut<'_> {
+    /// A read-only view of the same elements.
+    pub fn as_buf(&self) -> Buf<'_> {
+        match self {
+            BufMut::F32(v) => Buf::F32(v),
+            BufMut::Bf16(v) => Buf::Bf16(v),
+            BufMut::F16(v) => Buf::F16(v),
+        }
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.as_buf().dtype()
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.as_buf().len()
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The kind of a communicator call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// [`Communicator::all_reduce`].
+    AllReduce(ReduceOp),
+    /// [`Communicator::reduce_scatter`].
+    ReduceScatter(ReduceOp),
+    /// [`Communicator::all_gather`].
+    AllGather,
+    /// [`Communicator::broadcast`] from a root rank.
+    Broadcast {
+        /// The rank whose values everyone receives.
+        root: usize,
+    },
+    /// [`Communicator::barrier`].
+    Barrier,
+    /// [`Communicator::send`] / [`Communicator::recv`].
+    PointToPoint,
+}
+
+/// What a rank asked for at one sequence number: all ranks must agree on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OpSignature {
+    /// Kind of call.
+    pub kind: OpKind,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements this rank contributes (the input length).
+    pub count: usize,
+}
+
+impl fmt::Display for OpSignature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            OpKind::AllReduce(op) => write!(f, "all_reduce[{op:?}]")?,
+            OpKind::ReduceScatter(op) => write!(f, "reduce_scatter[{op:?}]")?,
+            OpKind::AllGather => write!(f, "all_gather")?,
+            OpKind::Broadcast { root } => write!(f, "broadcast[root {root}]")?,
+            OpKind::Barrier => return f.write_str("barrier"),
+            OpKind::PointToPoint => write!(f, "send/recv")?,
+        }
+        write!(f, "({} x {})", self.dtype, self.count)
+    }
+}
+
+/// Why a communicator call failed. Every failure names the ranks and calls involved.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CommError {
+    /// Two ranks made different calls at the same sequence number.
+    #[error(
+        "collective #{seq} mismatch: rank {rank_a} called {call_a} but rank {rank_b} called {call_b}"
+    )]
+    Mismatch {
+        /// Sequence number of the collective on this communicator.
+        seq: u64,
+        /// One rank.
+        rank_a: usize,
+        /// Its call.
+        call_a: OpSignature,
+        /// Another rank.
+        rank_b: usize,
+        /// Its call.
+        call_b: OpSignature,
+    },
+    /// Not every rank arrived in time.
+    #[error(
+        "rank {rank} timed out after {timeout:?} in {call} (#{seq}) waiting for rank(s) {missing:?}"
+    )]
+    Timeout {
+        /// The rank that waited.
+        rank: usize,
+        /// Its call.
+        call: OpSignature,
+        /// Sequence number of the call.
+        seq: u64,
+        /// Ranks that never arrived.
+        missing: Vec<usize>,
+        /// How long it waited.
+        timeout: Duration,
+    },
+    /// The group was shut down because a rank failed.
+    #[error("communicator aborted: {0}")]
+    Aborted(String),
+    /// A call's arguments are wrong on this rank alone.
+    #[error("invalid {call} on rank {rank}: {reason}")]
+    Invalid {
+        /// The rank.
+        rank: usize,
+        /// Its call.
+        call: OpSignature,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// Collective and point-to-point communication among the ranks of one group.
+///
+/// Buffer lengths: `all_reduce` and `broadcast` keep the length; `all_gather` writes
+/// `world_size × input` elements in rank order; `reduce_scatter` reads `world_size × output`
+/// elements and leaves rank `r` the reduced chunk `r`. Every rank must make the same calls in
+/// the same order; implementations detect disagreement and never wait without a timeout.
+pub trait Communicator: Send + Sync {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Reduces `buf` across ranks in place.
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError>;
+    /// Reduces `input` across ranks and keeps this rank's chunk in `output`.
+    fn reduce_scatter(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Concatenates every rank's `input` into `output`, in rank order.
+    fn all_gather(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<(), CommError>;
+    /// Copies `root`'s buffer into every rank's buffer.
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), CommError>;
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<(), CommError>;
+    /// Sends `buf` to rank `peer`, which must `recv` the same dtype and length.
+    fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError>;
+    /// Receives from rank `peer` what it sent.
+    fn recv(&self, buf: BufMut<'_>, peer: usize) -> Result<(), CommError>;
+}
+
+/// Default time a rank waits for the others before failing.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);

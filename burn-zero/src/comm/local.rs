@@ -1,0 +1,411 @@
+//! `LocalComm`: N ranks as threads of one process, with checked sequence numbers.
+//!
+//! Each collective is a *round* keyed by its sequence number: every rank deposits its
+//! signature and a copy of its input, waits (with a deadline) until all have arrived, then
+//! computes its own result from all deposits in rank order, so every rank gets bitwise the
+//! same reduction. The first disagreement or timeout aborts the whole group, so no rank
+//! waits on a peer that has already failed.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::base::*;
+use super::reduce::{Payload, reduce_chunk};
+
+/// The shared state of one group of thread ranks; makes its [`LocalComm`]s.
+#[derive(Clone)]
+pub struct LocalGroup {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    world_size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    rounds: HashMap<u64, Round>,
+    mailboxes: HashMap<(usize, usize), VecDeque<Message>>,
+    aborted: Option<String>,
+}
+
+struct Round {
+    calls: Vec<Option<OpSignature>>,
+    inputs: Vec<Option<Arc<Payload>>>,
+    arrived: usize,
+    departed: usize,
+    failure: Option<CommError>,
+}
+
+struct Message {
+    seq: u64,
+    call: OpSignature,
+    payload: Payload,
+}
+
+impl LocalGroup {
+    /// A group of `world_size` ranks with the default timeout.
+    pub fn new(world_size: usize) -> Self {
+        Self::with_timeout(world_size, DEFAULT_TIMEOUT)
+    }
+
+    /// A group whose ranks fail a call after waiting `timeout` for the others.
+    pub fn with_timeout(world_size: usize, timeout: Duration) -> Self {
+        assert!(
+            world_size > 0,
+            "a communicator group needs at least one rank"
+        );
+        Self {
+            shared: Arc::new(Shared {
+                world_size,
+                timeout,
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+            }),
+        }
+    }
+
+    /// The communicator of `rank`. Make exactly one per rank.
+    pub fn comm(&self, rank: usize) -> LocalComm {
+        assert!(
+            rank < self.shared.world_size,
+            "rank {rank} is outside the group"
+        );
+        LocalComm {
+            rank,
+            shared: self.shared.clone(),
+            seq: AtomicU64::new(0),
+            sent: Mutex::new(HashMap::new()),
+            received: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Fails every pending and future call of the group with `reason` (a rank died).
+    pub fn abort(&self, reason: impl Into<String>) {
+        self.shared.abort(reason.into());
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A rank that panicked while holding the lock leaves consistent state behind: every
+        // update below is completed before anything that can panic.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn abort(&self, reason: String) {
+        let mut state = self.lock();
+        state.aborted.get_or_insert(reason);
+        self.changed.notify_all();
+    }
+}
+
+/// One rank's communicator in a [`LocalGroup`].
+pub struct LocalComm {
+    rank: usize,
+    shared: Arc<Shared>,
+    seq: AtomicU64,
+    sent: Mutex<HashMap<usize, u64>>,
+    received: Mutex<HashMap<usize, u64>>,
+}
+
+impl LocalComm {
+    fn invalid(&self, call: OpSignature, reason: impl Into<String>) -> CommError {
+        CommError::Invalid {
+            rank: self.rank,
+            call,
+            reason: reason.into(),
+        }
+    }
+
+    /// Deposits this rank's input for the next collective and returns every rank's input.
+    fn round(&self, call: OpSignature, input: Payload) -> Result<Vec<Arc<Payload>>, CommError> {
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let world = self.shared.world_size;
+        let deadline = Instant::now() + self.shared.timeout;
+        let mut state = self.shared.lock();
+        if let Some(reason) = &state.aborted {
+            return Err(CommError::Aborted(reason.clone()));
+        }
+        let round = state.rounds.entry(seq).or_insert_with(|| Round {
+            calls: vec![None; world],
+            inputs: vec![None; world],
+            arrived: 0,
+            departed: 0,
+            failure: None,
+        });
+        if let Some((other, other_call)) = round
+            .calls
+            .iter()
+            .enumerate()
+            .find_map(|(r, c)| c.filter(|c| *c != call).map(|c| (r, c)))
+        {
+            let failure = CommError::Mismatch {
+                seq,
+                rank_a: other,
+                call_a: other_call,
+                rank_b: self.rank,
+                call_b: call,
+            };
+            round.failure = Some(failure.clone());
+            state.aborted.get_or_insert(failure.to_string());
+            self.shared.changed.notify_all();
+            return Err(failure);
+        }
+        round.calls[self.rank] = Some(call);
+        round.inputs[self.rank] = Some(Arc::new(input));
+        round.arrived += 1;
+        self.shared.changed.notify_all();
+
+        loop {
+            let st = &mut *state;
+            let round = st
+                .rounds
+                .get_mut(&seq)
+                .expect("a round lives until all depart");
+            if let Some(failure) = &round.failure {
+                return Err(failure.clone());
+            }
+            if round.arrived == world {
+                let inputs = round
+                    .inputs
+                    .iter()
+                    .map(|i| i.clone().expect("arrived"))
+                    .collect();
+                round.departed += 1;
+                if round.departed == world {
+                    st.rounds.remove(&seq);
+                }
+                return Ok(inputs);
+            }
+            if let Some(reason) = &st.aborted {
+                return Err(CommError::Aborted(reason.clone()));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing = (0..world).filter(|r| round.calls[*r].is_none()).collect();
+                let failure = CommError::Timeout {
+                    rank: self.rank,
+                    call,
+                    seq,
+                    missing,
+                    timeout: self.shared.timeout,
+                };
+                st.aborted.get_or_insert(failure.to_string());
+                self.shared.changed.notify_all();
+                return Err(failure);
+            }
+            state = self
+                .shared
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn check_peer(&self, call: OpSignature, peer: usize) -> Result<(), CommError> {
+        if peer >= self.shared.world_size {
+            return Err(self.invalid(
+                call,
+                format!(
+                    "peer {peer} is outside a group of {}",
+                    self.shared.world_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        let call = signature(OpKind::AllReduce(op), &buf.as_buf());
+        let inputs = self.round(call, Payload::copy_of(buf.as_buf()))?;
+        reduce_chunk(&inputs, 0, op, buf);
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let call = signature(OpKind::ReduceScatter(op), &input);
+        check_pair(
+            self,
+            call,
+            &input,
+            &output,
+            output.len() * self.world_size(),
+        )?;
+        let inputs = self.round(call, Payload::copy_of(input))?;
+        let chunk = output.len();
+        reduce_chunk(&inputs, self.rank * chunk, op, output);
+        Ok(())
+    }
+
+    fn all_gather(&self, input: Buf<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
+        let call = signature(OpKind::AllGather, &input);
+        check_pair(self, call, &input, &output, input.len() * self.world_size())?;
+        let inputs = self.round(call, Payload::copy_of(input))?;
+        let chunk = input.len();
+        for (rank, part) in inputs.iter().enumerate() {
+            part.copy_range_into(0..chunk, &mut output, rank * chunk);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
+        let call = signature(OpKind::Broadcast { root }, &buf.as_buf());
+        self.check_peer(call, root)?;
+        let inputs = self.round(call, Payload::copy_of(buf.as_buf()))?;
+        if root != self.rank {
+            inputs[root].copy_range_into(0..buf.len(), &mut buf, 0);
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        let call = signature(OpKind::Barrier, &Buf::F32(&[]));
+        self.round(call, Payload::F32(Vec::new())).map(|_| ())
+    }
+
+    fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError> {
+        let call = signature(OpKind::PointToPoint, &buf);
+        self.check_peer(call, peer)?;
+        let seq = next_seq(&self.sent, peer);
+        let mut state = self.shared.lock();
+        if let Some(reason) = &state.aborted {
+            return Err(CommError::Aborted(reason.clone()));
+        }
+        let message = Message {
+            seq,
+            call,
+            payload: Payload::copy_of(buf),
+        };
+        state
+            .mailboxes
+            .entry((self.rank, peer))
+            .or_default()
+            .push_back(message);
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    fn recv(&self, mut buf: BufMut<'_>, peer: usize) -> Result<(), CommError> {
+        let call = signature(OpKind::PointToPoint, &buf.as_buf());
+        self.check_peer(call, peer)?;
+        let seq = next_seq(&self.received, peer);
+        let deadline = Instant::now() + self.shared.timeout;
+        let mut state = self.shared.lock();
+        loop {
+            if let Some(reason) = &state.aborted {
+                return Err(CommError::Aborted(reason.clone()));
+            }
+            if let Some(message) = state
+                .mailboxes
+                .get_mut(&(peer, self.rank))
+                .and_then(|q| q.pop_front())
+            {
+                debug_assert_eq!(message.seq, seq, "mailboxes are FIFO per pair");
+                if message.call != call {
+                    let failure = CommError::Mismatch {
+                        seq,
+                        rank_a: peer,
+                        call_a: message.call,
+                        rank_b: self.rank,
+                        call_b: call,
+                    };
+                    state.aborted.get_or_insert(failure.to_string());
+                    self.shared.changed.notify_all();
+                    return Err(failure);
+                }
+                drop(state);
+                message.payload.copy_range_into(0..buf.len(), &mut buf, 0);
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let failure = CommError::Timeout {
+                    rank: self.rank,
+                    call,
+                    seq,
+                    missing: vec![peer],
+                    timeout: self.shared.timeout,
+                };
+                state.aborted.get_or_insert(failure.to_string());
+                self.shared.changed.notify_all();
+                return Err(failure);
+            }
+            state = self
+                .shared
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+fn signature(kind: OpKind, input: &Buf<'_>) -> OpSignature {
+    OpSignature {
+        kind,
+        dtype: input.dtype(),
+        count: input.len(),
+    }
+}
+
+fn check_pair(
+    comm: &LocalComm,
+    call: OpSignature,
+    input: &Buf<'_>,
+    output: &BufMut<'_>,
+    expected_total: usize,
+) -> Result<(), CommError> {
+    if input.dtype() != output.dtype() {
+        return Err(comm.invalid(
+            call,
+            format!("output is {}, input {}", output.dtype(), input.dtype()),
+        ));
+    }
+    let total = if matches!(call.kind, OpKind::AllGather) {
+        output.len()
+    } else {
+        input.len()
+    };
+    if total != expected_total {
+        return Err(comm.invalid(
+            call,
+            format!(
+                "input has {} and output {} elements; with {} ranks the full buffer must be \
+                 world_size x the chunk (pad it, see burn_zero::partition)",
+                input.len(),
+                output.len(),
+                comm.world_size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn next_seq(counters: &Mutex<HashMap<usize, u64>>, peer: usize) -> u64 {
+    let mut counters = counters.lock().unwrap_or_else(|e| e.into_inner());
+    let seq = counters.entry(peer).or_insert(0);
+    *seq += 1;
+    *seq - 1
+}

@@ -1,0 +1,15 @@
+//! burn-zero: DeepSpeed-style ZeRO training for [burn](https://burn.dev) 0.21.
+//!
+//! Users keep their burn model and write `type B = Autodiff<ZeroBackend<Cuda>>` (or
+//! `NdArray` on CPU). Layers, innermost first: [`comm`] (communicators, no burn types),
+//! [`partition`] (flat-buffer plans, no burn types), [`backend`] (the `ZeroBackend`
+//! decorator and its gradient hook), and [`testing`] (thread-rank harness).
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod comm;
+pub mod partition;
+pub mod testing;
+
+pub use backend::{ZeroBackend, ZeroTensor};
+pub use comm::{Communicator, LocalComm, LocalGroup};

@@ -1,0 +1,132 @@
+//! Pieces shared by the example programs: a small MLP, synthetic data, and a gradient hook
+//! that averages each final gradient across ranks (plain data parallelism, ZeRO stage 0).
+#![warn(missing_docs)]
+
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData, activation};
+use burn_backend::distributed::DistributedParamId;
+use burn_backend::{TensorMetadata, try_read_sync};
+use burn_zero::ZeroTensor;
+use burn_zero::backend::hooks::GradientHook;
+use burn_zero::comm::{Communicator, ReduceOp};
+
+/// A two-hidden-layer MLP for 1-D regression.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    l1: Linear<B>,
+    l2: Linear<B>,
+    l3: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// A randomly initialized MLP with hidden width `hidden`.
+    pub fn new(hidden: usize, device: &B::Device) -> Self {
+        Self {
+            l1: LinearConfig::new(1, hidden).init(device),
+            l2: LinearConfig::new(hidden, hidden).init(device),
+            l3: LinearConfig::new(hidden, 1).init(device),
+        }
+    }
+
+    /// The first layer's weight.
+    pub fn first_weight(&self) -> Tensor<B, 2> {
+        self.l1.weight.val()
+    }
+
+    /// Forward pass on `[batch, 1]` inputs.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let x = activation::tanh(self.l1.forward(x));
+        let x = activation::tanh(self.l2.forward(x));
+        self.l3.forward(x)
+    }
+}
+
+/// Rows `rows` of the global batch of `step`: `x` in [-3, 3] and `y = sin(x) + x/3`.
+pub fn batch<B: Backend>(
+    step: usize,
+    rows: std::ops::Range<usize>,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let n = rows.len();
+    let xs: Vec<f32> = rows
+        .map(|i| {
+            // A fixed integer hash: every rank computes the same global batch without an RNG.
+            let h = (step as u64 * 1_000_003 + i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+            (h as f32 / (1u64 << 24) as f32) * 6.0 - 3.0
+        })
+        .collect();
+    let ys: Vec<f32> = xs.iter().map(|x| x.sin() + x / 3.0).collect();
+    (
+        Tensor::from_data(TensorData::new(xs, [n, 1]), device),
+        Tensor::from_data(TensorData::new(ys, [n, 1]), device),
+    )
+}
+
+/// Averages every final gradient across ranks as autodiff produces it.
+pub struct AllReduceHook<C: Communicator> {
+    comm: Arc<C>,
+}
+
+impl<C: Communicator> AllReduceHook<C> {
+    /// A hook reducing over `comm`.
+    pub fn new(comm: Arc<C>) -> Self {
+        Self { comm }
+    }
+}
+
+impl<B: Backend, C: Communicator + 'static> GradientHook<B> for AllReduceHook<C> {
+    fn on_gradient_final(&mut self, param: DistributedParamId, grad: &mut ZeroTensor<B>) {
+        let device = B::float_device(grad.inner());
+        let shape = grad.shape();
+        let mut values = to_vec::<B>(grad.inner().clone());
+        self.comm
+            .all_reduce(values.as_mut_slice().into(), ReduceOp::Avg)
+            .unwrap_or_else(|e| panic!("all-reduce of the gradient of {param:?}: {e}"));
+        *grad.inner_mut() = B::float_from_data(TensorData::new(values, shape), &device);
+    }
+}
+
+fn to_vec<B: Backend>(tensor: B::FloatTensorPrimitive) -> Vec<f32> {
+    try_read_sync(B::float_into_data(tensor))
+        .expect("a synchronous backend")
+        .expect("read a tensor")
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 data")
+}
+
+/// Copies rank `root`'s parameters to every rank (what data parallelism starts from).
+pub fn broadcast_parameters<B: Backend, M: Module<B>, C: Communicator>(
+    module: M,
+    comm: &C,
+    root: usize,
+) -> M {
+    struct Broadcast<'a, C> {
+        comm: &'a C,
+        root: usize,
+    }
+    impl<B: Backend, C: Communicator> ModuleMapper<B> for Broadcast<'_, C> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let tensor_requires_grad = tensor.is_require_grad();
+            let device = tensor.device();
+            let shape = tensor.shape();
+            let mut values = tensor
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("f32 data");
+            self.comm
+                .broadcast(values.as_mut_slice().into(), self.root)
+                .expect("broadcast a parameter");
+            let tensor = Tensor::from_data(TensorData::new(values, shape), &device)
+                .set_require_grad(tensor_requires_grad);
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Broadcast { comm, root })
+}

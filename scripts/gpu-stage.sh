@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build GPU binaries here and stage them in .gpu/ (git-ignored) for the device tool's `carry`.
+#   scripts/gpu-stage.sh BIN [BIN...]      e.g. scripts/gpu-stage.sh gpu-smoke
+# Binaries come from the examples crate built with --features cuda; each is stripped and, when
+# over 24 MiB, xz-compressed (a call may carry 64 MiB in all). On the device run
+#   bash scripts/gpu-run.sh BIN [ARGS...]   (with carry [".gpu"])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 1 ] || { echo "usage: $0 BIN [BIN...]" >&2; exit 2; }
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/burn-zero-target}"
+features="${GPU_FEATURES:-cuda}"
+args=()
+for bin in "$@"; do args+=(--bin "$bin"); done
+cargo build --release -p burn-zero-examples --features "$features" "${args[@]}"
+mkdir -p .gpu/bin
+rm -f .gpu/bin/*
+for bin in "$@"; do
+  cp "$CARGO_TARGET_DIR/release/$bin" ".gpu/bin/$bin"
+  strip ".gpu/bin/$bin"
+  if [ "$(stat -c %s ".gpu/bin/$bin")" -gt $((24 * 1024 * 1024)) ]; then
+    xz -T2 -6 -f ".gpu/bin/$bin"
+  fi
+done
+git rev-parse HEAD > .gpu/commit 2>/dev/null || echo unknown > .gpu/commit
+git diff --quiet 2>/dev/null || echo "dirty" >> .gpu/commit
+du -sh .gpu; ls -la .gpu/bin

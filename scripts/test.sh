@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole test suite: README's second command, and exactly what .ci/run runs.
+#   formatting, clippy (CPU build and the cuda/nccl GPU code, type-checked without a GPU),
+#   every test of the workspace (the parity tests build and run the plain-burn reference in
+#   reference/), and the quickstart program. Ends with one summary line.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+started=$(date +%s)
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+failed_steps=()
+
+step() {
+  echo "==> $*"
+  if ! "$@"; then failed_steps+=("$*"); fi
+}
+
+step cargo fmt --all -- --check
+step cargo clippy --workspace --all-targets --locked -- -D warnings
+step cargo clippy -p burn-zero -p burn-zero-examples --locked --all-targets \
+  --features burn-zero/cuda,burn-zero/nccl,burn-zero-examples/cuda -- -D warnings
+echo "==> cargo test --workspace"
+cargo test --workspace --locked 2>&1 | tee "$log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed_steps+=("cargo test --workspace")
+step cargo run --locked -q -p burn-zero-examples --bin data-parallel
+
+read -r passed failed < <(awk '/^test result:/ { for (i = 1; i <= NF; i++) {
+    if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+  END { print p + 0, f + 0 }' "$log")
+echo
+echo "took $(( $(date +%s) - started )) s; failed steps: ${#failed_steps[@]}${failed_steps[*]:+ (${failed_steps[*]})}"
+echo "summary: $passed passed, $failed failed"
+[ "${#failed_steps[@]}" -eq 0 ] && [ "$failed" -eq 0 ]
