@@ -99,6 +99,19 @@ fn to_vec<B: Backend>(tensor: B::FloatTensorPrimitive) -> Vec<f32> {
         .expect("f32 data")
 }
 
+/// Initializes every parameter now: burn 0.21 initializes `Param`s lazily on first use, which
+/// would draw from the backend's RNG in whatever order rank threads happen to run.
+pub fn materialize<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Materialize;
+    impl<B: Backend> ModuleMapper<B> for Materialize {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Materialize)
+}
+
 /// Copies rank `root`'s parameters to every rank (what data parallelism starts from).
 pub fn broadcast_parameters<B: Backend, M: Module<B>, C: Communicator>(
     module: M,

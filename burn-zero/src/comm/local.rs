@@ -103,6 +103,42 @@ impl Shared {
         state.aborted.get_or_insert(reason);
         self.changed.notify_all();
     }
+
+    /// Stops the group because of `failure`, wakes every waiter, and returns the failure.
+    fn fail(&self, state: &mut State, failure: CommError) -> CommError {
+        state.aborted.get_or_insert(failure.to_string());
+        self.changed.notify_all();
+        failure
+    }
+
+    /// Waits until `poll` yields a result, the group aborts, or `deadline` passes (then the
+    /// error from `on_timeout` stops the group).
+    fn wait<R>(
+        &self,
+        mut state: MutexGuard<'_, State>,
+        deadline: Instant,
+        mut poll: impl FnMut(&mut State) -> Option<Result<R, CommError>>,
+        on_timeout: impl FnOnce(&State) -> CommError,
+    ) -> Result<R, CommError> {
+        loop {
+            if let Some(result) = poll(&mut state) {
+                return result;
+            }
+            if let Some(reason) = &state.aborted {
+                return Err(CommError::Aborted(reason.clone()));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let failure = on_timeout(&state);
+                return Err(self.fail(&mut state, failure));
+            }
+            state = self
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
 }
 
 /// One rank's communicator in a [`LocalGroup`].
@@ -153,60 +189,45 @@ impl LocalComm {
                 call_b: call,
             };
             round.failure = Some(failure.clone());
-            state.aborted.get_or_insert(failure.to_string());
-            self.shared.changed.notify_all();
-            return Err(failure);
+            return Err(self.shared.fail(&mut state, failure));
         }
         round.calls[self.rank] = Some(call);
         round.inputs[self.rank] = Some(Arc::new(input));
         round.arrived += 1;
         self.shared.changed.notify_all();
 
-        loop {
-            let st = &mut *state;
+        let poll = |st: &mut State| {
             let round = st
                 .rounds
                 .get_mut(&seq)
                 .expect("a round lives until all depart");
             if let Some(failure) = &round.failure {
-                return Err(failure.clone());
+                return Some(Err(failure.clone()));
             }
-            if round.arrived == world {
-                let inputs = round
-                    .inputs
-                    .iter()
-                    .map(|i| i.clone().expect("arrived"))
-                    .collect();
-                round.departed += 1;
-                if round.departed == world {
-                    st.rounds.remove(&seq);
-                }
-                return Ok(inputs);
+            if round.arrived < world {
+                return None;
             }
-            if let Some(reason) = &st.aborted {
-                return Err(CommError::Aborted(reason.clone()));
+            let inputs = round
+                .inputs
+                .iter()
+                .map(|i| i.clone().expect("arrived"))
+                .collect();
+            round.departed += 1;
+            if round.departed == world {
+                st.rounds.remove(&seq);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing = (0..world).filter(|r| round.calls[*r].is_none()).collect();
-                let failure = CommError::Timeout {
-                    rank: self.rank,
-                    call,
-                    seq,
-                    missing,
-                    timeout: self.shared.timeout,
-                };
-                st.aborted.get_or_insert(failure.to_string());
-                self.shared.changed.notify_all();
-                return Err(failure);
-            }
-            state = self
-                .shared
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+            Some(Ok(inputs))
+        };
+        let on_timeout = |st: &State| CommError::Timeout {
+            rank: self.rank,
+            call,
+            seq,
+            missing: (0..world)
+                .filter(|r| st.rounds[&seq].calls[*r].is_none())
+                .collect(),
+            timeout: self.shared.timeout,
+        };
+        self.shared.wait(state, deadline, poll, on_timeout)
     }
 
     fn check_peer(&self, call: OpSignature, peer: usize) -> Result<(), CommError> {
@@ -312,53 +333,32 @@ impl Communicator for LocalComm {
         self.check_peer(call, peer)?;
         let seq = next_seq(&self.received, peer);
         let deadline = Instant::now() + self.shared.timeout;
-        let mut state = self.shared.lock();
-        loop {
-            if let Some(reason) = &state.aborted {
-                return Err(CommError::Aborted(reason.clone()));
-            }
-            if let Some(message) = state
-                .mailboxes
-                .get_mut(&(peer, self.rank))
-                .and_then(|q| q.pop_front())
-            {
-                debug_assert_eq!(message.seq, seq, "mailboxes are FIFO per pair");
-                if message.call != call {
-                    let failure = CommError::Mismatch {
-                        seq,
-                        rank_a: peer,
-                        call_a: message.call,
-                        rank_b: self.rank,
-                        call_b: call,
-                    };
-                    state.aborted.get_or_insert(failure.to_string());
-                    self.shared.changed.notify_all();
-                    return Err(failure);
-                }
-                drop(state);
-                message.payload.copy_range_into(0..buf.len(), &mut buf, 0);
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let failure = CommError::Timeout {
-                    rank: self.rank,
-                    call,
+        let state = self.shared.lock();
+        let poll = |st: &mut State| {
+            let message = st.mailboxes.get_mut(&(peer, self.rank))?.pop_front()?;
+            debug_assert_eq!(message.seq, seq, "mailboxes are FIFO per pair");
+            if message.call != call {
+                let failure = CommError::Mismatch {
                     seq,
-                    missing: vec![peer],
-                    timeout: self.shared.timeout,
+                    rank_a: peer,
+                    call_a: message.call,
+                    rank_b: self.rank,
+                    call_b: call,
                 };
-                state.aborted.get_or_insert(failure.to_string());
-                self.shared.changed.notify_all();
-                return Err(failure);
+                return Some(Err(self.shared.fail(st, failure)));
             }
-            state = self
-                .shared
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+            Some(Ok(message.payload))
+        };
+        let on_timeout = |_: &State| CommError::Timeout {
+            rank: self.rank,
+            call,
+            seq,
+            missing: vec![peer],
+            timeout: self.shared.timeout,
+        };
+        let payload = self.shared.wait(state, deadline, poll, on_timeout)?;
+        payload.copy_range_into(0..buf.len(), &mut buf, 0);
+        Ok(())
     }
 }
 

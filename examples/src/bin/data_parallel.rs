@@ -14,7 +14,7 @@ use burn_zero::ZeroBackend;
 use burn_zero::backend::hooks;
 use burn_zero::comm::{Communicator, ReduceOp};
 use burn_zero::testing::run_ranks;
-use burn_zero_examples::{AllReduceHook, Mlp, batch, broadcast_parameters};
+use burn_zero_examples::{AllReduceHook, Mlp, batch, broadcast_parameters, materialize};
 
 type Inner = NdArray;
 type B = Autodiff<ZeroBackend<Inner>>;
@@ -29,10 +29,13 @@ fn main() {
         "training an MLP on {WORLD} thread ranks through {}",
         B::name(&Default::default())
     );
+    // Seeded so runs repeat; ranks start from rank 0's weights as data parallelism requires.
+    B::seed(&Default::default(), 42);
+    let initial = materialize(Mlp::<B>::new(32, &Default::default()));
     let finals = run_ranks(WORLD, |ctx| {
         let device = Default::default();
         let comm = Arc::new(ctx.comm);
-        let model = broadcast_parameters(Mlp::<B>::new(32, &device), comm.as_ref(), 0);
+        let model = broadcast_parameters(initial.clone(), comm.as_ref(), 0);
         let mut model = hooks::mark_distributed(model);
         let _hook = hooks::install::<Inner>(Box::new(AllReduceHook::new(comm.clone())));
         let mut optim = AdamConfig::new().init::<B, Mlp<B>>();
