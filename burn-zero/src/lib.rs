@@ -8,7 +8,9 @@
 
 pub mod backend;
 pub mod comm;
+pub mod config;
 pub mod partition;
+pub mod schedule;
 pub mod testing;
 
 pub use backend::{ZeroBackend, ZeroTensor};

@@ -1,0 +1,148 @@
+//! `ds_config.json`: DeepSpeed's keys, aliases and defaults (0.19), validated with errors that
+//! name the key and its allowed range, unknown keys warned about by name. Free of burn types.
+//!
+//! `"auto"` is handled as DeepSpeed does: the key is dropped, so its default applies (for the
+//! batch triad: it counts as not given and is derived from the others).
+
+mod base;
+mod batch;
+mod error;
+mod load;
+mod validate;
+mod values;
+mod zero;
+
+#[cfg(test)]
+mod tests;
+
+pub use base::*;
+pub use batch::BatchSizes;
+pub use error::ConfigError;
+pub(crate) use load::parse_value;
+pub use values::Count;
+pub use zero::*;
+
+use serde::Serialize;
+
+use crate::schedule::Schedule;
+
+/// A parsed config and what loading it had to say.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    /// The config.
+    pub config: DeepSpeedConfig,
+    /// Unknown or ignored keys, deprecated forms and `"auto"` values, one line each.
+    pub warnings: Vec<String>,
+}
+
+/// The optimizer a config asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum OptimizerKind {
+    /// Adam; `decoupled_weight_decay` is AdamW (DeepSpeed's default even for type `Adam`).
+    Adam {
+        /// Weight decay applied to the parameter (AdamW) rather than added to the gradient.
+        decoupled_weight_decay: bool,
+    },
+    /// SGD with optional momentum.
+    Sgd,
+}
+
+/// A validated config resolved for a world size: what the engine runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct ResolvedConfig {
+    /// Ranks in the data-parallel group.
+    pub world_size: usize,
+    /// The batch triad, all three known.
+    pub batch: BatchSizes,
+    /// The optimizer kind.
+    pub optimizer: OptimizerKind,
+    /// The optimizer's parameters.
+    pub optimizer_params: OptimizerParams,
+    /// The learning-rate schedule.
+    pub schedule: Schedule,
+    /// The config as given (defaults filled in).
+    pub config: DeepSpeedConfig,
+    /// Warnings from loading and resolving.
+    pub warnings: Vec<String>,
+}
+
+impl DeepSpeedConfig {
+    /// Parses `ds_config.json` text.
+    pub fn from_json(text: &str) -> Result<Loaded, ConfigError> {
+        let mut value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+                key: ".".into(),
+                reason: format!("not valid JSON: {e}"),
+            })?;
+        if !value.is_object() {
+            return Err(ConfigError::Parse {
+                key: ".".into(),
+                reason: "the config must be a JSON object".into(),
+            });
+        }
+        let mut warnings = Vec::new();
+        let mut autos = Vec::new();
+        load::drop_auto_values(&mut value, "", &mut autos);
+        for key in autos {
+            warnings.push(format!(
+                "`{key}` is \"auto\": using burn-zero's default (or deriving it)"
+            ));
+        }
+        load::upgrade_legacy_zero(&mut value, &mut warnings);
+        let config: DeepSpeedConfig = parse_value(value, "", &mut warnings)?;
+        validate::validate(&config, &mut warnings)?;
+        Ok(Loaded { config, warnings })
+    }
+
+    /// Reads and parses a `ds_config.json` file.
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Loaded, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_json(&text)
+    }
+
+    /// Resolves the config for `world_size` data-parallel ranks: the batch triad, the optimizer
+    /// and the schedule. Errors name the keys at fault.
+    pub fn resolve(&self, world_size: usize) -> Result<ResolvedConfig, ConfigError> {
+        let mut warnings = Vec::new();
+        validate::validate(self, &mut warnings)?;
+        let batch = BatchSizes::resolve(
+            self.train_batch_size.map(|c| c.0),
+            self.train_micro_batch_size_per_gpu.map(|c| c.0),
+            self.gradient_accumulation_steps.map(|c| c.0),
+            world_size,
+        )?;
+        let optimizer_config = self.optimizer.as_ref().ok_or_else(|| ConfigError::Parse {
+            key: "optimizer".into(),
+            reason:
+                "required: give {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} (or Adam, SGD)"
+                    .into(),
+        })?;
+        let optimizer = validate::optimizer_kind(optimizer_config)?;
+        let schedule = Schedule::from_config(
+            self.scheduler.as_ref(),
+            optimizer_config.params.lr,
+            &mut warnings,
+        )?;
+        if matches!(schedule, Schedule::OneCycle(ref c) if c.cycle_momentum)
+            && optimizer == OptimizerKind::Sgd
+        {
+            warnings.push(
+                "scheduler.params.cycle_momentum is ignored: SGD has no betas (as in DeepSpeed)"
+                    .into(),
+            );
+        }
+        Ok(ResolvedConfig {
+            world_size,
+            batch,
+            optimizer,
+            optimizer_params: optimizer_config.params.clone(),
+            schedule,
+            config: self.clone(),
+            warnings,
+        })
+    }
+}
