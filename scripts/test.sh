@@ -22,9 +22,10 @@ step cargo clippy --workspace --all-targets --locked -- -D warnings
 step cargo clippy -p burn-zero -p burn-zero-examples --locked --all-targets \
   --features burn-zero/cuda,burn-zero/nccl,burn-zero-examples/cuda -- -D warnings
 echo "==> cargo test --workspace"
-cargo test --workspace --locked 2>&1 | tee "$log"
+# A hung test (a deadlock, a missing rank) fails here instead of eating CI's time.
+timeout "${TEST_TIMEOUT:-45m}" cargo test --workspace --locked 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed_steps+=("cargo test --workspace")
-step cargo run --locked -q -p burn-zero-examples --bin data-parallel
+step cargo run --locked -q -p burn-zero-examples --bin quickstart
 
 read -r passed failed < <(awk '/^test result:/ { for (i = 1; i <= NF; i++) {
     if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }

@@ -9,9 +9,13 @@
 pub mod backend;
 pub mod comm;
 pub mod config;
+pub mod engine;
+pub mod optim;
 pub mod partition;
 pub mod schedule;
 pub mod testing;
 
 pub use backend::{ZeroBackend, ZeroTensor};
 pub use comm::{Communicator, LocalComm, LocalGroup};
+pub use config::DeepSpeedConfig;
+pub use engine::{Engine, EngineError, initialize};

@@ -1,18 +1,10 @@
-//! Pieces shared by the example programs: a small MLP, synthetic data, and a gradient hook
-//! that averages each final gradient across ranks (plain data parallelism, ZeRO stage 0).
+//! Pieces shared by the example programs: a small MLP and synthetic data.
 #![warn(missing_docs)]
-
-use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, activation};
-use burn_backend::distributed::DistributedParamId;
-use burn_backend::{TensorMetadata, try_read_sync};
-use burn_zero::ZeroTensor;
-use burn_zero::backend::hooks::GradientHook;
-use burn_zero::comm::{Communicator, ReduceOp};
 
 /// A two-hidden-layer MLP for 1-D regression.
 #[derive(Module, Debug)]
@@ -66,39 +58,6 @@ pub fn batch<B: Backend>(
     )
 }
 
-/// Averages every final gradient across ranks as autodiff produces it.
-pub struct AllReduceHook<C: Communicator> {
-    comm: Arc<C>,
-}
-
-impl<C: Communicator> AllReduceHook<C> {
-    /// A hook reducing over `comm`.
-    pub fn new(comm: Arc<C>) -> Self {
-        Self { comm }
-    }
-}
-
-impl<B: Backend, C: Communicator + 'static> GradientHook<B> for AllReduceHook<C> {
-    fn on_gradient_final(&mut self, param: DistributedParamId, grad: &mut ZeroTensor<B>) {
-        let device = B::float_device(grad.inner());
-        let shape = grad.shape();
-        let mut values = to_vec::<B>(grad.inner().clone());
-        self.comm
-            .all_reduce(values.as_mut_slice().into(), ReduceOp::Avg)
-            .unwrap_or_else(|e| panic!("all-reduce of the gradient of {param:?}: {e}"));
-        *grad.inner_mut() = B::float_from_data(TensorData::new(values, shape), &device);
-    }
-}
-
-fn to_vec<B: Backend>(tensor: B::FloatTensorPrimitive) -> Vec<f32> {
-    try_read_sync(B::float_into_data(tensor))
-        .expect("a synchronous backend")
-        .expect("read a tensor")
-        .convert::<f32>()
-        .to_vec()
-        .expect("f32 data")
-}
-
 /// Initializes every parameter now: burn 0.21 initializes `Param`s lazily on first use, which
 /// would draw from the backend's RNG in whatever order rank threads happen to run.
 pub fn materialize<B: Backend, M: Module<B>>(module: M) -> M {
@@ -110,36 +69,4 @@ pub fn materialize<B: Backend, M: Module<B>>(module: M) -> M {
         }
     }
     module.map(&mut Materialize)
-}
-
-/// Copies rank `root`'s parameters to every rank (what data parallelism starts from).
-pub fn broadcast_parameters<B: Backend, M: Module<B>, C: Communicator>(
-    module: M,
-    comm: &C,
-    root: usize,
-) -> M {
-    struct Broadcast<'a, C> {
-        comm: &'a C,
-        root: usize,
-    }
-    impl<B: Backend, C: Communicator> ModuleMapper<B> for Broadcast<'_, C> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let tensor_requires_grad = tensor.is_require_grad();
-            let device = tensor.device();
-            let shape = tensor.shape();
-            let mut values = tensor
-                .into_data()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .expect("f32 data");
-            self.comm
-                .broadcast(values.as_mut_slice().into(), self.root)
-                .expect("broadcast a parameter");
-            let tensor = Tensor::from_data(TensorData::new(values, shape), &device)
-                .set_require_grad(tensor_requires_grad);
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
-    module.map(&mut Broadcast { comm, root })
 }

@@ -22,5 +22,8 @@ fn main() {
     for (name, data) in cases::train_mlp::<Autodiff<NdArray>>(&device, cases::TRAIN_STEPS) {
         outcomes.push((format!("mlp/{name}"), data));
     }
+    for (name, data) in cases::engine_run::train::<Autodiff<NdArray>>(&device) {
+        outcomes.push((format!("engine/{name}"), data));
+    }
     std::fs::write(&out, cases::encode(&outcomes)).expect("write the reference file");
 }

@@ -326,3 +326,118 @@ pub fn encode(outcomes: &[Outcome]) -> String {
     }
     s
 }
+
+/// The engine parity run: global batch, steps, clipping threshold and AdamW settings that
+/// `tests/tests/engine_parity.rs` also writes into its `ds_config.json`.
+pub mod engine_run {
+    use super::*;
+    use burn::module::ModuleVisitor;
+    use burn::optim::AdamWConfig;
+
+    /// Samples per optimizer step over all ranks (divides by 1–4 ranks × 1 or 3 micro-steps).
+    pub const GLOBAL_BATCH: usize = 36;
+    /// Optimizer steps.
+    pub const STEPS: usize = 10;
+    /// `gradient_clipping`: low enough that early steps clip.
+    pub const CLIP: f64 = 0.3;
+    /// AdamW `weight_decay`, `eps`, betas.
+    pub const WEIGHT_DECAY: f64 = 0.01;
+    /// AdamW `eps`.
+    pub const EPS: f64 = 1e-6;
+    /// WarmupLR (linear): min, max and warmup steps.
+    pub const WARMUP: (f64, f64, usize) = (0.002, 0.02, 4);
+
+    /// The learning rate of optimizer step `k` (1-based) under DeepSpeed's WarmupLR, written
+    /// from its formula: step 1 uses the construction value (min), step k ≥ 2 the value at
+    /// iteration i = k − 2, min + (max − min)·i/N while i < N, then max.
+    pub fn lr(k: usize) -> f64 {
+        let (min, max, n) = WARMUP;
+        if k < 2 {
+            return min;
+        }
+        let i = k - 2;
+        if i < n {
+            min + (max - min) * i as f64 / n as f64
+        } else {
+            max
+        }
+    }
+
+    /// Rows `rows` of the global batch of `step`.
+    pub fn batch<B: Backend>(
+        step: usize,
+        rows: std::ops::Range<usize>,
+        device: &B::Device,
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        let x = tensor::<B, 2>([GLOBAL_BATCH, MLP_DIMS[0]], 300 + step, device);
+        let y = tensor::<B, 2>([GLOBAL_BATCH, MLP_DIMS[3]], 400 + step, device);
+        (x.slice([rows.clone()]), y.slice([rows]))
+    }
+
+    /// Mean squared error, the loss of the run.
+    pub fn loss<B: Backend>(model: &Mlp<B>, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        (model.forward(x) - y).powf_scalar(2.0).mean()
+    }
+
+    /// Global-norm clipping as DeepSpeed does it: scale every gradient by clip/(‖g‖ + 1e−6)
+    /// when ‖g‖ + 1e−6 > clip. Returns the gradients and ‖g‖ (computed in f64).
+    pub fn clip<B: AutodiffBackend, M: Module<B>>(
+        mut grads: GradientsParams,
+        model: &M,
+        max: f64,
+    ) -> (GradientsParams, f64) {
+        struct Norm<'a>(&'a GradientsParams, f64);
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Norm<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                if let Some(g) = self.0.get::<B::InnerBackend, D>(p.id) {
+                    let v = g.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+                    self.1 += v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum::<f64>();
+                }
+            }
+        }
+        struct Scale<'a>(&'a mut GradientsParams, f32);
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                if let Some(g) = self.0.remove::<B::InnerBackend, D>(p.id) {
+                    self.0
+                        .register::<B::InnerBackend, D>(p.id, g.mul_scalar(self.1));
+                }
+            }
+        }
+        let mut norm = Norm(&grads, 0.0);
+        model.visit(&mut norm);
+        let norm = norm.1.sqrt();
+        if norm + 1e-6 > max {
+            model.visit(&mut Scale(&mut grads, (max / (norm + 1e-6)) as f32));
+        }
+        (grads, norm)
+    }
+
+    /// The unsharded single-process run: losses, gradient norms, final parameters.
+    pub fn train<B: AutodiffBackend>(device: &B::Device) -> Vec<Outcome> {
+        let mut model = Mlp::<B>::new(device);
+        let mut optim = AdamWConfig::new()
+            .with_beta_1(0.9)
+            .with_beta_2(0.999)
+            .with_epsilon(EPS as f32)
+            .with_weight_decay(WEIGHT_DECAY as f32)
+            .init::<B, Mlp<B>>();
+        let mut out = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = batch::<B>(step, 0..GLOBAL_BATCH, device);
+            let loss = loss(&model, x, y);
+            out.push((format!("loss_{step}"), loss.clone().into_data()));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let (grads, norm) = clip(grads, &model, CLIP);
+            out.push((
+                format!("norm_{step}"),
+                TensorData::new(vec![norm as f32], [1]),
+            ));
+            model = optim.step(lr(step + 1), model, grads);
+        }
+        for (i, p) in param_data(&model).into_iter().enumerate() {
+            out.push((format!("param_{i}"), p));
+        }
+        out
+    }
+}

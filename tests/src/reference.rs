@@ -73,3 +73,38 @@ pub fn assert_same(ours: &[Outcome], theirs: &[Outcome]) {
         );
     }
 }
+
+/// The f32 values of reference entry `name` (decoded from its hex bytes).
+pub fn reference_f32(name: &str) -> Vec<f32> {
+    let line = reference()
+        .get(name)
+        .unwrap_or_else(|| panic!("the reference has no `{name}`"));
+    let mut fields = line.split(' ');
+    let (_, dtype, _, hex) = (
+        fields.next(),
+        fields.next(),
+        fields.next(),
+        fields.next().unwrap_or_default(),
+    );
+    assert_eq!(dtype, Some("F32"), "`{name}` is not f32");
+    (0..hex.len() / 8)
+        .map(|i| {
+            let bytes: Vec<u8> = (0..4)
+                .map(|j| u8::from_str_radix(&hex[i * 8 + j * 2..i * 8 + j * 2 + 2], 16).unwrap())
+                .collect();
+            f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+        })
+        .collect()
+}
+
+/// Asserts `ours` is within `rtol`·|reference| + `atol` of the reference's f32 entry `name`.
+pub fn assert_close_to_reference(name: &str, ours: &[f32], rtol: f32, atol: f32) {
+    let theirs = reference_f32(name);
+    assert_eq!(ours.len(), theirs.len(), "`{name}`: different lengths");
+    for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        assert!(
+            (a - b).abs() <= rtol * b.abs() + atol,
+            "`{name}`[{i}]: ours {a}, plain burn {b}"
+        );
+    }
+}

@@ -5,6 +5,9 @@
 
 use core::ops::Range;
 
+mod bucket;
+pub use bucket::{BucketItem, all_gather_in_pieces, reduce_scatter_bucket};
+
 /// Equal chunks of a padded flat buffer, one per rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PartitionPlan {

@@ -1,0 +1,176 @@
+//! The `burn-zero` command. Subcommands:
+//!   estimate  per-GPU and per-CPU model-state memory, as DeepSpeed's estimators print it.
+
+use std::process::ExitCode;
+
+use burn_zero::engine::{estimate_model_states, format_estimates};
+
+const USAGE: &str = "usage:
+  burn-zero estimate --params N [--largest-layer N] [--gpus-per-node G] [--nodes K]
+                     [--stage 0|1|2|3] [--offload cpu|none] [--buffer-factor F]
+
+  Prints DeepSpeed-style model-state memory per GPU and per CPU for mixed-precision training
+  with Adam. N may be written as 1.3e9 or 1300M. Without --offload every option row is shown.";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("estimate") => match estimate(&args[1..]) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("burn-zero estimate: {e}\n\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
+        Some("-h" | "--help" | "help") => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        other => {
+            eprintln!("burn-zero: unknown command {other:?}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Parses a count such as `125000000`, `1.3e9`, `350M` or `7B`.
+fn count(flag: &str, text: &str) -> Result<u64, String> {
+    let (number, scale) = match text.chars().last() {
+        Some('K' | 'k') => (&text[..text.len() - 1], 1e3),
+        Some('M' | 'm') => (&text[..text.len() - 1], 1e6),
+        Some('B' | 'b' | 'G' | 'g') => (&text[..text.len() - 1], 1e9),
+        _ => (text, 1.0),
+    };
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{flag} {text:?} is not a number"))?;
+    let value = value * scale;
+    if !(value.is_finite() && value >= 1.0) {
+        return Err(format!("{flag} {text:?} must be at least 1"));
+    }
+    Ok(value.round() as u64)
+}
+
+fn estimate(args: &[String]) -> Result<String, String> {
+    let mut params = None;
+    let mut largest_layer = None;
+    let (mut gpus, mut nodes, mut stage, mut factor) = (1u64, 1u64, 2u8, 1.5f64);
+    let mut offload: Option<String> = None;
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--params" => params = Some(count(flag, value()?)?),
+            "--largest-layer" => largest_layer = Some(count(flag, value()?)?),
+            "--gpus-per-node" => gpus = count(flag, value()?)?,
+            "--nodes" => nodes = count(flag, value()?)?,
+            "--stage" => {
+                let v = value()?;
+                stage = v
+                    .parse()
+                    .ok()
+                    .filter(|s| *s <= 3)
+                    .ok_or_else(|| format!("--stage {v:?}: allowed 0, 1, 2 or 3"))?;
+            }
+            "--offload" => {
+                let v = value()?;
+                if v != "cpu" && v != "none" {
+                    return Err(format!("--offload {v:?}: allowed cpu or none"));
+                }
+                offload = Some(v.clone());
+            }
+            "--buffer-factor" => {
+                let v = value()?;
+                factor = v
+                    .parse()
+                    .ok()
+                    .filter(|f: &f64| *f >= 1.0)
+                    .ok_or_else(|| format!("--buffer-factor {v:?}: a number >= 1"))?;
+            }
+            other => return Err(format!("unknown option {other:?}")),
+        }
+    }
+    let params = params.ok_or("--params is required")?;
+    let largest = largest_layer.unwrap_or(params / 10).min(params);
+    let mut rows = estimate_model_states(stage, params, largest, gpus, nodes, factor);
+    if let Some(choice) = offload {
+        rows.retain(|r| {
+            !r.options.contains("offload_optimizer")
+                || r.options.contains(&format!("offload_optimizer={choice}"))
+        });
+    }
+    Ok(format_estimates(stage, params, largest, gpus, nodes, &rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(args: &str) -> Result<String, String> {
+        estimate(
+            &args
+                .split_whitespace()
+                .map(String::from)
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn counts_with_suffixes() {
+        assert_eq!(count("--params", "1.3e9"), Ok(1_300_000_000));
+        assert_eq!(count("--params", "350M"), Ok(350_000_000));
+        assert_eq!(count("--params", "7B"), Ok(7_000_000_000));
+        assert!(
+            count("--params", "lots")
+                .unwrap_err()
+                .contains("--params \"lots\"")
+        );
+    }
+
+    #[test]
+    fn estimate_prints_the_chosen_rows() {
+        let all = run("--params 2e9 --stage 2").unwrap();
+        assert!(
+            all.contains("offload_optimizer=cpu") && all.contains("offload_optimizer=none"),
+            "{all}"
+        );
+        let none = run("--params 2e9 --stage 2 --offload none").unwrap();
+        assert!(
+            none.contains("   11.18GB |  37.25GB | offload_optimizer=none")
+                && !none.contains("=cpu"),
+            "{none}"
+        );
+        let z3 = run("--params 2e9 --largest-layer 1e8 --stage 3 --gpus-per-node 8").unwrap();
+        assert!(
+            z3.contains("1 node, 8 GPUs per node") && z3.contains("zero_init=0"),
+            "{z3}"
+        );
+    }
+
+    #[test]
+    fn bad_input_is_named() {
+        assert!(
+            run("--stage 2")
+                .unwrap_err()
+                .contains("--params is required")
+        );
+        assert!(
+            run("--params 1e9 --stage 4")
+                .unwrap_err()
+                .contains("--stage \"4\"")
+        );
+        assert!(
+            run("--params 1e9 --offload disk")
+                .unwrap_err()
+                .contains("--offload \"disk\"")
+        );
+        assert!(
+            run("--params 1e9 --frobnicate 1")
+                .unwrap_err()
+                .contains("unknown option \"--frobnicate\"")
+        );
+    }
+}

@@ -1,0 +1,233 @@
+//! Optimizers over flat f32 partitions, free of burn types: what each rank runs on the slice
+//! of the flattened parameters it owns. The math follows PyTorch/DeepSpeed (fp32 throughout).
+
+use serde::Serialize;
+
+use crate::config::{OptimizerKind, OptimizerParams};
+
+/// Hyperparameters of one step that a schedule may change.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepParams {
+    /// Learning rate.
+    pub lr: f64,
+    /// Adam's betas (a schedule such as OneCycle may cycle beta1).
+    pub betas: (f64, f64),
+}
+
+/// Optimizer state for one partition.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub enum FlatOptimizer {
+    /// Adam / AdamW.
+    Adam {
+        /// First moment.
+        m: Vec<f32>,
+        /// Second moment.
+        v: Vec<f32>,
+        /// Steps taken (t of the bias correction).
+        step: u64,
+        /// `eps`.
+        eps: f64,
+        /// `weight_decay`.
+        weight_decay: f64,
+        /// AdamW (decoupled) rather than L2.
+        decoupled: bool,
+        /// `bias_correction`.
+        bias_correction: bool,
+    },
+    /// SGD with optional momentum (PyTorch semantics).
+    Sgd {
+        /// Momentum buffer (empty when momentum is 0).
+        buffer: Vec<f32>,
+        /// Whether `buffer` holds a value yet (PyTorch starts it at the first gradient).
+        started: bool,
+        /// `momentum`.
+        momentum: f64,
+        /// `dampening`.
+        dampening: f64,
+        /// `nesterov`.
+        nesterov: bool,
+        /// `weight_decay`.
+        weight_decay: f64,
+    },
+}
+
+impl FlatOptimizer {
+    /// Zeroed state for a partition of `len` elements.
+    pub fn new(kind: OptimizerKind, params: &OptimizerParams, len: usize) -> Self {
+        match kind {
+            OptimizerKind::Adam {
+                decoupled_weight_decay,
+            } => FlatOptimizer::Adam {
+                m: vec![0.0; len],
+                v: vec![0.0; len],
+                step: 0,
+                eps: params.eps,
+                weight_decay: params.weight_decay,
+                decoupled: decoupled_weight_decay,
+                bias_correction: params.bias_correction,
+            },
+            OptimizerKind::Sgd => FlatOptimizer::Sgd {
+                buffer: if params.momentum > 0.0 {
+                    vec![0.0; len]
+                } else {
+                    Vec::new()
+                },
+                started: false,
+                momentum: params.momentum,
+                dampening: params.dampening,
+                nesterov: params.nesterov,
+                weight_decay: params.weight_decay,
+            },
+        }
+    }
+
+    /// Bytes of state held.
+    pub fn state_bytes(&self) -> usize {
+        match self {
+            FlatOptimizer::Adam { m, v, .. } => 4 * (m.capacity() + v.capacity()),
+            FlatOptimizer::Sgd { buffer, .. } => 4 * buffer.capacity(),
+        }
+    }
+
+    /// Updates `param` in place from `grad` (same length as the state).
+    pub fn step(&mut self, param: &mut [f32], grad: &[f32], hp: StepParams) {
+        assert_eq!(
+            param.len(),
+            grad.len(),
+            "parameter and gradient partitions differ in length"
+        );
+        let lr = hp.lr as f32;
+        match self {
+            FlatOptimizer::Adam {
+                m,
+                v,
+                step,
+                eps,
+                weight_decay,
+                decoupled,
+                bias_correction,
+            } => {
+                assert_eq!(
+                    m.len(),
+                    param.len(),
+                    "optimizer state and partition differ in length"
+                );
+                *step += 1;
+                let (b1, b2) = (hp.betas.0 as f32, hp.betas.1 as f32);
+                let (bc1, bc2) = if *bias_correction {
+                    (1.0 - b1.powi(*step as i32), 1.0 - b2.powi(*step as i32))
+                } else {
+                    (1.0, 1.0)
+                };
+                let (eps, wd) = (*eps as f32, *weight_decay as f32);
+                let step_size = lr / bc1;
+                let bc2_sqrt = bc2.sqrt();
+                for i in 0..param.len() {
+                    let mut g = grad[i];
+                    if !*decoupled {
+                        g += wd * param[i];
+                    }
+                    m[i] = b1 * m[i] + (1.0 - b1) * g;
+                    v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+                    if *decoupled {
+                        param[i] *= 1.0 - lr * wd;
+                    }
+                    let denom = v[i].sqrt() / bc2_sqrt + eps;
+                    param[i] -= step_size * (m[i] / denom);
+                }
+            }
+            FlatOptimizer::Sgd {
+                buffer,
+                started,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            } => {
+                let (mu, damp, wd) = (*momentum as f32, *dampening as f32, *weight_decay as f32);
+                for i in 0..param.len() {
+                    let mut g = grad[i] + wd * param[i];
+                    if mu > 0.0 {
+                        buffer[i] = if *started {
+                            mu * buffer[i] + (1.0 - damp) * g
+                        } else {
+                            g
+                        };
+                        g = if *nesterov {
+                            g + mu * buffer[i]
+                        } else {
+                            buffer[i]
+                        };
+                    }
+                    param[i] -= lr * g;
+                }
+                *started = true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hp(lr: f64) -> StepParams {
+        StepParams {
+            lr,
+            betas: (0.9, 0.999),
+        }
+    }
+
+    #[test]
+    fn adamw_first_steps_by_hand() {
+        let params = OptimizerParams {
+            weight_decay: 0.1,
+            eps: 1e-8,
+            ..Default::default()
+        };
+        let mut opt = FlatOptimizer::new(
+            OptimizerKind::Adam {
+                decoupled_weight_decay: true,
+            },
+            &params,
+            1,
+        );
+        let mut p = [1.0f32];
+        // Step 1: m = 0.1·g, v = 0.001·g², m̂ = g, v̂ = g²: the update is lr·g/(|g| + eps) = lr·sign(g).
+        opt.step(&mut p, &[0.5], hp(0.01));
+        let want = 1.0 * (1.0 - 0.01 * 0.1) - 0.01 * 0.5 / (0.5 + 1e-8);
+        assert!((p[0] - want as f32).abs() < 1e-7, "{} vs {want}", p[0]);
+    }
+
+    #[test]
+    fn adam_l2_adds_decay_to_the_gradient() {
+        let params = OptimizerParams {
+            weight_decay: 0.5,
+            ..Default::default()
+        };
+        let mut opt = FlatOptimizer::new(
+            OptimizerKind::Adam {
+                decoupled_weight_decay: false,
+            },
+            &params,
+            1,
+        );
+        let mut p = [2.0f32];
+        // g' = g + wd·p = −0.5 + 1.0 = 0.5: the first step moves p by −lr·sign(g').
+        opt.step(&mut p, &[-0.5], hp(0.1));
+        assert!((p[0] - (2.0 - 0.1 * 0.5 / (0.5 + 1e-8)) as f32).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sgd_momentum_follows_pytorch() {
+        let params = OptimizerParams {
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let mut opt = FlatOptimizer::new(OptimizerKind::Sgd, &params, 1);
+        let mut p = [1.0f32];
+        opt.step(&mut p, &[1.0], hp(0.1)); // buf = g = 1
+        opt.step(&mut p, &[1.0], hp(0.1)); // buf = 0.9 + 1 = 1.9
+        assert!((p[0] - (1.0 - 0.1 - 0.19)).abs() < 1e-6, "{}", p[0]);
+    }
+}

@@ -1,0 +1,177 @@
+//! Reduce-scatter of a bucket of whole gradients into the owners' partitions.
+//!
+//! A bucket holds gradients of several parameters at their offsets in the flat buffer; each
+//! spans the partitions of one or more ranks. The send buffer is laid out rank-major — for
+//! each rank, the pieces of the bucket that fall in its partition, padded to the longest —
+//! so one equal-chunk reduce-scatter delivers every rank exactly its pieces.
+
+use super::PartitionPlan;
+use crate::comm::{CommError, Communicator, ReduceOp};
+
+/// One gradient of a bucket: its offset in the flat buffer and its values.
+pub struct BucketItem {
+    /// Offset of the first element in the (unpadded) flat buffer.
+    pub offset: usize,
+    /// The gradient, flattened.
+    pub values: Vec<f32>,
+}
+
+/// Pieces of `items` inside the chunk of `rank`: (item index, range within the item).
+fn pieces(
+    plan: &PartitionPlan,
+    items: &[BucketItem],
+    rank: usize,
+) -> Vec<(usize, core::ops::Range<usize>)> {
+    let (lo, hi) = (rank * plan.chunk(), (rank + 1) * plan.chunk());
+    items
+        .iter()
+        .enumerate()
+        .filter_map(|(i, item)| {
+            let start = item.offset.max(lo);
+            let end = (item.offset + item.values.len()).min(hi);
+            (start < end).then(|| (i, start - item.offset..end - item.offset))
+        })
+        .collect()
+}
+
+/// Reduces `items` across ranks with `op` and adds this rank's pieces into `partition`
+/// (its chunk of the padded flat buffer, `plan.chunk()` elements).
+pub fn reduce_scatter_bucket(
+    comm: &dyn Communicator,
+    plan: &PartitionPlan,
+    items: &[BucketItem],
+    op: ReduceOp,
+    partition: &mut [f32],
+) -> Result<(), CommError> {
+    assert_eq!(partition.len(), plan.chunk(), "the partition is one chunk");
+    let world = comm.world_size();
+    let per_rank: Vec<_> = (0..world).map(|r| pieces(plan, items, r)).collect();
+    let longest = per_rank
+        .iter()
+        .map(|p| p.iter().map(|(_, r)| r.len()).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    if longest == 0 {
+        return Ok(());
+    }
+    let mut send = vec![0.0f32; longest * world];
+    for (rank, rank_pieces) in per_rank.iter().enumerate() {
+        let mut at = rank * longest;
+        for (i, range) in rank_pieces {
+            send[at..at + range.len()].copy_from_slice(&items[*i].values[range.clone()]);
+            at += range.len();
+        }
+    }
+    let mut received = vec![0.0f32; longest];
+    comm.reduce_scatter(send.as_slice().into(), received.as_mut_slice().into(), op)?;
+    let base = comm.rank() * plan.chunk();
+    let mut at = 0;
+    for (i, range) in &per_rank[comm.rank()] {
+        let dst = items[*i].offset + range.start - base;
+        for (d, s) in partition[dst..dst + range.len()]
+            .iter_mut()
+            .zip(&received[at..at + range.len()])
+        {
+            *d += *s;
+        }
+        at += range.len();
+    }
+    Ok(())
+}
+
+/// All-gathers every rank's `chunk` into `full` (`world_size × chunk` elements, rank-major),
+/// in pieces of at most `piece` elements per rank (DeepSpeed's `allgather_bucket_size`).
+pub fn all_gather_in_pieces(
+    comm: &dyn Communicator,
+    chunk: &[f32],
+    full: &mut [f32],
+    piece: usize,
+) -> Result<(), CommError> {
+    let (world, len) = (comm.world_size(), chunk.len());
+    assert_eq!(
+        full.len(),
+        world * len,
+        "the output holds every rank's chunk"
+    );
+    let piece = piece.max(1);
+    let mut gathered = Vec::new();
+    for start in (0..len).step_by(piece) {
+        let end = (start + piece).min(len);
+        let n = end - start;
+        gathered.resize(n * world, 0.0);
+        comm.all_gather(chunk[start..end].into(), gathered.as_mut_slice().into())?;
+        for rank in 0..world {
+            full[rank * len + start..rank * len + end]
+                .copy_from_slice(&gathered[rank * n..(rank + 1) * n]);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{for_world_sizes, run_ranks};
+
+    #[test]
+    fn all_gather_in_small_pieces() {
+        for_world_sizes(&[1, 3], |world| {
+            let fulls = run_ranks(world, |ctx| {
+                let chunk: Vec<f32> = (0..7).map(|i| (ctx.rank * 10 + i) as f32).collect();
+                let mut full = vec![0.0; 7 * world];
+                all_gather_in_pieces(&ctx.comm, &chunk, &mut full, 3).unwrap();
+                full
+            });
+            let want: Vec<f32> = (0..world)
+                .flat_map(|r| (0..7).map(move |i| (r * 10 + i) as f32))
+                .collect();
+            assert!(fulls.iter().all(|f| f == &want));
+        });
+    }
+
+    #[test]
+    fn buckets_land_in_the_owners_partitions() {
+        // Three uneven "parameters" (7, 15, 5 elements) in two buckets, any world size.
+        let sizes = [7usize, 15, 5];
+        let offsets = [0usize, 7, 22];
+        let value = |rank: usize, p: usize, i: usize| (rank * 100 + p * 10 + i) as f32 * 0.5;
+        for_world_sizes(&[1, 2, 3, 4], |world| {
+            let plan = PartitionPlan::aligned(27, world, 2);
+            let parts = run_ranks(world, |ctx| {
+                let item = |p: usize| BucketItem {
+                    offset: offsets[p],
+                    values: (0..sizes[p]).map(|i| value(ctx.rank, p, i)).collect(),
+                };
+                let mut partition = vec![0.0f32; plan.chunk()];
+                reduce_scatter_bucket(
+                    &ctx.comm,
+                    &plan,
+                    &[item(2), item(0)],
+                    ReduceOp::Sum,
+                    &mut partition,
+                )
+                .unwrap();
+                reduce_scatter_bucket(&ctx.comm, &plan, &[item(1)], ReduceOp::Sum, &mut partition)
+                    .unwrap();
+                partition
+            });
+            let full: Vec<f32> = (0..3)
+                .flat_map(|p| {
+                    (0..sizes[p]).map(move |i| (0..world).map(|r| value(r, p, i)).sum::<f32>())
+                })
+                .collect();
+            for (rank, part) in parts.iter().enumerate() {
+                let owned = plan.owned(rank);
+                assert_eq!(
+                    &part[..owned.len()],
+                    &full[owned.clone()],
+                    "rank {rank} of {world}"
+                );
+                assert!(
+                    part[owned.len()..].iter().all(|v| *v == 0.0),
+                    "padding stays zero"
+                );
+            }
+        });
+    }
+}
