@@ -10,6 +10,7 @@ pub mod backend;
 pub mod comm;
 pub mod config;
 pub mod engine;
+mod log;
 pub mod optim;
 pub mod partition;
 pub mod schedule;

@@ -91,6 +91,7 @@ impl DeepSpeedConfig {
         load::upgrade_legacy_zero(&mut value, &mut warnings);
         let config: DeepSpeedConfig = parse_value(value, "", &mut warnings)?;
         validate::validate(&config, &mut warnings)?;
+        warnings.iter().for_each(|w| crate::log::warn(w));
         Ok(Loaded { config, warnings })
     }
 

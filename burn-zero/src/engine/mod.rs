@@ -89,14 +89,10 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     comm: Arc<dyn Communicator>,
 ) -> Result<Engine<I, M>, EngineError> {
     let resolved = config.resolve(comm.world_size())?;
-    for warning in &resolved.warnings {
-        tracing::warn!("{warning}");
-    }
     if comm.rank() == 0 {
-        tracing::info!(
-            "burn-zero resolved config:\n{}",
-            serde_json::to_string_pretty(&resolved).unwrap_or_default()
-        );
+        resolved.warnings.iter().for_each(|w| crate::log::warn(w));
+        let json = serde_json::to_string(&resolved).unwrap_or_default();
+        crate::log::info(&format!("resolved config: {json}"));
     }
     let zero = &resolved.config.zero_optimization;
     let stage = zero.stage;
@@ -345,19 +341,19 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             return;
         }
         let norm = self.last_grad_norm.unwrap_or(f64::NAN);
-        tracing::info!(
-            step = self.global_steps,
-            lr = self.lr(),
-            grad_norm = norm,
-            "burn-zero progress"
+        let mut line = format!(
+            "step {} lr {:.6e} grad norm {norm:.4}",
+            self.global_steps,
+            self.lr()
         );
         if self.resolved.config.wall_clock_breakdown {
             let t = self.take_timings();
-            tracing::info!(
-                backward_ms = t.backward.as_secs_f64() * 1e3,
-                step_ms = t.step.as_secs_f64() * 1e3,
-                "burn-zero wall clock breakdown over the last {every} steps"
+            line += &format!(
+                " | last {every} steps: backward {:.1} ms, step {:.1} ms",
+                t.backward.as_secs_f64() * 1e3,
+                t.step.as_secs_f64() * 1e3
             );
         }
+        crate::log::info(&line);
     }
 }

@@ -26,9 +26,6 @@ fn main() {
     let start = Instant::now();
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/quickstart.json");
     let loaded = DeepSpeedConfig::from_file(path).unwrap_or_else(|e| panic!("{e}"));
-    for warning in &loaded.warnings {
-        eprintln!("warning: {warning}");
-    }
     println!(
         "training an MLP on {WORLD} thread ranks through {} with {path}",
         B::name(&Default::default())
