@@ -83,3 +83,22 @@ fn memory_follows_the_zero_formulas_and_drops_with_world_size() {
         }
     }
 }
+
+#[test]
+fn a_second_engine_on_the_same_thread_is_refused_until_the_first_is_dropped() {
+    let config =
+        DeepSpeedConfig::from_json(r#"{"train_batch_size": 1, "optimizer": {"type": "SGD"}}"#)
+            .unwrap()
+            .config;
+    run_ranks(1, |ctx| {
+        let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let first =
+            initialize::<NdArray, _>(Mlp::<B>::new(&Default::default()), &config, comm.clone())
+                .unwrap();
+        let second =
+            initialize::<NdArray, _>(Mlp::<B>::new(&Default::default()), &config, comm.clone());
+        assert!(second.err().unwrap().to_string().contains("another engine"));
+        drop(first);
+        initialize::<NdArray, _>(Mlp::<B>::new(&Default::default()), &config, comm).unwrap();
+    });
+}

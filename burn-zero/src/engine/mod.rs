@@ -88,6 +88,13 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     config: &DeepSpeedConfig,
     comm: Arc<dyn Communicator>,
 ) -> Result<Engine<I, M>, EngineError> {
+    if hooks::is_installed::<I>() {
+        return Err(EngineError::Usage(
+            "another engine (or gradient hook) is active on this thread for this backend; \
+             drop it before initializing a new one"
+                .into(),
+        ));
+    }
     let resolved = config.resolve(comm.world_size())?;
     if comm.rank() == 0 {
         resolved.warnings.iter().for_each(|w| crate::log::warn(w));
