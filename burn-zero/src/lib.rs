@@ -9,7 +9,10 @@
 pub mod backend;
 pub mod comm;
 pub mod config;
+pub mod dist;
 pub mod engine;
+#[cfg(unix)]
+pub mod launch;
 mod log;
 pub mod optim;
 pub mod partition;

@@ -1,4 +1,5 @@
 //! The `burn-zero` command. Subcommands:
+//!   run       start one process per rank (torchrun-style), see `burn_zero::launch`
 //!   estimate  per-GPU and per-CPU model-state memory, as DeepSpeed's estimators print it.
 
 use std::process::ExitCode;
@@ -6,6 +7,8 @@ use std::process::ExitCode;
 use burn_zero::engine::{estimate_model_states, format_estimates};
 
 const USAGE: &str = "usage:
+  burn-zero run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr HOST]
+                [--master-port PORT] [--grace SECONDS] -- PROGRAM [ARGS...]
   burn-zero estimate --params N [--largest-layer N] [--gpus-per-node G] [--nodes K]
                      [--stage 0|1|2|3] [--offload cpu|none] [--buffer-factor F]
 
@@ -22,6 +25,14 @@ fn main() -> ExitCode {
             }
             Err(e) => {
                 eprintln!("burn-zero estimate: {e}\n\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
+        #[cfg(unix)]
+        Some("run") => match burn_zero::launch::LaunchOptions::parse(&args[1..]) {
+            Ok(opts) => ExitCode::from(burn_zero::launch::run(&opts).clamp(0, 255) as u8),
+            Err(e) => {
+                eprintln!("burn-zero run: {e}\n\n{USAGE}");
                 ExitCode::from(2)
             }
         },

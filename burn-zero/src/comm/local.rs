@@ -12,7 +12,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::base::*;
-use super::reduce::{Payload, reduce_chunk};
+use super::exchange::Exchange;
+use super::reduce::Payload;
 
 /// The shared state of one group of thread ranks; makes its [`LocalComm`]s.
 #[derive(Clone)]
@@ -151,14 +152,6 @@ pub struct LocalComm {
 }
 
 impl LocalComm {
-    fn invalid(&self, call: OpSignature, reason: impl Into<String>) -> CommError {
-        CommError::Invalid {
-            rank: self.rank,
-            call,
-            reason: reason.into(),
-        }
-    }
-
     /// Deposits this rank's input for the next collective and returns every rank's input.
     fn round(&self, call: OpSignature, input: Payload) -> Result<Vec<Arc<Payload>>, CommError> {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
@@ -229,22 +222,9 @@ impl LocalComm {
         };
         self.shared.wait(state, deadline, poll, on_timeout)
     }
-
-    fn check_peer(&self, call: OpSignature, peer: usize) -> Result<(), CommError> {
-        if peer >= self.shared.world_size {
-            return Err(self.invalid(
-                call,
-                format!(
-                    "peer {peer} is outside a group of {}",
-                    self.shared.world_size
-                ),
-            ));
-        }
-        Ok(())
-    }
 }
 
-impl Communicator for LocalComm {
+impl Exchange for LocalComm {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -253,72 +233,17 @@ impl Communicator for LocalComm {
         self.shared.world_size
     }
 
-    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
-        let call = signature(OpKind::AllReduce(op), &buf.as_buf());
-        let inputs = self.round(call, Payload::copy_of(buf.as_buf()))?;
-        reduce_chunk(&inputs, 0, op, buf);
-        Ok(())
+    fn exchange(&self, call: OpSignature, input: Payload) -> Result<Vec<Arc<Payload>>, CommError> {
+        self.round(call, input)
     }
 
-    fn reduce_scatter(
-        &self,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        let call = signature(OpKind::ReduceScatter(op), &input);
-        check_pair(
-            self,
-            call,
-            &input,
-            &output,
-            output.len() * self.world_size(),
-        )?;
-        let inputs = self.round(call, Payload::copy_of(input))?;
-        let chunk = output.len();
-        reduce_chunk(&inputs, self.rank * chunk, op, output);
-        Ok(())
-    }
-
-    fn all_gather(&self, input: Buf<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
-        let call = signature(OpKind::AllGather, &input);
-        check_pair(self, call, &input, &output, input.len() * self.world_size())?;
-        let inputs = self.round(call, Payload::copy_of(input))?;
-        let chunk = input.len();
-        for (rank, part) in inputs.iter().enumerate() {
-            part.copy_range_into(0..chunk, &mut output, rank * chunk);
-        }
-        Ok(())
-    }
-
-    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
-        let call = signature(OpKind::Broadcast { root }, &buf.as_buf());
-        self.check_peer(call, root)?;
-        let inputs = self.round(call, Payload::copy_of(buf.as_buf()))?;
-        if root != self.rank {
-            inputs[root].copy_range_into(0..buf.len(), &mut buf, 0);
-        }
-        Ok(())
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        let call = signature(OpKind::Barrier, &Buf::F32(&[]));
-        self.round(call, Payload::F32(Vec::new())).map(|_| ())
-    }
-
-    fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError> {
-        let call = signature(OpKind::PointToPoint, &buf);
-        self.check_peer(call, peer)?;
+    fn post(&self, peer: usize, call: OpSignature, payload: Payload) -> Result<(), CommError> {
         let seq = next_seq(&self.sent, peer);
         let mut state = self.shared.lock();
         if let Some(reason) = &state.aborted {
             return Err(CommError::Aborted(reason.clone()));
         }
-        let message = Message {
-            seq,
-            call,
-            payload: Payload::copy_of(buf),
-        };
+        let message = Message { seq, call, payload };
         state
             .mailboxes
             .entry((self.rank, peer))
@@ -328,9 +253,7 @@ impl Communicator for LocalComm {
         Ok(())
     }
 
-    fn recv(&self, mut buf: BufMut<'_>, peer: usize) -> Result<(), CommError> {
-        let call = signature(OpKind::PointToPoint, &buf.as_buf());
-        self.check_peer(call, peer)?;
+    fn take(&self, peer: usize, call: OpSignature) -> Result<Payload, CommError> {
         let seq = next_seq(&self.received, peer);
         let deadline = Instant::now() + self.shared.timeout;
         let state = self.shared.lock();
@@ -356,51 +279,8 @@ impl Communicator for LocalComm {
             missing: vec![peer],
             timeout: self.shared.timeout,
         };
-        let payload = self.shared.wait(state, deadline, poll, on_timeout)?;
-        payload.copy_range_into(0..buf.len(), &mut buf, 0);
-        Ok(())
+        self.shared.wait(state, deadline, poll, on_timeout)
     }
-}
-
-fn signature(kind: OpKind, input: &Buf<'_>) -> OpSignature {
-    OpSignature {
-        kind,
-        dtype: input.dtype(),
-        count: input.len(),
-    }
-}
-
-fn check_pair(
-    comm: &LocalComm,
-    call: OpSignature,
-    input: &Buf<'_>,
-    output: &BufMut<'_>,
-    expected_total: usize,
-) -> Result<(), CommError> {
-    if input.dtype() != output.dtype() {
-        return Err(comm.invalid(
-            call,
-            format!("output is {}, input {}", output.dtype(), input.dtype()),
-        ));
-    }
-    let total = if matches!(call.kind, OpKind::AllGather) {
-        output.len()
-    } else {
-        input.len()
-    };
-    if total != expected_total {
-        return Err(comm.invalid(
-            call,
-            format!(
-                "input has {} and output {} elements; with {} ranks the full buffer must be \
-                 world_size x the chunk (pad it, see burn_zero::partition)",
-                input.len(),
-                output.len(),
-                comm.world_size()
-            ),
-        ));
-    }
-    Ok(())
 }
 
 fn next_seq(counters: &Mutex<HashMap<usize, u64>>, peer: usize) -> u64 {

@@ -4,13 +4,16 @@
 //! implements the same [`Communicator`] trait for one process per GPU.
 
 mod base;
+mod exchange;
 mod local;
 mod padded;
 mod reduce;
+mod tcp;
 
 pub use base::*;
 pub use local::{LocalComm, LocalGroup};
 pub use padded::PaddedCollectives;
+pub use tcp::TcpComm;
 
 #[cfg(test)]
 mod tests;

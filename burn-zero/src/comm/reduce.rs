@@ -23,6 +23,41 @@ impl Payload {
         }
     }
 
+    /// Appends the values as little-endian bytes.
+    pub(crate) fn write_le(&self, out: &mut Vec<u8>) {
+        match self {
+            Payload::F32(v) => v
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Payload::Bf16(v) => v
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+            Payload::F16(v) => v
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+        }
+    }
+
+    /// Reads values of `dtype` from little-endian bytes.
+    pub(crate) fn read_le(dtype: super::base::DType, bytes: &[u8]) -> Self {
+        use super::base::DType;
+        let u16s = || {
+            bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        };
+        match dtype {
+            DType::F32 => Payload::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ),
+            DType::Bf16 => Payload::Bf16(u16s().map(bf16::from_bits).collect()),
+            DType::F16 => Payload::F16(u16s().map(f16::from_bits).collect()),
+        }
+    }
+
     fn values<T: CommElement>(&self) -> &[T] {
         let any: &dyn core::any::Any = match self {
             Payload::F32(v) => v,

@@ -1,0 +1,171 @@
+//! Collective semantics shared by every host transport.
+//!
+//! A transport ([`Exchange`]) only moves payloads: it deposits this rank's input of a collective
+//! and returns every rank's input, checked against this rank's call, and it posts and takes
+//! point-to-point messages. Everything else — argument checks, reductions in rank order (so every
+//! rank gets the same bits), chunking — is written once here for all of them.
+
+use std::sync::Arc;
+
+use super::base::*;
+use super::reduce::{Payload, reduce_chunk};
+
+/// A way for host buffers to travel between ranks.
+pub(crate) trait Exchange: Send + Sync {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Contributes `input` to the next collective, whose signature every rank must agree on,
+    /// and returns every rank's input in rank order.
+    fn exchange(&self, call: OpSignature, input: Payload) -> Result<Vec<Arc<Payload>>, CommError>;
+    /// Sends a point-to-point message to `peer`.
+    fn post(&self, peer: usize, call: OpSignature, payload: Payload) -> Result<(), CommError>;
+    /// Receives the next point-to-point message from `peer`, which must match `call`.
+    fn take(&self, peer: usize, call: OpSignature) -> Result<Payload, CommError>;
+}
+
+fn signature(kind: OpKind, input: &Buf<'_>) -> OpSignature {
+    OpSignature {
+        kind,
+        dtype: input.dtype(),
+        count: input.len(),
+    }
+}
+
+fn invalid(rank: usize, call: OpSignature, reason: String) -> CommError {
+    CommError::Invalid { rank, call, reason }
+}
+
+fn check_peer<T: Exchange + ?Sized>(
+    t: &T,
+    call: OpSignature,
+    peer: usize,
+) -> Result<(), CommError> {
+    if peer >= t.world_size() {
+        return Err(invalid(
+            t.rank(),
+            call,
+            format!("peer {peer} is outside a group of {}", t.world_size()),
+        ));
+    }
+    Ok(())
+}
+
+fn check_pair<T: Exchange + ?Sized>(
+    t: &T,
+    call: OpSignature,
+    input: &Buf<'_>,
+    output: &BufMut<'_>,
+    expected_total: usize,
+) -> Result<(), CommError> {
+    if input.dtype() != output.dtype() {
+        return Err(invalid(
+            t.rank(),
+            call,
+            format!("output is {}, input {}", output.dtype(), input.dtype()),
+        ));
+    }
+    let total = if matches!(call.kind, OpKind::AllGather) {
+        output.len()
+    } else {
+        input.len()
+    };
+    if total != expected_total {
+        return Err(invalid(
+            t.rank(),
+            call,
+            format!(
+                "input has {} and output {} elements; with {} ranks the full buffer must be \
+                 world_size x the chunk (pad it, see burn_zero::partition)",
+                input.len(),
+                output.len(),
+                t.world_size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl<T: Exchange> Communicator for T {
+    fn rank(&self) -> usize {
+        Exchange::rank(self)
+    }
+
+    fn world_size(&self) -> usize {
+        Exchange::world_size(self)
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        let call = signature(OpKind::AllReduce(op), &buf.as_buf());
+        let inputs = self.exchange(call, Payload::copy_of(buf.as_buf()))?;
+        reduce_chunk(&inputs, 0, op, buf);
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let call = signature(OpKind::ReduceScatter(op), &input);
+        check_pair(
+            self,
+            call,
+            &input,
+            &output,
+            output.len() * Exchange::world_size(self),
+        )?;
+        let inputs = self.exchange(call, Payload::copy_of(input))?;
+        let chunk = output.len();
+        reduce_chunk(&inputs, Exchange::rank(self) * chunk, op, output);
+        Ok(())
+    }
+
+    fn all_gather(&self, input: Buf<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
+        let call = signature(OpKind::AllGather, &input);
+        check_pair(
+            self,
+            call,
+            &input,
+            &output,
+            input.len() * Exchange::world_size(self),
+        )?;
+        let inputs = self.exchange(call, Payload::copy_of(input))?;
+        let chunk = input.len();
+        for (rank, part) in inputs.iter().enumerate() {
+            part.copy_range_into(0..chunk, &mut output, rank * chunk);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
+        let call = signature(OpKind::Broadcast { root }, &buf.as_buf());
+        check_peer(self, call, root)?;
+        let inputs = self.exchange(call, Payload::copy_of(buf.as_buf()))?;
+        if root != Exchange::rank(self) {
+            inputs[root].copy_range_into(0..buf.len(), &mut buf, 0);
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        let call = signature(OpKind::Barrier, &Buf::F32(&[]));
+        self.exchange(call, Payload::F32(Vec::new())).map(|_| ())
+    }
+
+    fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError> {
+        let call = signature(OpKind::PointToPoint, &buf);
+        check_peer(self, call, peer)?;
+        self.post(peer, call, Payload::copy_of(buf))
+    }
+
+    fn recv(&self, mut buf: BufMut<'_>, peer: usize) -> Result<(), CommError> {
+        let call = signature(OpKind::PointToPoint, &buf.as_buf());
+        check_peer(self, call, peer)?;
+        let payload = self.take(peer, call)?;
+        payload.copy_range_into(0..buf.len(), &mut buf, 0);
+        Ok(())
+    }
+}

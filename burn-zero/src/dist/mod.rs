@@ -1,0 +1,67 @@
+//! Multi-process jobs: the environment a launcher sets, the rendezvous, and
+//! [`init_distributed`], which returns this process's communicator.
+
+mod env;
+mod rendezvous;
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use env::{DEFAULT_MASTER_PORT, DistEnv, EnvError, EnvSource};
+pub use rendezvous::{Rendezvous, rendezvous};
+
+use crate::comm::{Communicator, DEFAULT_TIMEOUT, TcpComm};
+
+/// This process's place in the job and its communicator.
+pub struct Distributed {
+    /// Rank, world size, local rank, rendezvous address.
+    pub env: DistEnv,
+    /// The communicator of this rank.
+    pub comm: Arc<dyn Communicator>,
+}
+
+/// How long a rank waits for the others, from `BURN_ZERO_TIMEOUT` (seconds) or the default.
+pub fn timeout_from_env() -> Result<Duration, EnvError> {
+    match std::env::var("BURN_ZERO_TIMEOUT") {
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| *s > 0.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| {
+                EnvError(format!(
+                    "BURN_ZERO_TIMEOUT={v:?} is not a positive number of seconds"
+                ))
+            }),
+        Err(_) => Ok(DEFAULT_TIMEOUT),
+    }
+}
+
+/// Joins the job described by the environment (torchrun / `burn-zero run`, SLURM or Open MPI
+/// variables) over TCP, for CPU ranks. A process started without them is a job of one.
+pub fn init_distributed() -> Result<Distributed, EnvError> {
+    let env = DistEnv::from_env()?;
+    let timeout = timeout_from_env()?;
+    let listener = TcpListener::bind("0.0.0.0:0")
+        .map_err(|e| EnvError(format!("cannot open a data port: {e}")))?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| EnvError(e.to_string()))?
+        .port();
+    let meeting = if env.world_size == 1 {
+        Rendezvous {
+            peers: vec![listener.local_addr().map_err(|e| EnvError(e.to_string()))?],
+            shared: Vec::new(),
+        }
+    } else {
+        rendezvous(&env, port, &[], timeout)?
+    };
+    let comm = TcpComm::connect(env.rank, listener, &meeting.peers, timeout)
+        .map_err(|e| EnvError(format!("connecting rank {}: {e}", env.rank)))?;
+    Ok(Distributed {
+        env,
+        comm: Arc::new(comm),
+    })
+}

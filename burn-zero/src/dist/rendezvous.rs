@@ -1,0 +1,172 @@
+//! Rendezvous over TCP: rank 0 listens on `MASTER_ADDR:MASTER_PORT`, every rank reports its
+//! data address, rank 0 answers with every rank's address and a blob it shares (the NCCL
+//! unique id on GPUs). Checks that every rank agrees on the world size and that no rank is
+//! claimed twice, and names the offender.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use super::env::{DistEnv, EnvError};
+
+const MAGIC: &[u8; 4] = b"BZRV";
+
+/// What the rendezvous gives every rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rendezvous {
+    /// The data address of every rank, by rank.
+    pub peers: Vec<SocketAddr>,
+    /// The blob rank 0 shared.
+    pub shared: Vec<u8>,
+}
+
+fn io(context: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> EnvError {
+    move |e| EnvError(format!("rendezvous: {context}: {e}"))
+}
+
+fn read_u32(stream: &mut TcpStream) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    stream.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+/// Meets the other ranks. `data_port` is this rank's data listener; `shared` is what rank 0
+/// hands everyone (ignored on other ranks). Waits at most `timeout` for all ranks.
+pub fn rendezvous(
+    env: &DistEnv,
+    data_port: u16,
+    shared: &[u8],
+    timeout: Duration,
+) -> Result<Rendezvous, EnvError> {
+    let master = format!("{}:{}", env.master_addr, env.master_port);
+    let deadline = Instant::now() + timeout;
+    if env.rank == 0 {
+        let addr = master
+            .to_socket_addrs()
+            .map_err(io(format!("MASTER_ADDR:MASTER_PORT = {master}")))?
+            .next();
+        let addr =
+            addr.ok_or_else(|| EnvError(format!("rendezvous: {master} does not resolve")))?;
+        let listener = TcpListener::bind(addr).map_err(io(format!(
+            "rank 0 cannot listen on {master} (MASTER_PORT in use?)"
+        )))?;
+        listener.set_nonblocking(true).map_err(io("listener"))?;
+        let mut peers: Vec<Option<SocketAddr>> = vec![None; env.world_size];
+        peers[0] = Some(SocketAddr::new(addr.ip(), data_port));
+        let mut streams = Vec::new();
+        while streams.len() + 1 < env.world_size {
+            let (mut stream, from) = match listener.accept() {
+                Ok(pair) => pair,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<usize> = (0..env.world_size)
+                            .filter(|r| peers[*r].is_none())
+                            .collect();
+                        return Err(EnvError(format!(
+                            "rendezvous: timed out after {timeout:?} waiting for rank(s) {missing:?} at {master}"
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+                Err(e) => return Err(io("accept")(e)),
+            };
+            stream.set_nonblocking(false).map_err(io("stream"))?;
+            stream
+                .set_read_timeout(Some(timeout))
+                .map_err(io("stream"))?;
+            let mut magic = [0u8; 4];
+            stream
+                .read_exact(&mut magic)
+                .map_err(io(format!("hello from {from}")))?;
+            if &magic != MAGIC {
+                return Err(EnvError(format!(
+                    "rendezvous: {from} is not a burn-zero rank"
+                )));
+            }
+            let rank = read_u32(&mut stream).map_err(io("hello"))? as usize;
+            let world = read_u32(&mut stream).map_err(io("hello"))? as usize;
+            let port = read_u32(&mut stream).map_err(io("hello"))? as u16;
+            if world != env.world_size {
+                return Err(EnvError(format!(
+                    "rendezvous: rank {rank} has WORLD_SIZE {world} but rank 0 has {}",
+                    env.world_size
+                )));
+            }
+            if rank == 0 || rank >= world || peers[rank].is_some() {
+                return Err(EnvError(format!(
+                    "rendezvous: rank {rank} (from {from}) is claimed twice or out of range"
+                )));
+            }
+            let ip: IpAddr = from.ip();
+            peers[rank] = Some(SocketAddr::new(ip, port));
+            streams.push(stream);
+        }
+        let peers: Vec<SocketAddr> = peers
+            .into_iter()
+            .map(|p| p.expect("every rank arrived"))
+            .collect();
+        let mut answer = Vec::new();
+        answer.extend_from_slice(&(shared.len() as u32).to_le_bytes());
+        answer.extend_from_slice(shared);
+        for p in &peers {
+            let text = p.to_string();
+            answer.extend_from_slice(&(text.len() as u32).to_le_bytes());
+            answer.extend_from_slice(text.as_bytes());
+        }
+        for mut s in streams {
+            s.write_all(&answer).map_err(io("answer"))?;
+        }
+        return Ok(Rendezvous {
+            peers,
+            shared: shared.to_vec(),
+        });
+    }
+
+    let mut stream = loop {
+        let attempt = master
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)));
+        match attempt {
+            Some(Ok(s)) => break s,
+            _ if Instant::now() >= deadline => {
+                return Err(EnvError(format!(
+                    "rendezvous: rank {} could not reach rank 0 at {master} within {timeout:?}",
+                    env.rank
+                )));
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(io("stream"))?;
+    let mut hello = MAGIC.to_vec();
+    for v in [env.rank as u32, env.world_size as u32, u32::from(data_port)] {
+        hello.extend_from_slice(&v.to_le_bytes());
+    }
+    stream.write_all(&hello).map_err(io("hello"))?;
+    let context = || {
+        format!(
+            "rank {} waiting for rank 0's answer (did rank 0 fail?)",
+            env.rank
+        )
+    };
+    let len = read_u32(&mut stream).map_err(io(context()))? as usize;
+    let mut shared = vec![0u8; len];
+    stream.read_exact(&mut shared).map_err(io(context()))?;
+    let mut peers = Vec::with_capacity(env.world_size);
+    for _ in 0..env.world_size {
+        let len = read_u32(&mut stream).map_err(io(context()))? as usize;
+        let mut text = vec![0u8; len];
+        stream.read_exact(&mut text).map_err(io(context()))?;
+        let text = String::from_utf8_lossy(&text).to_string();
+        peers.push(
+            text.parse()
+                .map_err(|_| EnvError(format!("rendezvous: bad address {text:?}")))?,
+        );
+    }
+    Ok(Rendezvous { peers, shared })
+}

@@ -1,0 +1,287 @@
+//! `burn-zero run`: a torchrun-style launcher. Starts one process per rank with `RANK`,
+//! `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; prefixes every
+//! output line with its rank; forwards Ctrl-C; and when a rank exits non-zero or dies, stops the
+//! others and exits non-zero naming the rank and how it ended.
+//!
+//! Several nodes: run the same command on every host with `--nnodes K --node-rank R
+//! --master-addr <host of node 0>` (and the same `--master-port`).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::dist::DEFAULT_MASTER_PORT;
+
+/// What `burn-zero run` starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchOptions {
+    /// Processes on this node.
+    pub nproc_per_node: usize,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's index.
+    pub node_rank: usize,
+    /// Rank 0's host.
+    pub master_addr: String,
+    /// Rank 0's rendezvous port.
+    pub master_port: u16,
+    /// How long stopped ranks get to exit after SIGTERM before SIGKILL.
+    pub grace: Duration,
+    /// The program and its arguments.
+    pub command: Vec<String>,
+}
+
+/// Usage of `burn-zero run`.
+pub const RUN_USAGE: &str = "burn-zero run --nproc-per-node N [--nnodes K --node-rank R] \
+[--master-addr HOST] [--master-port PORT] [--grace SECONDS] -- PROGRAM [ARGS...]";
+
+impl LaunchOptions {
+    /// Parses the arguments after `run`.
+    pub fn parse(args: &[String]) -> Result<Self, String> {
+        let mut opts = LaunchOptions {
+            nproc_per_node: 0,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_MASTER_PORT,
+            grace: Duration::from_secs(5),
+            command: Vec::new(),
+        };
+        let mut it = args.iter();
+        while let Some(flag) = it.next() {
+            if flag == "--" {
+                opts.command = it.cloned().collect();
+                break;
+            }
+            let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let number = |v: &str| {
+                v.parse::<usize>()
+                    .map_err(|_| format!("{flag} {v:?} is not a whole number"))
+            };
+            match flag.as_str() {
+                "--nproc-per-node" | "--nproc_per_node" => opts.nproc_per_node = number(value)?,
+                "--nnodes" => opts.nnodes = number(value)?,
+                "--node-rank" | "--node_rank" => opts.node_rank = number(value)?,
+                "--master-addr" | "--master_addr" => opts.master_addr = value.clone(),
+                "--master-port" | "--master_port" => {
+                    opts.master_port = value
+                        .parse()
+                        .map_err(|_| format!("--master-port {value:?} is not a port number"))?
+                }
+                "--grace" => {
+                    opts.grace = value
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|s| *s >= 0.0)
+                        .map(Duration::from_secs_f64)
+                        .ok_or_else(|| format!("--grace {value:?} is not a number of seconds"))?
+                }
+                other => return Err(format!("unknown option {other:?}")),
+            }
+        }
+        if opts.nproc_per_node == 0 {
+            return Err("--nproc-per-node N (N >= 1) is required".into());
+        }
+        if opts.nnodes == 0 || opts.node_rank >= opts.nnodes {
+            return Err(format!(
+                "--node-rank {} must be below --nnodes {}",
+                opts.node_rank, opts.nnodes
+            ));
+        }
+        if opts.command.is_empty() {
+            return Err("no program given: put it after `--`".into());
+        }
+        Ok(opts)
+    }
+}
+
+/// The signal the launcher received (0: none).
+static RECEIVED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    RECEIVED.store(signal, Ordering::SeqCst);
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => {
+            let name = match signal {
+                libc::SIGKILL => " (SIGKILL)",
+                libc::SIGSEGV => " (SIGSEGV)",
+                libc::SIGABRT => " (SIGABRT)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGINT => " (SIGINT)",
+                _ => "",
+            };
+            format!("was killed by signal {signal}{name}")
+        }
+        _ => "ended".into(),
+    }
+}
+
+fn signal_all(children: &mut [(usize, Child)], signal: libc::c_int) {
+    for (_, child) in children.iter_mut() {
+        if let Ok(None) = child.try_wait() {
+            // SAFETY: sending a signal to a child we started; its pid is valid until reaped.
+            unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        }
+    }
+}
+
+/// Stops every child still running: `signal`, then SIGKILL after `grace`.
+fn stop_all(children: &mut [(usize, Child)], signal: libc::c_int, grace: Duration) {
+    signal_all(children, signal);
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline
+        && children
+            .iter_mut()
+            .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal_all(children, libc::SIGKILL);
+    for (_, child) in children.iter_mut() {
+        let _ = child.wait();
+    }
+}
+
+/// Runs the job; returns the launcher's exit code.
+pub fn run(opts: &LaunchOptions) -> i32 {
+    let world = opts.nnodes * opts.nproc_per_node;
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let mut children = Vec::new();
+    let mut printers = Vec::new();
+    for local_rank in 0..opts.nproc_per_node {
+        let rank = opts.node_rank * opts.nproc_per_node + local_rank;
+        let spawned = Command::new(&opts.command[0])
+            .args(&opts.command[1..])
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", opts.nproc_per_node.to_string())
+            .env("GROUP_RANK", opts.node_rank.to_string())
+            .env("MASTER_ADDR", &opts.master_addr)
+            .env("MASTER_PORT", opts.master_port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                eprintln!(
+                    "burn-zero run: cannot start rank {rank} ({:?}): {e}",
+                    opts.command[0]
+                );
+                stop_all(&mut children, libc::SIGTERM, opts.grace);
+                return 1;
+            }
+        };
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+        printers.push(std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                println!("[rank {rank}] {line}");
+            }
+        }));
+        printers.push(std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[rank {rank}] {line}");
+            }
+        }));
+        children.push((rank, child));
+    }
+
+    let code = loop {
+        let signal = RECEIVED.swap(0, Ordering::SeqCst);
+        if signal != 0 {
+            eprintln!("burn-zero run: received signal {signal}: forwarding it to every rank");
+            stop_all(&mut children, signal, opts.grace);
+            break 128 + signal;
+        }
+        let mut failed = None;
+        let mut running = 0;
+        for (rank, child) in children.iter_mut() {
+            match child.try_wait() {
+                Ok(Some(status)) if !status.success() => {
+                    failed = Some((*rank, status));
+                    break;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => running += 1,
+                Err(e) => {
+                    eprintln!("burn-zero run: cannot watch rank {rank}: {e}");
+                    running += 1;
+                }
+            }
+        }
+        if let Some((rank, status)) = failed {
+            eprintln!(
+                "burn-zero run: rank {rank} {}; stopping the other ranks",
+                describe(status)
+            );
+            stop_all(&mut children, libc::SIGTERM, opts.grace);
+            eprintln!("burn-zero run: failed: rank {rank} {}", describe(status));
+            break status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+                .max(1);
+        }
+        if running == 0 {
+            break 0;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for printer in printers {
+        let _ = printer.join();
+    }
+    code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<LaunchOptions, String> {
+        LaunchOptions::parse(&s.split_whitespace().map(String::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn parses_torchrun_style_flags() {
+        let o = parse("--nproc-per-node 4 --nnodes 2 --node-rank 1 --master-addr h0 --master-port 1234 -- prog --lr 3").unwrap();
+        assert_eq!(
+            (
+                o.nproc_per_node,
+                o.nnodes,
+                o.node_rank,
+                o.master_addr.as_str(),
+                o.master_port
+            ),
+            (4, 2, 1, "h0", 1234)
+        );
+        assert_eq!(o.command, vec!["prog", "--lr", "3"]);
+        assert!(parse("-- prog").unwrap_err().contains("--nproc-per-node"));
+        assert!(
+            parse("--nproc-per-node 2")
+                .unwrap_err()
+                .contains("no program")
+        );
+        assert!(
+            parse("--nproc-per-node 2 --node-rank 3 --nnodes 2 -- p")
+                .unwrap_err()
+                .contains("below --nnodes")
+        );
+        assert!(
+            parse("--nproc-per-node x -- p")
+                .unwrap_err()
+                .contains("\"x\"")
+        );
+    }
+}

@@ -1,0 +1,125 @@
+//! A rank of the multi-process tests, started by the launcher:
+//!   dist-worker collectives          collectives over TCP, checked against local arithmetic
+//!   dist-worker train STAGE GAS      the engine parity run; rank 0 prints `RESULT` lines
+//!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
+//!                                    a collective; the others sleep until stopped
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::backend::NdArray;
+use burn_zero::DeepSpeedConfig;
+use burn_zero::comm::{Communicator, PaddedCollectives, ReduceOp};
+use burn_zero::dist::init_distributed;
+use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero::partition::PartitionPlan;
+use burn_zero_tests::cases::engine_run::{
+    self, CLIP, EPS, GLOBAL_BATCH, STEPS, WARMUP, WEIGHT_DECAY,
+};
+use burn_zero_tests::cases::{Mlp, param_data};
+
+type B = ZeroAutodiff<NdArray>;
+
+fn values(rank: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 13 + rank * 7) % 31) as f32 - 15.0)
+        .collect()
+}
+
+fn collectives(comm: &dyn Communicator) {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    for n in [1usize, 7, 100003] {
+        let mut v = values(rank, n);
+        comm.all_reduce(v.as_mut_slice().into(), ReduceOp::Sum)
+            .unwrap();
+        let inputs: Vec<Vec<f32>> = (0..world).map(|r| values(r, n)).collect();
+        let want: Vec<f32> = (0..n).map(|i| inputs.iter().map(|v| v[i]).sum()).collect();
+        assert!(v == want, "all_reduce n={n}");
+        let plan = PartitionPlan::new(n, world);
+        let mut owned = vec![0.0f32; plan.owned(rank).len()];
+        comm.reduce_scatter_padded(&plan, &values(rank, n), &mut owned, ReduceOp::Sum)
+            .unwrap();
+        assert!(owned[..] == want[plan.owned(rank)], "reduce_scatter n={n}");
+        let mut full = vec![0.0f32; n];
+        comm.all_gather_padded(&plan, &owned, &mut full).unwrap();
+        assert!(full == want, "all_gather n={n}");
+        let mut b = values(rank, n);
+        comm.broadcast(b.as_mut_slice().into(), world - 1).unwrap();
+        assert!(b == values(world - 1, n), "broadcast n={n}");
+    }
+    comm.barrier().unwrap();
+    println!("collectives ok rank {rank} world {world}");
+}
+
+fn train(comm: Arc<dyn Communicator>, stage: u8, gas: usize) {
+    let (min, max, n) = WARMUP;
+    let json = format!(
+        r#"{{"train_batch_size": {GLOBAL_BATCH}, "gradient_accumulation_steps": {gas}, "gradient_clipping": {CLIP},
+        "optimizer": {{"type": "AdamW", "params": {{"lr": {max}, "eps": {EPS}, "weight_decay": {WEIGHT_DECAY}}}}},
+        "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": {min}, "warmup_max_lr": {max}, "warmup_num_steps": {n}, "warmup_type": "linear"}}}},
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40}}}}"#
+    );
+    let config = DeepSpeedConfig::from_json(&json).unwrap().config;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let device = Default::default();
+    let mut engine =
+        initialize::<NdArray, _>(Mlp::<B>::new(&device), &config, comm.clone()).unwrap();
+    let micro = GLOBAL_BATCH / (world * gas);
+    for step in 0..STEPS {
+        let mut step_loss = 0.0f32;
+        for j in 0..gas {
+            let start = (j * world + rank) * micro;
+            let (x, y) = engine_run::batch::<B>(step, start..start + micro, &device);
+            let loss = engine_run::loss(engine.model(), x, y);
+            step_loss += loss.clone().into_scalar() / gas as f32;
+            engine.backward(loss).unwrap();
+            engine.step().unwrap();
+        }
+        let mut mean = [step_loss];
+        comm.all_reduce(mean.as_mut_slice().into(), ReduceOp::Avg)
+            .unwrap();
+        if rank == 0 {
+            println!("RESULT loss_{step} {:?}", mean[0]);
+            println!(
+                "RESULT norm_{step} {:?}",
+                engine.last_grad_norm().unwrap() as f32
+            );
+        }
+    }
+    if rank == 0 {
+        for (i, p) in param_data(engine.model()).into_iter().enumerate() {
+            println!(
+                "RESULT param_{i} {:?}",
+                p.convert::<f32>().to_vec::<f32>().unwrap()
+            );
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let dist = init_distributed().unwrap_or_else(|e| panic!("{e}"));
+    match args.first().map(String::as_str) {
+        Some("collectives") => collectives(dist.comm.as_ref()),
+        Some("train") => train(
+            dist.comm,
+            args[1].parse().unwrap(),
+            args[2].parse().unwrap(),
+        ),
+        Some("die") => {
+            let victim: usize = args[1].parse().unwrap();
+            dist.comm.barrier().unwrap();
+            if dist.env.rank == victim {
+                std::thread::sleep(Duration::from_millis(300));
+                if args[2] == "kill" {
+                    // SAFETY: signalling this process itself.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                }
+                std::process::exit(3);
+            }
+            println!("rank {} sleeping until stopped", dist.env.rank);
+            std::thread::sleep(Duration::from_secs(600));
+        }
+        other => panic!("unknown mode {other:?}"),
+    }
+}
