@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build GPU binaries here and stage them in .gpu/ (git-ignored) for the device tool's `carry`.
 #   scripts/gpu-stage.sh BIN [BIN...]      e.g. scripts/gpu-stage.sh gpu-smoke
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-collectives
 # Binaries come from the examples crate built with --features cuda; each is stripped and, when
 # over 24 MiB, xz-compressed (a call may carry 64 MiB in all). On the device run
 #   bash scripts/gpu-run.sh BIN [ARGS...]   (with carry [".gpu"])
@@ -12,9 +13,11 @@ features="${GPU_FEATURES:-cuda}"
 args=()
 for bin in "$@"; do args+=(--bin "$bin"); done
 cargo build --release -p burn-zero-examples --features "$features" "${args[@]}"
+# The launcher and `burn-zero report` travel too.
+cargo build --release -p burn-zero --features "${GPU_FEATURES:-cuda}" --bin burn-zero
 mkdir -p .gpu/bin
 rm -f .gpu/bin/*
-for bin in "$@"; do
+for bin in burn-zero "$@"; do
   cp "$CARGO_TARGET_DIR/release/$bin" ".gpu/bin/$bin"
   strip ".gpu/bin/$bin"
   if [ "$(stat -c %s ".gpu/bin/$bin")" -gt $((24 * 1024 * 1024)) ]; then

@@ -16,6 +16,8 @@ pub mod launch;
 mod log;
 pub mod optim;
 pub mod partition;
+#[cfg(unix)]
+pub mod report;
 pub mod schedule;
 pub mod testing;
 

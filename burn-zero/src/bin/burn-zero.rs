@@ -1,5 +1,6 @@
 //! The `burn-zero` command. Subcommands:
 //!   run       start one process per rank (torchrun-style), see `burn_zero::launch`
+//!   report    GPUs, driver, NCCL, NVRTC, io_uring, cores, memory (DeepSpeed's ds_report)
 //!   estimate  per-GPU and per-CPU model-state memory, as DeepSpeed's estimators print it.
 
 use std::process::ExitCode;
@@ -7,6 +8,7 @@ use std::process::ExitCode;
 use burn_zero::engine::{estimate_model_states, format_estimates};
 
 const USAGE: &str = "usage:
+  burn-zero report
   burn-zero run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr HOST]
                 [--master-port PORT] [--grace SECONDS] -- PROGRAM [ARGS...]
   burn-zero estimate --params N [--largest-layer N] [--gpus-per-node G] [--nodes K]
@@ -36,6 +38,11 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        #[cfg(unix)]
+        Some("report") => {
+            print!("{}", burn_zero::report::report());
+            ExitCode::SUCCESS
+        }
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             ExitCode::SUCCESS

@@ -6,12 +6,16 @@
 mod base;
 mod exchange;
 mod local;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod padded;
 mod reduce;
 mod tcp;
 
 pub use base::*;
 pub use local::{LocalComm, LocalGroup};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, nccl_unique_id, nccl_version};
 pub use padded::PaddedCollectives;
 pub use tcp::TcpComm;
 

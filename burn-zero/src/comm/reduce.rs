@@ -23,6 +23,16 @@ impl Payload {
         }
     }
 
+    /// A view of the values.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn as_buf(&self) -> Buf<'_> {
+        match self {
+            Payload::F32(v) => Buf::F32(v),
+            Payload::Bf16(v) => Buf::Bf16(v),
+            Payload::F16(v) => Buf::F16(v),
+        }
+    }
+
     /// Appends the values as little-endian bytes.
     pub(crate) fn write_le(&self, out: &mut Vec<u8>) {
         match self {

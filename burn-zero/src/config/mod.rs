@@ -19,6 +19,7 @@ pub use base::*;
 pub use batch::BatchSizes;
 pub use error::ConfigError;
 pub(crate) use load::parse_value;
+pub use validate::compiled_stages;
 pub use values::Count;
 pub use zero::*;
 

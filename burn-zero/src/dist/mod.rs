@@ -65,3 +65,38 @@ pub fn init_distributed() -> Result<Distributed, EnvError> {
         comm: Arc::new(comm),
     })
 }
+
+/// Joins the job on GPUs: GPU `LOCAL_RANK`, NCCL for collectives (its unique id shared through
+/// the rendezvous), and a TCP side channel that checks every host-buffer collective's signature.
+#[cfg(feature = "nccl")]
+pub fn init_nccl() -> Result<(DistEnv, crate::comm::NcclComm), EnvError> {
+    let env = DistEnv::from_env()?;
+    let timeout = timeout_from_env()?;
+    let listener = TcpListener::bind("0.0.0.0:0")
+        .map_err(|e| EnvError(format!("cannot open a data port: {e}")))?;
+    let local = listener.local_addr().map_err(|e| EnvError(e.to_string()))?;
+    let id = if env.rank == 0 {
+        crate::comm::nccl_unique_id().map_err(EnvError)?
+    } else {
+        Vec::new()
+    };
+    let meeting = if env.world_size == 1 {
+        Rendezvous {
+            peers: vec![local],
+            shared: id,
+        }
+    } else {
+        rendezvous(&env, local.port(), &id, timeout)?
+    };
+    let checker = TcpComm::connect(env.rank, listener, &meeting.peers, timeout)
+        .map_err(|e| EnvError(format!("connecting rank {}: {e}", env.rank)))?;
+    let nccl = crate::comm::NcclComm::new(
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        &meeting.shared,
+        Some(checker),
+    )
+    .map_err(EnvError)?;
+    Ok((env, nccl))
+}
