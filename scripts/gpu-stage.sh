@@ -25,5 +25,5 @@ for bin in burn-zero "$@"; do
   fi
 done
 git rev-parse HEAD > .gpu/commit 2>/dev/null || echo unknown > .gpu/commit
-git diff --quiet 2>/dev/null || echo "dirty" >> .gpu/commit
+git diff HEAD --quiet 2>/dev/null || echo "uncommitted-changes" >> .gpu/commit
 du -sh .gpu; ls -la .gpu/bin
