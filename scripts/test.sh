@@ -20,7 +20,7 @@ step() {
 step cargo fmt --all -- --check
 step cargo clippy --workspace --all-targets --locked -- -D warnings
 step cargo clippy -p burn-zero -p burn-zero-examples --locked --all-targets \
-  --features burn-zero/cuda,burn-zero/nccl,burn-zero-examples/cuda -- -D warnings
+  --features burn-zero/cuda,burn-zero/nccl,burn-zero-examples/cuda,burn-zero-examples/nccl -- -D warnings
 echo "==> cargo test --workspace"
 # A hung test (a deadlock, a missing rank) fails here instead of eating CI's time.
 timeout "${TEST_TIMEOUT:-45m}" cargo test --workspace --locked 2>&1 | tee "$log"

@@ -17,12 +17,22 @@ impl Library {
         })
     }
 
-    /// The address of `symbol`, if exported.
-    fn symbol(&self, symbol: &str) -> Option<*mut c_void> {
+    /// The exported function `symbol` as the function-pointer type `F`.
+    ///
+    /// # Safety
+    /// `F` must be the symbol's true C signature, and the function must not outlive `self`.
+    unsafe fn function<F: Copy>(&self, symbol: &str) -> Option<F> {
+        assert_eq!(
+            size_of::<F>(),
+            size_of::<*mut c_void>(),
+            "F is a function pointer"
+        );
         let c = CString::new(symbol).ok()?;
         // SAFETY: dlsym on a live handle with a valid C string.
         let address = unsafe { libc::dlsym(self.0, c.as_ptr()) };
-        (!address.is_null()).then_some(address)
+        // SAFETY: the caller vouches that F is the symbol's signature; sizes checked above.
+        (!address.is_null())
+            .then(|| unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address) })
     }
 }
 
@@ -42,30 +52,33 @@ fn cuda_report() -> Vec<String> {
     type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
     type DeviceName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
     type DeviceMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
-    let (Some(init), Some(version), Some(count), Some(get), Some(dev_name), Some(mem)) = (
-        cuda.symbol("cuInit"),
-        cuda.symbol("cuDriverGetVersion"),
-        cuda.symbol("cuDeviceGetCount"),
-        cuda.symbol("cuDeviceGet"),
-        cuda.symbol("cuDeviceGetName"),
-        cuda.symbol("cuDeviceTotalMem_v2"),
-    ) else {
+    // SAFETY: the signatures are the CUDA driver API's.
+    let symbols = unsafe {
+        (
+            cuda.function::<Init>("cuInit"),
+            cuda.function::<GetInt>("cuDriverGetVersion"),
+            cuda.function::<GetInt>("cuDeviceGetCount"),
+            cuda.function::<DeviceGet>("cuDeviceGet"),
+            cuda.function::<DeviceName>("cuDeviceGetName"),
+            cuda.function::<DeviceMem>("cuDeviceTotalMem_v2"),
+        )
+    };
+    let (Some(init), Some(version), Some(count), Some(get), Some(dev_name), Some(mem)) = symbols
+    else {
         return vec![format!("CUDA driver: {name} lacks the expected symbols")];
     };
     let mut lines = Vec::new();
-    // SAFETY: the signatures are the CUDA driver API's; every pointer passed is valid.
+    // SAFETY: calls through the driver API's own signatures with valid pointers.
     unsafe {
-        let init: Init = std::mem::transmute(init);
         let status = init(0);
         if status != 0 {
             return vec![format!(
                 "CUDA driver: {name} loaded but cuInit failed with error {status}"
             )];
         }
-        let mut v = 0;
-        std::mem::transmute::<_, GetInt>(version)(&mut v);
-        let mut n = 0;
-        std::mem::transmute::<_, GetInt>(count)(&mut n);
+        let (mut v, mut n) = (0, 0);
+        version(&mut v);
+        count(&mut n);
         lines.push(format!(
             "CUDA driver: {name}, CUDA {}.{}, {n} GPU(s)",
             v / 1000,
@@ -73,11 +86,11 @@ fn cuda_report() -> Vec<String> {
         ));
         for i in 0..n {
             let mut device = 0;
-            std::mem::transmute::<_, DeviceGet>(get)(&mut device, i);
+            get(&mut device, i);
             let mut buf = [0 as c_char; 256];
-            std::mem::transmute::<_, DeviceName>(dev_name)(buf.as_mut_ptr(), 256, device);
+            dev_name(buf.as_mut_ptr(), 256, device);
             let mut bytes = 0usize;
-            std::mem::transmute::<_, DeviceMem>(mem)(&mut bytes, device);
+            mem(&mut bytes, device);
             let gpu = CStr::from_ptr(buf.as_ptr()).to_string_lossy();
             lines.push(format!(
                 "  GPU {i}: {gpu}, {:.1} GiB",
@@ -93,12 +106,15 @@ fn nccl_report() -> String {
         return "NCCL: libnccl not found on the loader path (GPU runs need it; CPU runs use TCP)"
             .into();
     };
-    let Some(get) = nccl.symbol("ncclGetVersion") else {
+    // SAFETY: ncclGetVersion(int*) is NCCL's signature.
+    let get =
+        unsafe { nccl.function::<unsafe extern "C" fn(*mut c_int) -> c_int>("ncclGetVersion") };
+    let Some(get) = get else {
         return format!("NCCL: {name} has no ncclGetVersion");
     };
     let mut v: c_int = 0;
-    // SAFETY: ncclGetVersion(int*) from NCCL's API.
-    unsafe { std::mem::transmute::<_, unsafe extern "C" fn(*mut c_int) -> c_int>(get)(&mut v) };
+    // SAFETY: a valid out-pointer.
+    unsafe { get(&mut v) };
     format!(
         "NCCL: {name}, version {}.{}.{}",
         v / 10000,
@@ -118,16 +134,16 @@ fn nvrtc_report() -> String {
     let Some((nvrtc, name)) = Library::open(&candidates) else {
         return "NVRTC: not found (burn's CUDA backend compiles kernels with it)".into();
     };
-    let Some(get) = nvrtc.symbol("nvrtcVersion") else {
+    // SAFETY: nvrtcVersion(int*, int*) is NVRTC's signature.
+    let get = unsafe {
+        nvrtc.function::<unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int>("nvrtcVersion")
+    };
+    let Some(get) = get else {
         return format!("NVRTC: {name} has no nvrtcVersion");
     };
     let (mut major, mut minor): (c_int, c_int) = (0, 0);
-    // SAFETY: nvrtcVersion(int*, int*) from NVRTC's API.
-    unsafe {
-        std::mem::transmute::<_, unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int>(get)(
-            &mut major, &mut minor,
-        )
-    };
+    // SAFETY: valid out-pointers.
+    unsafe { get(&mut major, &mut minor) };
     format!("NVRTC: {name}, version {major}.{minor}")
 }
 
