@@ -1,6 +1,7 @@
 //! A rank of the multi-process tests, started by the launcher:
 //!   dist-worker collectives          collectives over TCP, checked against local arithmetic
 //!   dist-worker train STAGE GAS      the engine parity run; rank 0 prints `RESULT` lines
+//!   dist-worker train-gpu STAGE GAS  the same on `Cuda`, GPU `LOCAL_RANK`, NCCL (feature nccl)
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
 //!                                    a collective; the others sleep until stopped
 
@@ -17,8 +18,6 @@ use burn_zero_tests::cases::engine_run::{
     self, CLIP, EPS, GLOBAL_BATCH, STEPS, WARMUP, WEIGHT_DECAY,
 };
 use burn_zero_tests::cases::{Mlp, param_data};
-
-type B = ZeroAutodiff<NdArray>;
 
 fn values(rank: usize, n: usize) -> Vec<f32> {
     (0..n)
@@ -51,7 +50,12 @@ fn collectives(comm: &dyn Communicator) {
     println!("collectives ok rank {rank} world {world}");
 }
 
-fn train(comm: Arc<dyn Communicator>, stage: u8, gas: usize) {
+fn train<I: burn::tensor::backend::Backend>(
+    comm: Arc<dyn Communicator>,
+    stage: u8,
+    gas: usize,
+    device: I::Device,
+) {
     let (min, max, n) = WARMUP;
     let json = format!(
         r#"{{"train_batch_size": {GLOBAL_BATCH}, "gradient_accumulation_steps": {gas}, "gradient_clipping": {CLIP},
@@ -61,17 +65,22 @@ fn train(comm: Arc<dyn Communicator>, stage: u8, gas: usize) {
     );
     let config = DeepSpeedConfig::from_json(&json).unwrap().config;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let device = Default::default();
     let mut engine =
-        initialize::<NdArray, _>(Mlp::<B>::new(&device), &config, comm.clone()).unwrap();
+        initialize::<I, _>(Mlp::<ZeroAutodiff<I>>::new(&device), &config, comm.clone()).unwrap();
     let micro = GLOBAL_BATCH / (world * gas);
     for step in 0..STEPS {
         let mut step_loss = 0.0f32;
         for j in 0..gas {
             let start = (j * world + rank) * micro;
-            let (x, y) = engine_run::batch::<B>(step, start..start + micro, &device);
+            let (x, y) = engine_run::batch::<ZeroAutodiff<I>>(step, start..start + micro, &device);
             let loss = engine_run::loss(engine.model(), x, y);
-            step_loss += loss.clone().into_scalar() / gas as f32;
+            step_loss += loss
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .unwrap()[0]
+                / gas as f32;
             engine.backward(loss).unwrap();
             engine.step().unwrap();
         }
@@ -98,13 +107,26 @@ fn train(comm: Arc<dyn Communicator>, stage: u8, gas: usize) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    #[cfg(feature = "nccl")]
+    if args.first().map(String::as_str) == Some("train-gpu") {
+        let (env, nccl) = burn_zero::dist::init_nccl().unwrap_or_else(|e| panic!("{e}"));
+        let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
+        train::<burn::backend::Cuda>(
+            Arc::new(nccl),
+            args[1].parse().unwrap(),
+            args[2].parse().unwrap(),
+            device,
+        );
+        return;
+    }
     let dist = init_distributed().unwrap_or_else(|e| panic!("{e}"));
     match args.first().map(String::as_str) {
         Some("collectives") => collectives(dist.comm.as_ref()),
-        Some("train") => train(
+        Some("train") => train::<NdArray>(
             dist.comm,
             args[1].parse().unwrap(),
             args[2].parse().unwrap(),
+            Default::default(),
         ),
         Some("die") => {
             let victim: usize = args[1].parse().unwrap();
