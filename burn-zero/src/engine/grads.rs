@@ -188,10 +188,11 @@ impl<I: Backend> GradientHook<I> for EngineHook<I> {
         let mut state = self.state.lock().expect("gradient state");
         state.accept(param, values);
         if state.stage >= 2 {
-            // The full gradient is not needed any more: its partition is being reduced.
+            // The full gradient is not needed any more: its partition is being reduced. One
+            // element, not zero: CUDA backends cannot launch kernels over empty tensors.
             let device = I::float_device(grad.inner());
             let dtype = grad.dtype().into();
-            *grad.inner_mut() = I::float_zeros([0].into(), &device, dtype);
+            *grad.inner_mut() = I::float_zeros([1].into(), &device, dtype);
         }
     }
 
