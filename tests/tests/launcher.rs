@@ -123,8 +123,16 @@ fn a_failing_rank_sets_the_exit_status() {
 #[test]
 fn ctrl_c_is_forwarded_to_every_rank() {
     let start = Instant::now();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_launcher"))
-        .args(["--nproc-per-node", "2", "--master-port", &free_port().to_string(), "--grace", "2", "--"])
+    let launcher = Command::new(env!("CARGO_BIN_EXE_launcher"))
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &free_port().to_string(),
+            "--grace",
+            "2",
+            "--",
+        ])
         .arg(env!("CARGO_BIN_EXE_dist-worker"))
         .args(["die", "9", "exit"]) // no rank 9: both ranks sleep until stopped
         .env("BURN_ZERO_TIMEOUT", "60")
@@ -137,8 +145,18 @@ fn ctrl_c_is_forwarded_to_every_rank() {
     unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGINT) };
     let output = launcher.wait_with_output().unwrap();
     let (out, err) = text(&output);
-    assert_eq!(output.status.code(), Some(130), "stdout:\n{out}\nstderr:\n{err}");
-    assert!(err.contains("received signal 2: forwarding it to every rank"), "{err}");
-    assert!(out.contains("[rank 1] rank 1 sleeping until stopped"), "{out}");
+    assert_eq!(
+        output.status.code(),
+        Some(130),
+        "stdout:\n{out}\nstderr:\n{err}"
+    );
+    assert!(
+        err.contains("received signal 2: forwarding it to every rank"),
+        "{err}"
+    );
+    assert!(
+        out.contains("[rank 1] rank 1 sleeping until stopped"),
+        "{out}"
+    );
     assert!(start.elapsed() < Duration::from_secs(20));
 }
