@@ -264,15 +264,26 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// The batch of step `step`: inputs `[rows, 7]` and targets `[rows, 3]`.
+/// Rows `rows` of a global batch of `total` samples: inputs `[rows, 7]`, targets `[rows, 3]`,
+/// drawn from [`values`] with the salts `salt` and `salt + 100`.
+pub fn batch_rows<B: Backend>(
+    total: usize,
+    salt: usize,
+    rows: std::ops::Range<usize>,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let x = tensor::<B, 2>([total, MLP_DIMS[0]], salt, device);
+    let y = tensor::<B, 2>([total, MLP_DIMS[3]], salt + 100, device);
+    (x.slice([rows.clone()]), y.slice([rows]))
+}
+
+/// The batch of step `step` of [`train_mlp`].
 pub fn batch<B: Backend>(
     step: usize,
     rows: std::ops::Range<usize>,
     device: &B::Device,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let all_x = tensor::<B, 2>([BATCH, MLP_DIMS[0]], 100 + step, device);
-    let all_y = tensor::<B, 2>([BATCH, MLP_DIMS[3]], 200 + step, device);
-    (all_x.slice([rows.clone()]), all_y.slice([rows]))
+    batch_rows(BATCH, 100 + step, rows, device)
 }
 
 /// Steps the parity tests train.
@@ -369,9 +380,7 @@ pub mod engine_run {
         rows: std::ops::Range<usize>,
         device: &B::Device,
     ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-        let x = tensor::<B, 2>([GLOBAL_BATCH, MLP_DIMS[0]], 300 + step, device);
-        let y = tensor::<B, 2>([GLOBAL_BATCH, MLP_DIMS[3]], 400 + step, device);
-        (x.slice([rows.clone()]), y.slice([rows]))
+        batch_rows(GLOBAL_BATCH, 300 + step, rows, device)
     }
 
     /// Mean squared error, the loss of the run.

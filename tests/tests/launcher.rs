@@ -17,9 +17,10 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn launch(nproc: usize, worker_args: &[&str]) -> (Output, Duration) {
-    let start = Instant::now();
-    let output = Command::new(env!("CARGO_BIN_EXE_launcher"))
+/// The launcher starting `nproc` dist-workers with `worker_args`.
+fn launcher(nproc: usize, worker_args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_launcher"));
+    command
         .args([
             "--nproc-per-node",
             &nproc.to_string(),
@@ -31,7 +32,13 @@ fn launch(nproc: usize, worker_args: &[&str]) -> (Output, Duration) {
         ])
         .arg(env!("CARGO_BIN_EXE_dist-worker"))
         .args(worker_args)
-        .env("BURN_ZERO_TIMEOUT", "60")
+        .env("BURN_ZERO_TIMEOUT", "60");
+    command
+}
+
+fn launch(nproc: usize, worker_args: &[&str]) -> (Output, Duration) {
+    let start = Instant::now();
+    let output = launcher(nproc, worker_args)
         .output()
         .expect("start the launcher");
     (output, start.elapsed())
@@ -123,19 +130,8 @@ fn a_failing_rank_sets_the_exit_status() {
 #[test]
 fn ctrl_c_is_forwarded_to_every_rank() {
     let start = Instant::now();
-    let launcher = Command::new(env!("CARGO_BIN_EXE_launcher"))
-        .args([
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            &free_port().to_string(),
-            "--grace",
-            "2",
-            "--",
-        ])
-        .arg(env!("CARGO_BIN_EXE_dist-worker"))
-        .args(["die", "9", "exit"]) // no rank 9: both ranks sleep until stopped
-        .env("BURN_ZERO_TIMEOUT", "60")
+    // No rank 9: both ranks sleep until stopped.
+    let launcher = launcher(2, &["die", "9", "exit"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
