@@ -1,0 +1,95 @@
+//! burn 0.21's CUDA matmul on the Linear shapes of the recipe (SmolLM2-135M, 2048 tokens) and
+//! of the 1B end-to-end benchmark (4096 tokens): forward `X·W`, backward `dY·Wᵀ` and `Xᵀ·dY`,
+//! bf16 and f32. Prints one JSON line per case with the first call's time (kernel compilation
+//! and autotuning included) and the steady TFLOP/s; `bench/matmul_torch.py` prints the peer's.
+
+use std::time::Instant;
+
+use burn::backend::Cuda;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Element, Tensor};
+
+/// (name, tokens M, in K, out N).
+const LINEARS: [(&str, usize, usize, usize); 5] = [
+    ("smollm2.mlp_up", 2048, 576, 1536),
+    ("smollm2.lm_head", 2048, 576, 49152),
+    ("llama1b.attn_q", 4096, 2048, 2048),
+    ("llama1b.mlp_up", 4096, 2048, 8192),
+    ("llama1b.mlp_down", 4096, 8192, 2048),
+];
+
+fn sync<B: Backend>(device: &B::Device) {
+    B::sync(device).expect("sync the device");
+}
+
+/// Times `lhs·rhs` where `lhs` is `[m, k]` (or its transpose) and `rhs` `[k, n]` (or transposed).
+fn case<B: Backend>(
+    dtype: &str,
+    name: &str,
+    product: &str,
+    (m, k, n): (usize, usize, usize),
+    transpose: (bool, bool),
+    device: &B::Device,
+) where
+    B::FloatElem: Element,
+{
+    let dist = Distribution::Uniform(-1.0, 1.0);
+    let lhs_shape = if transpose.0 { [k, m] } else { [m, k] };
+    let rhs_shape = if transpose.1 { [n, k] } else { [k, n] };
+    let lhs = Tensor::<B, 2>::random(lhs_shape, dist, device);
+    let rhs = Tensor::<B, 2>::random(rhs_shape, dist, device);
+    let lhs = if transpose.0 { lhs.transpose() } else { lhs };
+    let rhs = if transpose.1 { rhs.transpose() } else { rhs };
+    sync::<B>(device);
+    let start = Instant::now();
+    let out = lhs.clone().matmul(rhs.clone());
+    sync::<B>(device);
+    let first_ms = start.elapsed().as_secs_f64() * 1e3;
+    drop(out);
+    for _ in 0..3 {
+        let _ = lhs.clone().matmul(rhs.clone());
+    }
+    sync::<B>(device);
+    let iters = 20;
+    let start = Instant::now();
+    for _ in 0..iters {
+        let _ = lhs.clone().matmul(rhs.clone());
+    }
+    sync::<B>(device);
+    let seconds = start.elapsed().as_secs_f64() / iters as f64;
+    let tflops = 2.0 * (m * k * n) as f64 / seconds / 1e12;
+    println!(
+        "{{\"system\": \"burn-cuda\", \"dtype\": \"{dtype}\", \"linear\": \"{name}\", \"product\": \"{product}\", \"m\": {m}, \"k\": {k}, \"n\": {n}, \"first_call_ms\": {first_ms:.1}, \"time_us\": {:.1}, \"tflops\": {tflops:.2}}}",
+        seconds * 1e6
+    );
+}
+
+fn run<B: Backend>(dtype: &str, forward_only: bool)
+where
+    B::FloatElem: Element,
+{
+    let device = Default::default();
+    for (name, m, k, n) in LINEARS {
+        // Forward Y = X·W: [M,K]·[K,N].
+        case::<B>(dtype, name, "forward", (m, k, n), (false, false), &device);
+        if forward_only {
+            continue;
+        }
+        // dX = dY·Wᵀ: [M,N]·[N,K] with W stored [K,N].
+        case::<B>(dtype, name, "grad_input", (m, n, k), (false, true), &device);
+        // dW = Xᵀ·dY: [K,M]·[M,N] with X stored [M,K].
+        case::<B>(
+            dtype,
+            name,
+            "grad_weight",
+            (k, m, n),
+            (true, false),
+            &device,
+        );
+    }
+}
+
+fn main() {
+    run::<Cuda<half::bf16>>("bf16", false);
+    run::<Cuda<f32>>("f32", true);
+}
