@@ -11,6 +11,8 @@ pub mod comm;
 pub mod config;
 pub mod dist;
 pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod kernel_cache;
 #[cfg(unix)]
 pub mod launch;
 mod log;

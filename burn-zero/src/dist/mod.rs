@@ -70,6 +70,11 @@ pub fn init_distributed() -> Result<Distributed, EnvError> {
 /// the rendezvous), and a TCP side channel that checks every host-buffer collective's signature.
 #[cfg(feature = "nccl")]
 pub fn init_nccl() -> Result<(DistEnv, crate::comm::NcclComm), EnvError> {
+    // Compiled kernels and autotune results persist across processes (a no-op with a message
+    // if the program already ran a tensor op).
+    if let Err(e) = crate::kernel_cache::persist(&crate::kernel_cache::default_dir()) {
+        crate::log::warn(&e);
+    }
     let env = DistEnv::from_env()?;
     let timeout = timeout_from_env()?;
     let listener = TcpListener::bind("0.0.0.0:0")

@@ -90,6 +90,11 @@ where
 }
 
 fn main() {
+    if std::env::var_os("BENCH_PERSIST_KERNELS").is_some() {
+        let dir = burn_zero::kernel_cache::default_dir();
+        burn_zero::kernel_cache::persist(&dir).expect("kernel cache");
+        eprintln!("kernel cache: {}", dir.display());
+    }
     run::<Cuda<half::bf16>>("bf16", false);
     run::<Cuda<f32>>("f32", true);
 }
