@@ -5,7 +5,8 @@
 //! point-to-point messages. Everything else — argument checks, reductions in rank order (so every
 //! rank gets the same bits), chunking — is written once here for all of them.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use super::base::*;
 use super::reduce::{Payload, reduce_chunk};
@@ -23,6 +24,14 @@ pub(crate) trait Exchange: Send + Sync {
     fn post(&self, peer: usize, call: OpSignature, payload: Payload) -> Result<(), CommError>;
     /// Receives the next point-to-point message from `peer`, which must match `call`.
     fn take(&self, peer: usize, call: OpSignature) -> Result<Payload, CommError>;
+}
+
+/// The next point-to-point sequence number for `peer` (each direction of a pair counts its own).
+pub(crate) fn next_seq(counters: &Mutex<HashMap<usize, u64>>, peer: usize) -> u64 {
+    let mut counters = counters.lock().unwrap_or_else(|e| e.into_inner());
+    let seq = counters.entry(peer).or_insert(0);
+    *seq += 1;
+    *seq - 1
 }
 
 fn signature(kind: OpKind, input: &Buf<'_>) -> OpSignature {

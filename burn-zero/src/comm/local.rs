@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::base::*;
-use super::exchange::Exchange;
+use super::exchange::{Exchange, next_seq};
 use super::reduce::Payload;
 
 /// The shared state of one group of thread ranks; makes its [`LocalComm`]s.
@@ -281,11 +281,4 @@ impl Exchange for LocalComm {
         };
         self.shared.wait(state, deadline, poll, on_timeout)
     }
-}
-
-fn next_seq(counters: &Mutex<HashMap<usize, u64>>, peer: usize) -> u64 {
-    let mut counters = counters.lock().unwrap_or_else(|e| e.into_inner());
-    let seq = counters.entry(peer).or_insert(0);
-    *seq += 1;
-    *seq - 1
 }

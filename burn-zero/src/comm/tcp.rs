@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::base::*;
-use super::exchange::Exchange;
+use super::exchange::{Exchange, next_seq};
 use super::reduce::Payload;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -325,13 +325,6 @@ impl TcpComm {
         }
         Ok(frame.payload)
     }
-}
-
-fn next_seq(counters: &Mutex<HashMap<usize, u64>>, peer: usize) -> u64 {
-    let mut counters = counters.lock().unwrap_or_else(|e| e.into_inner());
-    let seq = counters.entry(peer).or_insert(0);
-    *seq += 1;
-    *seq - 1
 }
 
 impl Exchange for TcpComm {

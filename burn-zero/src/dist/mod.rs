@@ -43,27 +43,39 @@ pub fn timeout_from_env() -> Result<Duration, EnvError> {
 /// variables) over TCP, for CPU ranks. A process started without them is a job of one.
 pub fn init_distributed() -> Result<Distributed, EnvError> {
     let env = DistEnv::from_env()?;
-    let timeout = timeout_from_env()?;
-    let listener = TcpListener::bind("0.0.0.0:0")
-        .map_err(|e| EnvError(format!("cannot open a data port: {e}")))?;
-    let port = listener
-        .local_addr()
-        .map_err(|e| EnvError(e.to_string()))?
-        .port();
-    let meeting = if env.world_size == 1 {
-        Rendezvous {
-            peers: vec![listener.local_addr().map_err(|e| EnvError(e.to_string()))?],
-            shared: Vec::new(),
-        }
-    } else {
-        rendezvous(&env, port, &[], timeout)?
-    };
-    let comm = TcpComm::connect(env.rank, listener, &meeting.peers, timeout)
-        .map_err(|e| EnvError(format!("connecting rank {}: {e}", env.rank)))?;
+    let (comm, _) = meet(&env, |_| Ok(Vec::new()))?;
     Ok(Distributed {
         env,
         comm: Arc::new(comm),
     })
+}
+
+/// Opens this rank's data port, meets the others (rank 0 shares what `shared` makes for it) and
+/// connects the TCP communicator. Returns it and the shared blob.
+fn meet(
+    env: &DistEnv,
+    shared: impl FnOnce(&DistEnv) -> Result<Vec<u8>, EnvError>,
+) -> Result<(TcpComm, Vec<u8>), EnvError> {
+    let timeout = timeout_from_env()?;
+    let listener = TcpListener::bind("0.0.0.0:0")
+        .map_err(|e| EnvError(format!("cannot open a data port: {e}")))?;
+    let local = listener.local_addr().map_err(|e| EnvError(e.to_string()))?;
+    let blob = if env.rank == 0 {
+        shared(env)?
+    } else {
+        Vec::new()
+    };
+    let meeting = if env.world_size == 1 {
+        Rendezvous {
+            peers: vec![local],
+            shared: blob,
+        }
+    } else {
+        rendezvous(env, local.port(), &blob, timeout)?
+    };
+    let comm = TcpComm::connect(env.rank, listener, &meeting.peers, timeout)
+        .map_err(|e| EnvError(format!("connecting rank {}: {e}", env.rank)))?;
+    Ok((comm, meeting.shared))
 }
 
 /// Joins the job on GPUs: GPU `LOCAL_RANK`, NCCL for collectives (its unique id shared through
@@ -76,32 +88,9 @@ pub fn init_nccl() -> Result<(DistEnv, crate::comm::NcclComm), EnvError> {
         crate::log::warn(&e);
     }
     let env = DistEnv::from_env()?;
-    let timeout = timeout_from_env()?;
-    let listener = TcpListener::bind("0.0.0.0:0")
-        .map_err(|e| EnvError(format!("cannot open a data port: {e}")))?;
-    let local = listener.local_addr().map_err(|e| EnvError(e.to_string()))?;
-    let id = if env.rank == 0 {
-        crate::comm::nccl_unique_id().map_err(EnvError)?
-    } else {
-        Vec::new()
-    };
-    let meeting = if env.world_size == 1 {
-        Rendezvous {
-            peers: vec![local],
-            shared: id,
-        }
-    } else {
-        rendezvous(&env, local.port(), &id, timeout)?
-    };
-    let checker = TcpComm::connect(env.rank, listener, &meeting.peers, timeout)
-        .map_err(|e| EnvError(format!("connecting rank {}: {e}", env.rank)))?;
-    let nccl = crate::comm::NcclComm::new(
-        env.rank,
-        env.world_size,
-        env.local_rank,
-        &meeting.shared,
-        Some(checker),
-    )
-    .map_err(EnvError)?;
+    let (checker, id) = meet(&env, |_| crate::comm::nccl_unique_id().map_err(EnvError))?;
+    let nccl =
+        crate::comm::NcclComm::new(env.rank, env.world_size, env.local_rank, &id, Some(checker))
+            .map_err(EnvError)?;
     Ok((env, nccl))
 }
