@@ -2,7 +2,8 @@
 # Device side: the engine parity run (tests/src/cases.rs engine_run: 10 AdamW steps, clipping,
 # warmup) on CPU (1 rank, TCP; equal to plain burn within 1e-5, see engine_parity.rs), on 1 GPU,
 # and on all GPUs of the machine at ZeRO stages 0, 1, 2 over NCCL, in one call. Writes
-# $OUT/gpu-parity-<kind>.json with the largest relative differences.
+# $OUT/gpu-parity-<kind>.json with the largest relative differences and how many collectives
+# ran on device memory (0 for the host-staged control run).
 # Needs .gpu/bin/{burn-zero,dist-worker} (dist-worker built with --features nccl).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -20,6 +21,8 @@ run cpu 1 train 0 1
 run gpu1-stage0 1 train-gpu 0 1
 for stage in 0 1 2; do run "gpu$gpus-stage$stage" "$gpus" train-gpu "$stage" 1; done
 run "gpu$gpus-stage2-gas3" "$gpus" train-gpu 2 3
+# The same stage-2 run with collectives staged through host memory: an independent path.
+BURN_ZERO_HOST_COLLECTIVES=1 run "gpu$gpus-stage2-host" "$gpus" train-gpu 2 1
 python3 - "$kind" "$gpus" "$out" <<'PY'
 import json, glob, os, sys
 kind, gpus, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -50,7 +53,8 @@ for name in runs:
     doc["runs"][name] = {
         "vs_1gpu": {p: max_rel(r, one, p) for p in ("loss_", "norm_", "param_")},
         "vs_cpu": {p: max_rel(r, cpu, p) for p in ("loss_", "norm_", "param_")},
-        "final_loss": r["loss_9"][0]}
+        "final_loss": r["loss_9"][0],
+        "device_collectives": int(r.get("device_collectives", [0])[0])}
 json.dump(doc, open(f"{out}/gpu-parity-{kind}.json", "w"), indent=1)
 print(json.dumps(doc["runs"], indent=1))
 PY

@@ -11,8 +11,15 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/burn-zero-target}"
 features="${GPU_FEATURES:-cuda}"
 args=()
-for bin in "$@"; do args+=(--bin "$bin"); done
-cargo build --release -p burn-zero-examples --features "$features" "${args[@]}"
+for bin in "$@"; do
+  # dist-worker (the tests crate's multi-process worker) builds from its own crate.
+  if [ "$bin" = dist-worker ]; then
+    cargo build --release -p burn-zero-tests --features "$features" --bin dist-worker
+  else
+    args+=(--bin "$bin")
+  fi
+done
+[ ${#args[@]} -eq 0 ] || cargo build --release -p burn-zero-examples --features "$features" "${args[@]}"
 # The launcher and `burn-zero report` travel too.
 cargo build --release -p burn-zero --features "${GPU_FEATURES:-cuda}" --bin burn-zero
 mkdir -p .gpu/bin

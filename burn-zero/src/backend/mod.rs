@@ -3,6 +3,8 @@
 
 mod base;
 pub(crate) mod convert;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 mod distributed;
 pub(crate) mod forward;
 pub mod hooks;

@@ -285,6 +285,68 @@ pub trait Communicator: Send + Sync {
     fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError>;
     /// Receives from rank `peer` what it sent.
     fn recv(&self, buf: BufMut<'_>, peer: usize) -> Result<(), CommError>;
+    /// Collectives on device memory, for communicators that have them (NCCL). The engine then
+    /// keeps its buffers on the device and hands their addresses here.
+    fn device(&self) -> Option<&dyn DeviceCollectives> {
+        None
+    }
+}
+
+/// A buffer in device memory: its address and element count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBuf {
+    /// The device address of the first element.
+    pub ptr: u64,
+    /// Number of elements.
+    pub len: usize,
+    /// Element type.
+    pub dtype: DType,
+}
+
+/// Collectives on device buffers (same length rules as [`Communicator`]), enqueued on the
+/// communicator's own stream.
+///
+/// Ordering contract: the caller makes the inputs complete before the call (today: the compute
+/// stream is synchronized first) and keeps both buffers alive and untouched until
+/// [`DeviceCollectives::synchronize`] returns; only then may anything read the outputs.
+pub trait DeviceCollectives: Send + Sync {
+    /// Reduces `input` across ranks into `output` (may be the same buffer).
+    ///
+    /// # Safety
+    /// Both buffers are valid device memory of the communicator's device for their length.
+    unsafe fn all_reduce(
+        &self,
+        input: DeviceBuf,
+        output: DeviceBuf,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Reduces `input` (`world_size × output` elements) and keeps this rank's chunk.
+    ///
+    /// # Safety
+    /// As for [`DeviceCollectives::all_reduce`].
+    unsafe fn reduce_scatter(
+        &self,
+        input: DeviceBuf,
+        output: DeviceBuf,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Concatenates every rank's `input` into `output` in rank order.
+    ///
+    /// # Safety
+    /// As for [`DeviceCollectives::all_reduce`].
+    unsafe fn all_gather(&self, input: DeviceBuf, output: DeviceBuf) -> Result<(), CommError>;
+    /// Copies `root`'s `input` into every rank's `output`.
+    ///
+    /// # Safety
+    /// As for [`DeviceCollectives::all_reduce`].
+    unsafe fn broadcast(
+        &self,
+        input: DeviceBuf,
+        output: DeviceBuf,
+        root: usize,
+    ) -> Result<(), CommError>;
+    /// Blocks until every enqueued collective has finished.
+    fn synchronize(&self) -> Result<(), CommError>;
 }
 
 /// Default time a rank waits for the others before failing.

@@ -1,18 +1,20 @@
 //! `NcclComm`: the communicator of one process per GPU, NCCL through cudarc (dynamic loading).
 //!
-//! Collectives run on the communicator's own CUDA stream. The device-buffer methods
-//! (`*_device`) enqueue on that stream and return; call [`NcclComm::synchronize`] (or order
-//! other streams after it) before reading the results. The [`Communicator`] implementation on
-//! host buffers copies in, reduces and copies out on the same stream and synchronizes before it
-//! returns, so it is ordered against everything burn did before handing over the host data.
+//! Every collective runs on the communicator's own CUDA stream, on raw device addresses, so the
+//! same calls serve cudarc slices (`*_device`), burn-cuda tensor memory ([`DeviceCollectives`],
+//! what the engine uses) and host buffers (the [`Communicator`] implementation, which copies
+//! in, reduces and copies out on that stream and synchronizes before it returns).
 //!
-//! NCCL hangs on mismatched calls; so each host-buffer collective first exchanges its signature
-//! over a TCP side channel, which turns a mismatch into an error naming both calls.
+//! NCCL hangs on mismatched calls; so each collective first exchanges its signature over a TCP
+//! side channel (when the communicator has one), which turns a mismatch into an error naming
+//! both calls.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::nccl::result::{self as raw, NcclError, NcclStatus};
+use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use cudarc::nccl::{Id, NcclType};
 use half::{bf16, f16};
 
 use super::base::*;
@@ -29,19 +31,21 @@ pub struct NcclComm {
     checker: Option<TcpComm>,
 }
 
-/// cudarc's `Comm` holds a raw `ncclComm_t`, so it is neither `Send` nor `Sync`.
-struct CommCell(std::sync::Mutex<Comm>);
+/// The raw `ncclComm_t`, behind a mutex: NCCL forbids overlapping calls on one communicator.
+struct CommCell(std::sync::Mutex<ncclComm_t>);
 
 // SAFETY: an NCCL communicator is a heap handle usable from any thread as long as no two calls
-// on it overlap (NCCL's threading rule); every use goes through the mutex, and cudarc binds the
-// CUDA context to the calling thread on each stream operation.
+// on it overlap (NCCL's threading rule); every use goes through the mutex.
 unsafe impl Send for CommCell {}
 // SAFETY: as above: shared access is serialized by the mutex.
 unsafe impl Sync for CommCell {}
 
-impl CommCell {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Comm> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+impl Drop for CommCell {
+    fn drop(&mut self) {
+        let comm = *self.0.get_mut().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the handle came from `ncclCommInitRank` and is not used after this.
+        // Abort rather than destroy: it never waits for peers that may be gone.
+        let _ = unsafe { raw::comm_abort(comm) };
     }
 }
 
@@ -49,11 +53,19 @@ fn nccl_error(rank: usize, call: OpSignature, what: impl std::fmt::Debug) -> Com
     CommError::Aborted(format!("NCCL failed on rank {rank} in {call}: {what:?}"))
 }
 
-fn op(op: ReduceOp) -> NcclOp {
+fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
     match op {
-        ReduceOp::Sum => NcclOp::Sum,
-        ReduceOp::Avg => NcclOp::Avg,
-        ReduceOp::Max => NcclOp::Max,
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+    }
+}
+
+fn nccl_dtype(dtype: DType) -> ncclDataType_t {
+    match dtype {
+        DType::F32 => f32::as_nccl_type(),
+        DType::Bf16 => bf16::as_nccl_type(),
+        DType::F16 => f16::as_nccl_type(),
     }
 }
 
@@ -69,9 +81,30 @@ pub fn nccl_version() -> Result<i32, String> {
     cudarc::nccl::result::get_nccl_version().map_err(|e| format!("{e:?}"))
 }
 
+/// What one raw collective does; the addresses are the caller's.
+#[derive(Clone, Copy)]
+enum Raw {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
+    Broadcast(usize),
+}
+
+impl Raw {
+    fn signature(self, dtype: DType, count: usize) -> OpSignature {
+        let kind = match self {
+            Raw::AllReduce(op) => OpKind::AllReduce(op),
+            Raw::ReduceScatter(op) => OpKind::ReduceScatter(op),
+            Raw::AllGather => OpKind::AllGather,
+            Raw::Broadcast(root) => OpKind::Broadcast { root },
+        };
+        OpSignature { kind, dtype, count }
+    }
+}
+
 impl NcclComm {
     /// Joins the NCCL group `id` as `rank` of `world_size` on GPU `ordinal`. `checker` (a TCP
-    /// communicator of the same group) enables signature checks of host-buffer collectives.
+    /// communicator of the same group) enables signature checks of every collective.
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -82,8 +115,9 @@ impl NcclComm {
         if id.len() != 128 {
             return Err(format!("an NCCL id has 128 bytes, got {}", id.len()));
         }
-        let mut raw = [0 as core::ffi::c_char; 128];
-        raw.iter_mut()
+        let mut raw_id = [0 as core::ffi::c_char; 128];
+        raw_id
+            .iter_mut()
             .zip(id)
             .for_each(|(r, b)| *r = *b as core::ffi::c_char);
         let context =
@@ -91,8 +125,17 @@ impl NcclComm {
         let stream = context
             .new_stream()
             .map_err(|e| format!("CUDA stream on device {ordinal}: {e:?}"))?;
-        let comm = Comm::from_rank(stream.clone(), rank, world_size, Id::uninit(raw))
-            .map_err(|e| format!("ncclCommInitRank (rank {rank} of {world_size}): {e:?}"))?;
+        context
+            .bind_to_thread()
+            .map_err(|e| format!("CUDA device {ordinal}: {e:?}"))?;
+        let mut comm = core::mem::MaybeUninit::<ncclComm_t>::uninit();
+        let (n, r) = (world_size as i32, rank as i32);
+        // SAFETY: `comm` is written by NCCL on success; the id holds 128 bytes from rank 0.
+        let comm = unsafe {
+            raw::comm_init_rank(comm.as_mut_ptr(), n, ncclUniqueId { internal: raw_id }, r)
+                .map_err(|e| format!("ncclCommInitRank (rank {rank} of {world_size}): {e:?}"))?;
+            comm.assume_init()
+        };
         Ok(Self {
             comm: CommCell(std::sync::Mutex::new(comm)),
             rank,
@@ -112,44 +155,120 @@ impl NcclComm {
         self.stream.synchronize().map_err(|e| format!("{e:?}"))
     }
 
-    /// In-place all-reduce of a device buffer (enqueued).
-    pub fn all_reduce_device<T: NcclType>(
+    /// Enqueues one collective on raw addresses of this communicator's device.
+    ///
+    /// # Safety
+    /// `input` and `output` are valid device memory for the lengths the collective reads and
+    /// writes, and stay so until the stream has run it.
+    unsafe fn launch(
+        &self,
+        what: Raw,
+        input: DeviceBuf,
+        output: DeviceBuf,
+    ) -> Result<NcclStatus, NcclError> {
+        let dtype = nccl_dtype(input.dtype);
+        let (send, recv) = (input.ptr as *const _, output.ptr as *mut _);
+        let stream = self.stream.cu_stream() as _;
+        let _ = self.stream.context().bind_to_thread();
+        let comm = self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: as the caller promised; `comm` is a live communicator used by one call at a time.
+        unsafe {
+            match what {
+                Raw::AllReduce(op) => {
+                    raw::all_reduce(send, recv, input.len, dtype, nccl_op(op), *comm, stream)
+                }
+                Raw::ReduceScatter(op) => {
+                    let n = output.len;
+                    raw::reduce_scatter(send, recv, n, dtype, nccl_op(op), *comm, stream)
+                }
+                Raw::AllGather => raw::all_gather(send, recv, input.len, dtype, *comm, stream),
+                Raw::Broadcast(root) => {
+                    raw::broadcast(send, recv, input.len, dtype, root as i32, *comm, stream)
+                }
+            }
+        }
+    }
+
+    /// Checks lengths (and, when `checked`, signatures across ranks), then enqueues `what`.
+    ///
+    /// # Safety
+    /// As for [`NcclComm::launch`].
+    unsafe fn device_collective(
+        &self,
+        what: Raw,
+        input: DeviceBuf,
+        output: DeviceBuf,
+        checked: bool,
+    ) -> Result<(), CommError> {
+        let call = what.signature(input.dtype, input.len);
+        let world = self.world_size;
+        let expected = match what {
+            Raw::AllReduce(_) | Raw::Broadcast(_) => input.len,
+            Raw::ReduceScatter(_) => input.len / world,
+            Raw::AllGather => input.len * world,
+        };
+        let divisible = !matches!(what, Raw::ReduceScatter(_)) || input.len.is_multiple_of(world);
+        if output.len != expected || !divisible || output.dtype != input.dtype {
+            return Err(CommError::Invalid {
+                rank: self.rank,
+                call,
+                reason: format!(
+                    "{} {} in, {} {} out (expected {expected} out)",
+                    input.len, input.dtype, output.len, output.dtype
+                ),
+            });
+        }
+        if checked {
+            self.check(call)?;
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch(what, input, output) }
+            .map(|_| ())
+            .map_err(|e| nccl_error(self.rank, call, e))
+    }
+
+    fn slice_buf<T: NcclType + CommElement>(&self, slice: &CudaSlice<T>) -> DeviceBuf {
+        let (ptr, _sync) = slice.device_ptr(&self.stream);
+        DeviceBuf {
+            ptr,
+            len: slice.len(),
+            dtype: T::DTYPE,
+        }
+    }
+
+    /// In-place all-reduce of a device buffer (enqueued; no signature check: the fast path for
+    /// callers that keep their ranks in step themselves).
+    pub fn all_reduce_device<T: NcclType + CommElement>(
         &self,
         buf: &mut CudaSlice<T>,
         reduce: ReduceOp,
-    ) -> Result<(), String> {
-        self.comm
-            .lock()
-            .all_reduce_in_place(buf, &op(reduce))
-            .map(|_| ())
-            .map_err(|e| format!("{e:?}"))
+    ) -> Result<(), CommError> {
+        let b = self.slice_buf(buf);
+        // SAFETY: `buf` is a live allocation on this device, borrowed for the call.
+        unsafe { self.device_collective(Raw::AllReduce(reduce), b, b, false) }
     }
 
     /// All-gather of device buffers: `output` holds `world_size × input` elements (enqueued).
-    pub fn all_gather_device<T: NcclType>(
+    pub fn all_gather_device<T: NcclType + CommElement>(
         &self,
         input: &CudaSlice<T>,
         output: &mut CudaSlice<T>,
-    ) -> Result<(), String> {
-        self.comm
-            .lock()
-            .all_gather(input, output)
-            .map(|_| ())
-            .map_err(|e| format!("{e:?}"))
+    ) -> Result<(), CommError> {
+        let (i, o) = (self.slice_buf(input), self.slice_buf(output));
+        // SAFETY: both are live allocations on this device, borrowed for the call.
+        unsafe { self.device_collective(Raw::AllGather, i, o, false) }
     }
 
     /// Reduce-scatter of device buffers: `input` holds `world_size × output` (enqueued).
-    pub fn reduce_scatter_device<T: NcclType>(
+    pub fn reduce_scatter_device<T: NcclType + CommElement>(
         &self,
         input: &CudaSlice<T>,
         output: &mut CudaSlice<T>,
         reduce: ReduceOp,
-    ) -> Result<(), String> {
-        self.comm
-            .lock()
-            .reduce_scatter(input, output, &op(reduce))
-            .map(|_| ())
-            .map_err(|e| format!("{e:?}"))
+    ) -> Result<(), CommError> {
+        let (i, o) = (self.slice_buf(input), self.slice_buf(output));
+        // SAFETY: both are live allocations on this device, borrowed for the call.
+        unsafe { self.device_collective(Raw::ReduceScatter(reduce), i, o, false) }
     }
 
     fn check(&self, call: OpSignature) -> Result<(), CommError> {
@@ -159,53 +278,85 @@ impl NcclComm {
         }
     }
 
-    fn run<T: NcclType + DeviceRepr + ValidAsZeroBits>(
+    /// A host-buffer collective: copy in, run `what`, copy out, synchronize.
+    fn run<T: NcclType + CommElement + DeviceRepr + ValidAsZeroBits>(
         &self,
-        call: OpSignature,
+        what: Raw,
         input: &[T],
         output: &mut [T],
-        collective: impl FnOnce(
-            &Comm,
-            &CudaSlice<T>,
-            &mut CudaSlice<T>,
-        ) -> Result<
-            cudarc::nccl::result::NcclStatus,
-            cudarc::nccl::result::NcclError,
-        >,
     ) -> Result<(), CommError> {
-        self.check(call)?;
-        let rank = self.rank;
+        let (rank, call) = (self.rank, what.signature(T::DTYPE, input.len()));
         let fail = |what: &dyn std::fmt::Debug| nccl_error(rank, call, what);
         let send = self.stream.clone_htod(input).map_err(|e| fail(&e))?;
         let mut recv = self
             .stream
             .alloc_zeros::<T>(output.len())
             .map_err(|e| fail(&e))?;
-        collective(&self.comm.lock(), &send, &mut recv).map_err(|e| fail(&e))?;
+        let (i, o) = (self.slice_buf(&send), self.slice_buf(&recv));
+        // SAFETY: `send` and `recv` live until the synchronization below.
+        unsafe { self.device_collective(what, i, o, true)? };
         self.stream
             .memcpy_dtoh(&recv, output)
             .map_err(|e| fail(&e))?;
+        // `send` and `recv` are dropped only after this: NCCL has finished with them.
         self.stream.synchronize().map_err(|e| fail(&e))
     }
 }
 
-/// Runs a typed host-buffer collective on whichever element type the buffers hold.
+impl DeviceCollectives for NcclComm {
+    unsafe fn all_reduce(
+        &self,
+        input: DeviceBuf,
+        output: DeviceBuf,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device_collective(Raw::AllReduce(op), input, output, true) }
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        input: DeviceBuf,
+        output: DeviceBuf,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device_collective(Raw::ReduceScatter(op), input, output, true) }
+    }
+
+    unsafe fn all_gather(&self, input: DeviceBuf, output: DeviceBuf) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device_collective(Raw::AllGather, input, output, true) }
+    }
+
+    unsafe fn broadcast(
+        &self,
+        input: DeviceBuf,
+        output: DeviceBuf,
+        root: usize,
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device_collective(Raw::Broadcast(root), input, output, true) }
+    }
+
+    fn synchronize(&self) -> Result<(), CommError> {
+        self.stream
+            .synchronize()
+            .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e:?}", self.rank)))
+    }
+}
+
+/// Runs a host-buffer collective on whichever element type the buffers hold.
 macro_rules! typed {
-    ($self:ident, $call:ident, $input:expr, $output:expr, |$comm:ident, $send:ident, $recv:ident| $body:expr) => {
+    ($self:ident, $what:expr, $input:expr, $output:expr) => {
         match ($input, $output) {
-            (Buf::F32(i), BufMut::F32(o)) => {
-                $self.run::<f32>($call, i, o, |$comm, $send, $recv| $body)
-            }
-            (Buf::Bf16(i), BufMut::Bf16(o)) => {
-                $self.run::<bf16>($call, i, o, |$comm, $send, $recv| $body)
-            }
-            (Buf::F16(i), BufMut::F16(o)) => {
-                $self.run::<f16>($call, i, o, |$comm, $send, $recv| $body)
-            }
-            _ => Err(CommError::Invalid {
+            (Buf::F32(i), BufMut::F32(o)) => $self.run::<f32>($what, i, o),
+            (Buf::Bf16(i), BufMut::Bf16(o)) => $self.run::<bf16>($what, i, o),
+            (Buf::F16(i), BufMut::F16(o)) => $self.run::<f16>($what, i, o),
+            (i, o) => Err(CommError::Invalid {
                 rank: $self.rank,
-                call: $call,
-                reason: "input and output dtypes differ".into(),
+                call: $what.signature(i.dtype(), i.len()),
+                reason: format!("input is {}, output is {}", i.dtype(), o.dtype()),
             }),
         }
     };
@@ -221,18 +372,8 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, reduce: ReduceOp) -> Result<(), CommError> {
-        let call = OpSignature {
-            kind: OpKind::AllReduce(reduce),
-            dtype: buf.dtype(),
-            count: buf.len(),
-        };
         let input = Payload::copy_of(buf.as_buf());
-        let input = input.as_buf();
-        typed!(self, call, input, buf, |comm, send, recv| comm.all_reduce(
-            send,
-            recv,
-            &op(reduce)
-        ))
+        typed!(self, Raw::AllReduce(reduce), input.as_buf(), buf)
     }
 
     fn reduce_scatter(
@@ -241,60 +382,40 @@ impl Communicator for NcclComm {
         output: BufMut<'_>,
         reduce: ReduceOp,
     ) -> Result<(), CommError> {
-        let call = OpSignature {
-            kind: OpKind::ReduceScatter(reduce),
-            dtype: input.dtype(),
-            count: input.len(),
-        };
-        typed!(self, call, input, output, |comm, send, recv| comm
-            .reduce_scatter(send, recv, &op(reduce)))
+        typed!(self, Raw::ReduceScatter(reduce), input, output)
     }
 
     fn all_gather(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<(), CommError> {
-        let call = OpSignature {
-            kind: OpKind::AllGather,
-            dtype: input.dtype(),
-            count: input.len(),
-        };
-        typed!(self, call, input, output, |comm, send, recv| comm
-            .all_gather(send, recv))
+        typed!(self, Raw::AllGather, input, output)
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
-        let call = OpSignature {
-            kind: OpKind::Broadcast { root },
-            dtype: buf.dtype(),
-            count: buf.len(),
-        };
         let input = Payload::copy_of(buf.as_buf());
-        let input = input.as_buf();
-        typed!(self, call, input, buf, |comm, send, recv| comm.broadcast(
-            Some(send),
-            recv,
-            root as i32
-        ))
+        typed!(self, Raw::Broadcast(root), input.as_buf(), buf)
     }
 
     fn barrier(&self) -> Result<(), CommError> {
         let mut one = [0.0f32];
-        self.all_reduce(one.as_mut_slice().into(), ReduceOp::Sum)
+        Communicator::all_reduce(self, one.as_mut_slice().into(), ReduceOp::Sum)
     }
 
     fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError> {
-        match &self.checker {
-            Some(checker) => checker.send(buf, peer),
-            None => Err(CommError::Aborted(
-                "point-to-point over NCCL needs the TCP side channel".into(),
-            )),
-        }
+        self.side_channel()?.send(buf, peer)
     }
 
     fn recv(&self, buf: BufMut<'_>, peer: usize) -> Result<(), CommError> {
-        match &self.checker {
-            Some(checker) => checker.recv(buf, peer),
-            None => Err(CommError::Aborted(
-                "point-to-point over NCCL needs the TCP side channel".into(),
-            )),
-        }
+        self.side_channel()?.recv(buf, peer)
+    }
+
+    fn device(&self) -> Option<&dyn DeviceCollectives> {
+        Some(self)
+    }
+}
+
+impl NcclComm {
+    fn side_channel(&self) -> Result<&TcpComm, CommError> {
+        self.checker.as_ref().ok_or_else(|| {
+            CommError::Aborted("point-to-point over NCCL needs the TCP side channel".into())
+        })
     }
 }

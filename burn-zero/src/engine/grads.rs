@@ -1,36 +1,44 @@
-//! Gradient collection during backward, per ZeRO stage.
+//! Gradient collection during backward, per ZeRO stage, into flat buffers on the device.
 //!
-//! Stages 0 and 1 accumulate full gradients locally and all-reduce them, bucketed, at the end
-//! of the accumulation boundary's backward. Stage 2 reduce-scatters buckets of final gradients
-//! straight into this rank's partition as they arrive, on a background thread when
-//! `overlap_comm` is on, so communication runs while backward continues.
+//! Stages 0 and 1 accumulate full gradients into one flat buffer and all-reduce it, in
+//! buckets, at the end of the accumulation boundary's backward. Stage 2 reduce-scatters
+//! buckets of final gradients straight into this rank's partition as they arrive; with
+//! `overlap_comm` on a device communicator the collectives run on NCCL's stream while backward
+//! goes on, and their results are added in when backward ends.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 
+use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::distributed::DistributedParamId;
-use burn_backend::{Backend, TensorMetadata, try_read_sync};
+use burn_backend::{Backend, TensorMetadata};
 
+use super::collective::FlatComm;
 use super::params::FlatLayout;
 use crate::ZeroTensor;
 use crate::backend::hooks::GradientHook;
-use crate::comm::{CommError, Communicator, ReduceOp};
-use crate::partition::{BucketItem, PartitionPlan, reduce_scatter_bucket};
+use crate::comm::{CommError, ReduceOp};
+use crate::partition::{PartitionPlan, Piece, ScatterLayout};
 
-/// What the hook accumulates into, shared with the engine. Free of burn types.
-pub(crate) struct GradState {
+/// A reduce-scatter whose result is added into the partition once it has arrived.
+struct Pending<I: Backend> {
+    received: Tensor<I, 1>,
+    pieces: Vec<Piece>,
+}
+
+/// What the hook accumulates into, shared with the engine.
+pub(crate) struct GradState<I: Backend> {
     layout: Arc<FlatLayout>,
     offsets: HashMap<DistributedParamId, usize>,
     plan: PartitionPlan,
-    comm: Arc<dyn Communicator>,
+    pub(crate) flat: FlatComm<I>,
     stage: u8,
     bucket_size: usize,
     /// Stage 0/1: the full flat gradient. Stage 2: this rank's chunk.
-    pub(crate) buffer: Vec<f32>,
-    bucket: Vec<BucketItem>,
+    pub(crate) buffer: Tensor<I, 1>,
+    bucket: Vec<(usize, Tensor<I, 1>)>,
     bucket_elems: usize,
-    worker: Option<ReduceWorker>,
+    pending: Vec<Pending<I>>,
     /// Whether the running backward ends an accumulation window (stage 0/1 reduce then).
     pub(crate) boundary: bool,
     /// The first communication failure; the engine reports it after backward.
@@ -39,37 +47,36 @@ pub(crate) struct GradState {
     pub(crate) seen: usize,
 }
 
-impl GradState {
+impl<I: Backend> GradState<I> {
     pub(crate) fn new(
         layout: Arc<FlatLayout>,
         plan: PartitionPlan,
-        comm: Arc<dyn Communicator>,
+        flat: FlatComm<I>,
         stage: u8,
         bucket_size: usize,
-        overlap: bool,
     ) -> Self {
         let len = if stage >= 2 {
             plan.chunk()
         } else {
             layout.numel()
         };
-        let worker = (stage >= 2 && overlap).then(|| ReduceWorker::spawn(comm.clone(), plan));
         let offsets = layout
             .slots()
             .iter()
             .map(|s| (DistributedParamId::from(s.id.val()), s.offset))
             .collect();
+        let buffer = Tensor::zeros([len], flat.device());
         Self {
             layout,
             offsets,
             plan,
-            comm,
+            flat,
             stage,
             bucket_size: bucket_size.max(1),
-            buffer: vec![0.0; len],
+            buffer,
             bucket: Vec::new(),
             bucket_elems: 0,
-            worker,
+            pending: Vec::new(),
             boundary: true,
             failure: None,
             seen: 0,
@@ -78,7 +85,7 @@ impl GradState {
 
     /// Bytes of gradient storage held.
     pub(crate) fn gradient_bytes(&self) -> usize {
-        4 * self.buffer.capacity()
+        4 * self.buffer.dims()[0]
     }
 
     /// Bytes of communication buffers at their peak: one bucket, and its send/receive copies.
@@ -91,45 +98,76 @@ impl GradState {
         }
     }
 
-    fn accept(&mut self, id: DistributedParamId, values: Vec<f32>) {
+    fn accept(&mut self, id: DistributedParamId, grad: Tensor<I, 1>) {
         let Some(&offset) = self.offsets.get(&id) else {
             return;
         };
         self.seen += 1;
+        let n = grad.dims()[0];
         if self.stage < 2 {
-            for (acc, v) in self.buffer[offset..offset + values.len()]
-                .iter_mut()
-                .zip(&values)
-            {
-                *acc += v;
-            }
+            let range = offset..offset + n;
+            let sum = self.buffer.clone().slice(range.clone()) + grad;
+            self.buffer = self.buffer.clone().slice_assign(range, sum);
             return;
         }
-        self.bucket_elems += values.len();
-        self.bucket.push(BucketItem { offset, values });
+        self.bucket_elems += n;
+        self.bucket.push((offset, grad));
         if self.bucket_elems >= self.bucket_size {
             self.flush();
         }
     }
 
+    /// Reduce-scatters the bucket: one send buffer laid out rank-major by [`ScatterLayout`].
     fn flush(&mut self) {
         let items = std::mem::take(&mut self.bucket);
         self.bucket_elems = 0;
         if items.is_empty() || self.failure.is_some() {
             return;
         }
-        match &self.worker {
-            Some(worker) => worker.submit(items),
-            None => {
-                if let Err(e) = reduce_scatter_bucket(
-                    self.comm.as_ref(),
-                    &self.plan,
-                    &items,
-                    ReduceOp::Avg,
-                    &mut self.buffer,
-                ) {
-                    self.failure = Some(e);
-                }
+        let spans: Vec<_> = items.iter().map(|(o, t)| (*o, t.dims()[0])).collect();
+        let layout = ScatterLayout::new(&self.plan, &spans);
+        if layout.longest == 0 {
+            return;
+        }
+        let device = self.flat.device().clone();
+        let mut parts = Vec::new();
+        for pieces in &layout.per_rank {
+            let mut filled = 0;
+            for piece in pieces {
+                parts.push(items[piece.item].1.clone().slice(piece.range.clone()));
+                filled += piece.range.len();
+            }
+            if filled < layout.longest {
+                parts.push(Tensor::zeros([layout.longest - filled], &device));
+            }
+        }
+        let send = Tensor::cat(parts, 0);
+        match self.flat.reduce_scatter(send, ReduceOp::Avg) {
+            Ok(received) => {
+                let rank = self.flat.comm().rank();
+                self.pending.push(Pending {
+                    received,
+                    pieces: layout.per_rank[rank].clone(),
+                });
+            }
+            Err(e) => self.failure = Some(e),
+        }
+    }
+
+    /// Adds every arrived reduce-scatter result into the partition.
+    fn settle(&mut self) {
+        if let Err(e) = self.flat.wait() {
+            self.failure.get_or_insert(e);
+        }
+        for Pending { received, pieces } in std::mem::take(&mut self.pending) {
+            let mut at = 0;
+            for piece in pieces {
+                let len = piece.range.len();
+                let dst = piece.dst..piece.dst + len;
+                let sum =
+                    self.buffer.clone().slice(dst.clone()) + received.clone().slice(at..at + len);
+                self.buffer = self.buffer.clone().slice_assign(dst, sum);
+                at += len;
             }
         }
     }
@@ -137,38 +175,42 @@ impl GradState {
     fn finish_backward(&mut self) {
         if self.stage >= 2 {
             self.flush();
-            if let Some(worker) = &self.worker {
-                match worker.finish() {
-                    Ok(reduced) => self
-                        .buffer
-                        .iter_mut()
-                        .zip(&reduced)
-                        .for_each(|(a, r)| *a += r),
+            self.settle();
+        } else if self.boundary && self.failure.is_none() {
+            let numel = self.buffer.dims()[0];
+            let mut reduced = Vec::new();
+            for start in (0..numel).step_by(self.bucket_size) {
+                let piece = self
+                    .buffer
+                    .clone()
+                    .slice(start..(start + self.bucket_size).min(numel));
+                match self.flat.all_reduce(piece, ReduceOp::Avg) {
+                    Ok(r) => reduced.push(r),
                     Err(e) => {
-                        self.failure.get_or_insert(e);
+                        self.failure = Some(e);
+                        return;
                     }
                 }
             }
-        } else if self.boundary && self.failure.is_none() {
-            for piece in self.buffer.chunks_mut(self.bucket_size) {
-                if let Err(e) = self.comm.all_reduce(piece.into(), ReduceOp::Avg) {
-                    self.failure = Some(e);
-                    break;
-                }
+            if let Err(e) = self.flat.wait() {
+                self.failure = Some(e);
+                return;
+            }
+            if !reduced.is_empty() {
+                self.buffer = Tensor::cat(reduced, 0);
             }
         }
     }
 
     /// Zeroes the gradients after an optimizer step.
     pub(crate) fn clear(&mut self) {
-        self.buffer.iter_mut().for_each(|v| *v = 0.0);
+        self.buffer = self.buffer.zeros_like();
     }
 }
 
-/// The `GradientHook` of the engine: reads each final gradient and hands it to [`GradState`].
+/// The `GradientHook` of the engine: hands each final gradient, flattened, to [`GradState`].
 pub(crate) struct EngineHook<I: Backend> {
-    pub(crate) state: Arc<Mutex<GradState>>,
-    pub(crate) _inner: core::marker::PhantomData<fn() -> I>,
+    pub(crate) state: Arc<Mutex<GradState<I>>>,
 }
 
 impl<I: Backend> GradientHook<I> for EngineHook<I> {
@@ -177,16 +219,10 @@ impl<I: Backend> GradientHook<I> for EngineHook<I> {
     }
 
     fn on_gradient_final(&mut self, param: DistributedParamId, grad: &mut ZeroTensor<I>) {
-        let tensor = grad.inner().clone();
-        let data = try_read_sync(I::float_into_data(tensor))
-            .expect("a backend that can read synchronously")
-            .expect("read a gradient");
-        let values = data
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("f32 gradient");
+        let n = grad.shape().num_elements();
+        let flat = I::float_reshape(grad.inner().clone(), [n].into());
         let mut state = self.state.lock().expect("gradient state");
-        state.accept(param, values);
+        state.accept(param, Tensor::from_primitive(TensorPrimitive::Float(flat)));
         if state.stage >= 2 {
             // The full gradient is not needed any more: its partition is being reduced. One
             // element, not zero: CUDA backends cannot launch kernels over empty tensors.
@@ -198,68 +234,5 @@ impl<I: Backend> GradientHook<I> for EngineHook<I> {
 
     fn on_backward_end(&mut self) {
         self.state.lock().expect("gradient state").finish_backward();
-    }
-}
-
-enum Job {
-    Bucket(Vec<BucketItem>),
-    Finish(Sender<Result<Vec<f32>, CommError>>),
-}
-
-/// A thread that reduce-scatters buckets while backward goes on (`overlap_comm`).
-struct ReduceWorker {
-    jobs: Sender<Job>,
-}
-
-impl ReduceWorker {
-    fn spawn(comm: Arc<dyn Communicator>, plan: PartitionPlan) -> Self {
-        let (jobs, inbox) = channel();
-        std::thread::Builder::new()
-            .name(format!("burn-zero-reduce-{}", comm.rank()))
-            .spawn(move || Self::run(comm, plan, inbox))
-            .expect("spawn the gradient reduction thread");
-        Self { jobs }
-    }
-
-    fn run(comm: Arc<dyn Communicator>, plan: PartitionPlan, inbox: Receiver<Job>) {
-        let mut reduced = vec![0.0f32; plan.chunk()];
-        let mut failure = None;
-        for job in inbox {
-            match job {
-                Job::Bucket(items) if failure.is_none() => {
-                    if let Err(e) = reduce_scatter_bucket(
-                        comm.as_ref(),
-                        &plan,
-                        &items,
-                        ReduceOp::Avg,
-                        &mut reduced,
-                    ) {
-                        failure = Some(e);
-                    }
-                }
-                Job::Bucket(_) => {}
-                Job::Finish(reply) => {
-                    let result = match failure.take() {
-                        Some(e) => Err(e),
-                        None => Ok(std::mem::replace(&mut reduced, vec![0.0; plan.chunk()])),
-                    };
-                    let _ = reply.send(result);
-                }
-            }
-        }
-    }
-
-    fn submit(&self, items: Vec<BucketItem>) {
-        self.jobs
-            .send(Job::Bucket(items))
-            .expect("the reduction thread is alive");
-    }
-
-    fn finish(&self) -> Result<Vec<f32>, CommError> {
-        let (reply, answer) = channel();
-        self.jobs
-            .send(Job::Finish(reply))
-            .expect("the reduction thread is alive");
-        answer.recv().expect("the reduction thread answers")
     }
 }

@@ -5,9 +5,11 @@
 //! (through `ZeroBackend`'s gradient hook), clips by the global norm across all shards, updates
 //! this rank's partition of the flattened parameters, and all-gathers the result (stages 1–2).
 //!
-//! Partitions, gradients and optimizer state are flat f32 host buffers in this version; the
-//! model's parameters stay on the inner backend's device.
+//! Partitions, gradients and optimizer state are flat tensors of the inner backend, on the
+//! model's device; with an NCCL communicator the collectives run on their device memory
+//! (see `collective`).
 
+mod collective;
 mod grads;
 mod memory;
 mod params;
@@ -17,19 +19,20 @@ use std::time::{Duration, Instant};
 
 use burn::backend::Autodiff;
 use burn::module::Module;
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Tensor};
 
 pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates};
-pub use params::{FlatLayout, ParamSlot, host_values, read_params, write_params};
+pub use params::{FlatLayout, ParamSlot, flatten_params, unflatten_params};
 
 use crate::ZeroBackend;
 use crate::backend::hooks::{self, HookGuard};
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::config::{ConfigError, DeepSpeedConfig, ResolvedConfig};
-use crate::optim::{FlatOptimizer, StepParams};
-use crate::partition::{PartitionPlan, all_gather_in_pieces};
+use crate::optim::{StepParams, TensorOptimizer};
+use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
+use collective::FlatComm;
 use grads::{EngineHook, GradState};
 
 /// The autodiff backend the engine trains on.
@@ -68,8 +71,8 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     resolved: ResolvedConfig,
     layout: Arc<FlatLayout>,
     plan: PartitionPlan,
-    grads: Arc<Mutex<GradState>>,
-    optimizer: FlatOptimizer,
+    grads: Arc<Mutex<GradState<I>>>,
+    optimizer: TensorOptimizer<I>,
     scheduler: Scheduler,
     micro_steps: usize,
     global_steps: usize,
@@ -111,24 +114,29 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         PartitionPlan::aligned(layout.numel(), world, PARTITION_ALIGN)
     };
 
-    let mut flat = vec![0.0f32; layout.numel()];
-    read_params(&model, &layout, 0, &mut flat);
-    comm.broadcast(flat.as_mut_slice().into(), 0)?;
-    let model = hooks::mark_distributed(write_params(model, &layout, &flat));
+    let params = flatten_params(&model, &layout, 0);
+    let device = params.device();
+    let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
+    let params = flat.broadcast(params, 0)?;
+    flat.wait()?;
+    let model = hooks::mark_distributed(unflatten_params(model, &layout, params));
 
     let owned = owned_range(&plan, stage, comm.rank());
-    let optimizer = FlatOptimizer::new(resolved.optimizer, &resolved.optimizer_params, owned.len());
+    let optimizer = TensorOptimizer::new(
+        resolved.optimizer,
+        &resolved.optimizer_params,
+        owned.len(),
+        &device,
+    );
     let grads = Arc::new(Mutex::new(GradState::new(
         layout.clone(),
         plan,
-        comm.clone(),
+        flat,
         stage,
         zero.reduce_bucket_size.get(),
-        zero.overlap_comm(),
     )));
     let hook = hooks::install::<I>(Box::new(EngineHook {
         state: grads.clone(),
-        _inner: core::marker::PhantomData,
     }));
     Ok(Engine {
         model: Some(model),
@@ -217,7 +225,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         }
     }
 
-    fn state(&self) -> MutexGuard<'_, GradState> {
+    /// Collectives that ran on device memory so far (0 on the host path).
+    pub fn device_collectives(&self) -> usize {
+        self.state().flat.device_calls
+    }
+
+    fn state(&self) -> MutexGuard<'_, GradState<I>> {
         self.grads.lock().expect("gradient state")
     }
 
@@ -263,29 +276,28 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         }
         let start = Instant::now();
         let stage = self.resolved.config.zero_optimization.stage;
-        let rank = self.comm.rank();
-        let owned = owned_range(&self.plan, stage, rank);
-        let mut params = vec![0.0f32; self.plan.chunk()];
-        read_params(
+        let owned = owned_range(&self.plan, stage, self.comm.rank());
+        let params = flatten_params(
             self.model(),
             &self.layout,
-            owned.start,
-            &mut params[..owned.len()],
-        );
+            self.plan.padded_numel() - self.layout.numel(),
+        )
+        .slice(owned.clone());
 
         let grads = self.grads.clone();
         let mut state = grads.lock().expect("gradient state");
         let grad = match stage {
-            0 | 2 => &mut state.buffer[..owned.len()],
-            _ => &mut state.buffer[owned.clone()],
+            0 | 2 => state.buffer.clone().slice(0..owned.len()),
+            _ => state.buffer.clone().slice(owned.clone()),
         };
-        let norm = self.global_norm(grad, stage)?;
+        let norm = global_norm(&mut state.flat, grad.clone(), stage)?;
         self.last_grad_norm = Some(norm);
         let clip = self.resolved.config.gradient_clipping;
-        if clip > 0.0 && norm + 1e-6 > clip {
-            let coef = (clip / (norm + 1e-6)) as f32;
-            grad.iter_mut().for_each(|g| *g *= coef);
-        }
+        let grad = if clip > 0.0 && norm + 1e-6 > clip {
+            grad.mul_scalar((clip / (norm + 1e-6)) as f32)
+        } else {
+            grad
+        };
         let hp = StepParams {
             lr: self.scheduler.lr(),
             betas: self.scheduler.betas().unwrap_or({
@@ -293,14 +305,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 (b1, b2)
             }),
         };
-        self.optimizer.step(&mut params[..owned.len()], grad, hp);
+        let params = self.optimizer.step(params, grad, hp);
         state.clear();
-        drop(state);
 
         let flat = if stage == 0 {
             params
         } else {
-            let mut full = vec![0.0f32; self.plan.padded_numel()];
             let piece = self
                 .resolved
                 .config
@@ -308,15 +318,21 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 .allgather_bucket_size
                 .get()
                 / self.comm.world_size();
-            all_gather_in_pieces(self.comm.as_ref(), &params, &mut full, piece)?;
-            full.truncate(self.layout.numel());
-            full
+            let padding = self.plan.chunk() - owned.len();
+            let chunk = if padding > 0 {
+                let zeros = Tensor::zeros([padding], &params.device());
+                Tensor::cat(vec![params, zeros], 0)
+            } else {
+                params
+            };
+            all_gather_in_pieces(&mut state.flat, chunk, piece)?
         };
+        drop(state);
         let model = self.model.take().expect("model");
-        self.model = Some(hooks::mark_distributed(write_params(
+        self.model = Some(hooks::mark_distributed(unflatten_params(
             model,
             &self.layout,
-            &flat,
+            flat,
         )));
 
         self.scheduler.step();
@@ -325,19 +341,6 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.timings.step += start.elapsed();
         self.report_progress();
         Ok(())
-    }
-
-    /// The L2 norm of the whole gradient: this rank's share summed across ranks for stages
-    /// that partition (equal to the unsharded norm; padding is zero).
-    fn global_norm(&self, grad: &[f32], stage: u8) -> Result<f64, EngineError> {
-        let local: f64 = grad.iter().map(|g| f64::from(*g) * f64::from(*g)).sum();
-        if stage == 0 {
-            return Ok(local.sqrt());
-        }
-        let mut total = [local as f32];
-        self.comm
-            .all_reduce(total.as_mut_slice().into(), ReduceOp::Sum)?;
-        Ok(f64::from(total[0]).sqrt())
     }
 
     fn report_progress(&mut self) {
@@ -363,4 +366,41 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         }
         crate::log::info(&line);
     }
+}
+
+/// The L2 norm of the whole gradient: this rank's share summed across ranks for stages that
+/// partition (equal to the unsharded norm; padding is zero).
+fn global_norm<I: Backend>(
+    flat: &mut FlatComm<I>,
+    grad: Tensor<I, 1>,
+    stage: u8,
+) -> Result<f64, CommError> {
+    let squares = grad.clone().mul(grad).sum();
+    let total = if stage == 0 {
+        squares
+    } else {
+        let total = flat.all_reduce(squares, ReduceOp::Sum)?;
+        flat.wait()?;
+        total
+    };
+    Ok(f64::from(total.into_scalar().elem::<f32>()).sqrt())
+}
+
+/// All-gathers every rank's `chunk` into the full padded flat buffer (rank-major), in pieces of
+/// at most `piece` elements per rank (DeepSpeed's `allgather_bucket_size`).
+fn all_gather_in_pieces<I: Backend>(
+    flat: &mut FlatComm<I>,
+    chunk: Tensor<I, 1>,
+    piece: usize,
+) -> Result<Tensor<I, 1>, CommError> {
+    let (world, len) = (flat.comm().world_size(), chunk.dims()[0]);
+    let piece = piece.max(1);
+    let mut columns = Vec::new();
+    for start in (0..len).step_by(piece) {
+        let end = (start + piece).min(len);
+        let gathered = flat.all_gather(chunk.clone().slice(start..end))?;
+        columns.push(gathered.reshape([world, end - start]));
+    }
+    flat.wait()?;
+    Ok(Tensor::cat(columns, 1).reshape([world * len]))
 }

@@ -1,11 +1,14 @@
-//! The flat layout of a module's parameters, and moving them between the module and flat
-//! host buffers (the engine's partitions).
+//! The flat layout of a module's parameters, and moving them between the module and one flat
+//! tensor of the inner backend (the engine's buffers).
 
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
+
+use super::ZeroAutodiff;
+use crate::{ZeroBackend, ZeroTensor};
 
 /// Where one parameter lives in the flat buffer.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,75 +83,83 @@ impl FlatLayout {
     pub fn slot(&self, id: u64) -> Option<&ParamSlot> {
         self.by_id.get(&id).map(|i| &self.slots[*i])
     }
+
+    /// The index in [`FlatLayout::slots`] of parameter `id`.
+    pub fn index(&self, id: u64) -> Option<usize> {
+        self.by_id.get(&id).copied()
+    }
 }
 
-/// Copies the elements `start..start + out.len()` of the flattened parameters into `out`
-/// (elements past the end stay as they are: the padding).
-pub fn read_params<B: Backend, M: Module<B>>(
+/// The float parameters of `module` laid end to end in one flat tensor of the inner backend,
+/// then `padding` zeros.
+pub fn flatten_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
     module: &M,
     layout: &FlatLayout,
-    start: usize,
-    out: &mut [f32],
-) {
-    struct Read<'a> {
+    padding: usize,
+) -> Tensor<I, 1> {
+    struct Collect<'a, I: Backend> {
         layout: &'a FlatLayout,
-        start: usize,
-        out: &'a mut [f32],
+        parts: Vec<Option<Tensor<I, 1>>>,
     }
-    impl<B: Backend> ModuleVisitor<B> for Read<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let Some(slot) = self.layout.slot(param.id.val()) else {
+    impl<I: Backend> ModuleVisitor<ZeroAutodiff<I>> for Collect<'_, I> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<ZeroAutodiff<I>, D>>) {
+            let Some(index) = self.layout.index(param.id.val()) else {
                 return;
             };
-            let end = self.start + self.out.len();
-            let (lo, hi) = (
-                slot.offset.max(self.start),
-                (slot.offset + slot.numel()).min(end),
-            );
-            if lo >= hi {
-                return;
-            }
-            let values = host_values(param.val());
-            self.out[lo - self.start..hi - self.start]
-                .copy_from_slice(&values[lo - slot.offset..hi - slot.offset]);
+            let n = self.layout.slots()[index].numel();
+            let zero = param.val().inner().into_primitive().tensor();
+            let flat = Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(zero.into_inner()));
+            self.parts[index] = Some(flat.reshape([n]));
         }
     }
-    module.visit(&mut Read { layout, start, out });
+    let mut collect = Collect {
+        layout,
+        parts: vec![None; layout.slots().len()],
+    };
+    module.visit(&mut collect);
+    let mut parts: Vec<Tensor<I, 1>> = collect
+        .parts
+        .into_iter()
+        .map(|p| p.expect("every parameter of the layout is in the module"))
+        .collect();
+    if padding > 0 || parts.is_empty() {
+        let device = parts.first().map(|p| p.device()).unwrap_or_default();
+        parts.push(Tensor::zeros([padding], &device));
+    }
+    Tensor::cat(parts, 0)
 }
 
-/// Rebuilds every parameter of `module` from the full flat buffer `flat`, as new leaves that
-/// keep their `require_grad` flag (what burn's own optimizer step does).
-pub fn write_params<B: AutodiffBackend, M: Module<B>>(
+/// Rebuilds every parameter of `module` from `flat` (at least `layout.numel()` elements), as
+/// new leaves that keep their `require_grad` flag (what burn's own optimizer step does).
+pub fn unflatten_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
     module: M,
     layout: &FlatLayout,
-    flat: &[f32],
+    flat: Tensor<I, 1>,
 ) -> M {
-    struct Write<'a> {
+    struct Write<'a, I: Backend> {
         layout: &'a FlatLayout,
-        flat: &'a [f32],
+        flat: Tensor<I, 1>,
     }
-    impl<B: AutodiffBackend> ModuleMapper<B> for Write<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+    impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Write<'_, I> {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<ZeroAutodiff<I>, D>>,
+        ) -> Param<Tensor<ZeroAutodiff<I>, D>> {
             let (id, tensor, mapper) = param.consume();
             let Some(slot) = self.layout.slot(id.val()) else {
                 return Param::from_mapped_value(id, tensor, mapper);
             };
-            let values = self.flat[slot.offset..slot.offset + slot.numel()].to_vec();
-            let require_grad = tensor.is_require_grad();
-            let device = tensor.device();
-            let data = TensorData::new(values, slot.shape.clone()).convert_dtype(tensor.dtype());
-            let rebuilt = Tensor::<B, D>::from_data(data, &device).set_require_grad(require_grad);
+            let values = self
+                .flat
+                .clone()
+                .slice(slot.offset..slot.offset + slot.numel())
+                .reshape::<D, _>(Shape::from(slot.shape.clone()))
+                .cast(tensor.dtype());
+            let zero = ZeroTensor::local(values.into_primitive().tensor());
+            let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(zero));
+            let rebuilt = Tensor::from_inner(inner).set_require_grad(tensor.is_require_grad());
             Param::from_mapped_value(id, rebuilt, mapper)
         }
     }
     module.map(&mut Write { layout, flat })
-}
-
-/// The values of a tensor as f32 on the host.
-pub fn host_values<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
-    tensor
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("f32 data")
 }

@@ -3,6 +3,9 @@
 
 use serde::Serialize;
 
+mod tensor;
+pub use tensor::TensorOptimizer;
+
 use crate::config::{OptimizerKind, OptimizerParams};
 
 /// Hyperparameters of one step that a schedule may change.

@@ -16,22 +16,55 @@ pub struct BucketItem {
     pub values: Vec<f32>,
 }
 
-/// Pieces of `items` inside the chunk of `rank`: (item index, range within the item).
-fn pieces(
-    plan: &PartitionPlan,
-    items: &[BucketItem],
-    rank: usize,
-) -> Vec<(usize, core::ops::Range<usize>)> {
-    let (lo, hi) = (rank * plan.chunk(), (rank + 1) * plan.chunk());
-    items
-        .iter()
-        .enumerate()
-        .filter_map(|(i, item)| {
-            let start = item.offset.max(lo);
-            let end = (item.offset + item.values.len()).min(hi);
-            (start < end).then(|| (i, start - item.offset..end - item.offset))
-        })
-        .collect()
+/// One piece of a bucket item that falls in one rank's chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Index of the item in the bucket.
+    pub item: usize,
+    /// The elements of the item.
+    pub range: core::ops::Range<usize>,
+    /// Where they go in the owner's chunk.
+    pub dst: usize,
+}
+
+/// The send layout of one bucket's reduce-scatter: for each rank, its pieces in order, padded
+/// to the longest rank's total. The same plan serves host and device buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScatterLayout {
+    /// Pieces per rank, in send order.
+    pub per_rank: Vec<Vec<Piece>>,
+    /// Elements each rank sends and receives (the longest rank's pieces).
+    pub longest: usize,
+}
+
+impl ScatterLayout {
+    /// The layout of items given as `(offset in the flat buffer, length)`.
+    pub fn new(plan: &PartitionPlan, items: &[(usize, usize)]) -> Self {
+        let chunk = plan.chunk();
+        let per_rank: Vec<Vec<Piece>> = (0..plan.world_size())
+            .map(|rank| {
+                let (lo, hi) = (rank * chunk, (rank + 1) * chunk);
+                items
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(item, &(offset, len))| {
+                        let (start, end) = (offset.max(lo), (offset + len).min(hi));
+                        (start < end).then(|| Piece {
+                            item,
+                            range: start - offset..end - offset,
+                            dst: start - lo,
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        let longest = per_rank
+            .iter()
+            .map(|p| p.iter().map(|piece| piece.range.len()).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        Self { per_rank, longest }
+    }
 }
 
 /// Reduces `items` across ranks with `op` and adds this rank's pieces into `partition`
@@ -44,37 +77,33 @@ pub fn reduce_scatter_bucket(
     partition: &mut [f32],
 ) -> Result<(), CommError> {
     assert_eq!(partition.len(), plan.chunk(), "the partition is one chunk");
-    let world = comm.world_size();
-    let per_rank: Vec<_> = (0..world).map(|r| pieces(plan, items, r)).collect();
-    let longest = per_rank
-        .iter()
-        .map(|p| p.iter().map(|(_, r)| r.len()).sum::<usize>())
-        .max()
-        .unwrap_or(0);
+    let spans: Vec<_> = items.iter().map(|i| (i.offset, i.values.len())).collect();
+    let layout = ScatterLayout::new(plan, &spans);
+    let longest = layout.longest;
     if longest == 0 {
         return Ok(());
     }
-    let mut send = vec![0.0f32; longest * world];
-    for (rank, rank_pieces) in per_rank.iter().enumerate() {
+    let mut send = vec![0.0f32; longest * comm.world_size()];
+    for (rank, pieces) in layout.per_rank.iter().enumerate() {
         let mut at = rank * longest;
-        for (i, range) in rank_pieces {
-            send[at..at + range.len()].copy_from_slice(&items[*i].values[range.clone()]);
-            at += range.len();
+        for piece in pieces {
+            let values = &items[piece.item].values[piece.range.clone()];
+            send[at..at + values.len()].copy_from_slice(values);
+            at += values.len();
         }
     }
     let mut received = vec![0.0f32; longest];
     comm.reduce_scatter(send.as_slice().into(), received.as_mut_slice().into(), op)?;
-    let base = comm.rank() * plan.chunk();
     let mut at = 0;
-    for (i, range) in &per_rank[comm.rank()] {
-        let dst = items[*i].offset + range.start - base;
-        for (d, s) in partition[dst..dst + range.len()]
+    for piece in &layout.per_rank[comm.rank()] {
+        let len = piece.range.len();
+        for (d, s) in partition[piece.dst..piece.dst + len]
             .iter_mut()
-            .zip(&received[at..at + range.len()])
+            .zip(&received[at..at + len])
         {
             *d += *s;
         }
-        at += range.len();
+        at += len;
     }
     Ok(())
 }

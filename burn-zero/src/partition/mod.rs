@@ -6,7 +6,7 @@
 use core::ops::Range;
 
 mod bucket;
-pub use bucket::{BucketItem, all_gather_in_pieces, reduce_scatter_bucket};
+pub use bucket::{BucketItem, Piece, ScatterLayout, all_gather_in_pieces, reduce_scatter_bucket};
 
 /// Equal chunks of a padded flat buffer, one per rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
