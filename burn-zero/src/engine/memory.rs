@@ -11,7 +11,7 @@ pub struct MemoryReport {
     pub parameters: usize,
     /// Gradient storage: the full gradient (stages 0–1) or this rank's partition (stage 2).
     pub gradients: usize,
-    /// Optimizer state for this rank's partition (Adam: two moments).
+    /// Optimizer state for this rank's partition: the fp32 master copy and (Adam) two moments.
     pub optimizer_state: usize,
     /// Peak communication buffers (one bucket and its copies).
     pub communication_buffers: usize,

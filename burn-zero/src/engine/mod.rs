@@ -72,6 +72,8 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     layout: Arc<FlatLayout>,
     plan: PartitionPlan,
     grads: Arc<Mutex<GradState<I>>>,
+    /// This rank's fp32 partition of the parameters (the optimizer's master copy).
+    master: Tensor<I, 1>,
     optimizer: TensorOptimizer<I>,
     scheduler: Scheduler,
     micro_steps: usize,
@@ -119,9 +121,10 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
     let params = flat.broadcast(params, 0)?;
     flat.wait()?;
+    let owned = owned_range(&plan, stage, comm.rank());
+    let master = params.clone().slice(owned.clone());
     let model = hooks::mark_distributed(unflatten_params(model, &layout, params));
 
-    let owned = owned_range(&plan, stage, comm.rank());
     let optimizer = TensorOptimizer::new(
         resolved.optimizer,
         &resolved.optimizer_params,
@@ -146,6 +149,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         layout,
         plan,
         grads,
+        master,
         optimizer,
         micro_steps: 0,
         global_steps: 0,
@@ -220,7 +224,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         MemoryReport {
             parameters: 4 * self.layout.numel(),
             gradients: state.gradient_bytes(),
-            optimizer_state: self.optimizer.state_bytes(),
+            optimizer_state: 4 * self.master.dims()[0] + self.optimizer.state_bytes(),
             communication_buffers: state.comm_buffer_bytes(),
         }
     }
@@ -277,12 +281,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let start = Instant::now();
         let stage = self.resolved.config.zero_optimization.stage;
         let owned = owned_range(&self.plan, stage, self.comm.rank());
-        let params = flatten_params(
-            self.model(),
-            &self.layout,
-            self.plan.padded_numel() - self.layout.numel(),
-        )
-        .slice(owned.clone());
+        let params = self.master.clone();
 
         let grads = self.grads.clone();
         let mut state = grads.lock().expect("gradient state");
@@ -306,6 +305,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             }),
         };
         let params = self.optimizer.step(params, grad, hp);
+        self.master = params.clone();
         state.clear();
 
         let flat = if stage == 0 {
