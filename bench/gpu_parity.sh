@@ -29,8 +29,10 @@ kind, gpus, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def results(name):
     r = {}
     for line in open(f"{out}/{name}.log"):
-        if line.startswith("[rank 0] RESULT "):
-            key, value = line[len("[rank 0] RESULT "):].split(" ", 1)
+        for prefix in ("[rank 0] RESULT ", "[rank 0] STAT "):
+            if not line.startswith(prefix):
+                continue
+            key, value = line[len(prefix):].split(" ", 1)
             r[key] = json.loads(value) if value.strip().startswith("[") else [float(value)]
     return r
 def max_rel(a, b, prefix):

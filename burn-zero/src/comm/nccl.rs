@@ -288,7 +288,7 @@ impl NcclComm {
         let (rank, call) = (self.rank, what.signature(T::DTYPE, input.len()));
         let fail = |what: &dyn std::fmt::Debug| nccl_error(rank, call, what);
         let send = self.stream.clone_htod(input).map_err(|e| fail(&e))?;
-        let mut recv = self
+        let recv = self
             .stream
             .alloc_zeros::<T>(output.len())
             .map_err(|e| fail(&e))?;

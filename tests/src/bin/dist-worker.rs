@@ -96,7 +96,7 @@ fn train<I: burn::tensor::backend::Backend>(
         }
     }
     if rank == 0 {
-        println!("RESULT device_collectives {}", engine.device_collectives());
+        println!("STAT device_collectives {}", engine.device_collectives());
         for (i, p) in param_data(engine.model()).into_iter().enumerate() {
             println!(
                 "RESULT param_{i} {:?}",
