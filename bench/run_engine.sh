@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device side, one call: training-step time of the engine (examples/src/bin/bench_engine.rs) at
-# ZeRO stages 0–2 with device collectives and host-staged ones, and the PyTorch peer
+# ZeRO stages 0–2 (cuBLASLt matmuls, device collectives; at stage 2 also burn's own matmuls and
+# host-staged collectives), and the PyTorch peer
 # (bench/engine_torch.py) on the same GPUs; merged into $OUT/engine-<kind>.json.
 # Needs .gpu/ staged by  GPU_FEATURES=nccl scripts/gpu-stage.sh bench-engine
 set -uo pipefail
@@ -11,19 +12,23 @@ chmod +x .gpu/bin/*
 gpus=$(nvidia-smi -L | wc -l)
 port=29700
 : > "$out/engine.jsonl"
+ours() { # log-name stage [ENV=VALUE...]
+  port=$((port + 1))
+  env "${@:3}" .gpu/bin/burn-zero run --nproc-per-node "$gpus" --master-port "$port" \
+    -- .gpu/bin/bench-engine "$2" > "$out/engine-$1.log" 2>&1
+  echo "bench-engine $1: exit $?"
+  grep -h '"impl"' "$out/engine-$1.log" | sed 's/^\[rank 0\] //' >> "$out/engine.jsonl"
+}
 for stage in 0 1 2; do
-  for host in 0 1; do
-    port=$((port + 1))
-    BURN_ZERO_HOST_COLLECTIVES=$host .gpu/bin/burn-zero run --nproc-per-node "$gpus" --master-port "$port" \
-      -- .gpu/bin/bench-engine "$stage" > "$out/engine-$stage-$host.log" 2>&1
-    echo "bench-engine stage $stage host $host: exit $?"
-    grep -h '"impl"' "$out/engine-$stage-$host.log" | sed 's/^\[rank 0\] //' >> "$out/engine.jsonl"
-  done
+  ours "$stage" "$stage"
   port=$((port + 1))
   torchrun --nproc-per-node "$gpus" --master-port "$port" bench/engine_torch.py "$stage" > "$out/torch-$stage.log" 2>&1
   echo "torch stage $stage: exit $?"
   grep -h '"impl"' "$out/torch-$stage.log" >> "$out/engine.jsonl"
 done
+# Stage 2 with burn's own matmuls, and with host-staged collectives.
+ours 2-cubecl 2 BURN_ZERO_CUBLASLT=0
+ours 2-host 2 BURN_ZERO_HOST_COLLECTIVES=1
 python3 - "$kind" "$gpus" "$out" <<'PY'
 import json, subprocess, sys
 kind, gpus, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]

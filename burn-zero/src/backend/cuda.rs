@@ -23,47 +23,80 @@ pub(crate) struct CudaBuffer {
     pub(crate) _keep: CubeTensor<CudaRuntime>,
 }
 
+/// A CUDA float tensor's memory with its layout (strided views included).
+pub(crate) struct CudaView {
+    /// Address of the element at index 0.
+    pub(crate) ptr: u64,
+    pub(crate) shape: Vec<usize>,
+    /// In elements.
+    pub(crate) strides: Vec<usize>,
+    pub(crate) dtype: DType,
+    /// The GPU's ordinal.
+    pub(crate) ordinal: usize,
+    /// Holds a reference to the memory until the caller is done with it.
+    pub(crate) keep: CubeTensor<CudaRuntime>,
+}
+
 /// The memory of `tensor` if it is a CUDA float tensor of a dtype NCCL moves, materialized
 /// (fusion's pending work on it is executed first). `None` for other backends.
 pub(crate) fn cuda_buffer<I: Backend>(tensor: &I::FloatTensorPrimitive) -> Option<CudaBuffer> {
-    let any = tensor as &dyn Any;
-    if let Some(cube) = any.downcast_ref::<CubeTensor<CudaRuntime>>() {
-        return cube_buffer(cube.clone());
+    let view = cuda_view::<I>(tensor)?;
+    if !view.keep.is_contiguous() {
+        return None;
     }
-    let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
-    // Any CubeBackend over CUDA resolves a fused CUDA tensor: their primitives are the same.
-    let cube = fused
-        .client
-        .resolve_tensor_float::<CubeBackend<CudaRuntime, f32, i32, u8>>(fused.clone());
-    cube_buffer(cube)
+    let len = view.shape.iter().product();
+    Some(CudaBuffer {
+        buf: DeviceBuf {
+            ptr: view.ptr,
+            len,
+            dtype: view.dtype,
+        },
+        _keep: view.keep,
+    })
 }
 
-fn cube_buffer(tensor: CubeTensor<CudaRuntime>) -> Option<CudaBuffer> {
-    let dtype = match tensor.dtype {
+/// The memory and layout of `tensor` if it is a CUDA float tensor of f32, bf16 or f16,
+/// materialized. Getting the address also aligns this thread's stream after the stream that
+/// wrote the memory.
+pub(crate) fn cuda_view<I: Backend>(tensor: &I::FloatTensorPrimitive) -> Option<CudaView> {
+    let any = tensor as &dyn Any;
+    let cube = match any.downcast_ref::<CubeTensor<CudaRuntime>>() {
+        Some(cube) => cube.clone(),
+        None => {
+            let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
+            // Any CubeBackend over CUDA resolves a fused CUDA tensor: same primitives.
+            fused
+                .client
+                .resolve_tensor_float::<CubeBackend<CudaRuntime, f32, i32, u8>>(fused.clone())
+        }
+    };
+    let dtype = match cube.dtype {
         BurnDType::F32 => DType::F32,
         BurnDType::BF16 => DType::Bf16,
         BurnDType::F16 => DType::F16,
         _ => return None,
     };
-    if !tensor.is_contiguous() {
-        return None;
-    }
-    let len = tensor.meta.shape().num_elements();
-    // Also aligns this thread's stream after the stream that wrote the memory.
-    let resource = tensor.client.get_resource(tensor.handle.clone()).ok()?;
+    let shape: Vec<usize> = cube.meta.shape().iter().copied().collect();
+    let strides: Vec<usize> = cube.meta.strides().iter().copied().collect();
+    let resource = cube.client.get_resource(cube.handle.clone()).ok()?;
     let resource = resource.resource();
-    let bytes = len * tensor.dtype.size();
+    let span = shape
+        .iter()
+        .zip(&strides)
+        .map(|(d, s)| d.saturating_sub(1) * s)
+        .sum::<usize>()
+        + 1;
     assert!(
-        resource.size as usize >= bytes,
-        "a CUDA tensor of {len} elements lies in {} bytes",
+        shape.contains(&0) || resource.size as usize >= span * cube.dtype.size(),
+        "a CUDA tensor spanning {span} elements lies in {} bytes",
         resource.size
     );
-    Some(CudaBuffer {
-        buf: DeviceBuf {
-            ptr: resource.ptr,
-            len,
-            dtype,
-        },
-        _keep: tensor,
+    Some(CudaView {
+        ptr: resource.ptr,
+        shape,
+        strides,
+        dtype,
+        ordinal: cube.device.index,
+        keep: cube,
     })
 }

@@ -9,16 +9,22 @@
 
 /// Implements one op trait for `ZeroBackend<B>` by forwarding every function to `B`.
 macro_rules! forward_ops {
-    ($trait:ident; $(fn $name:ident($($arg:ident: [$($arg_ty:tt)*]),* $(,)?) -> [$($ret:tt)*];)*) => {
+    ($trait:ident; $(fn $name:ident($($arg:ident: [$($arg_ty:tt)*]),* $(,)?) -> [$($ret:tt)*]
+        $(=> $route:path)?;)*) => {
         impl<B: burn_backend::Backend> $trait<Self> for $crate::backend::ZeroBackend<B> {
             $(
                 fn $name($($arg: $($arg_ty)*),*) -> $($ret)* {
                     forward_ops!(@ret [$($ret)*]
-                        <B as $trait<B>>::$name($(forward_ops!(@arg $arg [$($arg_ty)*])),*))
+                        (forward_ops!(@callee [$($route)?] [<B as $trait<B>>::$name]))
+                            ($(forward_ops!(@arg $arg [$($arg_ty)*])),*))
                 }
             )*
         }
     };
+
+    // The function called: `B`'s own, or the `=> route` given for it.
+    (@callee [] [$($default:tt)*]) => { $($default)* };
+    (@callee [$route:path] [$($default:tt)*]) => { $route };
 
     // Arguments: unwrap float primitives of `ZeroBackend` into those of `B`.
     (@arg $a:ident [FloatTensor<Self>]) => { $a.into_inner() };

@@ -4,10 +4,13 @@
 mod base;
 pub(crate) mod convert;
 #[cfg(feature = "cuda")]
+mod cublaslt;
+#[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod distributed;
 pub(crate) mod forward;
 pub mod hooks;
+pub mod matmul;
 mod ops_list;
 mod tensor;
 

@@ -45,6 +45,38 @@ pub struct DeepSpeedConfig {
     pub zero_allow_untested_optimizer: bool,
     /// `communication_data_type`: "fp32", "fp16" or "bf16".
     pub communication_data_type: Option<String>,
+    /// `burn_zero`: settings of burn-zero's own (not DeepSpeed keys).
+    pub burn_zero: BurnZeroConfig,
+}
+
+/// `burn_zero`: settings DeepSpeed does not have.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BurnZeroConfig {
+    /// `matmul`: how `ZeroBackend` multiplies matrices.
+    pub matmul: MatmulConfig,
+}
+
+/// `burn_zero.matmul`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MatmulConfig {
+    /// `cublaslt`: run eligible CUDA matmuls through cuBLASLt (default true).
+    pub cublaslt: bool,
+    /// `allow_tf32`: let f32 matmuls use TF32 tensor cores in cuBLASLt (default false).
+    pub allow_tf32: bool,
+    /// `min_macs`: smaller products (batch·m·n·k) stay on the inner backend.
+    pub min_macs: u64,
+}
+
+impl Default for MatmulConfig {
+    fn default() -> Self {
+        Self {
+            cublaslt: true,
+            allow_tf32: false,
+            min_macs: 1 << 24,
+        }
+    }
 }
 
 impl Default for DeepSpeedConfig {
@@ -66,6 +98,7 @@ impl Default for DeepSpeedConfig {
             gradient_predivide_factor: 1.0,
             zero_allow_untested_optimizer: false,
             communication_data_type: None,
+            burn_zero: BurnZeroConfig::default(),
         }
     }
 }

@@ -27,6 +27,7 @@ pub use params::{FlatLayout, ParamSlot, flatten_params, unflatten_params};
 
 use crate::ZeroBackend;
 use crate::backend::hooks::{self, HookGuard};
+use crate::backend::matmul::{MatmulPolicy, matmul_policy, set_matmul_policy};
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::config::{ConfigError, DeepSpeedConfig, ResolvedConfig};
 use crate::optim::{StepParams, TensorOptimizer};
@@ -106,6 +107,12 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         let json = serde_json::to_string(&resolved).unwrap_or_default();
         crate::log::info(&format!("resolved config: {json}"));
     }
+    let matmul = &resolved.config.burn_zero.matmul;
+    set_matmul_policy(MatmulPolicy {
+        cublaslt: matmul.cublaslt && matmul_policy().cublaslt,
+        allow_tf32: matmul.allow_tf32,
+        min_macs: matmul.min_macs,
+    });
     let zero = &resolved.config.zero_optimization;
     let stage = zero.stage;
     let layout = Arc::new(FlatLayout::of(&model));

@@ -3,7 +3,7 @@
 //! weights, ~`LAYERS`·`WIDTH`² parameters), AdamW, fp32, one micro-batch per step.
 //!
 //! Rank 0 prints one JSON line with the median step time; `BURN_ZERO_HOST_COLLECTIVES=1`
-//! measures the host-staged path for comparison. `bench/engine_torch.py` is the peer.
+//! measures the host-staged path and `BURN_ZERO_CUBLASLT=0` burn's own matmuls for comparison. `bench/engine_torch.py` is the peer.
 
 use std::time::Instant;
 
@@ -56,7 +56,8 @@ fn main() {
         r#"{{"train_micro_batch_size_per_gpu": {BATCH}, "gradient_accumulation_steps": 1,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
-                "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000}}}}"#
+                "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000}},
+            "burn_zero": {{"matmul": {{"allow_tf32": true}}}}}}"#
     );
     let config = DeepSpeedConfig::from_json(&json).expect("config").config;
     type B = ZeroAutodiff<Cuda>;
@@ -84,10 +85,11 @@ fn main() {
         let host = std::env::var("BURN_ZERO_HOST_COLLECTIVES").is_ok_and(|v| v == "1");
         println!(
             "{{\"impl\": \"burn-zero\", \"stage\": {stage}, \"world\": {world}, \"params\": {params}, \
-             \"batch\": {BATCH}, \"collectives\": \"{}\", \"device_collectives\": {}, \
+             \"batch\": {BATCH}, \"collectives\": \"{}\", \"device_collectives\": {}, \"cublaslt_calls\": {}, \
              \"median_step_ms\": {:.2}, \"min_step_ms\": {:.2}, \"last_loss\": {last_loss}}}",
             if host { "host" } else { "device" },
             engine.device_collectives(),
+            burn_zero::backend::matmul::cublaslt_calls(),
             times[times.len() / 2],
             times[0],
         );

@@ -1,13 +1,16 @@
 //! burn 0.21's CUDA matmul on the Linear shapes of the recipe (SmolLM2-135M, 2048 tokens) and
 //! of the 1B end-to-end benchmark (4096 tokens): forward `X·W`, backward `dY·Wᵀ` and `Xᵀ·dY`,
 //! bf16 and f32. Prints one JSON line per case with the first call's time (kernel compilation
-//! and autotuning included) and the steady TFLOP/s; `bench/matmul_torch.py` prints the peer's.
+//! and autotuning included) and the steady TFLOP/s, for `ZeroBackend<Cuda>` (cuBLASLt) and for
+//! `Cuda` alone (argument `burn-zero` or `burn-cuda` runs one); `bench/matmul_torch.py` prints
+//! the peer's.
 
 use std::time::Instant;
 
 use burn::backend::Cuda;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Element, Tensor};
+use burn_zero::ZeroBackend;
 
 /// (name, tokens M, in K, out N).
 const LINEARS: [(&str, usize, usize, usize); 5] = [
@@ -24,6 +27,7 @@ fn sync<B: Backend>(device: &B::Device) {
 
 /// Times `lhs·rhs` where `lhs` is `[m, k]` (or its transpose) and `rhs` `[k, n]` (or transposed).
 fn case<B: Backend>(
+    system: &str,
     dtype: &str,
     name: &str,
     product: &str,
@@ -59,26 +63,43 @@ fn case<B: Backend>(
     let seconds = start.elapsed().as_secs_f64() / iters as f64;
     let tflops = 2.0 * (m * k * n) as f64 / seconds / 1e12;
     println!(
-        "{{\"system\": \"burn-cuda\", \"dtype\": \"{dtype}\", \"linear\": \"{name}\", \"product\": \"{product}\", \"m\": {m}, \"k\": {k}, \"n\": {n}, \"first_call_ms\": {first_ms:.1}, \"time_us\": {:.1}, \"tflops\": {tflops:.2}}}",
+        "{{\"system\": \"{system}\", \"dtype\": \"{dtype}\", \"linear\": \"{name}\", \"product\": \"{product}\", \"m\": {m}, \"k\": {k}, \"n\": {n}, \"first_call_ms\": {first_ms:.1}, \"time_us\": {:.1}, \"tflops\": {tflops:.2}}}",
         seconds * 1e6
     );
 }
 
-fn run<B: Backend>(dtype: &str, forward_only: bool)
+fn run<B: Backend>(system: &str, dtype: &str, forward_only: bool)
 where
     B::FloatElem: Element,
 {
     let device = Default::default();
     for (name, m, k, n) in LINEARS {
         // Forward Y = X·W: [M,K]·[K,N].
-        case::<B>(dtype, name, "forward", (m, k, n), (false, false), &device);
+        case::<B>(
+            system,
+            dtype,
+            name,
+            "forward",
+            (m, k, n),
+            (false, false),
+            &device,
+        );
         if forward_only {
             continue;
         }
         // dX = dY·Wᵀ: [M,N]·[N,K] with W stored [K,N].
-        case::<B>(dtype, name, "grad_input", (m, n, k), (false, true), &device);
+        case::<B>(
+            system,
+            dtype,
+            name,
+            "grad_input",
+            (m, n, k),
+            (false, true),
+            &device,
+        );
         // dW = Xᵀ·dY: [K,M]·[M,N] with X stored [M,K].
         case::<B>(
+            system,
             dtype,
             name,
             "grad_weight",
@@ -95,6 +116,23 @@ fn main() {
         burn_zero::kernel_cache::persist(&dir).expect("kernel cache");
         eprintln!("kernel cache: {}", dir.display());
     }
-    run::<Cuda<half::bf16>>("bf16", false);
-    run::<Cuda<f32>>("f32", true);
+    // burn-zero: the decorator, whose matmuls go to cuBLASLt (f32 with TF32 allowed, as
+    // burn's own CUDA f32 matmul uses TF32); burn-cuda: the inner backend alone.
+    burn_zero::backend::matmul::set_matmul_policy(burn_zero::backend::matmul::MatmulPolicy {
+        allow_tf32: true,
+        ..Default::default()
+    });
+    let only = std::env::args().nth(1);
+    if only.as_deref() != Some("burn-cuda") {
+        run::<ZeroBackend<Cuda<half::bf16>>>("burn-zero", "bf16", false);
+        run::<ZeroBackend<Cuda<f32>>>("burn-zero", "f32", true);
+        eprintln!(
+            "cuBLASLt calls: {}",
+            burn_zero::backend::matmul::cublaslt_calls()
+        );
+    }
+    if only.as_deref() != Some("burn-zero") {
+        run::<Cuda<half::bf16>>("burn-cuda", "bf16", false);
+        run::<Cuda<f32>>("burn-cuda", "f32", true);
+    }
 }

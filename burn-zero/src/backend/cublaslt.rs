@@ -1,0 +1,240 @@
+//! Strided-batched GEMMs on raw device addresses through cuBLASLt (cudarc, dynamic loading).
+//! Free of burn types: `matmul.rs` maps burn's row-major tensors onto [`Gemm`].
+//!
+//! One cuBLASLt handle, stream and 32 MiB workspace per GPU. A call runs on that stream and
+//! returns once it finished (see `matmul.rs` for the ordering against burn's stream).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+
+use crate::comm::DType;
+
+/// One column-major operand: `rows × cols` after its transpose, as cuBLASLt sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Operand {
+    /// Device address of the first matrix.
+    pub(crate) ptr: u64,
+    /// Leading dimension (elements between columns of the stored matrix).
+    pub(crate) ld: i64,
+    /// Whether cuBLASLt reads the stored matrix transposed.
+    pub(crate) trans: bool,
+    /// Elements between consecutive matrices of the batch (0: one matrix for all).
+    pub(crate) batch_stride: i64,
+}
+
+/// `D[m×n] = op(A)[m×k] · op(B)[k×n]`, column-major, `batch` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Gemm {
+    pub(crate) m: u64,
+    pub(crate) n: u64,
+    pub(crate) k: u64,
+    pub(crate) batch: i32,
+    pub(crate) a: Operand,
+    pub(crate) b: Operand,
+    /// The output: contiguous column-major `m × n` matrices, `ld = m`, stride `m·n`.
+    pub(crate) d: u64,
+    pub(crate) dtype: DType,
+    /// f32 only: let cuBLASLt use TF32 tensor cores.
+    pub(crate) tf32: bool,
+}
+
+/// What decides the algorithm: the GEMM without its addresses.
+type AlgoKey = (u64, u64, u64, i32, [(i64, bool, i64); 2], DType, bool);
+
+struct DeviceLt {
+    handle: sys::cublasLtHandle_t,
+    stream: Arc<CudaStream>,
+    workspace: CudaSlice<u8>,
+    algos: HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>,
+}
+
+// SAFETY: the handle is used under the per-device mutex only; cuBLASLt handles may move
+// between threads.
+unsafe impl Send for DeviceLt {}
+
+fn devices() -> &'static Mutex<HashMap<usize, Arc<Mutex<DeviceLt>>>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Mutex<DeviceLt>>>>> = OnceLock::new();
+    DEVICES.get_or_init(Default::default)
+}
+
+fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
+    let mut all = devices().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = all.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let context = CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e:?}"))?;
+    let stream = context.new_stream().map_err(|e| format!("{e:?}"))?;
+    let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
+    // SAFETY: uninitialized bytes are fine for a workspace.
+    let workspace = unsafe { stream.alloc::<u8>(32 << 20) }.map_err(|e| format!("{e:?}"))?;
+    let d = Arc::new(Mutex::new(DeviceLt {
+        handle,
+        stream,
+        workspace,
+        algos: HashMap::new(),
+    }));
+    all.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+/// A cuBLASLt object destroyed on drop.
+struct Owned<T: Copy>(T, unsafe fn(T) -> Result<(), lt::CublasError>);
+
+impl<T: Copy> Drop for Owned<T> {
+    fn drop(&mut self) {
+        // SAFETY: created by the matching create function, destroyed once.
+        let _ = unsafe { (self.1)(self.0) };
+    }
+}
+
+fn cuda_type(dtype: DType) -> sys::cudaDataType {
+    match dtype {
+        DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+        DType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+    }
+}
+
+fn err(what: &str) -> impl Fn(lt::CublasError) -> String + '_ {
+    move |e| format!("{what}: {e:?}")
+}
+
+fn layout(
+    dtype: DType,
+    rows: u64,
+    cols: u64,
+    ld: i64,
+    batch: i32,
+    stride: i64,
+) -> Result<Owned<sys::cublasLtMatrixLayout_t>, String> {
+    let handle = lt::create_matrix_layout(cuda_type(dtype), rows, cols, ld)
+        .map_err(err("cublasLtMatrixLayoutCreate"))?;
+    let owned = Owned(handle, lt::destroy_matrix_layout as _);
+    if batch > 1 {
+        use sys::cublasLtMatrixLayoutAttribute_t as A;
+        // SAFETY: attributes of a live layout, values of the documented sizes.
+        unsafe {
+            lt::set_matrix_layout_attribute(
+                handle,
+                A::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                (&batch) as *const i32 as *const _,
+                4,
+            )
+            .map_err(err("batch count"))?;
+            lt::set_matrix_layout_attribute(
+                handle,
+                A::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                (&stride) as *const i64 as *const _,
+                8,
+            )
+            .map_err(err("batch stride"))?;
+        }
+    }
+    Ok(owned)
+}
+
+/// Runs `gemm` on GPU `ordinal` and waits for it.
+///
+/// # Safety
+/// The addresses are valid device memory of that GPU for the extents `gemm` describes, and
+/// complete (nothing still writes them).
+pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
+    let device = device(ordinal)?;
+    let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
+    let _ = lt_dev.stream.context().bind_to_thread();
+    let g = gemm;
+    let (a_rows, a_cols) = if g.a.trans { (g.k, g.m) } else { (g.m, g.k) };
+    let (b_rows, b_cols) = if g.b.trans { (g.n, g.k) } else { (g.k, g.n) };
+    let a = layout(g.dtype, a_rows, a_cols, g.a.ld, g.batch, g.a.batch_stride)?;
+    let b = layout(g.dtype, b_rows, b_cols, g.b.ld, g.batch, g.b.batch_stride)?;
+    let d_stride = (g.m * g.n) as i64;
+    let d = layout(g.dtype, g.m, g.n, g.m as i64, g.batch, d_stride)?;
+    let compute = match (g.dtype, g.tf32) {
+        (DType::F32, true) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
+        .map_err(err("cublasLtMatmulDescCreate"))?;
+    let desc = Owned(desc, lt::destroy_matmul_desc as _);
+    use sys::cublasLtMatmulDescAttributes_t as D;
+    for (attr, trans) in [
+        (D::CUBLASLT_MATMUL_DESC_TRANSA, g.a.trans),
+        (D::CUBLASLT_MATMUL_DESC_TRANSB, g.b.trans),
+    ] {
+        // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
+        let op = i32::from(trans);
+        // SAFETY: an attribute of a live descriptor, a value of the documented size.
+        unsafe {
+            lt::set_matmul_desc_attribute(desc.0, attr, (&op) as *const _ as *const _, 4)
+                .map_err(err("transpose"))?;
+        }
+    }
+    let key: AlgoKey = (
+        g.m,
+        g.n,
+        g.k,
+        g.batch,
+        [
+            (g.a.ld, g.a.trans, g.a.batch_stride),
+            (g.b.ld, g.b.trans, g.b.batch_stride),
+        ],
+        g.dtype,
+        g.tf32,
+    );
+    let workspace_bytes = lt_dev.workspace.len();
+    let handle = lt_dev.handle;
+    let algo = match lt_dev.algos.get(&key) {
+        Some(algo) => *algo,
+        None => {
+            let pref = lt::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
+            let pref = Owned(pref, lt::destroy_matmul_pref as _);
+            // SAFETY: live objects; the workspace size attribute is a u64/usize.
+            let heuristic = unsafe {
+                lt::set_matmul_pref_attribute(
+                    pref.0,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    (&workspace_bytes) as *const usize as *const _,
+                    core::mem::size_of::<usize>(),
+                )
+                .map_err(err("workspace preference"))?;
+                lt::get_matmul_algo_heuristic(handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
+                    .map_err(err("no cuBLASLt algorithm for this GEMM"))?
+            };
+            lt_dev.algos.insert(key, heuristic.algo);
+            heuristic.algo
+        }
+    };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let stream = lt_dev.stream.clone();
+    let (workspace, _sync) = lt_dev.workspace.device_ptr(&stream);
+    // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
+    // C (ignored: beta = 0) and D.
+    unsafe {
+        lt::matmul(
+            handle,
+            desc.0,
+            (&alpha) as *const f32 as *const _,
+            (&beta) as *const f32 as *const _,
+            g.a.ptr as *const _,
+            a.0,
+            g.b.ptr as *const _,
+            b.0,
+            g.d as *const _,
+            d.0,
+            g.d as *mut _,
+            d.0,
+            &algo,
+            workspace as *mut _,
+            workspace_bytes,
+            stream.cu_stream() as *mut _,
+        )
+        .map_err(err("cublasLtMatmul"))?;
+    }
+    stream
+        .synchronize()
+        .map_err(|e| format!("cuBLASLt stream: {e:?}"))
+}

@@ -1,0 +1,196 @@
+//! Device check of `ZeroBackend<Cuda>`'s cuBLASLt matmuls (exits non-zero on any failure):
+//! 1. odd, batched, broadcast and transposed products in f32, bf16 and f16 against an f64
+//!    host reference, through cuBLASLt and through the inner backend;
+//! 2. a training step of a small MLP through `Autodiff<ZeroBackend<Cuda>>` with cuBLASLt on and
+//!    off: the same loss and gradients within the inner backend's TF32 tolerance.
+
+use burn::backend::{Autodiff, Cuda};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Element, Tensor, TensorData};
+use burn_zero::ZeroBackend;
+use burn_zero::backend::matmul::{MatmulPolicy, cublaslt_calls, set_matmul_policy};
+
+/// lhs batch, rhs batch, m, k, n, transpose lhs, transpose rhs.
+type Case = ([usize; 2], [usize; 2], usize, usize, usize, bool, bool);
+
+const CASES: [Case; 7] = [
+    ([1, 1], [1, 1], 1, 7, 3, false, false),
+    ([1, 1], [1, 1], 257, 129, 65, false, false),
+    ([1, 1], [1, 1], 257, 129, 65, true, false),
+    ([1, 1], [1, 1], 257, 129, 65, false, true),
+    ([2, 3], [2, 3], 33, 17, 9, true, true),
+    ([2, 3], [1, 1], 31, 64, 5, false, false),
+    ([1, 1], [4, 2], 7, 1, 130, false, true),
+];
+
+fn host(t: Tensor<impl Backend, 4>) -> Vec<f64> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// The f64 product of host copies, broadcasting batch dims.
+fn reference(a: &[f64], b: &[f64], case: Case) -> Vec<f64> {
+    let (ab, bb, m, k, n, _, _) = case;
+    let out_b = [ab[0].max(bb[0]), ab[1].max(bb[1])];
+    let mut out = Vec::new();
+    for i in 0..out_b[0] {
+        for j in 0..out_b[1] {
+            let ai = (i % ab[0]) * ab[1] + j % ab[1];
+            let bi = (i % bb[0]) * bb[1] + j % bb[1];
+            for r in 0..m {
+                for c in 0..n {
+                    out.push(
+                        (0..k)
+                            .map(|p| a[ai * m * k + r * k + p] * b[bi * k * n + p * n + c])
+                            .sum(),
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+fn check_products<B: Backend>(dtype: &str, tol: f64) -> Result<(), String>
+where
+    B::FloatElem: Element,
+{
+    let device = Default::default();
+    for case in CASES {
+        let (ab, bb, m, k, n, ta, tb) = case;
+        let dist = Distribution::Uniform(-1.0, 1.0);
+        let a = if ta {
+            Tensor::<B, 4>::random([ab[0], ab[1], k, m], dist, &device).swap_dims(2, 3)
+        } else {
+            Tensor::<B, 4>::random([ab[0], ab[1], m, k], dist, &device)
+        };
+        let b = if tb {
+            Tensor::<B, 4>::random([bb[0], bb[1], n, k], dist, &device).swap_dims(2, 3)
+        } else {
+            Tensor::<B, 4>::random([bb[0], bb[1], k, n], dist, &device)
+        };
+        let want = reference(&host(a.clone()), &host(b.clone()), case);
+        let scale = want.iter().fold(1.0f64, |s, v| s.max(v.abs()));
+        for cublas in [true, false] {
+            set_matmul_policy(MatmulPolicy {
+                cublaslt: cublas,
+                allow_tf32: false,
+                min_macs: 0,
+            });
+            let before = cublaslt_calls();
+            let got = host(a.clone().matmul(b.clone()));
+            let used = cublaslt_calls() > before;
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0.0f64, |e, (g, w)| e.max((g - w).abs() / scale));
+            let path = if cublas { "cuBLASLt" } else { "inner" };
+            println!(
+                "{dtype} {ab:?}x{bb:?} {m}x{k}x{n} t=({ta},{tb}) {path}: max err {err:.2e} (cuBLASLt used: {used})"
+            );
+            if got.len() != want.len() || err > tol {
+                return Err(format!(
+                    "{dtype} {case:?} via {path}: error {err:.2e} > {tol:.0e}"
+                ));
+            }
+            if used != cublas {
+                return Err(format!(
+                    "{dtype} {case:?}: cuBLASLt used = {used}, wanted {cublas}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(Module, Debug)]
+struct Mlp<B: Backend> {
+    l1: Linear<B>,
+    l2: Linear<B>,
+}
+
+type Train = Autodiff<ZeroBackend<Cuda>>;
+
+/// Loss and the first layer's weight gradient of one step, on fixed data and weights.
+fn step(cublas: bool) -> (f64, Vec<f64>) {
+    set_matmul_policy(MatmulPolicy {
+        cublaslt: cublas,
+        allow_tf32: false,
+        min_macs: 0,
+    });
+    let device = Default::default();
+    let fixed = |shape: [usize; 2], seed: usize| {
+        let values: Vec<f32> = (0..shape[0] * shape[1])
+            .map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.5 - 1.0) * 0.2)
+            .collect();
+        Tensor::<Train, 2>::from_data(TensorData::new(values, shape), &device)
+    };
+    let mut model = Mlp {
+        l1: LinearConfig::new(257, 129).init::<Train>(&device),
+        l2: LinearConfig::new(129, 65).init::<Train>(&device),
+    };
+    model.l1.weight = burn::module::Param::from_tensor(fixed([257, 129], 1));
+    model.l2.weight = burn::module::Param::from_tensor(fixed([129, 65], 2));
+    let x = fixed([33, 257], 3);
+    let y = fixed([33, 65], 4);
+    let out = model
+        .l2
+        .forward(burn::tensor::activation::relu(model.l1.forward(x)));
+    let loss = (out - y).powf_scalar(2.0).mean();
+    let grads = loss.backward();
+    let g = model.l1.weight.val().grad(&grads).expect("gradient");
+    let loss = f64::from(loss.into_scalar());
+    let g = g
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    (loss, g)
+}
+
+fn check_training() -> Result<(), String> {
+    let before = cublaslt_calls();
+    let (loss_lt, grad_lt) = step(true);
+    let used = cublaslt_calls() - before;
+    let (loss_in, grad_in) = step(false);
+    let scale = grad_in.iter().fold(1e-12f64, |s, v| s.max(v.abs()));
+    let grad_err = grad_lt
+        .iter()
+        .zip(&grad_in)
+        .fold(0.0f64, |e, (a, b)| e.max((a - b).abs() / scale));
+    let loss_err = (loss_lt - loss_in).abs() / loss_in.abs();
+    println!(
+        "training step: loss {loss_lt:.7} (cuBLASLt, {used} calls) vs {loss_in:.7} (inner): rel {loss_err:.2e}; grad max rel {grad_err:.2e}"
+    );
+    // The inner backend multiplies f32 with TF32 (10-bit mantissa); cuBLASLt here in full f32.
+    if used < 6 || loss_err > 2e-3 || grad_err > 5e-3 {
+        return Err(format!(
+            "training differs: {used} cuBLASLt calls, loss {loss_err:.2e}, gradient {grad_err:.2e}"
+        ));
+    }
+    Ok(())
+}
+
+fn main() {
+    let result = check_products::<ZeroBackend<Cuda<f32>>>("f32", 1e-5)
+        .and_then(|_| check_products::<ZeroBackend<Cuda<half::bf16>>>("bf16", 2e-2))
+        .and_then(|_| check_products::<ZeroBackend<Cuda<half::f16>>>("f16", 4e-3))
+        .and_then(|_| check_training());
+    match result {
+        Ok(()) => println!("matmul-check: all passed"),
+        Err(e) => {
+            eprintln!("matmul-check FAILED: {e}");
+            std::process::exit(1);
+        }
+    }
+}
