@@ -35,15 +35,17 @@ pub(crate) struct Gemm {
     pub(crate) batch: i32,
     pub(crate) a: Operand,
     pub(crate) b: Operand,
-    /// The output: contiguous column-major `m × n` matrices, `ld = m`, stride `m·n`.
+    /// The output: column-major `m × n` matrices (its columns may be pitched: `d_ld ≥ m`).
     pub(crate) d: u64,
+    pub(crate) d_ld: i64,
+    pub(crate) d_batch_stride: i64,
     pub(crate) dtype: DType,
     /// f32 only: let cuBLASLt use TF32 tensor cores.
     pub(crate) tf32: bool,
 }
 
 /// What decides the algorithm: the GEMM without its addresses.
-type AlgoKey = (u64, u64, u64, i32, [(i64, bool, i64); 2], DType, bool);
+type AlgoKey = (u64, u64, u64, i32, [(i64, bool, i64); 3], DType, bool);
 
 struct DeviceLt {
     handle: sys::cublasLtHandle_t,
@@ -151,8 +153,7 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
     let (b_rows, b_cols) = if g.b.trans { (g.n, g.k) } else { (g.k, g.n) };
     let a = layout(g.dtype, a_rows, a_cols, g.a.ld, g.batch, g.a.batch_stride)?;
     let b = layout(g.dtype, b_rows, b_cols, g.b.ld, g.batch, g.b.batch_stride)?;
-    let d_stride = (g.m * g.n) as i64;
-    let d = layout(g.dtype, g.m, g.n, g.m as i64, g.batch, d_stride)?;
+    let d = layout(g.dtype, g.m, g.n, g.d_ld, g.batch, g.d_batch_stride)?;
     let compute = match (g.dtype, g.tf32) {
         (DType::F32, true) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
         _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -181,6 +182,7 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
         [
             (g.a.ld, g.a.trans, g.a.batch_stride),
             (g.b.ld, g.b.trans, g.b.batch_stride),
+            (g.d_ld, false, g.d_batch_stride),
         ],
         g.dtype,
         g.tf32,

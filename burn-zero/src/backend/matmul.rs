@@ -161,7 +161,13 @@ mod cuda {
         let mut shape = out_batch.clone();
         shape.extend([m, n]);
         let out = B::float_empty(shape.into(), &device, lhs.dtype().into());
+        // cubecl pitches the rows of 2-D+ allocations: take the output's real strides.
         let d = cuda_view::<B>(&out)?;
+        let (d_ld, d_trans) = transposed_operand(&d, m, n)?;
+        let d_batch_stride = batch_stride(&d, &out_batch)?;
+        if d_trans {
+            return None;
+        }
         let gemm = Gemm {
             m: n as u64,
             n: m as u64,
@@ -180,10 +186,18 @@ mod cuda {
                 batch_stride: a_stride,
             },
             d: d.ptr,
+            d_ld,
+            d_batch_stride: if batch > 1 { d_batch_stride } else { 0 },
             dtype: a.dtype,
             tf32: policy.allow_tf32,
         };
         B::sync(&device).ok()?;
+        if std::env::var_os("BURN_ZERO_MATMUL_DEBUG").is_some() {
+            eprintln!(
+                "cuBLASLt: lhs {:?}/{:?} rhs {:?}/{:?} out {:?}/{:?} {gemm:?}",
+                a.shape, a.strides, b.shape, b.strides, d.shape, d.strides
+            );
+        }
         // SAFETY: the three views hold their memory; the inputs are complete (synchronized
         // above); the output is a fresh contiguous allocation of batch·m·n elements.
         match unsafe { cublaslt::run(a.ordinal, &gemm) } {

@@ -96,6 +96,19 @@ where
                 "{dtype} {ab:?}x{bb:?} {m}x{k}x{n} t=({ta},{tb}) {path}: max err {err:.2e} (cuBLASLt used: {used})"
             );
             if got.len() != want.len() || err > tol {
+                let show = |v: &[f64]| {
+                    v.iter()
+                        .take(6)
+                        .map(|x| format!("{x:.4}"))
+                        .collect::<Vec<_>>()
+                };
+                eprintln!("got  {:?}\nwant {:?}", show(&got), show(&want));
+                let at = want.len() / 2;
+                eprintln!(
+                    "middle got {:?} want {:?}",
+                    show(&got[at..]),
+                    show(&want[at..])
+                );
                 return Err(format!(
                     "{dtype} {case:?} via {path}: error {err:.2e} > {tol:.0e}"
                 ));
