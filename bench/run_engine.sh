@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device side, one call: training-step time of the engine (examples/src/bin/bench_engine.rs) at
-# ZeRO stages 0–2 (cuBLASLt matmuls, device collectives; at stage 2 also burn's own matmuls and
+# ZeRO stages 0–2 (burn's matmuls, device collectives; at stage 2 also cuBLASLt matmuls and
 # host-staged collectives), and the PyTorch peer
 # (bench/engine_torch.py) on the same GPUs; merged into $OUT/engine-<kind>.json.
 # Needs .gpu/ staged by  GPU_FEATURES=nccl scripts/gpu-stage.sh bench-engine
@@ -26,8 +26,8 @@ for stage in 0 1 2; do
   echo "torch stage $stage: exit $?"
   grep -h '"impl"' "$out/torch-$stage.log" >> "$out/engine.jsonl"
 done
-# Stage 2 with burn's own matmuls, and with host-staged collectives.
-ours 2-cubecl 2 BURN_ZERO_CUBLASLT=0
+# Stage 2 with cuBLASLt matmuls (opt-in), and with host-staged collectives.
+ours 2-cublaslt 2 BURN_ZERO_CUBLASLT=1
 ours 2-host 2 BURN_ZERO_HOST_COLLECTIVES=1
 python3 - "$kind" "$gpus" "$out" <<'PY'
 import json, subprocess, sys

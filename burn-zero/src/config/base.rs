@@ -61,7 +61,8 @@ pub struct BurnZeroConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct MatmulConfig {
-    /// `cublaslt`: run eligible CUDA matmuls through cuBLASLt (default true).
+    /// `cublaslt`: run eligible CUDA matmuls through cuBLASLt (default false: each call still
+    /// synchronizes the compute stream; `BURN_ZERO_CUBLASLT=1` also switches it on).
     pub cublaslt: bool,
     /// `allow_tf32`: let f32 matmuls use TF32 tensor cores in cuBLASLt (default false).
     pub allow_tf32: bool,
@@ -72,7 +73,7 @@ pub struct MatmulConfig {
 impl Default for MatmulConfig {
     fn default() -> Self {
         Self {
-            cublaslt: true,
+            cublaslt: false,
             allow_tf32: false,
             min_macs: 1 << 24,
         }

@@ -109,7 +109,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     }
     let matmul = &resolved.config.burn_zero.matmul;
     set_matmul_policy(MatmulPolicy {
-        cublaslt: matmul.cublaslt && matmul_policy().cublaslt,
+        cublaslt: matmul.cublaslt || matmul_policy().cublaslt,
         allow_tf32: matmul.allow_tf32,
         min_macs: matmul.min_macs,
     });

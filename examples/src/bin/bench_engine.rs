@@ -3,7 +3,7 @@
 //! weights, ~`LAYERS`·`WIDTH`² parameters), AdamW, fp32, one micro-batch per step.
 //!
 //! Rank 0 prints one JSON line with the median step time; `BURN_ZERO_HOST_COLLECTIVES=1`
-//! measures the host-staged path and `BURN_ZERO_CUBLASLT=0` burn's own matmuls for comparison. `bench/engine_torch.py` is the peer.
+//! measures the host-staged path and `BURN_ZERO_CUBLASLT=1` cuBLASLt matmuls for comparison. `bench/engine_torch.py` is the peer.
 
 use std::time::Instant;
 

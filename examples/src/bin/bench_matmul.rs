@@ -119,6 +119,7 @@ fn main() {
     // burn-zero: the decorator, whose matmuls go to cuBLASLt (f32 with TF32 allowed, as
     // burn's own CUDA f32 matmul uses TF32); burn-cuda: the inner backend alone.
     burn_zero::backend::matmul::set_matmul_policy(burn_zero::backend::matmul::MatmulPolicy {
+        cublaslt: true,
         allow_tf32: true,
         ..Default::default()
     });
