@@ -5,12 +5,7 @@
 # $OUT/gpu-parity-<kind>.json with the largest relative differences and how many collectives
 # ran on device memory (0 for the host-staged control run).
 # Needs .gpu/bin/{burn-zero,dist-worker} (dist-worker built with --features nccl).
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0
-kind="${1:?kind}"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
-for f in .gpu/bin/*.xz; do [ -e "$f" ] && xz -dkf "$f"; done
-chmod +x .gpu/bin/*
-gpus=$(nvidia-smi -L | wc -l)
+source bench/prelude.sh "$@"
 port=29600
 run() { # name nproc mode stage gas
   port=$((port + 1))

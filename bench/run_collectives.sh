@@ -3,13 +3,7 @@
 # merged into $OUT/collectives-<kind>.json. Needs .gpu/ staged by
 #   scripts/gpu-stage.sh bench-collectives   (with GPU_FEATURES=nccl)
 # Usage: bash bench/run_collectives.sh KIND
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0   # NVLink multicast can take a shared host's GPUs down
-kind="${1:?kind, e.g. nvidia-h200-x2}"
-out="${OUT:-/tmp/out}"; mkdir -p "$out"
-for f in .gpu/bin/*.xz; do [ -e "$f" ] && xz -dkf "$f"; done
-chmod +x .gpu/bin/*
-gpus=$(nvidia-smi -L | wc -l)
+source bench/prelude.sh "$@"
 .gpu/bin/burn-zero report > "$out/report.txt" 2>&1; cat "$out/report.txt"
 .gpu/bin/burn-zero run --nproc-per-node "$gpus" --master-port 29511 -- .gpu/bin/bench-collectives > "$out/ours.log" 2>&1
 echo "burn-zero exit $?"; tail -5 "$out/ours.log"

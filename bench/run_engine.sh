@@ -4,12 +4,7 @@
 # host-staged collectives), and the PyTorch peer
 # (bench/engine_torch.py) on the same GPUs; merged into $OUT/engine-<kind>.json.
 # Needs .gpu/ staged by  GPU_FEATURES=nccl scripts/gpu-stage.sh bench-engine
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0
-kind="${1:?kind}"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
-for f in .gpu/bin/*.xz; do [ -e "$f" ] && xz -dkf "$f"; done
-chmod +x .gpu/bin/*
-gpus=$(nvidia-smi -L | wc -l)
+source bench/prelude.sh "$@"
 port=29700
 : > "$out/engine.jsonl"
 ours() { # log-name stage [ENV=VALUE...]

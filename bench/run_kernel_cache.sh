@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device side: bench-matmul started twice with burn-zero's persistent CubeCL caches; the second
 # process should pay no compile/autotune cost. Writes $OUT/kernel-cache-<kind>.json.
-set -uo pipefail
-kind="${1:?kind}"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
-for f in .gpu/bin/*.xz; do [ -e "$f" ] && xz -dkf "$f"; done
-chmod +x .gpu/bin/*
+source bench/prelude.sh "$@"
 export BENCH_PERSIST_KERNELS=1 BURN_ZERO_CACHE_DIR=/tmp/burn-zero-kernel-cache
 rm -rf "$BURN_ZERO_CACHE_DIR"
 s=$(date +%s); .gpu/bin/bench-matmul > "$out/first.log" 2>&1; echo "first process: exit $? in $(( $(date +%s) - s )) s"

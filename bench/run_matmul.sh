@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device side: burn's CUDA matmul and torch.matmul on the same shapes, one call; writes
 # $OUT/matmul-<kind>.json. Needs .gpu/bin/bench-matmul (scripts/gpu-stage.sh bench-matmul).
-set -uo pipefail
-kind="${1:?kind}"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
-for f in .gpu/bin/*.xz; do [ -e "$f" ] && xz -dkf "$f"; done
-chmod +x .gpu/bin/*
+source bench/prelude.sh "$@"
 .gpu/bin/bench-matmul > "$out/burn.log" 2>&1; echo "burn exit $?"
 python3 bench/matmul_torch.py > "$out/torch.log" 2>&1; echo "torch exit $?"
 python3 - "$kind" "$out" <<'PY'

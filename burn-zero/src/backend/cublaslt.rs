@@ -44,14 +44,12 @@ pub(crate) struct Gemm {
     pub(crate) tf32: bool,
 }
 
-/// What decides the algorithm: the GEMM without its addresses.
-type AlgoKey = (u64, u64, u64, i32, [(i64, bool, i64); 3], DType, bool);
-
 struct DeviceLt {
     handle: sys::cublasLtHandle_t,
     stream: Arc<CudaStream>,
     workspace: CudaSlice<u8>,
-    algos: HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>,
+    /// The algorithm per GEMM, keyed by the GEMM with its addresses cleared.
+    algos: HashMap<Gemm, sys::cublasLtMatmulAlgo_t>,
 }
 
 // SAFETY: the handle is used under the per-device mutex only; cuBLASLt handles may move
@@ -174,19 +172,12 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
                 .map_err(err("transpose"))?;
         }
     }
-    let key: AlgoKey = (
-        g.m,
-        g.n,
-        g.k,
-        g.batch,
-        [
-            (g.a.ld, g.a.trans, g.a.batch_stride),
-            (g.b.ld, g.b.trans, g.b.batch_stride),
-            (g.d_ld, false, g.d_batch_stride),
-        ],
-        g.dtype,
-        g.tf32,
-    );
+    let key = Gemm {
+        a: Operand { ptr: 0, ..g.a },
+        b: Operand { ptr: 0, ..g.b },
+        d: 0,
+        ..*g
+    };
     let workspace_bytes = lt_dev.workspace.len();
     let handle = lt_dev.handle;
     let algo = match lt_dev.algos.get(&key) {

@@ -50,12 +50,15 @@ pub fn set_matmul_policy(policy: MatmulPolicy) {
     *POLICY.write().unwrap_or_else(|e| e.into_inner()) = Some(policy);
 }
 
-/// How matmuls run now.
+/// How matmuls run now (the default, environment included, is read once).
 pub fn matmul_policy() -> MatmulPolicy {
-    POLICY
-        .read()
+    if let Some(policy) = *POLICY.read().unwrap_or_else(|e| e.into_inner()) {
+        return policy;
+    }
+    *POLICY
+        .write()
         .unwrap_or_else(|e| e.into_inner())
-        .unwrap_or_default()
+        .get_or_insert_with(MatmulPolicy::default)
 }
 
 /// Matmuls that ran through cuBLASLt in this process so far.
@@ -195,12 +198,6 @@ mod cuda {
             tf32: policy.allow_tf32,
         };
         B::sync(&device).ok()?;
-        if std::env::var_os("BURN_ZERO_MATMUL_DEBUG").is_some() {
-            eprintln!(
-                "cuBLASLt: lhs {:?}/{:?} rhs {:?}/{:?} out {:?}/{:?} {gemm:?}",
-                a.shape, a.strides, b.shape, b.strides, d.shape, d.strides
-            );
-        }
         // SAFETY: the three views hold their memory; the inputs are complete (synchronized
         // above); the output is a fresh contiguous allocation of batch·m·n elements.
         match unsafe { cublaslt::run(a.ordinal, &gemm) } {

@@ -123,7 +123,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         PartitionPlan::aligned(layout.numel(), world, PARTITION_ALIGN)
     };
 
-    let params = flatten_params(&model, &layout, 0);
+    let params = flatten_params(&model, &layout);
     let device = params.device();
     let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
     let params = flat.broadcast(params, 0)?;

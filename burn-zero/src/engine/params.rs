@@ -90,12 +90,10 @@ impl FlatLayout {
     }
 }
 
-/// The float parameters of `module` laid end to end in one flat tensor of the inner backend,
-/// then `padding` zeros.
+/// The float parameters of `module` laid end to end in one flat tensor of the inner backend.
 pub fn flatten_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
     module: &M,
     layout: &FlatLayout,
-    padding: usize,
 ) -> Tensor<I, 1> {
     struct Collect<'a, I: Backend> {
         layout: &'a FlatLayout,
@@ -117,14 +115,13 @@ pub fn flatten_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
         parts: vec![None; layout.slots().len()],
     };
     module.visit(&mut collect);
-    let mut parts: Vec<Tensor<I, 1>> = collect
+    let parts: Vec<Tensor<I, 1>> = collect
         .parts
         .into_iter()
         .map(|p| p.expect("every parameter of the layout is in the module"))
         .collect();
-    if padding > 0 || parts.is_empty() {
-        let device = parts.first().map(|p| p.device()).unwrap_or_default();
-        parts.push(Tensor::zeros([padding], &device));
+    if parts.is_empty() {
+        return Tensor::zeros([0], &Default::default());
     }
     Tensor::cat(parts, 0)
 }

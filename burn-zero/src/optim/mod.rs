@@ -17,7 +17,82 @@ pub struct StepParams {
     pub betas: (f64, f64),
 }
 
-/// Optimizer state for one partition.
+/// Adam's settings that stay fixed over a run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct AdamSettings {
+    /// `eps`.
+    pub eps: f64,
+    /// `weight_decay`.
+    pub weight_decay: f64,
+    /// AdamW (decoupled) rather than L2.
+    pub decoupled: bool,
+    /// `bias_correction`.
+    pub bias_correction: bool,
+}
+
+impl AdamSettings {
+    /// The bias corrections `(1 − β1ᵗ, 1 − β2ᵗ)` of step `t` (ones when switched off).
+    pub fn corrections(&self, t: u64, (b1, b2): (f32, f32)) -> (f32, f32) {
+        if self.bias_correction {
+            (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32))
+        } else {
+            (1.0, 1.0)
+        }
+    }
+}
+
+/// SGD's settings (PyTorch semantics).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SgdSettings {
+    /// `momentum`.
+    pub momentum: f64,
+    /// `dampening`.
+    pub dampening: f64,
+    /// `nesterov`.
+    pub nesterov: bool,
+    /// `weight_decay`.
+    pub weight_decay: f64,
+}
+
+/// The fixed settings of one optimizer, from the config.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum OptimizerSettings {
+    /// Adam / AdamW.
+    Adam(AdamSettings),
+    /// SGD with optional momentum.
+    Sgd(SgdSettings),
+}
+
+impl OptimizerSettings {
+    /// The settings of `kind` with `params`.
+    pub fn new(kind: OptimizerKind, params: &OptimizerParams) -> Self {
+        match kind {
+            OptimizerKind::Adam {
+                decoupled_weight_decay,
+            } => Self::Adam(AdamSettings {
+                eps: params.eps,
+                weight_decay: params.weight_decay,
+                decoupled: decoupled_weight_decay,
+                bias_correction: params.bias_correction,
+            }),
+            OptimizerKind::Sgd => Self::Sgd(SgdSettings {
+                momentum: params.momentum,
+                dampening: params.dampening,
+                nesterov: params.nesterov,
+                weight_decay: params.weight_decay,
+            }),
+        }
+    }
+}
+
+impl StepParams {
+    /// (lr, (β1, β2)) in the f32 the update computes in.
+    fn f32(&self) -> (f32, (f32, f32)) {
+        (self.lr as f32, (self.betas.0 as f32, self.betas.1 as f32))
+    }
+}
+
+/// Optimizer state for one partition, on the host.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub enum FlatOptimizer {
     /// Adam / AdamW.
@@ -28,14 +103,8 @@ pub enum FlatOptimizer {
         v: Vec<f32>,
         /// Steps taken (t of the bias correction).
         step: u64,
-        /// `eps`.
-        eps: f64,
-        /// `weight_decay`.
-        weight_decay: f64,
-        /// AdamW (decoupled) rather than L2.
-        decoupled: bool,
-        /// `bias_correction`.
-        bias_correction: bool,
+        /// Its settings.
+        settings: AdamSettings,
     },
     /// SGD with optional momentum (PyTorch semantics).
     Sgd {
@@ -43,43 +112,29 @@ pub enum FlatOptimizer {
         buffer: Vec<f32>,
         /// Whether `buffer` holds a value yet (PyTorch starts it at the first gradient).
         started: bool,
-        /// `momentum`.
-        momentum: f64,
-        /// `dampening`.
-        dampening: f64,
-        /// `nesterov`.
-        nesterov: bool,
-        /// `weight_decay`.
-        weight_decay: f64,
+        /// Its settings.
+        settings: SgdSettings,
     },
 }
 
 impl FlatOptimizer {
     /// Zeroed state for a partition of `len` elements.
     pub fn new(kind: OptimizerKind, params: &OptimizerParams, len: usize) -> Self {
-        match kind {
-            OptimizerKind::Adam {
-                decoupled_weight_decay,
-            } => FlatOptimizer::Adam {
+        match OptimizerSettings::new(kind, params) {
+            OptimizerSettings::Adam(settings) => FlatOptimizer::Adam {
                 m: vec![0.0; len],
                 v: vec![0.0; len],
                 step: 0,
-                eps: params.eps,
-                weight_decay: params.weight_decay,
-                decoupled: decoupled_weight_decay,
-                bias_correction: params.bias_correction,
+                settings,
             },
-            OptimizerKind::Sgd => FlatOptimizer::Sgd {
-                buffer: if params.momentum > 0.0 {
+            OptimizerSettings::Sgd(settings) => FlatOptimizer::Sgd {
+                buffer: if settings.momentum > 0.0 {
                     vec![0.0; len]
                 } else {
                     Vec::new()
                 },
                 started: false,
-                momentum: params.momentum,
-                dampening: params.dampening,
-                nesterov: params.nesterov,
-                weight_decay: params.weight_decay,
+                settings,
             },
         }
     }
@@ -99,16 +154,13 @@ impl FlatOptimizer {
             grad.len(),
             "parameter and gradient partitions differ in length"
         );
-        let lr = hp.lr as f32;
+        let (lr, (b1, b2)) = hp.f32();
         match self {
             FlatOptimizer::Adam {
                 m,
                 v,
                 step,
-                eps,
-                weight_decay,
-                decoupled,
-                bias_correction,
+                settings,
             } => {
                 assert_eq!(
                     m.len(),
@@ -116,23 +168,18 @@ impl FlatOptimizer {
                     "optimizer state and partition differ in length"
                 );
                 *step += 1;
-                let (b1, b2) = (hp.betas.0 as f32, hp.betas.1 as f32);
-                let (bc1, bc2) = if *bias_correction {
-                    (1.0 - b1.powi(*step as i32), 1.0 - b2.powi(*step as i32))
-                } else {
-                    (1.0, 1.0)
-                };
-                let (eps, wd) = (*eps as f32, *weight_decay as f32);
+                let (bc1, bc2) = settings.corrections(*step, (b1, b2));
+                let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
                 let step_size = lr / bc1;
                 let bc2_sqrt = bc2.sqrt();
                 for i in 0..param.len() {
                     let mut g = grad[i];
-                    if !*decoupled {
+                    if !settings.decoupled {
                         g += wd * param[i];
                     }
                     m[i] = b1 * m[i] + (1.0 - b1) * g;
                     v[i] = b2 * v[i] + (1.0 - b2) * g * g;
-                    if *decoupled {
+                    if settings.decoupled {
                         param[i] *= 1.0 - lr * wd;
                     }
                     let denom = v[i].sqrt() / bc2_sqrt + eps;
@@ -142,12 +189,13 @@ impl FlatOptimizer {
             FlatOptimizer::Sgd {
                 buffer,
                 started,
-                momentum,
-                dampening,
-                nesterov,
-                weight_decay,
+                settings,
             } => {
-                let (mu, damp, wd) = (*momentum as f32, *dampening as f32, *weight_decay as f32);
+                let (mu, damp, wd) = (
+                    settings.momentum as f32,
+                    settings.dampening as f32,
+                    settings.weight_decay as f32,
+                );
                 for i in 0..param.len() {
                     let mut g = grad[i] + wd * param[i];
                     if mu > 0.0 {
@@ -156,7 +204,7 @@ impl FlatOptimizer {
                         } else {
                             g
                         };
-                        g = if *nesterov {
+                        g = if settings.nesterov {
                             g + mu * buffer[i]
                         } else {
                             buffer[i]

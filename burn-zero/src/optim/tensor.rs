@@ -4,7 +4,7 @@
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use super::StepParams;
+use super::{AdamSettings, OptimizerSettings, SgdSettings, StepParams};
 use crate::config::{OptimizerKind, OptimizerParams};
 
 /// Optimizer state for one flat partition, on the partition's device.
@@ -18,18 +18,12 @@ enum State<B: Backend> {
         m: Tensor<B, 1>,
         v: Tensor<B, 1>,
         step: u64,
-        eps: f64,
-        weight_decay: f64,
-        decoupled: bool,
-        bias_correction: bool,
+        settings: AdamSettings,
     },
     Sgd {
         /// The momentum buffer once the first gradient arrived (momentum > 0 only).
         buffer: Option<Tensor<B, 1>>,
-        momentum: f64,
-        dampening: f64,
-        nesterov: bool,
-        weight_decay: f64,
+        settings: SgdSettings,
     },
 }
 
@@ -41,24 +35,16 @@ impl<B: Backend> TensorOptimizer<B> {
         len: usize,
         device: &B::Device,
     ) -> Self {
-        let state = match kind {
-            OptimizerKind::Adam {
-                decoupled_weight_decay,
-            } => State::Adam {
+        let state = match OptimizerSettings::new(kind, params) {
+            OptimizerSettings::Adam(settings) => State::Adam {
                 m: Tensor::zeros([len], device),
                 v: Tensor::zeros([len], device),
                 step: 0,
-                eps: params.eps,
-                weight_decay: params.weight_decay,
-                decoupled: decoupled_weight_decay,
-                bias_correction: params.bias_correction,
+                settings,
             },
-            OptimizerKind::Sgd => State::Sgd {
+            OptimizerSettings::Sgd(settings) => State::Sgd {
                 buffer: None,
-                momentum: params.momentum,
-                dampening: params.dampening,
-                nesterov: params.nesterov,
-                weight_decay: params.weight_decay,
+                settings,
             },
         };
         Self { state, len }
@@ -69,7 +55,7 @@ impl<B: Backend> TensorOptimizer<B> {
     pub fn state_bytes(&self) -> usize {
         match &self.state {
             State::Adam { .. } => 4 * 2 * self.len,
-            State::Sgd { momentum, .. } if *momentum > 0.0 => 4 * self.len,
+            State::Sgd { settings, .. } if settings.momentum > 0.0 => 4 * self.len,
             State::Sgd { .. } => 0,
         }
     }
@@ -86,33 +72,25 @@ impl<B: Backend> TensorOptimizer<B> {
             (self.len, self.len),
             "parameter, gradient and optimizer state differ in length"
         );
-        let lr = hp.lr as f32;
+        let (lr, (b1, b2)) = hp.f32();
         match &mut self.state {
             State::Adam {
                 m,
                 v,
                 step,
-                eps,
-                weight_decay,
-                decoupled,
-                bias_correction,
+                settings,
             } => {
                 *step += 1;
-                let (b1, b2) = (hp.betas.0 as f32, hp.betas.1 as f32);
-                let (bc1, bc2) = if *bias_correction {
-                    (1.0 - b1.powi(*step as i32), 1.0 - b2.powi(*step as i32))
-                } else {
-                    (1.0, 1.0)
-                };
-                let (eps, wd) = (*eps as f32, *weight_decay as f32);
-                let g = if *decoupled || wd == 0.0 {
+                let (bc1, bc2) = settings.corrections(*step, (b1, b2));
+                let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
+                let g = if settings.decoupled || wd == 0.0 {
                     grad
                 } else {
                     grad + param.clone().mul_scalar(wd)
                 };
                 *m = m.clone().mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1);
                 *v = v.clone().mul_scalar(b2) + g.clone().mul_scalar(1.0 - b2).mul(g);
-                let param = if *decoupled {
+                let param = if settings.decoupled {
                     param.mul_scalar(1.0 - lr * wd)
                 } else {
                     param
@@ -120,14 +98,12 @@ impl<B: Backend> TensorOptimizer<B> {
                 let denom = v.clone().sqrt().div_scalar(bc2.sqrt()).add_scalar(eps);
                 param - m.clone().div(denom).mul_scalar(lr / bc1)
             }
-            State::Sgd {
-                buffer,
-                momentum,
-                dampening,
-                nesterov,
-                weight_decay,
-            } => {
-                let (mu, damp, wd) = (*momentum as f32, *dampening as f32, *weight_decay as f32);
+            State::Sgd { buffer, settings } => {
+                let (mu, damp, wd) = (
+                    settings.momentum as f32,
+                    settings.dampening as f32,
+                    settings.weight_decay as f32,
+                );
                 let mut g = if wd == 0.0 {
                     grad
                 } else {
@@ -138,7 +114,7 @@ impl<B: Backend> TensorOptimizer<B> {
                         Some(b) => b.mul_scalar(mu) + g.clone().mul_scalar(1.0 - damp),
                         None => g.clone(),
                     };
-                    g = if *nesterov {
+                    g = if settings.nesterov {
                         g + next.clone().mul_scalar(mu)
                     } else {
                         next.clone()
