@@ -1,16 +1,19 @@
 //! Strided-batched GEMMs on raw device addresses through cuBLASLt (cudarc, dynamic loading).
 //! Free of burn types: `matmul.rs` maps burn's row-major tensors onto [`Gemm`].
 //!
-//! One cuBLASLt handle, stream and 32 MiB workspace per GPU. A call runs on that stream and
-//! returns once it finished (see `matmul.rs` for the ordering against burn's stream).
+//! One cuBLASLt handle, stream and 32 MiB workspace per GPU. A call runs on that stream,
+//! ordered against burn's stream by a [`Handshake`] (no host wait), or, where the GPU cannot
+//! run stream memory operations, synchronized before returning.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
+use cudarc::driver::sys as driver;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
+use crate::backend::stream_order::Handshake;
 use crate::comm::DType;
 
 /// One column-major operand: `rows × cols` after its transpose, as cuBLASLt sees it.
@@ -50,6 +53,8 @@ struct DeviceLt {
     workspace: CudaSlice<u8>,
     /// The algorithm per GEMM, keyed by the GEMM with its addresses cleared.
     algos: HashMap<Gemm, sys::cublasLtMatmulAlgo_t>,
+    /// Whether this GPU runs `cuStreamWaitValue32`/`cuStreamWriteValue32` (probed once).
+    stream_mem_ops: bool,
 }
 
 // SAFETY: the handle is used under the per-device mutex only; cuBLASLt handles may move
@@ -71,14 +76,38 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
     // SAFETY: uninitialized bytes are fine for a workspace.
     let workspace = unsafe { stream.alloc::<u8>(32 << 20) }.map_err(|e| format!("{e:?}"))?;
+    let stream_mem_ops = probe_stream_mem_ops(&stream, &workspace);
     let d = Arc::new(Mutex::new(DeviceLt {
         handle,
         stream,
         workspace,
         algos: HashMap::new(),
+        stream_mem_ops,
     }));
     all.insert(ordinal, d.clone());
     Ok(d)
+}
+
+/// Writes a value into the workspace and waits for it on `stream`: does the GPU support
+/// stream memory operations?
+fn probe_stream_mem_ops(stream: &Arc<CudaStream>, workspace: &CudaSlice<u8>) -> bool {
+    let (ptr, _sync) = workspace.device_ptr(stream);
+    let s = stream.cu_stream();
+    // SAFETY: the workspace is at least 4 bytes of this GPU's memory, used by this stream only.
+    let ok = unsafe {
+        driver::cuStreamWriteValue32_v2(s, ptr, 0x5eed, 0) == driver::CUresult::CUDA_SUCCESS
+            && driver::cuStreamWaitValue32_v2(s, ptr, 0x5eed, EQ) == driver::CUresult::CUDA_SUCCESS
+    };
+    ok && stream.synchronize().is_ok()
+}
+
+const EQ: u32 = driver::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ as u32;
+
+/// Whether calls on GPU `ordinal` can be ordered by a [`Handshake`] instead of a host wait.
+pub(crate) fn supports_handshake(ordinal: usize) -> Result<bool, String> {
+    let device = device(ordinal)?;
+    let lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(lt_dev.stream_mem_ops)
 }
 
 /// A cuBLASLt object destroyed on drop.
@@ -137,12 +166,18 @@ fn layout(
     Ok(owned)
 }
 
-/// Runs `gemm` on GPU `ordinal` and waits for it.
+/// Runs `gemm` on GPU `ordinal`: after `handshake.ready` and before `handshake.done`, or, with
+/// no handshake, to completion before returning.
 ///
 /// # Safety
-/// The addresses are valid device memory of that GPU for the extents `gemm` describes, and
-/// complete (nothing still writes them).
-pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
+/// The addresses are valid device memory of that GPU for the extents `gemm` describes; with no
+/// handshake they are complete (nothing still writes them); with one, `supports_handshake`
+/// said yes and burn's stream raises `ready` once they are.
+pub(crate) unsafe fn run(
+    ordinal: usize,
+    gemm: &Gemm,
+    handshake: Option<Handshake>,
+) -> Result<(), String> {
     let device = device(ordinal)?;
     let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
     let _ = lt_dev.stream.context().bind_to_thread();
@@ -204,6 +239,14 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
     let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = lt_dev.stream.clone();
     let (workspace, _sync) = lt_dev.workspace.device_ptr(&stream);
+    let cu_stream = stream.cu_stream();
+    if let Some(h) = handshake {
+        // SAFETY: `ready` is a live u32 of this GPU (the caller's flags).
+        let r = unsafe { driver::cuStreamWaitValue32_v2(cu_stream, h.ready, h.seq, EQ) };
+        if r != driver::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuStreamWaitValue32: {r:?}"));
+        }
+    }
     // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
     // C (ignored: beta = 0) and D.
     unsafe {
@@ -223,11 +266,20 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
             &algo,
             workspace as *mut _,
             workspace_bytes,
-            stream.cu_stream() as *mut _,
+            cu_stream as *mut _,
         )
         .map_err(err("cublasLtMatmul"))?;
     }
-    stream
-        .synchronize()
-        .map_err(|e| format!("cuBLASLt stream: {e:?}"))
+    match handshake {
+        // SAFETY: `done` is a live u32 of this GPU; the default flag puts a memory barrier
+        // before the write, so the output is visible to whoever sees `done`.
+        Some(h) => match unsafe { driver::cuStreamWriteValue32_v2(cu_stream, h.done, h.seq, 0) } {
+            driver::CUresult::CUDA_SUCCESS => Ok(()),
+            // Burn's stream would wait forever: nothing can undo that but a failure here.
+            r => panic!("cuStreamWriteValue32 after a cuBLASLt call: {r:?}"),
+        },
+        None => stream
+            .synchronize()
+            .map_err(|e| format!("cuBLASLt stream: {e:?}")),
+    }
 }

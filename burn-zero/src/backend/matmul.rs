@@ -7,15 +7,15 @@
 //! multiply-adds. bf16/f16 accumulate in f32; f32 uses TF32 only with
 //! [`MatmulPolicy::allow_tf32`].
 //!
-//! Ordering: cubecl 0.10 does not expose its compute stream, so the call synchronizes it
-//! (`Backend::sync`), runs cuBLASLt on its own stream and waits for it before returning: correct
-//! for any following kernel, at the price of a host round trip per call (hence `min_macs`).
+//! Ordering: cubecl 0.10 does not expose its compute stream, so cuBLASLt runs on its own and
+//! the two streams wait for each other through flags in device memory (`stream_order.rs`): no
+//! host round trip. A GPU without stream memory operations synchronizes instead.
 
 use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn_backend::Backend;
 use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, TensorMetadata};
 
 /// How `ZeroBackend` runs matmuls. Process-wide; `initialize` sets it from the config's
 /// `burn_zero.matmul` section; `BURN_ZERO_CUBLASLT=1` in the environment switches cuBLASLt on
@@ -76,6 +76,87 @@ pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
     B::float_matmul(lhs, rhs)
 }
 
+/// Prepends 1-dims to `tensor` up to `rank`.
+fn unsqueeze_leading<B: Backend>(tensor: FloatTensor<B>, rank: usize) -> FloatTensor<B> {
+    let shape = tensor.shape();
+    if shape.num_dims() >= rank {
+        return tensor;
+    }
+    let mut dims = vec![1; rank - shape.num_dims()];
+    dims.extend(shape.iter().copied());
+    B::float_reshape(tensor, dims.into())
+}
+
+/// `ZeroBackend::linear`: `x·W (+ b)` through [`float_matmul`], so burn's `Linear` layers
+/// reach cuBLASLt (the inner backend's `linear` would call its own matmul).
+pub(crate) fn linear<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    if !matmul_policy().cublaslt {
+        return B::linear(x, weight, bias);
+    }
+    linear_on_matmul::<B>(x, weight, bias)
+}
+
+fn linear_on_matmul<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    let rank = x.shape().num_dims();
+    let out = float_matmul::<B>(x, unsqueeze_leading::<B>(weight, rank));
+    match bias {
+        Some(bias) => B::float_add(out, unsqueeze_leading::<B>(bias, rank)),
+        None => out,
+    }
+}
+
+/// `ZeroBackend::linear_x_backward`: `dY·Wᵀ` through [`float_matmul`] (`Wᵀ` a strided view).
+pub(crate) fn linear_x_backward<B: Backend>(
+    weight: FloatTensor<B>,
+    output_grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    if !matmul_policy().cublaslt {
+        return B::linear_x_backward(weight, output_grad);
+    }
+    linear_x_backward_on_matmul::<B>(weight, output_grad)
+}
+
+fn linear_x_backward_on_matmul<B: Backend>(
+    weight: FloatTensor<B>,
+    output_grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let rank = output_grad.shape().num_dims();
+    let weight_t = unsqueeze_leading::<B>(B::float_swap_dims(weight, 0, 1), rank);
+    float_matmul::<B>(output_grad, weight_t)
+}
+
+/// `ZeroBackend::linear_weight_backward`: `Σ_batch xᵀ·dY` as one GEMM over the stacked rows
+/// of every batch (`[in, rows]·[rows, out]`), not a batched GEMM and a sum.
+pub(crate) fn linear_weight_backward<B: Backend>(
+    x: FloatTensor<B>,
+    output_grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    if !matmul_policy().cublaslt {
+        return B::linear_weight_backward(x, output_grad);
+    }
+    linear_weight_backward_on_matmul::<B>(x, output_grad)
+}
+
+fn linear_weight_backward_on_matmul<B: Backend>(
+    x: FloatTensor<B>,
+    output_grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let (xs, gs) = (x.shape(), output_grad.shape());
+    let (d_in, d_out) = (xs[xs.num_dims() - 1], gs[gs.num_dims() - 1]);
+    let rows = xs.num_elements() / d_in.max(1);
+    let x = B::float_reshape(x, [rows, d_in].into());
+    let output_grad = B::float_reshape(output_grad, [rows, d_out].into());
+    float_matmul::<B>(B::float_swap_dims(x, 0, 1), output_grad)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
@@ -83,6 +164,7 @@ mod cuda {
     use super::MatmulPolicy;
     use crate::backend::cublaslt::{self, Gemm, Operand};
     use crate::backend::cuda::{CudaView, cuda_view};
+    use crate::backend::stream_order;
 
     /// A matrix `rows × cols` with strides `(rs, cs)` as the column-major operand that yields
     /// its transpose (`cols × rows`) in cuBLASLt, or `None` if neither dim is unit-stride.
@@ -174,9 +256,17 @@ mod cuda {
         if d_trans {
             return None;
         }
+        // A row-major lhs whose matrices follow each other times a shared rhs (a Linear's
+        // `[batch, tokens, in]·[in, out]`) is one GEMM of batch·m rows, not a batched one.
+        let fold = batch > 1
+            && b_stride == 0
+            && !a_trans
+            && a_stride == m as i64 * a_ld
+            && d_batch_stride == m as i64 * d_ld;
+        let (rows, batch) = if fold { (batch * m, 1) } else { (m, batch) };
         let gemm = Gemm {
             m: n as u64,
-            n: m as u64,
+            n: rows as u64,
             k: k as u64,
             batch: batch as i32,
             a: Operand {
@@ -197,11 +287,25 @@ mod cuda {
             dtype: a.dtype,
             tf32: policy.allow_tf32,
         };
-        B::sync(&device).ok()?;
-        // SAFETY: the three views hold their memory; the inputs are complete (synchronized
-        // above); the output is a fresh contiguous allocation of batch·m·n elements.
-        match unsafe { cublaslt::run(a.ordinal, &gemm) } {
-            Ok(()) => Some(out),
+        let client = &d.keep.client;
+        let ordered = cublaslt::supports_handshake(a.ordinal).unwrap_or(false);
+        let handshake = if ordered {
+            Some(stream_order::begin(client, a.ordinal)?)
+        } else {
+            B::sync(&device).ok()?;
+            None
+        };
+        // SAFETY: the three views hold their memory until the call is ordered before burn's
+        // next kernels (`end` below, or the synchronization inside `run`); the inputs are
+        // complete once `ready` is raised (or after the sync above); the output has the
+        // extents described.
+        match unsafe { cublaslt::run(a.ordinal, &gemm, handshake) } {
+            Ok(()) => {
+                if let Some(h) = handshake {
+                    stream_order::end(client, a.ordinal, h);
+                }
+                Some(out)
+            }
             Err(e) => {
                 crate::log::warn(&format!(
                     "cuBLASLt failed, using the inner backend's matmul: {e}"
@@ -209,5 +313,66 @@ mod cuda {
                 None
             }
         }
+    }
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+mod tests {
+    use burn::backend::NdArray;
+    use burn_backend::{TensorData, TensorPrimitive, ops::FloatTensorOps, ops::ModuleOps};
+
+    use super::*;
+
+    type B = NdArray;
+
+    fn tensor(shape: &[usize], seed: usize) -> FloatTensor<B> {
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 + seed * 101) % 23) as f32 / 11.0 - 1.0)
+            .collect();
+        B::float_from_data(TensorData::new(values, shape.to_vec()), &Default::default())
+    }
+
+    fn values(t: FloatTensor<B>) -> (Vec<usize>, Vec<f32>) {
+        let shape: Vec<usize> = t.shape().iter().copied().collect();
+        let flat = B::float_reshape(t, [shape.iter().product::<usize>()].into());
+        let flat = burn::tensor::Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(flat));
+        (shape, flat.into_data().to_vec().unwrap())
+    }
+
+    fn assert_close(got: FloatTensor<B>, want: FloatTensor<B>) {
+        let ((gs, g), (ws, w)) = (values(got), values(want));
+        assert_eq!(gs, ws, "shape");
+        for (a, b) in g.iter().zip(&w) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+
+    /// The Linear routes (one GEMM over stacked rows for the weight gradient) equal burn's
+    /// own `linear` ops, on a 3-D input of odd sizes.
+    #[test]
+    fn linear_on_matmul_equals_burn_linear() {
+        let (x, w, b, g) = (
+            tensor(&[2, 5, 7], 1),
+            tensor(&[7, 3], 2),
+            tensor(&[3], 3),
+            tensor(&[2, 5, 3], 4),
+        );
+        assert_close(
+            linear_on_matmul::<B>(x.clone(), w.clone(), Some(b.clone())),
+            B::linear(x.clone(), w.clone(), Some(b)),
+        );
+        assert_close(
+            linear_on_matmul::<B>(x.clone(), w.clone(), None),
+            B::linear(x.clone(), w.clone(), None),
+        );
+        assert_close(
+            linear_x_backward_on_matmul::<B>(w.clone(), g.clone()),
+            B::linear_x_backward(w, g.clone()),
+        );
+        assert_close(
+            linear_weight_backward_on_matmul::<B>(x.clone(), g.clone()),
+            B::linear_weight_backward(x, g),
+        );
     }
 }

@@ -12,6 +12,8 @@ pub(crate) mod forward;
 pub mod hooks;
 pub mod matmul;
 mod ops_list;
+#[cfg(feature = "cuda")]
+mod stream_order;
 mod tensor;
 
 pub use base::ZeroBackend;

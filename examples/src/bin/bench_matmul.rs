@@ -40,8 +40,11 @@ fn case<B: Backend>(
     let dist = Distribution::Uniform(-1.0, 1.0);
     let lhs_shape = if transpose.0 { [k, m] } else { [m, k] };
     let rhs_shape = if transpose.1 { [n, k] } else { [k, n] };
-    let lhs = Tensor::<B, 2>::random(lhs_shape, dist, device);
-    let rhs = Tensor::<B, 2>::random(rhs_shape, dist, device);
+    // In the backend's element type: without one, burn 0.21 creates f32 even on Cuda<bf16>.
+    let dt = <B::FloatElem as Element>::dtype();
+    let lhs = Tensor::<B, 2>::random(lhs_shape, dist, (device, dt));
+    let rhs = Tensor::<B, 2>::random(rhs_shape, dist, (device, dt));
+    assert_eq!((lhs.dtype(), rhs.dtype()), (dt, dt), "operand dtype");
     let lhs = if transpose.0 { lhs.transpose() } else { lhs };
     let rhs = if transpose.1 { rhs.transpose() } else { rhs };
     sync::<B>(device);

@@ -1,8 +1,11 @@
 //! Device check of `ZeroBackend<Cuda>`'s cuBLASLt matmuls (exits non-zero on any failure):
-//! 1. odd, batched, broadcast and transposed products in f32, bf16 and f16 against an f64
-//!    host reference, through cuBLASLt and through the inner backend;
-//! 2. a training step of a small MLP through `Autodiff<ZeroBackend<Cuda>>` with cuBLASLt on and
-//!    off: the same loss and gradients within the inner backend's TF32 tolerance.
+//! 1. odd, batched, broadcast and transposed products in f32, bf16 and f16 (tensors created in
+//!    that dtype) against an f64 host reference, through cuBLASLt and through the inner backend;
+//! 2. a chain of dependent matmuls and element-wise ops with no host synchronization between
+//!    them (the stream handshake alone orders them), equal to the inner backend's chain;
+//! 3. a training step of a small MLP (3-D input, biases) through `Autodiff<ZeroBackend<Cuda>>`
+//!    with cuBLASLt on and off: the same loss and gradients of every parameter within the
+//!    inner backend's TF32 tolerance.
 
 use burn::backend::{Autodiff, Cuda};
 use burn::module::Module;
@@ -24,16 +27,6 @@ const CASES: [Case; 7] = [
     ([2, 3], [1, 1], 31, 64, 5, false, false),
     ([1, 1], [4, 2], 7, 1, 130, false, true),
 ];
-
-fn host(t: Tensor<impl Backend, 4>) -> Vec<f64> {
-    t.into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect()
-}
 
 /// The f64 product of host copies, broadcasting batch dims.
 fn reference(a: &[f64], b: &[f64], case: Case) -> Vec<f64> {
@@ -64,20 +57,25 @@ where
     B::FloatElem: Element,
 {
     let device = Default::default();
+    let dt = <B::FloatElem as Element>::dtype();
     for case in CASES {
         let (ab, bb, m, k, n, ta, tb) = case;
         let dist = Distribution::Uniform(-1.0, 1.0);
+        let rand = |shape: [usize; 4]| Tensor::<B, 4>::random(shape, dist, (&device, dt));
         let a = if ta {
-            Tensor::<B, 4>::random([ab[0], ab[1], k, m], dist, &device).swap_dims(2, 3)
+            rand([ab[0], ab[1], k, m]).swap_dims(2, 3)
         } else {
-            Tensor::<B, 4>::random([ab[0], ab[1], m, k], dist, &device)
+            rand([ab[0], ab[1], m, k])
         };
         let b = if tb {
-            Tensor::<B, 4>::random([bb[0], bb[1], n, k], dist, &device).swap_dims(2, 3)
+            rand([bb[0], bb[1], n, k]).swap_dims(2, 3)
         } else {
-            Tensor::<B, 4>::random([bb[0], bb[1], k, n], dist, &device)
+            rand([bb[0], bb[1], k, n])
         };
-        let want = reference(&host(a.clone()), &host(b.clone()), case);
+        if a.dtype() != dt || b.dtype() != dt {
+            return Err(format!("inputs are {:?}, wanted {dt:?}", a.dtype()));
+        }
+        let want = reference(&to_vec(a.clone()), &to_vec(b.clone()), case);
         let scale = want.iter().fold(1.0f64, |s, v| s.max(v.abs()));
         for cublas in [true, false] {
             set_matmul_policy(MatmulPolicy {
@@ -86,7 +84,7 @@ where
                 min_macs: 0,
             });
             let before = cublaslt_calls();
-            let got = host(a.clone().matmul(b.clone()));
+            let got = to_vec(a.clone().matmul(b.clone()));
             let used = cublaslt_calls() > before;
             let err = got
                 .iter()
@@ -125,6 +123,39 @@ where
     Ok(())
 }
 
+/// `steps` rounds of `x = tanh(x·w_i)·0.9 + x` on `[3, 64, 96]` with a `[96, 96]` weight per
+/// round, read back once at the end.
+fn chain(cublas: bool, steps: usize) -> Vec<f64> {
+    set_policy(cublas);
+    let device = Default::default();
+    let mut x = Tensor::<ZeroBackend<Cuda>, 3>::from_data(fixed_data([3 * 64, 96], 5), &device)
+        .reshape([3, 64, 96]);
+    for i in 0..steps {
+        let w = Tensor::<ZeroBackend<Cuda>, 2>::from_data(fixed_data([96, 96], 10 + i), &device);
+        x = x.clone().matmul(w.unsqueeze::<3>()).tanh().mul_scalar(0.9) + x;
+    }
+    to_vec(x)
+}
+
+fn check_chain() -> Result<(), String> {
+    let before = cublaslt_calls();
+    let got = chain(true, 40);
+    let used = cublaslt_calls() - before;
+    let want = chain(false, 40);
+    let scale = want.iter().fold(1e-12f64, |s, v| s.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(&want)
+        .fold(0.0f64, |e, (a, b)| e.max((a - b).abs() / scale));
+    println!("chain of 40 dependent matmuls: {used} through cuBLASLt, max rel diff {err:.2e}");
+    if used != 40 || err > 5e-3 {
+        return Err(format!(
+            "chain differs: {used} cuBLASLt calls, error {err:.2e}"
+        ));
+    }
+    Ok(())
+}
+
 #[derive(Module, Debug)]
 struct Mlp<B: Backend> {
     l1: Linear<B>,
@@ -133,62 +164,96 @@ struct Mlp<B: Backend> {
 
 type Train = Autodiff<ZeroBackend<Cuda>>;
 
-/// Loss and the first layer's weight gradient of one step, on fixed data and weights.
-fn step(cublas: bool) -> (f64, Vec<f64>) {
+fn set_policy(cublaslt: bool) {
     set_matmul_policy(MatmulPolicy {
-        cublaslt: cublas,
+        cublaslt,
         allow_tf32: false,
         min_macs: 0,
     });
-    let device = Default::default();
-    let fixed = |shape: [usize; 2], seed: usize| {
-        let values: Vec<f32> = (0..shape[0] * shape[1])
-            .map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.5 - 1.0) * 0.2)
-            .collect();
-        Tensor::<Train, 2>::from_data(TensorData::new(values, shape), &device)
-    };
-    let mut model = Mlp {
-        l1: LinearConfig::new(257, 129).init::<Train>(&device),
-        l2: LinearConfig::new(129, 65).init::<Train>(&device),
-    };
-    model.l1.weight = burn::module::Param::from_tensor(fixed([257, 129], 1));
-    model.l2.weight = burn::module::Param::from_tensor(fixed([129, 65], 2));
-    let x = fixed([33, 257], 3);
-    let y = fixed([33, 65], 4);
-    let out = model
-        .l2
-        .forward(burn::tensor::activation::relu(model.l1.forward(x)));
-    let loss = (out - y).powf_scalar(2.0).mean();
-    let grads = loss.backward();
-    let g = model.l1.weight.val().grad(&grads).expect("gradient");
-    let loss = f64::from(loss.into_scalar());
-    let g = g
-        .into_data()
+}
+
+/// Deterministic values in [-0.2, 0.2).
+fn fixed_data(shape: [usize; 2], seed: usize) -> TensorData {
+    let values: Vec<f32> = (0..shape[0] * shape[1])
+        .map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.5 - 1.0) * 0.2)
+        .collect();
+    TensorData::new(values, shape)
+}
+
+fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
+    t.into_data()
         .convert::<f32>()
         .to_vec::<f32>()
         .unwrap()
         .into_iter()
         .map(f64::from)
-        .collect();
-    (loss, g)
+        .collect()
+}
+
+/// Loss and the gradients of all four parameters after one step on fixed data and weights.
+fn step(cublas: bool) -> (f64, Vec<Vec<f64>>) {
+    set_policy(cublas);
+    let device = Default::default();
+    let fixed = |shape: [usize; 2], seed: usize| {
+        Tensor::<Train, 2>::from_data(fixed_data(shape, seed), &device)
+    };
+    let param = |t: Tensor<Train, 2>| burn::module::Param::from_tensor(t);
+    let mut model = Mlp {
+        l1: LinearConfig::new(257, 129).init::<Train>(&device),
+        l2: LinearConfig::new(129, 65).init::<Train>(&device),
+    };
+    model.l1.weight = param(fixed([257, 129], 1));
+    model.l2.weight = param(fixed([129, 65], 2));
+    model.l1.bias = Some(burn::module::Param::from_tensor(
+        fixed([1, 129], 6).reshape([129]),
+    ));
+    model.l2.bias = Some(burn::module::Param::from_tensor(
+        fixed([1, 65], 7).reshape([65]),
+    ));
+    // [batch 3, tokens 11, 257]: the Linear layers fold the batch into one GEMM.
+    let x = fixed([33, 257], 3).reshape([3, 11, 257]);
+    let y = fixed([33, 65], 4).reshape([3, 11, 65]);
+    let out = model
+        .l2
+        .forward(burn::tensor::activation::relu(model.l1.forward(x)));
+    let loss = (out - y).powf_scalar(2.0).mean();
+    let grads = loss.backward();
+    let grad = |p: &burn::module::Param<Tensor<Train, 2>>| to_vec(p.val().grad(&grads).unwrap());
+    let grad_b = |p: &Option<burn::module::Param<Tensor<Train, 1>>>| {
+        to_vec(p.as_ref().unwrap().val().grad(&grads).unwrap())
+    };
+    let all = vec![
+        grad(&model.l1.weight),
+        grad_b(&model.l1.bias),
+        grad(&model.l2.weight),
+        grad_b(&model.l2.bias),
+    ];
+    (f64::from(loss.into_scalar()), all)
 }
 
 fn check_training() -> Result<(), String> {
     let before = cublaslt_calls();
-    let (loss_lt, grad_lt) = step(true);
+    let (loss_lt, grads_lt) = step(true);
     let used = cublaslt_calls() - before;
-    let (loss_in, grad_in) = step(false);
-    let scale = grad_in.iter().fold(1e-12f64, |s, v| s.max(v.abs()));
-    let grad_err = grad_lt
-        .iter()
-        .zip(&grad_in)
-        .fold(0.0f64, |e, (a, b)| e.max((a - b).abs() / scale));
+    let (loss_in, grads_in) = step(false);
     let loss_err = (loss_lt - loss_in).abs() / loss_in.abs();
+    let mut grad_err = 0.0f64;
+    for (lt, inner) in grads_lt.iter().zip(&grads_in) {
+        let scale = inner.iter().fold(1e-12f64, |s, v| s.max(v.abs()));
+        if lt.len() != inner.len() {
+            return Err(format!("gradient sizes {} vs {}", lt.len(), inner.len()));
+        }
+        grad_err = lt
+            .iter()
+            .zip(inner)
+            .fold(grad_err, |e, (a, b)| e.max((a - b).abs() / scale));
+    }
     println!(
-        "training step: loss {loss_lt:.7} (cuBLASLt, {used} calls) vs {loss_in:.7} (inner): rel {loss_err:.2e}; grad max rel {grad_err:.2e}"
+        "training step: loss {loss_lt:.7} (cuBLASLt, {used} calls) vs {loss_in:.7} (inner): rel {loss_err:.2e}; max rel diff over 4 gradients {grad_err:.2e}"
     );
+    // Forward 2, backward 2 x-grads (the first layer's input needs none) and 2 weight grads.
     // The inner backend multiplies f32 with TF32 (10-bit mantissa); cuBLASLt here in full f32.
-    if used < 6 || loss_err > 2e-3 || grad_err > 5e-3 {
+    if used < 5 || loss_err > 2e-3 || grad_err > 5e-3 {
         return Err(format!(
             "training differs: {used} cuBLASLt calls, loss {loss_err:.2e}, gradient {grad_err:.2e}"
         ));
@@ -200,6 +265,7 @@ fn main() {
     let result = check_products::<ZeroBackend<Cuda<f32>>>("f32", 1e-5, 2e-3)
         .and_then(|_| check_products::<ZeroBackend<Cuda<half::bf16>>>("bf16", 2e-2, 2e-2))
         .and_then(|_| check_products::<ZeroBackend<Cuda<half::f16>>>("f16", 4e-3, 4e-3))
+        .and_then(|_| check_chain())
         .and_then(|_| check_training());
     match result {
         Ok(()) => println!("matmul-check: all passed"),

@@ -1,0 +1,109 @@
+//! Orders work on a stream of our own (cuBLASLt's) against burn's CUDA stream, which cubecl
+//! 0.10 does not expose, without a host round trip: two flags in device memory.
+//!
+//! For one foreign call with sequence number `s`:
+//! 1. burn's stream runs [`raise`]: `flags[READY] = s` once everything before it is done;
+//! 2. our stream waits for `flags[READY] == s` (`cuStreamWaitValue32`), runs the call, then
+//!    writes `flags[DONE] = s` (`cuStreamWriteValue32`, after a memory barrier);
+//! 3. burn's stream runs [`await_done`], one thread spinning until `flags[DONE] == s`, so every
+//!    later kernel of burn sees the call's output, and memory the call read is not reused early.
+//!
+//! Equality (not `≥`) keeps it correct across `u32` wraparound: each flag keeps its value until
+//! the other side has seen it. Flags are per thread because cubecl gives each thread its own
+//! stream; one call's steps 1 and 3 must land on the same stream.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+const READY: usize = 0;
+const DONE: usize = 1;
+
+#[cube(launch)]
+fn raise(flags: &mut Array<Atomic<u32>>, seq: u32) {
+    flags[READY].store(seq);
+}
+
+#[cube(launch)]
+fn await_done(flags: &mut Array<Atomic<u32>>, seq: u32) {
+    loop {
+        if flags[DONE].load() == seq {
+            break;
+        }
+    }
+}
+
+/// The device addresses of one handshake: our stream waits for `ready == seq`, then writes
+/// `done = seq`. Free of burn types, for `cublaslt.rs`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Handshake {
+    pub(crate) ready: u64,
+    pub(crate) done: u64,
+    pub(crate) seq: u32,
+}
+
+struct Flags {
+    /// Keeps the two `u32`s allocated for the thread's lifetime.
+    handle: Handle,
+    /// Device address of `flags[0]`.
+    ptr: u64,
+    seq: u32,
+}
+
+thread_local! {
+    /// Per GPU ordinal, this thread's flags.
+    static FLAGS: RefCell<HashMap<usize, Flags>> = RefCell::new(HashMap::new());
+}
+
+/// Step 1 on burn's stream of `client` (GPU `ordinal`): returns the handshake for our stream.
+pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Option<Handshake> {
+    FLAGS.with(|flags| {
+        let mut flags = flags.borrow_mut();
+        let entry = match flags.entry(ordinal) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let handle = client.create_from_slice(u32::as_bytes(&[0, 0]));
+                let ptr = client.get_resource(handle.clone()).ok()?.resource().ptr;
+                v.insert(Flags {
+                    handle,
+                    ptr,
+                    seq: 0,
+                })
+            }
+        };
+        // Skip 0, the flags' initial value.
+        entry.seq = entry.seq.wrapping_add(1).max(1);
+        raise::launch::<CudaRuntime>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            // SAFETY: the handle holds exactly two u32.
+            unsafe { ArrayArg::from_raw_parts(entry.handle.clone(), 2) },
+            entry.seq,
+        );
+        Some(Handshake {
+            ready: entry.ptr + (READY * 4) as u64,
+            done: entry.ptr + (DONE * 4) as u64,
+            seq: entry.seq,
+        })
+    })
+}
+
+/// Step 3 on burn's stream: later work waits until our stream wrote `done`.
+pub(crate) fn end(client: &ComputeClient<CudaRuntime>, ordinal: usize, handshake: Handshake) {
+    FLAGS.with(|flags| {
+        let flags = flags.borrow();
+        let entry = flags.get(&ordinal).expect("begin ran on this thread");
+        await_done::launch::<CudaRuntime>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            // SAFETY: the handle holds exactly two u32.
+            unsafe { ArrayArg::from_raw_parts(entry.handle.clone(), 2) },
+            handshake.seq,
+        );
+    })
+}
