@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::sys as driver;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use crate::backend::stream_order::Handshake;
 use crate::comm::DType;
@@ -55,6 +55,27 @@ struct DeviceLt {
     algos: HashMap<Gemm, sys::cublasLtMatmulAlgo_t>,
     /// Whether this GPU runs `cuStreamWaitValue32`/`cuStreamWriteValue32` (probed once).
     stream_mem_ops: bool,
+    /// With profiling on: events around each call's GEMM, read by [`take_gpu_ms`].
+    timings: Vec<(CudaEvent, CudaEvent)>,
+}
+
+/// Whether calls record their GPU time (`BURN_ZERO_MATMUL_PROFILE=1`, read once).
+fn profiling() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BURN_ZERO_MATMUL_PROFILE").is_ok_and(|v| v == "1"))
+}
+
+/// The GPU milliseconds of each GEMM on GPU `ordinal` since the last call (waits for them);
+/// empty unless `BURN_ZERO_MATMUL_PROFILE=1`.
+pub(crate) fn take_gpu_ms(ordinal: usize) -> Vec<f32> {
+    let Ok(device) = device(ordinal) else {
+        return Vec::new();
+    };
+    let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
+    std::mem::take(&mut lt_dev.timings)
+        .into_iter()
+        .filter_map(|(start, end)| start.elapsed_ms(&end).ok())
+        .collect()
 }
 
 // SAFETY: the handle is used under the per-device mutex only; cuBLASLt handles may move
@@ -83,6 +104,7 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
         workspace,
         algos: HashMap::new(),
         stream_mem_ops,
+        timings: Vec::new(),
     }));
     all.insert(ordinal, d.clone());
     Ok(d)
@@ -247,6 +269,12 @@ pub(crate) unsafe fn run(
             return Err(format!("cuStreamWaitValue32: {r:?}"));
         }
     }
+    let timed = || {
+        stream
+            .record_event(Some(driver::CUevent_flags::CU_EVENT_DEFAULT))
+            .ok()
+    };
+    let start = if profiling() { timed() } else { None };
     // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
     // C (ignored: beta = 0) and D.
     unsafe {
@@ -269,6 +297,11 @@ pub(crate) unsafe fn run(
             cu_stream as *mut _,
         )
         .map_err(err("cublasLtMatmul"))?;
+    }
+    let timing = start.zip(timed());
+    drop(_sync);
+    if let Some(pair) = timing {
+        lt_dev.timings.push(pair);
     }
     match handshake {
         // SAFETY: `done` is a live u32 of this GPU; the default flag puts a memory barrier

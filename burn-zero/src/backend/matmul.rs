@@ -66,6 +66,38 @@ pub fn cublaslt_calls() -> u64 {
     CUBLASLT_CALLS.load(Ordering::Relaxed)
 }
 
+/// Where the time of cuBLASLt calls went since the last [`take_matmul_profile`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MatmulProfile {
+    /// cuBLASLt calls.
+    pub calls: u64,
+    /// Host microseconds per phase: operand addresses, output allocation, ordering before,
+    /// the cuBLASLt call, ordering after.
+    pub host_us: [f64; 5],
+    /// Summed GPU microseconds of the GEMMs themselves (with `BURN_ZERO_MATMUL_PROFILE=1`).
+    pub gemm_gpu_us: f64,
+}
+
+static PROFILE: std::sync::Mutex<MatmulProfile> = std::sync::Mutex::new(MatmulProfile {
+    calls: 0,
+    host_us: [0.0; 5],
+    gemm_gpu_us: 0.0,
+});
+
+/// The profile of cuBLASLt calls on GPU `ordinal` since the last call, reset. Waits for the
+/// GEMMs when their GPU time is recorded.
+pub fn take_matmul_profile(ordinal: usize) -> MatmulProfile {
+    let mut profile = std::mem::take(&mut *PROFILE.lock().unwrap_or_else(|e| e.into_inner()));
+    #[cfg(feature = "cuda")]
+    {
+        let gpu_ms: f32 = crate::backend::cublaslt::take_gpu_ms(ordinal).iter().sum();
+        profile.gemm_gpu_us = f64::from(gpu_ms) * 1e3;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = ordinal;
+    profile
+}
+
 /// `ZeroBackend::float_matmul`, on the inner backend's primitives.
 pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     #[cfg(feature = "cuda")]
@@ -157,11 +189,42 @@ fn linear_weight_backward_on_matmul<B: Backend>(
     float_matmul::<B>(B::float_swap_dims(x, 0, 1), output_grad)
 }
 
+/// Host time per phase of one cuBLASLt call, added to [`PROFILE`] when it succeeds.
+#[cfg(feature = "cuda")]
+struct PhaseClock {
+    last: std::time::Instant,
+    us: [f64; 5],
+}
+
+#[cfg(feature = "cuda")]
+impl PhaseClock {
+    fn start() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+            us: [0.0; 5],
+        }
+    }
+
+    fn lap(&mut self, phase: usize) {
+        let now = std::time::Instant::now();
+        self.us[phase] += (now - self.last).as_secs_f64() * 1e6;
+        self.last = now;
+    }
+
+    fn record(&self) {
+        let mut p = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+        p.calls += 1;
+        for (total, us) in p.host_us.iter_mut().zip(self.us) {
+            *total += us;
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
 
-    use super::MatmulPolicy;
+    use super::{MatmulPolicy, PhaseClock};
     use crate::backend::cublaslt::{self, Gemm, Operand};
     use crate::backend::cuda::{CudaView, cuda_view};
     use crate::backend::stream_order;
@@ -206,6 +269,13 @@ mod cuda {
             .then_some(inner as i64)
     }
 
+    /// `BURN_ZERO_CUBLASLT_ORDER=sync` (read once): order by host synchronization even where the
+    /// handshake works, to compare the two.
+    fn host_sync_forced() -> bool {
+        static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *SYNC.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_ORDER").is_ok_and(|v| v == "sync"))
+    }
+
     pub(super) fn try_cublaslt<B: Backend>(
         lhs: &FloatTensor<B>,
         rhs: &FloatTensor<B>,
@@ -239,6 +309,7 @@ mod cuda {
             return None;
         }
         // Cheap checks passed: materialize and look at the memory.
+        let mut clock = PhaseClock::start();
         let a = cuda_view::<B>(lhs)?;
         let b = cuda_view::<B>(rhs)?;
         // C = A·B row-major is Cᵀ = Bᵀ·Aᵀ column-major: cuBLASLt's A is our rhs.
@@ -248,6 +319,7 @@ mod cuda {
         let device = B::float_device(lhs);
         let mut shape = out_batch.clone();
         shape.extend([m, n]);
+        clock.lap(0);
         let out = B::float_empty(shape.into(), &device, lhs.dtype().into());
         // cubecl pitches the rows of 2-D+ allocations: take the output's real strides.
         let d = cuda_view::<B>(&out)?;
@@ -287,23 +359,29 @@ mod cuda {
             dtype: a.dtype,
             tf32: policy.allow_tf32,
         };
+        clock.lap(1);
         let client = &d.keep.client;
-        let ordered = cublaslt::supports_handshake(a.ordinal).unwrap_or(false);
+        let ordered =
+            !host_sync_forced() && cublaslt::supports_handshake(a.ordinal).unwrap_or(false);
         let handshake = if ordered {
             Some(stream_order::begin(client, a.ordinal)?)
         } else {
             B::sync(&device).ok()?;
             None
         };
+        clock.lap(2);
         // SAFETY: the three views hold their memory until the call is ordered before burn's
         // next kernels (`end` below, or the synchronization inside `run`); the inputs are
         // complete once `ready` is raised (or after the sync above); the output has the
         // extents described.
         match unsafe { cublaslt::run(a.ordinal, &gemm, handshake) } {
             Ok(()) => {
+                clock.lap(3);
                 if let Some(h) = handshake {
                     stream_order::end(client, a.ordinal, h);
                 }
+                clock.lap(4);
+                clock.record();
                 Some(out)
             }
             Err(e) => {

@@ -57,6 +57,7 @@ fn case<B: Backend>(
         let _ = lhs.clone().matmul(rhs.clone());
     }
     sync::<B>(device);
+    let _ = burn_zero::backend::matmul::take_matmul_profile(0);
     let iters = 20;
     let start = Instant::now();
     for _ in 0..iters {
@@ -65,9 +66,26 @@ fn case<B: Backend>(
     sync::<B>(device);
     let seconds = start.elapsed().as_secs_f64() / iters as f64;
     let tflops = 2.0 * (m * k * n) as f64 / seconds / 1e12;
+    // Per cuBLASLt call: host time by phase and the GEMM's own GPU time (when profiled).
+    let p = burn_zero::backend::matmul::take_matmul_profile(0);
+    let per = |v: f64| {
+        if p.calls == 0 {
+            0.0
+        } else {
+            v / p.calls as f64
+        }
+    };
+    let host: Vec<String> = p
+        .host_us
+        .iter()
+        .map(|v| format!("{:.1}", per(*v)))
+        .collect();
     println!(
-        "{{\"system\": \"{system}\", \"dtype\": \"{dtype}\", \"linear\": \"{name}\", \"product\": \"{product}\", \"m\": {m}, \"k\": {k}, \"n\": {n}, \"first_call_ms\": {first_ms:.1}, \"time_us\": {:.1}, \"tflops\": {tflops:.2}}}",
-        seconds * 1e6
+        "{{\"system\": \"{system}\", \"dtype\": \"{dtype}\", \"linear\": \"{name}\", \"product\": \"{product}\", \"m\": {m}, \"k\": {k}, \"n\": {n}, \"first_call_ms\": {first_ms:.1}, \"time_us\": {:.1}, \"tflops\": {tflops:.2}, \"cublaslt_calls\": {}, \"host_us_per_phase\": [{}], \"gemm_gpu_us\": {:.1}}}",
+        seconds * 1e6,
+        p.calls,
+        host.join(", "),
+        per(p.gemm_gpu_us)
     );
 }
 

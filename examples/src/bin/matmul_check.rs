@@ -52,7 +52,12 @@ fn reference(a: &[f64], b: &[f64], case: Case) -> Vec<f64> {
 }
 
 /// `tol`: cuBLASLt's error bound; `inner_tol`: the inner backend's (TF32 for f32).
-fn check_products<B: Backend>(dtype: &str, tol: f64, inner_tol: f64) -> Result<(), String>
+fn check_products<B: Backend>(
+    dtype: &str,
+    tol: f64,
+    inner_tol: f64,
+    paths: &[bool],
+) -> Result<(), String>
 where
     B::FloatElem: Element,
 {
@@ -77,7 +82,7 @@ where
         }
         let want = reference(&to_vec(a.clone()), &to_vec(b.clone()), case);
         let scale = want.iter().fold(1.0f64, |s, v| s.max(v.abs()));
-        for cublas in [true, false] {
+        for &cublas in paths {
             set_matmul_policy(MatmulPolicy {
                 cublaslt: cublas,
                 allow_tf32: false,
@@ -91,9 +96,9 @@ where
                 .zip(&want)
                 .fold(0.0f64, |e, (g, w)| e.max((g - w).abs() / scale));
             let path = if cublas { "cuBLASLt" } else { "inner" };
-            println!(
+            progress(&format!(
                 "{dtype} {ab:?}x{bb:?} {m}x{k}x{n} t=({ta},{tb}) {path}: max err {err:.2e} (cuBLASLt used: {used})"
-            );
+            ));
             let bound = if cublas { tol } else { inner_tol };
             if got.len() != want.len() || err > bound {
                 let show = |v: &[f64]| {
@@ -147,7 +152,9 @@ fn check_chain() -> Result<(), String> {
         .iter()
         .zip(&want)
         .fold(0.0f64, |e, (a, b)| e.max((a - b).abs() / scale));
-    println!("chain of 40 dependent matmuls: {used} through cuBLASLt, max rel diff {err:.2e}");
+    progress(&format!(
+        "chain of 40 dependent matmuls: {used} through cuBLASLt, max rel diff {err:.2e}"
+    ));
     if used != 40 || err > 5e-3 {
         return Err(format!(
             "chain differs: {used} cuBLASLt calls, error {err:.2e}"
@@ -248,9 +255,9 @@ fn check_training() -> Result<(), String> {
             .zip(inner)
             .fold(grad_err, |e, (a, b)| e.max((a - b).abs() / scale));
     }
-    println!(
+    progress(&format!(
         "training step: loss {loss_lt:.7} (cuBLASLt, {used} calls) vs {loss_in:.7} (inner): rel {loss_err:.2e}; max rel diff over 4 gradients {grad_err:.2e}"
-    );
+    ));
     // Forward 2, backward 2 x-grads (the first layer's input needs none) and 2 weight grads.
     // The inner backend multiplies f32 with TF32 (10-bit mantissa); cuBLASLt here in full f32.
     if used < 5 || loss_err > 2e-3 || grad_err > 5e-3 {
@@ -261,12 +268,63 @@ fn check_training() -> Result<(), String> {
     Ok(())
 }
 
+/// Exits with status 3 and the last step reached when no step finishes for `limit`: a wedged
+/// stream handshake must fail the check, not hang it.
+fn watchdog(limit: std::time::Duration) {
+    std::thread::spawn(move || {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            let (at, step) = PROGRESS
+                .lock()
+                .unwrap()
+                .clone()
+                .expect("progress before watchdog");
+            if at.elapsed() > limit {
+                eprintln!("matmul-check STUCK for {limit:?} after: {step}");
+                std::process::exit(3);
+            }
+        }
+    });
+}
+
+static PROGRESS: std::sync::Mutex<Option<(std::time::Instant, String)>> =
+    std::sync::Mutex::new(None);
+
+/// Marks a finished step for the watchdog and prints it.
+fn progress(step: &str) {
+    println!("{step}");
+    *PROGRESS.lock().unwrap() = Some((std::time::Instant::now(), step.to_string()));
+}
+
 fn main() {
-    let result = check_products::<ZeroBackend<Cuda<f32>>>("f32", 1e-5, 2e-3)
-        .and_then(|_| check_products::<ZeroBackend<Cuda<half::bf16>>>("bf16", 2e-2, 2e-2))
-        .and_then(|_| check_products::<ZeroBackend<Cuda<half::f16>>>("f16", 4e-3, 4e-3))
-        .and_then(|_| check_chain())
-        .and_then(|_| check_training());
+    // Sections to run (default all): f32 bf16 f16 chain train; `--inner-only` never turns
+    // cuBLASLt on (to tell the inner backend's own problems from ours).
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let inner_only = args.iter().any(|a| a == "--inner-only");
+    let want = |s: &str| args.iter().all(|a| a.starts_with("--")) || args.iter().any(|a| a == s);
+    progress("start");
+    watchdog(std::time::Duration::from_secs(90));
+    let paths: &[bool] = if inner_only { &[false] } else { &[true, false] };
+    let mut result = Ok(());
+    for (name, run) in [
+        (
+            "f32",
+            (|p| check_products::<ZeroBackend<Cuda<f32>>>("f32", 1e-5, 2e-3, p))
+                as fn(&[bool]) -> Result<(), String>,
+        ),
+        ("bf16", |p| {
+            check_products::<ZeroBackend<Cuda<half::bf16>>>("bf16", 2e-2, 2e-2, p)
+        }),
+        ("f16", |p| {
+            check_products::<ZeroBackend<Cuda<half::f16>>>("f16", 4e-3, 4e-3, p)
+        }),
+        ("chain", |_| check_chain()),
+        ("train", |_| check_training()),
+    ] {
+        if result.is_ok() && want(name) && (!inner_only || !matches!(name, "chain" | "train")) {
+            result = run(paths);
+        }
+    }
     match result {
         Ok(()) => println!("matmul-check: all passed"),
         Err(e) => {
