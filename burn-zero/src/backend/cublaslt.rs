@@ -98,6 +98,9 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     // SAFETY: uninitialized bytes are fine for a workspace.
     let workspace = unsafe { stream.alloc::<u8>(32 << 20) }.map_err(|e| format!("{e:?}"))?;
     let stream_mem_ops = probe_stream_mem_ops(&stream, &workspace);
+    if std::env::var("BURN_ZERO_MEMPOOL_KEEP").is_ok_and(|v| v == "1") {
+        keep_pool_memory(ordinal);
+    }
     let d = Arc::new(Mutex::new(DeviceLt {
         handle,
         stream,
@@ -124,6 +127,28 @@ fn probe_stream_mem_ops(stream: &Arc<CudaStream>, workspace: &CudaSlice<u8>) -> 
 }
 
 const EQ: u32 = driver::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ as u32;
+
+/// Lets the GPU's default memory pool (where cubecl's stream-ordered allocations come from)
+/// keep freed memory instead of returning it to the driver at each synchronization.
+fn keep_pool_memory(ordinal: usize) {
+    let mut pool = std::mem::MaybeUninit::uninit();
+    // SAFETY: an out-pointer for the pool handle; the threshold attribute is a u64.
+    unsafe {
+        if driver::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ordinal as i32)
+            == driver::CUresult::CUDA_SUCCESS
+        {
+            let mut keep = u64::MAX;
+            let r = driver::cuMemPoolSetAttribute(
+                pool.assume_init(),
+                driver::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep) as *mut u64 as *mut _,
+            );
+            crate::log::info(&format!(
+                "GPU {ordinal}: memory pool keeps freed memory ({r:?})"
+            ));
+        }
+    }
+}
 
 /// Whether calls on GPU `ordinal` can be ordered by a [`Handshake`] instead of a host wait.
 pub(crate) fn supports_handshake(ordinal: usize) -> Result<bool, String> {

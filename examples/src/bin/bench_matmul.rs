@@ -94,7 +94,12 @@ where
     B::FloatElem: Element,
 {
     let device = Default::default();
+    // BENCH_ONLY=substring limits the Linear shapes run.
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     for (name, m, k, n) in LINEARS {
+        if !name.contains(&only) {
+            continue;
+        }
         // Forward Y = X·W: [M,K]·[K,N].
         case::<B>(
             system,
@@ -145,6 +150,12 @@ fn main() {
         ..Default::default()
     });
     let only = std::env::args().nth(1);
+    if only.as_deref() == Some("burn-zero-cube") {
+        // The decorator over burn's CUDA backend without fusion (diagnostics).
+        type Cube<F> = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, i32, u8>;
+        run::<ZeroBackend<Cube<half::bf16>>>("burn-zero-cube", "bf16", false);
+        return;
+    }
     if only.as_deref() != Some("burn-cuda") {
         run::<ZeroBackend<Cuda<half::bf16>>>("burn-zero", "bf16", false);
         run::<ZeroBackend<Cuda<f32>>>("burn-zero", "f32", true);

@@ -302,6 +302,11 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let inner_only = args.iter().any(|a| a == "--inner-only");
     let want = |s: &str| args.iter().all(|a| a.starts_with("--")) || args.iter().any(|a| a == s);
+    // The inner backend autotunes every new shape (seconds each): keep its results on disk.
+    let cache = burn_zero::kernel_cache::default_dir();
+    if let Err(e) = burn_zero::kernel_cache::persist(&cache) {
+        eprintln!("kernel cache off: {e}");
+    }
     progress("start");
     watchdog(std::time::Duration::from_secs(90));
     let paths: &[bool] = if inner_only { &[false] } else { &[true, false] };
