@@ -53,8 +53,8 @@ struct DeviceLt {
     workspace: CudaSlice<u8>,
     /// The algorithm per GEMM, keyed by the GEMM with its addresses cleared.
     algos: HashMap<Gemm, sys::cublasLtMatmulAlgo_t>,
-    /// Whether this GPU runs `cuStreamWaitValue32`/`cuStreamWriteValue32` (probed once).
-    stream_mem_ops: bool,
+    /// Our side of the handshake, if its kernels loaded.
+    flag_kernels: Option<FlagKernels>,
     /// With profiling on: events around each call's GEMM, read by [`take_gpu_ms`].
     timings: Vec<(CudaEvent, CudaEvent)>,
 }
@@ -97,7 +97,9 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
     // SAFETY: uninitialized bytes are fine for a workspace.
     let workspace = unsafe { stream.alloc::<u8>(32 << 20) }.map_err(|e| format!("{e:?}"))?;
-    let stream_mem_ops = probe_stream_mem_ops(&stream, &workspace);
+    let flag_kernels = load_flag_kernels(stream.context())
+        .inspect_err(|e| crate::log::warn(&format!("cuBLASLt calls will synchronize: {e}")))
+        .ok();
     if std::env::var("BURN_ZERO_MEMPOOL_KEEP").is_ok_and(|v| v == "1") {
         keep_pool_memory(ordinal);
     }
@@ -106,27 +108,94 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
         stream,
         workspace,
         algos: HashMap::new(),
-        stream_mem_ops,
+        flag_kernels,
         timings: Vec::new(),
     }));
     all.insert(ordinal, d.clone());
     Ok(d)
 }
 
-/// Writes a value into the workspace and waits for it on `stream`: does the GPU support
-/// stream memory operations?
-fn probe_stream_mem_ops(stream: &Arc<CudaStream>, workspace: &CudaSlice<u8>) -> bool {
-    let (ptr, _sync) = workspace.device_ptr(stream);
-    let s = stream.cu_stream();
-    // SAFETY: the workspace is at least 4 bytes of this GPU's memory, used by this stream only.
-    let ok = unsafe {
-        driver::cuStreamWriteValue32_v2(s, ptr, 0x5eed, 0) == driver::CUresult::CUDA_SUCCESS
-            && driver::cuStreamWaitValue32_v2(s, ptr, 0x5eed, EQ) == driver::CUresult::CUDA_SUCCESS
-    };
-    ok && stream.synchronize().is_ok()
+/// Two one-thread kernels for our stream's side of a [`Handshake`]: `bz_wait` spins until
+/// `*flag == value`, `bz_signal` stores `value` once everything before it on the stream is done.
+/// Kernels, not `cuStreamWaitValue32`/`cuStreamWriteValue32`: with those, on cubecl's
+/// (stream-ordered pool) memory, the host was measured waiting about one GEMM per call.
+const FLAG_PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry bz_wait(.param .u64 flag, .param .u32 value)
+{
+    .reg .pred %p;
+    .reg .b32 %v, %want;
+    .reg .b64 %a;
+    ld.param.u64 %a, [flag];
+    ld.param.u32 %want, [value];
+LOOP:
+    ld.volatile.global.u32 %v, [%a];
+    setp.ne.u32 %p, %v, %want;
+    @%p bra LOOP;
+    ret;
+}
+.visible .entry bz_signal(.param .u64 flag, .param .u32 value)
+{
+    .reg .b32 %v;
+    .reg .b64 %a;
+    ld.param.u64 %a, [flag];
+    ld.param.u32 %v, [value];
+    membar.gl;
+    st.volatile.global.u32 [%a], %v;
+    ret;
+}
+"#;
+
+/// The loaded flag kernels (`bz_wait`, `bz_signal`).
+#[derive(Clone, Copy)]
+struct FlagKernels {
+    wait: driver::CUfunction,
+    signal: driver::CUfunction,
 }
 
-const EQ: u32 = driver::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_EQ as u32;
+fn load_flag_kernels(context: &Arc<CudaContext>) -> Result<FlagKernels, String> {
+    context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    let src = std::ffi::CString::new(FLAG_PTX).expect("no NUL in PTX");
+    // SAFETY: a NUL-terminated PTX image; the module lives for the process.
+    unsafe {
+        let module = cudarc::driver::result::module::load_data(src.as_ptr() as *const _)
+            .map_err(|e| format!("loading the flag kernels: {e:?}"))?;
+        let function = |name: &str| {
+            cudarc::driver::result::module::get_function(
+                module,
+                std::ffi::CString::new(name).unwrap(),
+            )
+            .map_err(|e| format!("{name}: {e:?}"))
+        };
+        Ok(FlagKernels {
+            wait: function("bz_wait")?,
+            signal: function("bz_signal")?,
+        })
+    }
+}
+
+/// Launches one flag kernel on `stream`: one thread, `(flag, value)`.
+///
+/// # Safety
+/// `flag` is a live `u32` of this GPU.
+unsafe fn launch_flag(
+    kernel: driver::CUfunction,
+    stream: driver::CUstream,
+    mut flag: u64,
+    mut value: u32,
+) -> Result<(), String> {
+    let mut params = [
+        (&mut flag) as *mut u64 as *mut std::ffi::c_void,
+        (&mut value) as *mut u32 as *mut std::ffi::c_void,
+    ];
+    // SAFETY: the parameters match the kernels' (u64, u32) signature.
+    unsafe {
+        cudarc::driver::result::launch_kernel(kernel, (1, 1, 1), (1, 1, 1), 0, stream, &mut params)
+    }
+    .map_err(|e| format!("flag kernel: {e:?}"))
+}
 
 /// Lets the GPU's default memory pool (where cubecl's stream-ordered allocations come from)
 /// keep freed memory instead of returning it to the driver at each synchronization.
@@ -154,7 +223,7 @@ fn keep_pool_memory(ordinal: usize) {
 pub(crate) fn supports_handshake(ordinal: usize) -> Result<bool, String> {
     let device = device(ordinal)?;
     let lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
-    Ok(lt_dev.stream_mem_ops)
+    Ok(lt_dev.flag_kernels.is_some())
 }
 
 /// A cuBLASLt object destroyed on drop.
@@ -287,12 +356,14 @@ pub(crate) unsafe fn run(
     let stream = lt_dev.stream.clone();
     let (workspace, _sync) = lt_dev.workspace.device_ptr(&stream);
     let cu_stream = stream.cu_stream();
-    if let Some(h) = handshake {
+    let flags = match (handshake, lt_dev.flag_kernels) {
+        (Some(h), Some(k)) => Some((h, k)),
+        (None, _) => None,
+        (Some(_), None) => return Err("no flag kernels for the handshake".into()),
+    };
+    if let Some((h, k)) = flags {
         // SAFETY: `ready` is a live u32 of this GPU (the caller's flags).
-        let r = unsafe { driver::cuStreamWaitValue32_v2(cu_stream, h.ready, h.seq, EQ) };
-        if r != driver::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuStreamWaitValue32: {r:?}"));
-        }
+        unsafe { launch_flag(k.wait, cu_stream, h.ready, h.seq)? };
     }
     let timed = || {
         stream
@@ -328,13 +399,14 @@ pub(crate) unsafe fn run(
     if let Some(pair) = timing {
         lt_dev.timings.push(pair);
     }
-    match handshake {
-        // SAFETY: `done` is a live u32 of this GPU; the default flag puts a memory barrier
-        // before the write, so the output is visible to whoever sees `done`.
-        Some(h) => match unsafe { driver::cuStreamWriteValue32_v2(cu_stream, h.done, h.seq, 0) } {
-            driver::CUresult::CUDA_SUCCESS => Ok(()),
-            // Burn's stream would wait forever: nothing can undo that but a failure here.
-            r => panic!("cuStreamWriteValue32 after a cuBLASLt call: {r:?}"),
+    match flags {
+        // SAFETY: `done` is a live u32 of this GPU; the signal runs after the GEMM finished,
+        // so its output is visible to whoever sees `done`.
+        Some((h, k)) => match unsafe { launch_flag(k.signal, cu_stream, h.done, h.seq) } {
+            Ok(()) => Ok(()),
+            // The GEMM is queued: burn's stream must not go on before it, and no `end` would
+            // follow an error. Nothing can undo that but a failure here.
+            Err(e) => panic!("after a cuBLASLt call: {e}"),
         },
         None => stream
             .synchronize()

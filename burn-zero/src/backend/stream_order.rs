@@ -3,8 +3,8 @@
 //!
 //! For one foreign call with sequence number `s`:
 //! 1. burn's stream runs [`raise`]: `flags[READY] = s` once everything before it is done;
-//! 2. our stream waits for `flags[READY] == s` (`cuStreamWaitValue32`), runs the call, then
-//!    writes `flags[DONE] = s` (`cuStreamWriteValue32`, after a memory barrier);
+//! 2. our stream waits for `flags[READY] == s` (a one-thread spin kernel), runs the call, then
+//!    a one-thread kernel writes `flags[DONE] = s` (see `cublaslt.rs`);
 //! 3. burn's stream runs [`await_done`], one thread spinning until `flags[DONE] == s`, so every
 //!    later kernel of burn sees the call's output, and memory the call read is not reused early.
 //!

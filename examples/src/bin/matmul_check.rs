@@ -133,7 +133,7 @@ where
 fn chain(cublas: bool, steps: usize) -> Vec<f64> {
     set_policy(cublas);
     let device = Default::default();
-    let mut x = Tensor::<ZeroBackend<Cuda>, 3>::from_data(fixed_data([3 * 64, 96], 5), &device)
+    let mut x = Tensor::<ZeroBackend<Cuda>, 2>::from_data(fixed_data([3 * 64, 96], 5), &device)
         .reshape([3, 64, 96]);
     for i in 0..steps {
         let w = Tensor::<ZeroBackend<Cuda>, 2>::from_data(fixed_data([96, 96], 10 + i), &device);
