@@ -98,6 +98,7 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     // SAFETY: uninitialized bytes are fine for a workspace.
     let workspace = unsafe { stream.alloc::<u8>(32 << 20) }.map_err(|e| format!("{e:?}"))?;
     let flag_kernels = load_flag_kernels(stream.context())
+        .and_then(|k| warm_flag_kernels(k, &stream, &workspace).map(|()| k))
         .inspect_err(|e| crate::log::warn(&format!("cuBLASLt calls will synchronize: {e}")))
         .ok();
     if std::env::var("BURN_ZERO_MEMPOOL_KEEP").is_ok_and(|v| v == "1") {
@@ -174,6 +175,23 @@ fn load_flag_kernels(context: &Arc<CudaContext>) -> Result<FlagKernels, String> 
             signal: function("bz_signal")?,
         })
     }
+}
+
+/// Runs both flag kernels once (signal, then a wait it satisfies) and waits: they are loaded
+/// before any of them spins. Under CUDA's lazy loading, loading a kernel may wait for the
+/// running ones, and a spinner waiting on that kernel would never finish.
+fn warm_flag_kernels(
+    k: FlagKernels,
+    stream: &Arc<CudaStream>,
+    workspace: &CudaSlice<u8>,
+) -> Result<(), String> {
+    let (ptr, _sync) = workspace.device_ptr(stream);
+    // SAFETY: the workspace holds at least one u32 of this GPU, used by this stream only.
+    unsafe {
+        launch_flag(k.signal, stream.cu_stream(), ptr, 0x5eed)?;
+        launch_flag(k.wait, stream.cu_stream(), ptr, 0x5eed)?;
+    }
+    stream.synchronize().map_err(|e| format!("{e:?}"))
 }
 
 /// Launches one flag kernel on `stream`: one thread, `(flag, value)`.

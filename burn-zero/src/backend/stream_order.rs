@@ -8,6 +8,9 @@
 //! 3. burn's stream runs [`await_done`], one thread spinning until `flags[DONE] == s`, so every
 //!    later kernel of burn sees the call's output, and memory the call read is not reused early.
 //!
+//! Every kernel a spinner waits for is launched before the spinner (see `cublaslt.rs`): under
+//! CUDA's lazy loading, a first launch may wait for the running kernels.
+//!
 //! Equality (not `≥`) keeps it correct across `u32` wraparound: each flag keeps its value until
 //! the other side has seen it. Flags are per thread because cubecl gives each thread its own
 //! stream; one call's steps 1 and 3 must land on the same stream.
@@ -67,6 +70,16 @@ pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Opti
             std::collections::hash_map::Entry::Vacant(v) => {
                 let handle = client.create_from_slice(u32::as_bytes(&[0, 0]));
                 let ptr = client.get_resource(handle.clone()).ok()?.resource().ptr;
+                // Load `await_done` before anything spins (see `cublaslt.rs` on lazy
+                // loading): `done` is 0, so this returns at once.
+                await_done::launch::<CudaRuntime>(
+                    client,
+                    CubeCount::Static(1, 1, 1),
+                    CubeDim::new_1d(1),
+                    // SAFETY: the handle holds exactly two u32.
+                    unsafe { ArrayArg::from_raw_parts(handle.clone(), 2) },
+                    0,
+                );
                 v.insert(Flags {
                     handle,
                     ptr,
@@ -84,6 +97,9 @@ pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Opti
             unsafe { ArrayArg::from_raw_parts(entry.handle.clone(), 2) },
             entry.seq,
         );
+        // `raise` must reach CUDA before our stream's spinner starts: if cubecl launched it
+        // later, loading it could wait for that spinner, which waits for it.
+        client.flush().ok()?;
         Some(Handshake {
             ready: entry.ptr + (READY * 4) as u64,
             done: entry.ptr + (DONE * 4) as u64,
