@@ -98,8 +98,9 @@ pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Opti
             entry.seq,
         );
         // `raise` must reach CUDA before our stream's spinner starts: if cubecl launched it
-        // later, loading it could wait for that spinner, which waits for it.
-        client.flush().ok()?;
+        // later, loading it could wait for that spinner, which waits for it. A blocking call
+        // drains cubecl's queue in order; this one is cheaper than `flush` (measured).
+        client.get_resource(entry.handle.clone()).ok()?;
         Some(Handshake {
             ready: entry.ptr + (READY * 4) as u64,
             done: entry.ptr + (DONE * 4) as u64,
