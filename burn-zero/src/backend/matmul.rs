@@ -87,12 +87,16 @@ static PROFILE: std::sync::Mutex<MatmulProfile> = std::sync::Mutex::new(MatmulPr
 /// The profile of cuBLASLt calls on GPU `ordinal` since the last call, reset. Waits for the
 /// GEMMs when their GPU time is recorded.
 pub fn take_matmul_profile(ordinal: usize) -> MatmulProfile {
-    let mut profile = std::mem::take(&mut *PROFILE.lock().unwrap_or_else(|e| e.into_inner()));
+    let profile = std::mem::take(&mut *PROFILE.lock().unwrap_or_else(|e| e.into_inner()));
     #[cfg(feature = "cuda")]
-    {
-        let gpu_ms: f32 = crate::backend::cublaslt::take_gpu_ms(ordinal).iter().sum();
-        profile.gemm_gpu_us = f64::from(gpu_ms) * 1e3;
-    }
+    let profile = MatmulProfile {
+        gemm_gpu_us: f64::from(
+            crate::backend::cublaslt::take_gpu_ms(ordinal)
+                .iter()
+                .sum::<f32>(),
+        ) * 1e3,
+        ..profile
+    };
     #[cfg(not(feature = "cuda"))]
     let _ = ordinal;
     profile
