@@ -101,9 +101,6 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
         .and_then(|k| warm_flag_kernels(k, &stream, &workspace).map(|()| k))
         .inspect_err(|e| crate::log::warn(&format!("cuBLASLt calls will synchronize: {e}")))
         .ok();
-    if std::env::var("BURN_ZERO_MEMPOOL_KEEP").is_ok_and(|v| v == "1") {
-        keep_pool_memory(ordinal);
-    }
     let d = Arc::new(Mutex::new(DeviceLt {
         handle,
         stream,
@@ -213,28 +210,6 @@ unsafe fn launch_flag(
         cudarc::driver::result::launch_kernel(kernel, (1, 1, 1), (1, 1, 1), 0, stream, &mut params)
     }
     .map_err(|e| format!("flag kernel: {e:?}"))
-}
-
-/// Lets the GPU's default memory pool (where cubecl's stream-ordered allocations come from)
-/// keep freed memory instead of returning it to the driver at each synchronization.
-fn keep_pool_memory(ordinal: usize) {
-    let mut pool = std::mem::MaybeUninit::uninit();
-    // SAFETY: an out-pointer for the pool handle; the threshold attribute is a u64.
-    unsafe {
-        if driver::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ordinal as i32)
-            == driver::CUresult::CUDA_SUCCESS
-        {
-            let mut keep = u64::MAX;
-            let r = driver::cuMemPoolSetAttribute(
-                pool.assume_init(),
-                driver::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut keep) as *mut u64 as *mut _,
-            );
-            crate::log::info(&format!(
-                "GPU {ordinal}: memory pool keeps freed memory ({r:?})"
-            ));
-        }
-    }
 }
 
 /// Whether calls on GPU `ordinal` can be ordered by a [`Handshake`] instead of a host wait.
