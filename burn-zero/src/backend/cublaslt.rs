@@ -2,8 +2,8 @@
 //! Free of burn types: `matmul.rs` maps burn's row-major tensors onto [`Gemm`].
 //!
 //! One cuBLASLt handle, stream and 32 MiB workspace per GPU. A call runs on that stream,
-//! ordered against burn's stream by a [`Handshake`] (no host wait), or, where the GPU cannot
-//! run stream memory operations, synchronized before returning.
+//! ordered against burn's stream by a [`Handshake`] (no host wait), or, where the flag kernels
+//! could not be loaded, synchronized before returning.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};

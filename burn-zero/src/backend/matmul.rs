@@ -8,8 +8,8 @@
 //! [`MatmulPolicy::allow_tf32`].
 //!
 //! Ordering: cubecl 0.10 does not expose its compute stream, so cuBLASLt runs on its own and
-//! the two streams wait for each other through flags in device memory (`stream_order.rs`): no
-//! host round trip. A GPU without stream memory operations synchronizes instead.
+//! the two streams wait for each other through flags in device memory (`stream_order.rs`): the
+//! host never waits for the GPU. If the flag kernels cannot be loaded, each call synchronizes.
 
 use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};

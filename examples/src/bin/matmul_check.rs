@@ -8,7 +8,7 @@
 //!    to 1e-4 (loss and every gradient); the inner backend's step is reported.
 
 use burn::backend::{Autodiff, Cuda};
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Element, Tensor, TensorData};
@@ -204,19 +204,14 @@ fn step(cublas: bool) -> (f64, Vec<Vec<f64>>) {
     let fixed = |shape: [usize; 2], seed: usize| {
         Tensor::<Train, 2>::from_data(fixed_data(shape, seed), &device)
     };
-    let param = |t: Tensor<Train, 2>| burn::module::Param::from_tensor(t);
     let mut model = Mlp {
         l1: LinearConfig::new(257, 129).init::<Train>(&device),
         l2: LinearConfig::new(129, 65).init::<Train>(&device),
     };
-    model.l1.weight = param(fixed([257, 129], 1));
-    model.l2.weight = param(fixed([129, 65], 2));
-    model.l1.bias = Some(burn::module::Param::from_tensor(
-        fixed([1, 129], 6).reshape([129]),
-    ));
-    model.l2.bias = Some(burn::module::Param::from_tensor(
-        fixed([1, 65], 7).reshape([65]),
-    ));
+    model.l1.weight = Param::from_tensor(fixed([257, 129], 1));
+    model.l2.weight = Param::from_tensor(fixed([129, 65], 2));
+    model.l1.bias = Some(Param::from_tensor(fixed([1, 129], 6).reshape([129])));
+    model.l2.bias = Some(Param::from_tensor(fixed([1, 65], 7).reshape([65])));
     // [batch 3, tokens 11, 257]: the Linear layers fold the batch into one GEMM.
     let x = fixed([33, 257], 3).reshape([3, 11, 257]);
     let y = fixed([33, 65], 4).reshape([3, 11, 65]);
@@ -225,8 +220,8 @@ fn step(cublas: bool) -> (f64, Vec<Vec<f64>>) {
         .forward(burn::tensor::activation::relu(model.l1.forward(x)));
     let loss = (out - y).powf_scalar(2.0).mean();
     let grads = loss.backward();
-    let grad = |p: &burn::module::Param<Tensor<Train, 2>>| to_vec(p.val().grad(&grads).unwrap());
-    let grad_b = |p: &Option<burn::module::Param<Tensor<Train, 1>>>| {
+    let grad = |p: &Param<Tensor<Train, 2>>| to_vec(p.val().grad(&grads).unwrap());
+    let grad_b = |p: &Option<Param<Tensor<Train, 1>>>| {
         to_vec(p.as_ref().unwrap().val().grad(&grads).unwrap())
     };
     let all = vec![
