@@ -23,7 +23,7 @@ for b in burn:
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
 doc = {"benchmark": "matmul", "kind": kind, "device": smi, "commit": open(".gpu/commit").read().split(),
        "burn": "0.21.0; burn-zero: ZeroBackend<Cuda> (cuBLASLt, TF32 allowed for f32); burn-cuda: burn::backend::Cuda alone (fusion + autotune)", "torch": torch.__version__,
-       "method": "2mkn/t; 3 warmup + 20 timed calls with device sync; gemm_gpu_us: CUDA events around each cuBLASLt GEMM (BURN_ZERO_MATMUL_PROFILE=1); host_us_per_phase: operand addresses, output allocation, ordering before, cuBLASLt call, ordering after; uniform(-1,1) inputs; first_call_ms includes kernel compile/autotune; torch f32 is strict fp32 (TF32 column: allow_tf32)",
+       "method": "2mkn/t; 3 warmup + 20 timed calls with device sync; gemm_gpu_us: CUDA events around each cuBLASLt GEMM (BURN_ZERO_MATMUL_PROFILE=1); host_us_per_phase: fusion (operands resolved, output allocated), cubecl (one call to its thread, addresses), ordering before, cuBLASLt call, ordering after; uniform(-1,1) inputs; first_call_ms includes kernel compile/autotune; torch f32 is strict fp32 (TF32 column: allow_tf32)",
        "results": results}
 json.dump(doc, open(f"{out}/matmul-{kind}.json", "w"), indent=1)
 for r in results:

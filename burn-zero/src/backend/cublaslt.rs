@@ -51,8 +51,9 @@ struct DeviceLt {
     handle: sys::cublasLtHandle_t,
     stream: Arc<CudaStream>,
     workspace: CudaSlice<u8>,
-    /// The algorithm per GEMM, keyed by the GEMM with its addresses cleared.
-    algos: HashMap<Gemm, sys::cublasLtMatmulAlgo_t>,
+    /// Descriptors and algorithm per GEMM, keyed by the GEMM with its addresses cleared:
+    /// creating them took ~10 µs of host time per call.
+    plans: HashMap<Gemm, Plan>,
     /// Our side of the handshake, if its kernels loaded.
     flag_kernels: Option<FlagKernels>,
     /// With profiling on: events around each call's GEMM, read by [`take_gpu_ms`].
@@ -105,7 +106,7 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
         handle,
         stream,
         workspace,
-        algos: HashMap::new(),
+        plans: HashMap::new(),
         flag_kernels,
         timings: Vec::new(),
     }));
@@ -275,6 +276,71 @@ fn layout(
     Ok(owned)
 }
 
+/// What cuBLASLt needs to run one GEMM shape, addresses aside.
+struct Plan {
+    desc: Owned<sys::cublasLtMatmulDesc_t>,
+    a: Owned<sys::cublasLtMatrixLayout_t>,
+    b: Owned<sys::cublasLtMatrixLayout_t>,
+    d: Owned<sys::cublasLtMatrixLayout_t>,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Plan {
+    /// Descriptors for `g` and cuBLASLt's first heuristic choice within the workspace.
+    fn new(
+        handle: sys::cublasLtHandle_t,
+        workspace_bytes: usize,
+        g: &Gemm,
+    ) -> Result<Self, String> {
+        let (a_rows, a_cols) = if g.a.trans { (g.k, g.m) } else { (g.m, g.k) };
+        let (b_rows, b_cols) = if g.b.trans { (g.n, g.k) } else { (g.k, g.n) };
+        let a = layout(g.dtype, a_rows, a_cols, g.a.ld, g.batch, g.a.batch_stride)?;
+        let b = layout(g.dtype, b_rows, b_cols, g.b.ld, g.batch, g.b.batch_stride)?;
+        let d = layout(g.dtype, g.m, g.n, g.d_ld, g.batch, g.d_batch_stride)?;
+        let compute = match (g.dtype, g.tf32) {
+            (DType::F32, true) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
+            .map_err(err("cublasLtMatmulDescCreate"))?;
+        let desc = Owned(desc, lt::destroy_matmul_desc as _);
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        for (attr, trans) in [
+            (D::CUBLASLT_MATMUL_DESC_TRANSA, g.a.trans),
+            (D::CUBLASLT_MATMUL_DESC_TRANSB, g.b.trans),
+        ] {
+            // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
+            let op = i32::from(trans);
+            // SAFETY: an attribute of a live descriptor, a value of the documented size.
+            unsafe {
+                lt::set_matmul_desc_attribute(desc.0, attr, (&op) as *const _ as *const _, 4)
+                    .map_err(err("transpose"))?;
+            }
+        }
+        let pref = lt::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
+        let pref = Owned(pref, lt::destroy_matmul_pref as _);
+        // SAFETY: live objects; the workspace size attribute is a u64/usize.
+        let heuristic = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref.0,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&workspace_bytes) as *const usize as *const _,
+                core::mem::size_of::<usize>(),
+            )
+            .map_err(err("workspace preference"))?;
+            lt::get_matmul_algo_heuristic(handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
+                .map_err(err("no cuBLASLt algorithm for this GEMM"))?
+        };
+        Ok(Self {
+            desc,
+            a,
+            b,
+            d,
+            algo: heuristic.algo,
+        })
+    }
+}
+
 /// Runs `gemm` on GPU `ordinal`: after `handshake.ready` and before `handshake.done`, or, with
 /// no handshake, to completion before returning.
 ///
@@ -291,31 +357,6 @@ pub(crate) unsafe fn run(
     let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
     let _ = lt_dev.stream.context().bind_to_thread();
     let g = gemm;
-    let (a_rows, a_cols) = if g.a.trans { (g.k, g.m) } else { (g.m, g.k) };
-    let (b_rows, b_cols) = if g.b.trans { (g.n, g.k) } else { (g.k, g.n) };
-    let a = layout(g.dtype, a_rows, a_cols, g.a.ld, g.batch, g.a.batch_stride)?;
-    let b = layout(g.dtype, b_rows, b_cols, g.b.ld, g.batch, g.b.batch_stride)?;
-    let d = layout(g.dtype, g.m, g.n, g.d_ld, g.batch, g.d_batch_stride)?;
-    let compute = match (g.dtype, g.tf32) {
-        (DType::F32, true) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-        _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-    };
-    let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
-        .map_err(err("cublasLtMatmulDescCreate"))?;
-    let desc = Owned(desc, lt::destroy_matmul_desc as _);
-    use sys::cublasLtMatmulDescAttributes_t as D;
-    for (attr, trans) in [
-        (D::CUBLASLT_MATMUL_DESC_TRANSA, g.a.trans),
-        (D::CUBLASLT_MATMUL_DESC_TRANSB, g.b.trans),
-    ] {
-        // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
-        let op = i32::from(trans);
-        // SAFETY: an attribute of a live descriptor, a value of the documented size.
-        unsafe {
-            lt::set_matmul_desc_attribute(desc.0, attr, (&op) as *const _ as *const _, 4)
-                .map_err(err("transpose"))?;
-        }
-    }
     let key = Gemm {
         a: Operand { ptr: 0, ..g.a },
         b: Operand { ptr: 0, ..g.b },
@@ -324,27 +365,13 @@ pub(crate) unsafe fn run(
     };
     let workspace_bytes = lt_dev.workspace.len();
     let handle = lt_dev.handle;
-    let algo = match lt_dev.algos.get(&key) {
-        Some(algo) => *algo,
-        None => {
-            let pref = lt::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
-            let pref = Owned(pref, lt::destroy_matmul_pref as _);
-            // SAFETY: live objects; the workspace size attribute is a u64/usize.
-            let heuristic = unsafe {
-                lt::set_matmul_pref_attribute(
-                    pref.0,
-                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    (&workspace_bytes) as *const usize as *const _,
-                    core::mem::size_of::<usize>(),
-                )
-                .map_err(err("workspace preference"))?;
-                lt::get_matmul_algo_heuristic(handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
-                    .map_err(err("no cuBLASLt algorithm for this GEMM"))?
-            };
-            lt_dev.algos.insert(key, heuristic.algo);
-            heuristic.algo
+    let plan = match lt_dev.plans.entry(key) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            v.insert(Plan::new(handle, workspace_bytes, &key)?)
         }
     };
+    let (desc, a, b, d, algo) = (plan.desc.0, plan.a.0, plan.b.0, plan.d.0, plan.algo);
     let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = lt_dev.stream.clone();
     let (workspace, _sync) = lt_dev.workspace.device_ptr(&stream);
@@ -369,17 +396,17 @@ pub(crate) unsafe fn run(
     unsafe {
         lt::matmul(
             handle,
-            desc.0,
+            desc,
             (&alpha) as *const f32 as *const _,
             (&beta) as *const f32 as *const _,
             g.a.ptr as *const _,
-            a.0,
+            a,
             g.b.ptr as *const _,
-            b.0,
+            b,
             g.d as *const _,
-            d.0,
+            d,
             g.d as *mut _,
-            d.0,
+            d,
             &algo,
             workspace as *mut _,
             workspace_bytes,

@@ -31,8 +31,6 @@ pub(crate) struct CudaView {
     /// In elements.
     pub(crate) strides: Vec<usize>,
     pub(crate) dtype: DType,
-    /// The GPU's ordinal.
-    pub(crate) ordinal: usize,
     /// Holds a reference to the memory until the caller is done with it.
     pub(crate) keep: CubeTensor<CudaRuntime>,
 }
@@ -59,17 +57,45 @@ pub(crate) fn cuda_buffer<I: Backend>(tensor: &I::FloatTensorPrimitive) -> Optio
 /// materialized. Getting the address also aligns this thread's stream after the stream that
 /// wrote the memory.
 pub(crate) fn cuda_view<I: Backend>(tensor: &I::FloatTensorPrimitive) -> Option<CudaView> {
+    view_of(cube_tensor::<I>(tensor)?)
+}
+
+/// `tensor` as cubecl's CUDA tensor: fusion's pending work on it is executed first (one
+/// blocking call into fusion, none when run on fusion's own thread). `None` for other backends.
+pub(crate) fn cube_tensor<I: Backend>(
+    tensor: &I::FloatTensorPrimitive,
+) -> Option<CubeTensor<CudaRuntime>> {
     let any = tensor as &dyn Any;
-    let cube = match any.downcast_ref::<CubeTensor<CudaRuntime>>() {
-        Some(cube) => cube.clone(),
+    match any.downcast_ref::<CubeTensor<CudaRuntime>>() {
+        Some(cube) => Some(cube.clone()),
         None => {
             let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
             // Any CubeBackend over CUDA resolves a fused CUDA tensor: same primitives.
-            fused
-                .client
-                .resolve_tensor_float::<CubeBackend<CudaRuntime, f32, i32, u8>>(fused.clone())
+            Some(
+                fused
+                    .client
+                    .resolve_tensor_float::<CubeBackend<CudaRuntime, f32, i32, u8>>(fused.clone()),
+            )
         }
-    };
+    }
+}
+
+/// Runs `f` on fusion's thread of `tensor`'s device when it is a fused CUDA tensor (after this
+/// thread's pending fused work), else here. There, fusion runs requests at once instead of
+/// queueing them: several resolutions cost one round trip.
+pub(crate) fn on_fusion_thread<I: Backend, R: Send + 'static>(
+    tensor: &I::FloatTensorPrimitive,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> R {
+    match (tensor as &dyn Any).downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>() {
+        Some(fused) => fused.client.sync(f),
+        None => f(),
+    }
+}
+
+/// The memory and layout of a cubecl CUDA tensor of f32, bf16 or f16 (one blocking call into
+/// cubecl, none when run on cubecl's own thread, inside `ComputeClient::exclusive`).
+pub(crate) fn view_of(cube: CubeTensor<CudaRuntime>) -> Option<CudaView> {
     let dtype = match cube.dtype {
         BurnDType::F32 => DType::F32,
         BurnDType::BF16 => DType::Bf16,
@@ -96,7 +122,6 @@ pub(crate) fn cuda_view<I: Backend>(tensor: &I::FloatTensorPrimitive) -> Option<
         shape,
         strides,
         dtype,
-        ordinal: cube.device.index,
         keep: cube,
     })
 }

@@ -71,14 +71,15 @@ pub fn cublaslt_calls() -> u64 {
 pub struct MatmulProfile {
     /// cuBLASLt calls.
     pub calls: u64,
-    /// Host microseconds per phase: operand addresses, output allocation, ordering before,
-    /// the cuBLASLt call, ordering after.
+    /// Host microseconds per phase: fusion (operands resolved, output allocated), cubecl
+    /// (addresses, reached through one call into its thread), ordering before, the cuBLASLt
+    /// call, ordering after.
     pub host_us: [f64; 5],
     /// Summed GPU microseconds of the GEMMs themselves (with `BURN_ZERO_MATMUL_PROFILE=1`).
     pub gemm_gpu_us: f64,
 }
 
-static PROFILE: std::sync::Mutex<MatmulProfile> = std::sync::Mutex::new(MatmulProfile {
+pub(crate) static PROFILE: std::sync::Mutex<MatmulProfile> = std::sync::Mutex::new(MatmulProfile {
     calls: 0,
     host_us: [0.0; 5],
     gemm_gpu_us: 0.0,
@@ -105,7 +106,7 @@ pub fn take_matmul_profile(ordinal: usize) -> MatmulProfile {
 /// `ZeroBackend::float_matmul`, on the inner backend's primitives.
 pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     #[cfg(feature = "cuda")]
-    if let Some(out) = cuda::try_cublaslt::<B>(&lhs, &rhs, matmul_policy()) {
+    if let Some(out) = crate::backend::matmul_cuda::try_cublaslt::<B>(&lhs, &rhs, matmul_policy()) {
         CUBLASLT_CALLS.fetch_add(1, Ordering::Relaxed);
         return out;
     }
@@ -191,211 +192,6 @@ fn linear_weight_backward_on_matmul<B: Backend>(
     let x = B::float_reshape(x, [rows, d_in].into());
     let output_grad = B::float_reshape(output_grad, [rows, d_out].into());
     float_matmul::<B>(B::float_swap_dims(x, 0, 1), output_grad)
-}
-
-/// Host time per phase of one cuBLASLt call, added to [`PROFILE`] when it succeeds.
-#[cfg(feature = "cuda")]
-struct PhaseClock {
-    last: std::time::Instant,
-    us: [f64; 5],
-}
-
-#[cfg(feature = "cuda")]
-impl PhaseClock {
-    fn start() -> Self {
-        Self {
-            last: std::time::Instant::now(),
-            us: [0.0; 5],
-        }
-    }
-
-    fn lap(&mut self, phase: usize) {
-        let now = std::time::Instant::now();
-        self.us[phase] += (now - self.last).as_secs_f64() * 1e6;
-        self.last = now;
-    }
-
-    fn record(&self) {
-        let mut p = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
-        p.calls += 1;
-        for (total, us) in p.host_us.iter_mut().zip(self.us) {
-            *total += us;
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod cuda {
-    use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
-
-    use super::{MatmulPolicy, PhaseClock};
-    use crate::backend::cublaslt::{self, Gemm, Operand};
-    use crate::backend::cuda::{CudaView, cuda_view};
-    use crate::backend::stream_order;
-
-    /// A matrix `rows × cols` with strides `(rs, cs)` as the column-major operand that yields
-    /// its transpose (`cols × rows`) in cuBLASLt, or `None` if neither dim is unit-stride.
-    fn transposed_operand(view: &CudaView, rows: usize, cols: usize) -> Option<(i64, bool)> {
-        let r = view.shape.len();
-        let (rs, cs) = (view.strides[r - 2], view.strides[r - 1]);
-        if cs == 1 || cols == 1 {
-            // Row-major: stored column-major as its transpose, leading dimension = row stride.
-            let ld = if rows == 1 { cols } else { rs };
-            (ld >= cols.max(1)).then_some((ld as i64, false))
-        } else if rs == 1 || rows == 1 {
-            let ld = if cols == 1 { rows } else { cs };
-            (ld >= rows.max(1)).then_some((ld as i64, true))
-        } else {
-            None
-        }
-    }
-
-    /// The stride between consecutive matrices of `view` over the output's batch dims `out`,
-    /// if its batch dims are all 1 (stride 0) or equal to `out` and flatten to one stride.
-    fn batch_stride(view: &CudaView, out: &[usize]) -> Option<i64> {
-        let dims = &view.shape[..view.shape.len() - 2];
-        let strides = &view.strides[..dims.len()];
-        if dims.iter().all(|d| *d == 1) {
-            return Some(0);
-        }
-        if dims != out {
-            return None;
-        }
-        let kept: Vec<(usize, usize)> = dims
-            .iter()
-            .zip(strides)
-            .filter(|(d, _)| **d > 1)
-            .map(|(d, s)| (*d, *s))
-            .collect();
-        let inner = kept.last()?.1;
-        kept.windows(2)
-            .all(|w| w[0].1 == w[1].1 * w[1].0)
-            .then_some(inner as i64)
-    }
-
-    /// `BURN_ZERO_CUBLASLT_ORDER=sync` (read once): order by host synchronization even where the
-    /// handshake works, to compare the two.
-    fn host_sync_forced() -> bool {
-        static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *SYNC.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_ORDER").is_ok_and(|v| v == "sync"))
-    }
-
-    pub(super) fn try_cublaslt<B: Backend>(
-        lhs: &FloatTensor<B>,
-        rhs: &FloatTensor<B>,
-        policy: MatmulPolicy,
-    ) -> Option<FloatTensor<B>> {
-        if !policy.cublaslt {
-            return None;
-        }
-        let (ls, rs) = (lhs.shape(), rhs.shape());
-        let rank = ls.num_dims();
-        if rank < 2 || rs.num_dims() != rank || lhs.dtype() != rhs.dtype() {
-            return None;
-        }
-        let (ld, rd): (Vec<usize>, Vec<usize>) =
-            (ls.iter().copied().collect(), rs.iter().copied().collect());
-        let (m, k, n) = (ld[rank - 2], ld[rank - 1], rd[rank - 1]);
-        if rd[rank - 2] != k || m == 0 || n == 0 || k == 0 {
-            return None;
-        }
-        let mut out_batch = Vec::with_capacity(rank - 2);
-        for (a, b) in ld[..rank - 2].iter().zip(&rd[..rank - 2]) {
-            match (a, b) {
-                (a, b) if a == b => out_batch.push(*a),
-                (1, b) => out_batch.push(*b),
-                (a, 1) => out_batch.push(*a),
-                _ => return None,
-            }
-        }
-        let batch: usize = out_batch.iter().product();
-        if ((batch * m * n * k) as u64) < policy.min_macs || batch > i32::MAX as usize {
-            return None;
-        }
-        // Cheap checks passed: materialize and look at the memory.
-        let mut clock = PhaseClock::start();
-        let a = cuda_view::<B>(lhs)?;
-        let b = cuda_view::<B>(rhs)?;
-        // C = A·B row-major is Cᵀ = Bᵀ·Aᵀ column-major: cuBLASLt's A is our rhs.
-        let (b_ld, b_trans) = transposed_operand(&b, k, n)?;
-        let (a_ld, a_trans) = transposed_operand(&a, m, k)?;
-        let (a_stride, b_stride) = (batch_stride(&a, &out_batch)?, batch_stride(&b, &out_batch)?);
-        let device = B::float_device(lhs);
-        let mut shape = out_batch.clone();
-        shape.extend([m, n]);
-        clock.lap(0);
-        let out = B::float_empty(shape.into(), &device, lhs.dtype().into());
-        // cubecl pitches the rows of 2-D+ allocations: take the output's real strides.
-        let d = cuda_view::<B>(&out)?;
-        let (d_ld, d_trans) = transposed_operand(&d, m, n)?;
-        let d_batch_stride = batch_stride(&d, &out_batch)?;
-        if d_trans {
-            return None;
-        }
-        // A row-major lhs whose matrices follow each other times a shared rhs (a Linear's
-        // `[batch, tokens, in]·[in, out]`) is one GEMM of batch·m rows, not a batched one.
-        let fold = batch > 1
-            && b_stride == 0
-            && !a_trans
-            && a_stride == m as i64 * a_ld
-            && d_batch_stride == m as i64 * d_ld;
-        let (rows, batch) = if fold { (batch * m, 1) } else { (m, batch) };
-        let gemm = Gemm {
-            m: n as u64,
-            n: rows as u64,
-            k: k as u64,
-            batch: batch as i32,
-            a: Operand {
-                ptr: b.ptr,
-                ld: b_ld,
-                trans: b_trans,
-                batch_stride: b_stride,
-            },
-            b: Operand {
-                ptr: a.ptr,
-                ld: a_ld,
-                trans: a_trans,
-                batch_stride: a_stride,
-            },
-            d: d.ptr,
-            d_ld,
-            d_batch_stride: if batch > 1 { d_batch_stride } else { 0 },
-            dtype: a.dtype,
-            tf32: policy.allow_tf32,
-        };
-        clock.lap(1);
-        let client = &d.keep.client;
-        let ordered =
-            !host_sync_forced() && cublaslt::supports_handshake(a.ordinal).unwrap_or(false);
-        let handshake = if ordered {
-            Some(stream_order::begin(client, a.ordinal)?)
-        } else {
-            B::sync(&device).ok()?;
-            None
-        };
-        clock.lap(2);
-        // SAFETY: the three views hold their memory until the call is ordered before burn's
-        // next kernels (`end` below, or the synchronization inside `run`); the inputs are
-        // complete once `ready` is raised (or after the sync above); the output has the
-        // extents described.
-        match unsafe { cublaslt::run(a.ordinal, &gemm, handshake) } {
-            Ok(()) => {
-                clock.lap(3);
-                if let Some(h) = handshake {
-                    stream_order::end(client, a.ordinal, h);
-                }
-                clock.lap(4);
-                clock.record();
-                Some(out)
-            }
-            Err(e) => {
-                crate::log::warn(&format!(
-                    "cuBLASLt failed, using the inner backend's matmul: {e}"
-                ));
-                None
-            }
-        }
-    }
 }
 
 #[cfg(all(test, feature = "ndarray"))]

@@ -11,6 +11,8 @@ mod distributed;
 pub(crate) mod forward;
 pub mod hooks;
 pub mod matmul;
+#[cfg(feature = "cuda")]
+mod matmul_cuda;
 mod ops_list;
 #[cfg(feature = "cuda")]
 mod stream_order;

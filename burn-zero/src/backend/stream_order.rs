@@ -62,6 +62,11 @@ thread_local! {
 }
 
 /// Step 1 on burn's stream of `client` (GPU `ordinal`): returns the handshake for our stream.
+///
+/// Call it on cubecl's thread (inside `ComputeClient::exclusive`), where the launch of `raise`
+/// reaches CUDA before this returns: queued in cubecl instead, it might reach CUDA after our
+/// stream's spinner started, and loading it could then wait for that spinner, which waits for
+/// it.
 pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Option<Handshake> {
     FLAGS.with(|flags| {
         let mut flags = flags.borrow_mut();
@@ -97,10 +102,6 @@ pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Opti
             unsafe { ArrayArg::from_raw_parts(entry.handle.clone(), 2) },
             entry.seq,
         );
-        // `raise` must reach CUDA before our stream's spinner starts: if cubecl launched it
-        // later, loading it could wait for that spinner, which waits for it. A blocking call
-        // drains cubecl's queue in order; this one is cheaper than `flush` (measured).
-        client.get_resource(entry.handle.clone()).ok()?;
         Some(Handshake {
             ready: entry.ptr + (READY * 4) as u64,
             done: entry.ptr + (DONE * 4) as u64,

@@ -1,0 +1,258 @@
+//! The CUDA side of `ZeroBackend::float_matmul`: eligible products run through cuBLASLt on
+//! burn's device buffers.
+//!
+//! Host cost is the whole game for the GEMMs of a small model (a 2048×576×1536 bf16 GEMM takes
+//! ~15 µs on an H200), and every blocking call into burn's fusion or cubecl threads costs a
+//! cross-thread round trip. So one call does everything in two nested visits: on fusion's thread
+//! (operands resolved, output allocated), then, from there, on cubecl's thread (addresses,
+//! `raise` on burn's stream, the cuBLASLt call, `await_done`), where cubecl runs each request
+//! at once instead of queueing it.
+
+use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
+
+use super::matmul::{MatmulPolicy, PROFILE};
+use crate::backend::cublaslt::{self, Gemm, Operand};
+use crate::backend::cuda::{CudaView, cube_tensor, on_fusion_thread, view_of};
+use crate::backend::stream_order;
+
+/// A matrix `rows × cols` with strides `(rs, cs)` as the column-major operand that yields
+/// its transpose (`cols × rows`) in cuBLASLt, or `None` if neither dim is unit-stride.
+fn transposed_operand(view: &CudaView, rows: usize, cols: usize) -> Option<(i64, bool)> {
+    let r = view.shape.len();
+    let (rs, cs) = (view.strides[r - 2], view.strides[r - 1]);
+    if cs == 1 || cols == 1 {
+        // Row-major: stored column-major as its transpose, leading dimension = row stride.
+        let ld = if rows == 1 { cols } else { rs };
+        (ld >= cols.max(1)).then_some((ld as i64, false))
+    } else if rs == 1 || rows == 1 {
+        let ld = if cols == 1 { rows } else { cs };
+        (ld >= rows.max(1)).then_some((ld as i64, true))
+    } else {
+        None
+    }
+}
+
+/// The stride between consecutive matrices of `view` over the output's batch dims `out`,
+/// if its batch dims are all 1 (stride 0) or equal to `out` and flatten to one stride.
+fn batch_stride(view: &CudaView, out: &[usize]) -> Option<i64> {
+    let dims = &view.shape[..view.shape.len() - 2];
+    let strides = &view.strides[..dims.len()];
+    if dims.iter().all(|d| *d == 1) {
+        return Some(0);
+    }
+    if dims != out {
+        return None;
+    }
+    let kept: Vec<(usize, usize)> = dims
+        .iter()
+        .zip(strides)
+        .filter(|(d, _)| **d > 1)
+        .map(|(d, s)| (*d, *s))
+        .collect();
+    let inner = kept.last()?.1;
+    kept.windows(2)
+        .all(|w| w[0].1 == w[1].1 * w[1].0)
+        .then_some(inner as i64)
+}
+
+/// `BURN_ZERO_CUBLASLT_ORDER=sync` (read once): order by host synchronization even where the
+/// handshake works, to compare the two.
+fn host_sync_forced() -> bool {
+    static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SYNC.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_ORDER").is_ok_and(|v| v == "sync"))
+}
+
+/// The sizes of `lhs · rhs` (row-major `[.., m, k] · [.., k, n]`), from metadata only.
+#[derive(Clone, Debug)]
+struct Product {
+    m: usize,
+    k: usize,
+    n: usize,
+    /// The output's batch dims (broadcast).
+    batch_dims: Vec<usize>,
+}
+
+impl Product {
+    /// The cheap checks: equal dtypes and ranks, matching inner dims, broadcastable batch dims,
+    /// at least `policy.min_macs` multiply-adds.
+    fn of<B: Backend>(
+        lhs: &FloatTensor<B>,
+        rhs: &FloatTensor<B>,
+        policy: MatmulPolicy,
+    ) -> Option<Self> {
+        let (ls, rs) = (lhs.shape(), rhs.shape());
+        let rank = ls.num_dims();
+        if rank < 2 || rs.num_dims() != rank || lhs.dtype() != rhs.dtype() {
+            return None;
+        }
+        let (m, k, n) = (ls[rank - 2], ls[rank - 1], rs[rank - 1]);
+        if rs[rank - 2] != k || m == 0 || n == 0 || k == 0 {
+            return None;
+        }
+        let mut batch_dims = Vec::with_capacity(rank - 2);
+        for i in 0..rank - 2 {
+            match (ls[i], rs[i]) {
+                (a, b) if a == b => batch_dims.push(a),
+                (1, b) => batch_dims.push(b),
+                (a, 1) => batch_dims.push(a),
+                _ => return None,
+            }
+        }
+        let batch: usize = batch_dims.iter().product();
+        let enough = (batch * m * n * k) as u64 >= policy.min_macs;
+        (enough && batch <= i32::MAX as usize).then_some(Self {
+            m,
+            k,
+            n,
+            batch_dims,
+        })
+    }
+
+    /// The GEMM on the operands' memory, or `None` for layouts cuBLASLt cannot take.
+    fn gemm(&self, a: &CudaView, b: &CudaView, d: &CudaView, tf32: bool) -> Option<Gemm> {
+        let Self { m, k, n, .. } = *self;
+        let batch: usize = self.batch_dims.iter().product();
+        // C = A·B row-major is Cᵀ = Bᵀ·Aᵀ column-major: cuBLASLt's A is our rhs.
+        let (b_ld, b_trans) = transposed_operand(b, k, n)?;
+        let (a_ld, a_trans) = transposed_operand(a, m, k)?;
+        let a_stride = batch_stride(a, &self.batch_dims)?;
+        let b_stride = batch_stride(b, &self.batch_dims)?;
+        // cubecl pitches the rows of 2-D+ allocations: the output's real strides count.
+        let (d_ld, d_trans) = transposed_operand(d, m, n)?;
+        let d_batch_stride = batch_stride(d, &self.batch_dims)?;
+        if d_trans {
+            return None;
+        }
+        // A row-major lhs whose matrices follow each other times a shared rhs (a Linear's
+        // `[batch, tokens, in]·[in, out]`) is one GEMM of batch·m rows, not a batched one.
+        let fold = batch > 1
+            && b_stride == 0
+            && !a_trans
+            && a_stride == m as i64 * a_ld
+            && d_batch_stride == m as i64 * d_ld;
+        let (rows, batch) = if fold { (batch * m, 1) } else { (m, batch) };
+        Some(Gemm {
+            m: n as u64,
+            n: rows as u64,
+            k: k as u64,
+            batch: batch as i32,
+            a: Operand {
+                ptr: b.ptr,
+                ld: b_ld,
+                trans: b_trans,
+                batch_stride: b_stride,
+            },
+            b: Operand {
+                ptr: a.ptr,
+                ld: a_ld,
+                trans: a_trans,
+                batch_stride: a_stride,
+            },
+            d: d.ptr,
+            d_ld,
+            d_batch_stride: if batch > 1 { d_batch_stride } else { 0 },
+            dtype: a.dtype,
+            tf32,
+        })
+    }
+}
+
+/// `lhs · rhs` through cuBLASLt, or `None` when it cannot take them (the caller then uses the
+/// inner backend's matmul).
+pub(crate) fn try_cublaslt<B: Backend>(
+    lhs: &FloatTensor<B>,
+    rhs: &FloatTensor<B>,
+    policy: MatmulPolicy,
+) -> Option<FloatTensor<B>> {
+    if !policy.cublaslt {
+        return None;
+    }
+    let product = Product::of::<B>(lhs, rhs, policy)?;
+    let (l, r) = (lhs.clone(), rhs.clone());
+    on_fusion_thread::<B, _>(lhs, move || run::<B>(l, r, product, policy.allow_tf32))
+}
+
+/// The call itself, on fusion's thread when the tensors are fused.
+fn run<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    product: Product,
+    tf32: bool,
+) -> Option<FloatTensor<B>> {
+    let mut clock = PhaseClock::start();
+    let (a, b) = (cube_tensor::<B>(&lhs)?, cube_tensor::<B>(&rhs)?);
+    let device = B::float_device(&lhs);
+    let mut shape = product.batch_dims.clone();
+    shape.extend([product.m, product.n]);
+    let out = B::float_empty(shape.into(), &device, lhs.dtype().into());
+    let d = cube_tensor::<B>(&out)?;
+    let ordinal = a.device.index;
+    let ordered = !host_sync_forced() && cublaslt::supports_handshake(ordinal).unwrap_or(false);
+    if !ordered {
+        B::sync(&device).ok()?;
+    }
+    clock.lap(0);
+    let client = a.client.clone();
+    let outcome = client.exclusive(|| {
+        let (a, b, d) = (view_of(a)?, view_of(b)?, view_of(d)?);
+        let gemm = product.gemm(&a, &b, &d, tf32)?;
+        clock.lap(1);
+        let handshake = match ordered {
+            true => Some(stream_order::begin(&client, ordinal)?),
+            false => None,
+        };
+        clock.lap(2);
+        // SAFETY: the three views hold their memory until the call is ordered before burn's
+        // next kernels (`end` below, or the synchronization inside `run`); the inputs are
+        // complete once `ready` is raised (or after the sync above); the output has the
+        // extents described.
+        let ran = unsafe { cublaslt::run(ordinal, &gemm, handshake) };
+        clock.lap(3);
+        if let (Ok(()), Some(h)) = (&ran, handshake) {
+            stream_order::end(&client, ordinal, h);
+        }
+        clock.lap(4);
+        Some(ran)
+    });
+    match outcome.ok()?? {
+        Ok(()) => {
+            clock.record();
+            Some(out)
+        }
+        Err(e) => {
+            crate::log::warn(&format!(
+                "cuBLASLt failed, using the inner backend's matmul: {e}"
+            ));
+            None
+        }
+    }
+}
+
+/// Host time per phase of one cuBLASLt call, added to [`PROFILE`] when it succeeds.
+struct PhaseClock {
+    last: std::time::Instant,
+    us: [f64; 5],
+}
+
+impl PhaseClock {
+    fn start() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+            us: [0.0; 5],
+        }
+    }
+
+    fn lap(&mut self, phase: usize) {
+        let now = std::time::Instant::now();
+        self.us[phase] += (now - self.last).as_secs_f64() * 1e6;
+        self.last = now;
+    }
+
+    fn record(&self) {
+        let mut p = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+        p.calls += 1;
+        for (total, us) in p.host_us.iter_mut().zip(self.us) {
+            *total += us;
+        }
+    }
+}
