@@ -6,11 +6,14 @@
 
 use core::any::Any;
 
+use burn_backend::TensorMetadata;
 use burn_backend::{Backend, DType as BurnDType};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
-use burn_fusion::FusionTensor;
+use burn_fusion::stream::OperationStreams;
+use burn_fusion::{FusionTensor, NoOp};
+use burn_ir::{BackendIr, InitOperationIr, OperationIr};
 use cubecl::cuda::CudaRuntime;
 
 use crate::comm::{DType, DeviceBuf};
@@ -80,17 +83,27 @@ pub(crate) fn cube_tensor<I: Backend>(
     }
 }
 
-/// Runs `f` on fusion's thread of `tensor`'s device when it is a fused CUDA tensor (after this
-/// thread's pending fused work), else here. There, fusion runs requests at once instead of
-/// queueing them: several resolutions cost one round trip.
-pub(crate) fn on_fusion_thread<I: Backend, R: Send + 'static>(
-    tensor: &I::FloatTensorPrimitive,
-    f: impl FnOnce() -> R + Send + 'static,
-) -> R {
-    match (tensor as &dyn Any).downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>() {
-        Some(fused) => fused.client.sync(f),
-        None => f(),
-    }
+/// `cube` as a primitive of the same backend as `like` (a cubecl CUDA tensor, or one behind
+/// burn's fusion, registered there without waiting for fusion's thread).
+pub(crate) fn from_cube<I: Backend>(
+    like: &I::FloatTensorPrimitive,
+    cube: CubeTensor<CudaRuntime>,
+) -> Option<I::FloatTensorPrimitive> {
+    let any = like as &dyn Any;
+    let out: Box<dyn Any> = if any.is::<CubeTensor<CudaRuntime>>() {
+        Box::new(cube)
+    } else {
+        type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+        let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
+        let client = fused.client.clone();
+        let (shape, dtype) = (cube.shape(), cube.dtype);
+        let handle = <Cube as BackendIr>::float_tensor_handle(cube);
+        let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+        let op = OperationIr::Init(init);
+        let registered = client.register(OperationStreams::default(), op, NoOp::<Cube>::new());
+        Box::new(registered.into_iter().next()?)
+    };
+    out.downcast::<I::FloatTensorPrimitive>().ok().map(|b| *b)
 }
 
 /// The memory and layout of a cubecl CUDA tensor of f32, bf16 or f16 (one blocking call into

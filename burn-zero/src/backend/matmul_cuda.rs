@@ -3,16 +3,19 @@
 //!
 //! Host cost is the whole game for the GEMMs of a small model (a 2048×576×1536 bf16 GEMM takes
 //! ~15 µs on an H200), and every blocking call into burn's fusion or cubecl threads costs a
-//! cross-thread round trip. So one call does everything in two nested visits: on fusion's thread
-//! (operands resolved, output allocated), then, from there, on cubecl's thread (addresses,
-//! `raise` on burn's stream, the cuBLASLt call, `await_done`), where cubecl runs each request
-//! at once instead of queueing it.
+//! cross-thread round trip. So a call makes three: fusion resolves each operand (fusion's
+//! service cannot be re-entered from its own thread), then one visit to cubecl's thread does
+//! the rest (output allocation, addresses, `raise` on burn's stream, the cuBLASLt call,
+//! `await_done`), where cubecl runs each request at once instead of queueing it. The output
+//! enters fusion without a wait.
 
 use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
 
 use super::matmul::{MatmulPolicy, PROFILE};
 use crate::backend::cublaslt::{self, Gemm, Operand};
-use crate::backend::cuda::{CudaView, cube_tensor, on_fusion_thread, view_of};
+use burn_cubecl::tensor::CubeTensor;
+
+use crate::backend::cuda::{CudaView, cube_tensor, from_cube, view_of};
 use crate::backend::stream_order;
 
 /// A matrix `rows × cols` with strides `(rs, cs)` as the column-major operand that yields
@@ -168,34 +171,30 @@ pub(crate) fn try_cublaslt<B: Backend>(
         return None;
     }
     let product = Product::of::<B>(lhs, rhs, policy)?;
-    let (l, r) = (lhs.clone(), rhs.clone());
-    on_fusion_thread::<B, _>(lhs, move || run::<B>(l, r, product, policy.allow_tf32))
-}
-
-/// The call itself, on fusion's thread when the tensors are fused.
-fn run<B: Backend>(
-    lhs: FloatTensor<B>,
-    rhs: FloatTensor<B>,
-    product: Product,
-    tf32: bool,
-) -> Option<FloatTensor<B>> {
     let mut clock = PhaseClock::start();
-    let (a, b) = (cube_tensor::<B>(&lhs)?, cube_tensor::<B>(&rhs)?);
-    let device = B::float_device(&lhs);
-    let mut shape = product.batch_dims.clone();
-    shape.extend([product.m, product.n]);
-    let out = B::float_empty(shape.into(), &device, lhs.dtype().into());
-    let d = cube_tensor::<B>(&out)?;
+    let (a, b) = (cube_tensor::<B>(lhs)?, cube_tensor::<B>(rhs)?);
     let ordinal = a.device.index;
     let ordered = !host_sync_forced() && cublaslt::supports_handshake(ordinal).unwrap_or(false);
     if !ordered {
-        B::sync(&device).ok()?;
+        B::sync(&B::float_device(lhs)).ok()?;
     }
     clock.lap(0);
     let client = a.client.clone();
     let outcome = client.exclusive(|| {
-        let (a, b, d) = (view_of(a)?, view_of(b)?, view_of(d)?);
-        let gemm = product.gemm(&a, &b, &d, tf32)?;
+        // Allocated here, not through fusion: contiguous, and no extra round trip.
+        let mut shape = product.batch_dims.clone();
+        shape.extend([product.m, product.n]);
+        let bytes = shape.iter().product::<usize>() * a.dtype.size();
+        let (device, dtype) = (a.device.clone(), a.dtype);
+        let out = CubeTensor::new_contiguous(
+            client.clone(),
+            device,
+            shape.into(),
+            client.empty(bytes),
+            dtype,
+        );
+        let (a, b, d) = (view_of(a)?, view_of(b)?, view_of(out.clone())?);
+        let gemm = product.gemm(&a, &b, &d, policy.allow_tf32)?;
         clock.lap(1);
         let handshake = match ordered {
             true => Some(stream_order::begin(&client, ordinal)?),
@@ -211,11 +210,12 @@ fn run<B: Backend>(
         if let (Ok(()), Some(h)) = (&ran, handshake) {
             stream_order::end(&client, ordinal, h);
         }
-        clock.lap(4);
-        Some(ran)
+        Some(ran.map(|()| out))
     });
     match outcome.ok()?? {
-        Ok(()) => {
+        Ok(out) => {
+            let out = from_cube::<B>(lhs, out)?;
+            clock.lap(4);
             clock.record();
             Some(out)
         }
