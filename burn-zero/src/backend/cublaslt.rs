@@ -282,7 +282,10 @@ struct Plan {
     a: Owned<sys::cublasLtMatrixLayout_t>,
     b: Owned<sys::cublasLtMatrixLayout_t>,
     d: Owned<sys::cublasLtMatrixLayout_t>,
-    algo: sys::cublasLtMatmulAlgo_t,
+    /// cuBLASLt's heuristic choices, best guess first.
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// The fastest candidate, once timed on the first call.
+    chosen: Option<sys::cublasLtMatmulAlgo_t>,
 }
 
 impl Plan {
@@ -319,8 +322,16 @@ impl Plan {
         }
         let pref = lt::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
         let pref = Owned(pref, lt::destroy_matmul_pref as _);
-        // SAFETY: live objects; the workspace size attribute is a u64/usize.
-        let heuristic = unsafe {
+        let wanted = if tuning() { 8 } else { 1 };
+        let mut found = vec![
+            // SAFETY: plain old data, filled in by cuBLASLt below.
+            unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() };
+            wanted
+        ];
+        let mut count = 0;
+        // SAFETY: live objects; the workspace size attribute is a u64/usize; `found` holds
+        // `wanted` results.
+        unsafe {
             lt::set_matmul_pref_attribute(
                 pref.0,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -328,17 +339,86 @@ impl Plan {
                 core::mem::size_of::<usize>(),
             )
             .map_err(err("workspace preference"))?;
-            lt::get_matmul_algo_heuristic(handle, desc.0, a.0, b.0, d.0, d.0, pref.0)
-                .map_err(err("no cuBLASLt algorithm for this GEMM"))?
-        };
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc.0,
+                a.0,
+                b.0,
+                d.0,
+                d.0,
+                pref.0,
+                wanted as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            )
+            .result()
+            .map_err(err("cublasLtMatmulAlgoGetHeuristic"))?;
+        }
+        let candidates: Vec<_> = found[..count.max(0) as usize]
+            .iter()
+            .filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|h| h.algo)
+            .collect();
+        if candidates.is_empty() {
+            return Err("no cuBLASLt algorithm for this GEMM".into());
+        }
         Ok(Self {
             desc,
             a,
             b,
             d,
-            algo: heuristic.algo,
+            chosen: (candidates.len() == 1).then(|| candidates[0]),
+            candidates,
         })
     }
+}
+
+/// Whether new GEMM shapes time cuBLASLt's top heuristic choices on their first call and keep
+/// the fastest (default; `BURN_ZERO_CUBLASLT_TUNE=0` takes the first choice untimed).
+fn tuning() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_TUNE").map_or(true, |v| v != "0"))
+}
+
+/// The candidate whose best of three runs on `stream` (after everything queued there) is
+/// fastest. Waits for the stream: paid once per GEMM shape. The output is overwritten by every
+/// run, which is harmless (beta = 0, the real run follows).
+fn fastest(
+    stream: &Arc<CudaStream>,
+    candidates: &[sys::cublasLtMatmulAlgo_t],
+    issue: &dyn Fn(&sys::cublasLtMatmulAlgo_t) -> Result<(), String>,
+) -> Result<sys::cublasLtMatmulAlgo_t, String> {
+    let event = || {
+        stream
+            .record_event(Some(driver::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| format!("{e:?}"))
+    };
+    let mut runs = Vec::new();
+    for (i, algo) in candidates.iter().enumerate() {
+        for _ in 0..3 {
+            let start = event()?;
+            // A candidate that fails to launch is skipped.
+            if issue(algo).is_ok() {
+                runs.push((i, start, event()?));
+            }
+        }
+    }
+    stream.synchronize().map_err(|e| format!("{e:?}"))?;
+    let mut best = vec![f32::INFINITY; candidates.len()];
+    for (i, start, end) in runs {
+        if let Ok(ms) = start.elapsed_ms(&end) {
+            best[i] = best[i].min(ms);
+        }
+    }
+    let (i, ms) = best
+        .iter()
+        .enumerate()
+        .min_by(|x, y| x.1.total_cmp(y.1))
+        .expect("at least one candidate");
+    if !ms.is_finite() {
+        return Err("no cuBLASLt candidate ran".into());
+    }
+    Ok(candidates[i])
 }
 
 /// Runs `gemm` on GPU `ordinal`: after `handshake.ready` and before `handshake.done`, or, with
@@ -354,7 +434,9 @@ pub(crate) unsafe fn run(
     handshake: Option<Handshake>,
 ) -> Result<(), String> {
     let device = device(ordinal)?;
-    let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
+    let mut guard = device.lock().unwrap_or_else(|e| e.into_inner());
+    // Disjoint borrows of the fields below (the workspace stays borrowed during the call).
+    let lt_dev = &mut *guard;
     let _ = lt_dev.stream.context().bind_to_thread();
     let g = gemm;
     let key = Gemm {
@@ -371,11 +453,41 @@ pub(crate) unsafe fn run(
             v.insert(Plan::new(handle, workspace_bytes, &key)?)
         }
     };
-    let (desc, a, b, d, algo) = (plan.desc.0, plan.a.0, plan.b.0, plan.d.0, plan.algo);
+    let (desc, a, b, d, chosen) = (plan.desc.0, plan.a.0, plan.b.0, plan.d.0, plan.chosen);
+    let candidates = if chosen.is_none() {
+        plan.candidates.clone()
+    } else {
+        Vec::new()
+    };
     let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = lt_dev.stream.clone();
     let (workspace, _sync) = lt_dev.workspace.device_ptr(&stream);
     let cu_stream = stream.cu_stream();
+    let issue = |algo: &sys::cublasLtMatmulAlgo_t| {
+        // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
+        // C (ignored: beta = 0) and D.
+        unsafe {
+            lt::matmul(
+                handle,
+                desc,
+                (&alpha) as *const f32 as *const _,
+                (&beta) as *const f32 as *const _,
+                g.a.ptr as *const _,
+                a,
+                g.b.ptr as *const _,
+                b,
+                g.d as *const _,
+                d,
+                g.d as *mut _,
+                d,
+                algo,
+                workspace as *mut _,
+                workspace_bytes,
+                cu_stream as *mut _,
+            )
+        }
+        .map_err(err("cublasLtMatmul"))
+    };
     let flags = match (handshake, lt_dev.flag_kernels) {
         (Some(h), Some(k)) => Some((h, k)),
         (None, _) => None,
@@ -390,30 +502,18 @@ pub(crate) unsafe fn run(
             .record_event(Some(driver::CUevent_flags::CU_EVENT_DEFAULT))
             .ok()
     };
+    let algo = match chosen {
+        Some(algo) => algo,
+        None => {
+            let best = fastest(&stream, &candidates, &issue)?;
+            if let Some(plan) = lt_dev.plans.get_mut(&key) {
+                plan.chosen = Some(best);
+            }
+            best
+        }
+    };
     let start = if profiling() { timed() } else { None };
-    // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
-    // C (ignored: beta = 0) and D.
-    unsafe {
-        lt::matmul(
-            handle,
-            desc,
-            (&alpha) as *const f32 as *const _,
-            (&beta) as *const f32 as *const _,
-            g.a.ptr as *const _,
-            a,
-            g.b.ptr as *const _,
-            b,
-            g.d as *const _,
-            d,
-            g.d as *mut _,
-            d,
-            &algo,
-            workspace as *mut _,
-            workspace_bytes,
-            cu_stream as *mut _,
-        )
-        .map_err(err("cublasLtMatmul"))?;
-    }
+    issue(&algo)?;
     let timing = start.zip(timed());
     drop(_sync);
     if let Some(pair) = timing {
