@@ -1,0 +1,16 @@
+//! What the fine-tuning recipe trains: a Llama-architecture decoder in burn 0.21 ([`model`]),
+//! its weights from GGUF ([`gguf`], dequantized) or a Hugging Face directory ([`hf`]), its
+//! tokenizer ([`tokenizer`]), and text as packed, distributed training data ([`data`]).
+//!
+//! The readers, the data pipeline and the sampler are free of burn types; only [`model`] and
+//! [`weights`] touch burn.
+#![warn(missing_docs)]
+
+pub mod data;
+pub mod gguf;
+pub mod hf;
+pub mod model;
+pub mod tokenizer;
+pub mod weights;
+
+pub use model::{Llama, LlamaConfig};

@@ -1,0 +1,323 @@
+//! A Llama-architecture decoder in burn 0.21: RMSNorm, interleaved-pair RoPE, grouped-query
+//! attention, SwiGLU, optionally tied embeddings. Weights load from any [`WeightSource`]
+//! (GGUF or Hugging Face safetensors) under Hugging Face names.
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+
+use crate::weights::{LoadError, WeightSource, matrix, vector};
+
+/// The shape of a Llama model (Hugging Face `config.json` keys in the doc comments).
+#[derive(Config, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// `vocab_size`
+    pub vocab_size: usize,
+    /// `hidden_size`
+    pub hidden_size: usize,
+    /// `intermediate_size`
+    pub intermediate_size: usize,
+    /// `num_hidden_layers`
+    pub num_layers: usize,
+    /// `num_attention_heads`
+    pub num_heads: usize,
+    /// `num_key_value_heads`
+    pub num_kv_heads: usize,
+    /// `rope_theta`
+    #[config(default = 10000.0)]
+    pub rope_theta: f64,
+    /// `rms_norm_eps`
+    #[config(default = 1e-5)]
+    pub rms_norm_eps: f64,
+    /// `max_position_embeddings`
+    #[config(default = 2048)]
+    pub max_seq_len: usize,
+    /// `tie_word_embeddings`: the output projection is the embedding's transpose.
+    #[config(default = true)]
+    pub tie_embeddings: bool,
+}
+
+impl LlamaConfig {
+    /// Head size (`hidden_size / num_heads`).
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+
+    /// Checks that the sizes fit together; the error names the offending fields.
+    pub fn validate(&self) -> Result<(), String> {
+        let h = self.num_heads.max(1);
+        if self.num_heads == 0 || self.hidden_size % h != 0 {
+            return Err(format!(
+                "hidden_size {} is not a multiple of num_attention_heads {}",
+                self.hidden_size, self.num_heads
+            ));
+        }
+        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(format!(
+                "head size {} is odd: RoPE rotates pairs",
+                self.head_dim()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameter count.
+    pub fn num_params(&self) -> usize {
+        let (h, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
+        let attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads);
+        let block = attn + 3 * h * f + 2 * h;
+        let head = if self.tie_embeddings {
+            0
+        } else {
+            h * self.vocab_size
+        };
+        self.vocab_size * h + self.num_layers * block + h + head
+    }
+
+    /// A randomly initialized model.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Llama<B> {
+        self.validate().unwrap_or_else(|e| panic!("{e}"));
+        let (h, hd) = (self.hidden_size, self.head_dim());
+        let linear = |i: usize, o: usize| LinearConfig::new(i, o).with_bias(false).init(device);
+        let norm = || {
+            RmsNormConfig::new(h)
+                .with_epsilon(self.rms_norm_eps)
+                .init(device)
+        };
+        let blocks = (0..self.num_layers)
+            .map(|_| Block {
+                attn_norm: norm(),
+                q: linear(h, self.num_heads * hd),
+                k: linear(h, self.num_kv_heads * hd),
+                v: linear(h, self.num_kv_heads * hd),
+                o: linear(self.num_heads * hd, h),
+                mlp_norm: norm(),
+                gate: linear(h, self.intermediate_size),
+                up: linear(h, self.intermediate_size),
+                down: linear(self.intermediate_size, h),
+            })
+            .collect();
+        Llama {
+            embed: EmbeddingConfig::new(self.vocab_size, h).init(device),
+            blocks,
+            norm: norm(),
+            lm_head: (!self.tie_embeddings).then(|| linear(h, self.vocab_size)),
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            rope_theta: self.rope_theta,
+        }
+    }
+
+    /// The model with weights from `source` (Hugging Face names; see [`WeightSource`]).
+    pub fn load<B: Backend>(
+        &self,
+        source: &dyn WeightSource,
+        device: &B::Device,
+    ) -> Result<Llama<B>, LoadError> {
+        let mut model = self.init::<B>(device);
+        let (heads, kv) = (self.num_heads, self.num_kv_heads);
+        let (h, hd, f, v) = (
+            self.hidden_size,
+            self.head_dim(),
+            self.intermediate_size,
+            self.vocab_size,
+        );
+        model.embed.weight = matrix(source, "model.embed_tokens.weight", [v, h], None, device)?;
+        for (i, block) in model.blocks.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            // Stored `[out, in]` (torch's Linear); burn's Linear holds `[in, out]`.
+            let lin = |name: &str, out: usize, inp: usize, rope_heads: Option<usize>| {
+                let name = format!("{p}.{name}.weight");
+                matrix::<B>(source, &name, [out, inp], rope_heads, device)
+                    .map(|w| Param::from_tensor(w.val().transpose()))
+            };
+            block.q.weight = lin("self_attn.q_proj", heads * hd, h, Some(heads))?;
+            block.k.weight = lin("self_attn.k_proj", kv * hd, h, Some(kv))?;
+            block.v.weight = lin("self_attn.v_proj", kv * hd, h, None)?;
+            block.o.weight = lin("self_attn.o_proj", h, heads * hd, None)?;
+            block.gate.weight = lin("mlp.gate_proj", f, h, None)?;
+            block.up.weight = lin("mlp.up_proj", f, h, None)?;
+            block.down.weight = lin("mlp.down_proj", h, f, None)?;
+            block.attn_norm.gamma =
+                vector(source, &format!("{p}.input_layernorm.weight"), h, device)?;
+            block.mlp_norm.gamma = vector(
+                source,
+                &format!("{p}.post_attention_layernorm.weight"),
+                h,
+                device,
+            )?;
+        }
+        model.norm.gamma = vector(source, "model.norm.weight", h, device)?;
+        if let Some(head) = model.lm_head.as_mut() {
+            let w = matrix::<B>(source, "lm_head.weight", [v, h], None, device)?;
+            head.weight = Param::from_tensor(w.val().transpose());
+        }
+        Ok(model)
+    }
+}
+
+/// One decoder layer.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    attn_norm: RmsNorm<B>,
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+    mlp_norm: RmsNorm<B>,
+    gate: Linear<B>,
+    up: Linear<B>,
+    down: Linear<B>,
+}
+
+/// The decoder: token ids `[batch, seq]` to logits `[batch, seq, vocab]`.
+#[derive(Module, Debug)]
+pub struct Llama<B: Backend> {
+    embed: Embedding<B>,
+    blocks: Vec<Block<B>>,
+    norm: RmsNorm<B>,
+    lm_head: Option<Linear<B>>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    rope_theta: f64,
+}
+
+impl<B: Backend> Llama<B> {
+    /// Logits for every position of `tokens` (`[batch, seq]`), causal attention.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [_, seq] = tokens.dims();
+        let device = tokens.device();
+        let mut x = self.embed.forward(tokens);
+        let head_dim = x.dims()[2] / self.num_heads;
+        let rope = Rope::new(seq, head_dim, self.rope_theta, &device);
+        let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
+        for block in &self.blocks {
+            x = block.forward(x, &rope, &mask, self.num_heads, self.num_kv_heads);
+        }
+        let x = self.norm.forward(x);
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => {
+                let w = self.embed.weight.val().transpose().unsqueeze::<3>();
+                x.matmul(w)
+            }
+        }
+    }
+
+    /// Mean next-token cross-entropy of `tokens` (`[batch, seq + 1]`: inputs and shifted
+    /// targets), in nats.
+    pub fn loss(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [batch, len] = tokens.dims();
+        let inputs = tokens.clone().slice([0..batch, 0..len - 1]);
+        let targets = tokens.slice([0..batch, 1..len]);
+        cross_entropy(self.forward(inputs), targets)
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+/// Mean cross-entropy of `logits` `[batch, seq, vocab]` against `targets` `[batch, seq]`,
+/// computed with a max shift (stable in bf16 logits too).
+pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [batch, seq, vocab] = logits.dims();
+    let logits = logits.reshape([batch * seq, vocab]);
+    let max = logits.clone().max_dim(1).detach();
+    let shifted = logits - max;
+    let log_z = shifted.clone().exp().sum_dim(1).log();
+    let picked = shifted.gather(1, targets.reshape([batch * seq, 1]));
+    (log_z - picked).mean()
+}
+
+impl<B: Backend> Block<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        mask: &Tensor<B, 2, Bool>,
+        heads: usize,
+        kv_heads: usize,
+    ) -> Tensor<B, 3> {
+        let [batch, seq, hidden] = x.dims();
+        let hd = hidden / heads;
+        let h = self.attn_norm.forward(x.clone());
+        let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
+        let q = rope.apply(split(self.q.forward(h.clone()), heads));
+        let k = rope.apply(split(self.k.forward(h.clone()), kv_heads));
+        let v = split(self.v.forward(h), kv_heads);
+        // Grouped-query attention: each K/V head serves `heads / kv_heads` query heads.
+        let repeat = |t: Tensor<B, 4>| {
+            let group = heads / kv_heads;
+            t.unsqueeze_dim::<5>(2)
+                .expand([batch, kv_heads, group, seq, hd])
+                .reshape([batch, heads, seq, hd])
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
+        let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
+        let attn = softmax(scores, 3).matmul(v);
+        let attn = attn.swap_dims(1, 2).reshape([batch, seq, hidden]);
+        let x = x + self.o.forward(attn);
+        let h = self.mlp_norm.forward(x.clone());
+        let mlp = self
+            .down
+            .forward(silu(self.gate.forward(h.clone())) * self.up.forward(h));
+        x + mlp
+    }
+}
+
+/// Rotary position embedding on interleaved pairs `(x[2i], x[2i+1])` — the layout of the q/k
+/// weights in GGUF files (llama.cpp permutes them); Hugging Face weights are permuted to it on
+/// load.
+struct Rope<B: Backend> {
+    /// `[1, 1, seq, hd/2, 1]` each.
+    cos: Tensor<B, 5>,
+    sin: Tensor<B, 5>,
+}
+
+impl<B: Backend> Rope<B> {
+    fn new(seq: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(seq * half);
+        let mut sin = Vec::with_capacity(seq * half);
+        for pos in 0..seq {
+            for i in 0..half {
+                let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                let angle = pos as f64 * freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let t = |v: Vec<f32>| {
+            Tensor::<B, 1>::from_data(TensorData::new(v, [seq * half]), device)
+                .reshape([1, 1, seq, half, 1])
+        };
+        Self {
+            cos: t(cos),
+            sin: t(sin),
+        }
+    }
+
+    /// `x`: `[batch, heads, seq, head_dim]`.
+    fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, h, s, d] = x.dims();
+        let x = x.reshape([b, h, s, d / 2, 2]);
+        let x0 = x.clone().slice_dim(4, 0..1);
+        let x1 = x.slice_dim(4, 1..2);
+        let (cos, sin) = (self.cos.clone(), self.sin.clone());
+        let r0 = x0.clone() * cos.clone() - x1.clone() * sin.clone();
+        let r1 = x0 * sin + x1 * cos;
+        Tensor::cat(vec![r0, r1], 4).reshape([b, h, s, d])
+    }
+}
