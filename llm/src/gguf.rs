@@ -489,7 +489,7 @@ pub(crate) mod tests {
 
         /// A tensor with GGUF dims `dims` and already-encoded bytes.
         pub(crate) fn tensor(&mut self, name: &str, dims: &[usize], ty: GgmlType, raw: &[u8]) {
-            while self.data.len() % 32 != 0 {
+            while !self.data.len().is_multiple_of(32) {
                 self.data.push(0);
             }
             string(&mut self.infos, name);
@@ -509,7 +509,7 @@ pub(crate) mod tests {
             out.extend(self.n_kv.to_le_bytes());
             out.extend(&self.kv);
             out.extend(&self.infos);
-            while out.len() % 32 != 0 {
+            while !out.len().is_multiple_of(32) {
                 out.push(0);
             }
             out.extend(&self.data);

@@ -3,13 +3,13 @@
 //! (GGUF or Hugging Face safetensors) under Hugging Face names.
 
 use burn::config::Config;
-use burn::module::{Module, Param};
+use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
-use crate::weights::{LoadError, WeightSource, matrix, vector};
+use crate::weights::{LoadError, WeightSource, linear_weight, matrix, vector};
 
 /// The shape of a Llama model (Hugging Face `config.json` keys in the doc comments).
 #[derive(Config, Debug, PartialEq)]
@@ -49,19 +49,19 @@ impl LlamaConfig {
     /// Checks that the sizes fit together; the error names the offending fields.
     pub fn validate(&self) -> Result<(), String> {
         let h = self.num_heads.max(1);
-        if self.num_heads == 0 || self.hidden_size % h != 0 {
+        if self.num_heads == 0 || !self.hidden_size.is_multiple_of(h) {
             return Err(format!(
                 "hidden_size {} is not a multiple of num_attention_heads {}",
                 self.hidden_size, self.num_heads
             ));
         }
-        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(format!(
                 "head size {} is odd: RoPE rotates pairs",
                 self.head_dim()
@@ -137,8 +137,7 @@ impl LlamaConfig {
             // Stored `[out, in]` (torch's Linear); burn's Linear holds `[in, out]`.
             let lin = |name: &str, out: usize, inp: usize, rope_heads: Option<usize>| {
                 let name = format!("{p}.{name}.weight");
-                matrix::<B>(source, &name, [out, inp], rope_heads, device)
-                    .map(|w| Param::from_tensor(w.val().transpose()))
+                linear_weight::<B>(source, &name, [out, inp], rope_heads, device)
             };
             block.q.weight = lin("self_attn.q_proj", heads * hd, h, Some(heads))?;
             block.k.weight = lin("self_attn.k_proj", kv * hd, h, Some(kv))?;
@@ -158,8 +157,7 @@ impl LlamaConfig {
         }
         model.norm.gamma = vector(source, "model.norm.weight", h, device)?;
         if let Some(head) = model.lm_head.as_mut() {
-            let w = matrix::<B>(source, "lm_head.weight", [v, h], None, device)?;
-            head.weight = Param::from_tensor(w.val().transpose());
+            head.weight = linear_weight::<B>(source, "lm_head.weight", [v, h], None, device)?;
         }
         Ok(model)
     }
@@ -319,5 +317,184 @@ impl<B: Backend> Rope<B> {
         let r0 = x0.clone() * cos.clone() - x1.clone() * sin.clone();
         let r1 = x0 * sin + x1 * cos;
         Tensor::cat(vec![r0, r1], 4).reshape([b, h, s, d])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use burn::backend::NdArray;
+    use burn::tensor::Tolerance;
+
+    use super::*;
+    use crate::gguf::tests::{Writer, f32_bytes};
+    use crate::gguf::{GgmlType, Gguf};
+    use crate::hf::HfDir;
+
+    type B = NdArray;
+
+    fn config() -> LlamaConfig {
+        // Odd sizes; 6 query heads share 2 K/V heads.
+        LlamaConfig::new(37, 24, 40, 2, 6, 2)
+            .with_rope_theta(500.0)
+            .with_max_seq_len(64)
+    }
+
+    /// Deterministic values in [-0.5, 0.5).
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 1000) as f32 / 1000.0) - 0.5)
+            .collect()
+    }
+
+    /// Hugging Face tensors (name, row-major shape, values) of [`config`].
+    fn hf_tensors() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let c = config();
+        let (h, hd, f) = (c.hidden_size, c.head_dim(), c.intermediate_size);
+        let mut out = vec![("model.embed_tokens.weight".into(), vec![c.vocab_size, h])];
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            for (name, shape) in [
+                ("self_attn.q_proj.weight", vec![c.num_heads * hd, h]),
+                ("self_attn.k_proj.weight", vec![c.num_kv_heads * hd, h]),
+                ("self_attn.v_proj.weight", vec![c.num_kv_heads * hd, h]),
+                ("self_attn.o_proj.weight", vec![h, c.num_heads * hd]),
+                ("mlp.gate_proj.weight", vec![f, h]),
+                ("mlp.up_proj.weight", vec![f, h]),
+                ("mlp.down_proj.weight", vec![h, f]),
+                ("input_layernorm.weight", vec![h]),
+                ("post_attention_layernorm.weight", vec![h]),
+            ] {
+                out.push((format!("{p}.{name}"), shape));
+            }
+        }
+        out.push(("model.norm.weight".into(), vec![h]));
+        out.into_iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let v = values(shape.iter().product(), i);
+                (name, shape, v)
+            })
+            .collect()
+    }
+
+    /// llama.cpp's permutation of q/k rows, written from its formula:
+    /// `w.reshape(n_head, 2, hd/2, in).swapaxes(1, 2)`.
+    fn llama_cpp_permute(w: &[f32], heads: usize, rows: usize, cols: usize) -> Vec<f32> {
+        let hd = rows / heads;
+        let mut out = vec![0.0; w.len()];
+        for head in 0..heads {
+            for two in 0..2 {
+                for i in 0..hd / 2 {
+                    let src = head * hd + two * (hd / 2) + i;
+                    let dst = head * hd + i * 2 + two;
+                    out[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&w[src * cols..(src + 1) * cols]);
+                }
+            }
+        }
+        out
+    }
+
+    fn tokens(ids: &[i64]) -> Tensor<B, 2, Int> {
+        Tensor::from_data(
+            TensorData::new(ids.to_vec(), [1, ids.len()]),
+            &Default::default(),
+        )
+    }
+
+    /// The same weights written as a Hugging Face directory and as a GGUF file (q/k rows
+    /// permuted the way llama.cpp's converter does) load to the same logits.
+    #[test]
+    fn gguf_and_hugging_face_layouts_give_the_same_logits() {
+        let c = config();
+        let dir = std::env::temp_dir().join(format!("bz-llm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tensors = hf_tensors();
+        let views: HashMap<String, safetensors::tensor::TensorView> = tensors
+            .iter()
+            .map(|(n, s, v)| {
+                let bytes: &[u8] = bytemuck_cast(v);
+                let view =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), bytes)
+                        .unwrap();
+                (n.clone(), view)
+            })
+            .collect();
+        safetensors::serialize_to_file(views, &None, &dir.join("model.safetensors")).unwrap();
+        let json = serde_json::json!({"vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+            "rope_theta": c.rope_theta, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+            "tie_word_embeddings": true});
+        std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+
+        let mut w = Writer::new();
+        w.kv_str("general.architecture", "llama")
+            .kv_u32("llama.embedding_length", c.hidden_size as u32)
+            .kv_u32("llama.feed_forward_length", c.intermediate_size as u32)
+            .kv_u32("llama.block_count", c.num_layers as u32)
+            .kv_u32("llama.attention.head_count", c.num_heads as u32)
+            .kv_u32("llama.attention.head_count_kv", c.num_kv_heads as u32)
+            .kv_u32("llama.context_length", 64)
+            .kv_f32("llama.rope.freq_base", c.rope_theta as f32)
+            .kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
+        for (name, shape, v) in &tensors {
+            let gguf = crate::weights::tests::gguf_name_for(name);
+            let heads = match name {
+                n if n.ends_with("q_proj.weight") => Some(c.num_heads),
+                n if n.ends_with("k_proj.weight") => Some(c.num_kv_heads),
+                _ => None,
+            };
+            let v = match heads {
+                Some(heads) => llama_cpp_permute(v, heads, shape[0], shape[1]),
+                None => v.clone(),
+            };
+            let dims: Vec<usize> = shape.iter().rev().copied().collect();
+            w.tensor(&gguf, &dims, GgmlType::F32, &f32_bytes(&v));
+        }
+        let gguf = Gguf::parse("tiny.gguf".into(), w.bytes()).unwrap();
+        let from_gguf = LlamaConfig::from_gguf(&gguf).unwrap();
+        let from_hf = LlamaConfig::from_hf_json(&dir.join("config.json")).unwrap();
+        assert_eq!(from_gguf, from_hf);
+        assert_eq!(from_gguf.vocab_size, c.vocab_size);
+
+        let device = Default::default();
+        let a: Llama<B> = from_gguf.load(&gguf, &device).unwrap();
+        let b: Llama<B> = from_hf.load(&HfDir::open(&dir).unwrap(), &device).unwrap();
+        let ids = [3i64, 17, 0, 36, 5, 5, 21, 9, 30, 1, 2];
+        let (la, lb) = (a.forward(tokens(&ids)), b.forward(tokens(&ids)));
+        assert_eq!(la.dims(), [1, ids.len(), c.vocab_size]);
+        la.into_data()
+            .assert_approx_eq::<f32>(&lb.into_data(), Tolerance::absolute(1e-5));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Position t's logits do not depend on later tokens; RoPE makes them depend on order.
+    #[test]
+    fn attention_is_causal_and_position_aware() {
+        let model: Llama<B> = config().init(&Default::default());
+        let full = model.forward(tokens(&[4, 8, 15, 16, 23, 42 % 37]));
+        let prefix = model.forward(tokens(&[4, 8, 15]));
+        let v = config().vocab_size;
+        full.clone()
+            .slice([0..1, 0..3, 0..v])
+            .into_data()
+            .assert_approx_eq::<f32>(&prefix.into_data(), Tolerance::absolute(1e-5));
+        let swapped = model.forward(tokens(&[8, 4, 15]));
+        let diff = (full.slice([0..1, 2..3, 0..v]) - swapped.slice([0..1, 2..3, 0..v]))
+            .abs()
+            .max()
+            .into_scalar();
+        assert!(
+            diff > 1e-4,
+            "swapping earlier tokens left the logits unchanged"
+        );
+    }
+
+    fn bytemuck_cast(v: &[f32]) -> &[u8] {
+        // SAFETY: f32 has no padding and u8 has alignment 1.
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4) }
     }
 }

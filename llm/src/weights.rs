@@ -66,12 +66,42 @@ pub fn matrix<B: Backend>(
     rope_heads: Option<usize>,
     device: &B::Device,
 ) -> Result<Param<Tensor<B, 2>>, LoadError> {
-    let (shape, mut values) = checked(source, name, &expected)?;
-    if let (Some(heads), true) = (rope_heads, source.half_split_rope()) {
-        values = interleave_rope_rows(&values, heads, shape[0] / heads, shape[1]);
-    }
-    let tensor = Tensor::from_data(TensorData::new(values, expected), device);
+    let (shape, values) = stored(source, name, expected, rope_heads)?;
+    let tensor = Tensor::from_data(TensorData::new(values, shape), device);
     Ok(Param::from_tensor(tensor))
+}
+
+/// [`matrix`] transposed (on the host: the parameter stays contiguous): a torch Linear's
+/// `[out, in]` weight as burn's `[in, out]`.
+pub fn linear_weight<B: Backend>(
+    source: &dyn WeightSource,
+    name: &str,
+    expected: [usize; 2],
+    rope_heads: Option<usize>,
+    device: &B::Device,
+) -> Result<Param<Tensor<B, 2>>, LoadError> {
+    let ([rows, cols], values) = stored(source, name, expected, rope_heads)?;
+    let mut t = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = values[r * cols + c];
+        }
+    }
+    let tensor = Tensor::from_data(TensorData::new(t, [cols, rows]), device);
+    Ok(Param::from_tensor(tensor))
+}
+
+fn stored(
+    source: &dyn WeightSource,
+    name: &str,
+    expected: [usize; 2],
+    rope_heads: Option<usize>,
+) -> Result<([usize; 2], Vec<f32>), LoadError> {
+    let (_, mut values) = checked(source, name, &expected)?;
+    if let (Some(heads), true) = (rope_heads, source.half_split_rope()) {
+        values = interleave_rope_rows(&values, heads, expected[0] / heads, expected[1]);
+    }
+    Ok((expected, values))
 }
 
 /// Vector `name` of length `len`.
@@ -188,11 +218,10 @@ impl LlamaConfig {
                 .map(|v| v as usize)
                 .ok_or_else(|| fail(format!("`{key}` is {v:?}, not an integer")))
         };
+        // GGUF stores f32: take its shortest decimal (1e-5, not 9.99999974e-6).
         let float = |key: &str, default: f64| {
-            gguf.metadata
-                .get(key)
-                .and_then(|v| v.as_f64())
-                .unwrap_or(default)
+            let v = gguf.metadata.get(key).and_then(|v| v.as_f64());
+            v.map_or(default, |v| format!("{}", v as f32).parse().unwrap_or(v))
         };
         let vocab = match gguf.metadata.get("llama.vocab_size") {
             Some(v) => v.as_u64().unwrap_or(0) as usize,
@@ -263,8 +292,13 @@ impl LlamaConfig {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// The GGUF name of a Hugging Face tensor name (for tests writing GGUF files).
+    pub(crate) fn gguf_name_for(hf: &str) -> String {
+        gguf_name(hf).unwrap_or_else(|| panic!("no GGUF name for {hf}"))
+    }
 
     #[test]
     fn gguf_names_follow_llama_cpp() {

@@ -351,7 +351,8 @@ fn run() -> Result<(), String> {
         metrics_path.display(),
         summary_path.display()
     );
-    if !(after < before) {
+    // NaN counts as no improvement.
+    if after.partial_cmp(&before) != Some(std::cmp::Ordering::Less) {
         return Err(format!(
             "held-out NLL did not improve: {before:.3} -> {after:.3}"
         ));
