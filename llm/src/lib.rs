@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod data;
+pub mod export;
 pub mod gguf;
 pub mod hf;
 pub mod model;

@@ -166,24 +166,24 @@ impl LlamaConfig {
 /// One decoder layer.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
-    attn_norm: RmsNorm<B>,
-    q: Linear<B>,
-    k: Linear<B>,
-    v: Linear<B>,
-    o: Linear<B>,
-    mlp_norm: RmsNorm<B>,
-    gate: Linear<B>,
-    up: Linear<B>,
-    down: Linear<B>,
+    pub(crate) attn_norm: RmsNorm<B>,
+    pub(crate) q: Linear<B>,
+    pub(crate) k: Linear<B>,
+    pub(crate) v: Linear<B>,
+    pub(crate) o: Linear<B>,
+    pub(crate) mlp_norm: RmsNorm<B>,
+    pub(crate) gate: Linear<B>,
+    pub(crate) up: Linear<B>,
+    pub(crate) down: Linear<B>,
 }
 
 /// The decoder: token ids `[batch, seq]` to logits `[batch, seq, vocab]`.
 #[derive(Module, Debug)]
 pub struct Llama<B: Backend> {
-    embed: Embedding<B>,
-    blocks: Vec<Block<B>>,
-    norm: RmsNorm<B>,
-    lm_head: Option<Linear<B>>,
+    pub(crate) embed: Embedding<B>,
+    pub(crate) blocks: Vec<Block<B>>,
+    pub(crate) norm: RmsNorm<B>,
+    pub(crate) lm_head: Option<Linear<B>>,
     num_heads: usize,
     num_kv_heads: usize,
     rope_theta: f64,

@@ -1,0 +1,190 @@
+//! Saving a model as a Hugging Face directory (`config.json` + `model.safetensors`, f32,
+//! `rotate_half` q/k layout): the recipe's checkpoint, loadable by [`crate::hf::HfDir`] and by
+//! `transformers` (the independent reference for logits).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::module::Param;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::model::{Llama, LlamaConfig};
+use crate::weights::LoadError;
+
+/// One tensor under its Hugging Face name: row-major shape and values.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
+fn values<B: Backend, const D: usize>(p: &Param<Tensor<B, D>>) -> (Vec<usize>, Vec<f32>) {
+    let t = p.val();
+    let shape = t.dims().to_vec();
+    let data = t.into_data().convert::<f32>();
+    (shape, data.to_vec::<f32>().expect("f32 after convert"))
+}
+
+/// Rows of a q/k projection from interleaved RoPE pairs back to `rotate_half` order (the
+/// inverse of [`crate::weights::interleave_rope_rows`]).
+pub fn deinterleave_rope_rows(
+    values: &[f32],
+    heads: usize,
+    head_dim: usize,
+    cols: usize,
+) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0.0; values.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for part in 0..2 {
+                let src = h * head_dim + 2 * i + part;
+                let dst = h * head_dim + part * half + i;
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+impl<B: Backend> Llama<B> {
+    /// Every parameter under its Hugging Face name, in Hugging Face layout (`[out, in]`
+    /// Linear weights, `rotate_half` q/k rows).
+    pub fn hf_tensors(&self, config: &LlamaConfig) -> Vec<NamedTensor> {
+        let hd = config.head_dim();
+        let mut out = Vec::new();
+        let (shape, v) = values(&self.embed.weight);
+        out.push(("model.embed_tokens.weight".to_string(), shape, v));
+        // burn holds `[in, out]`; Hugging Face `[out, in]`.
+        let linear = |p: &Param<Tensor<B, 2>>, rope_heads: Option<usize>| {
+            let (shape, v) = values(p);
+            let (inp, outp) = (shape[0], shape[1]);
+            let mut t = vec![0.0; v.len()];
+            for r in 0..inp {
+                for c in 0..outp {
+                    t[c * inp + r] = v[r * outp + c];
+                }
+            }
+            if let Some(heads) = rope_heads {
+                t = deinterleave_rope_rows(&t, heads, hd, inp);
+            }
+            (vec![outp, inp], t)
+        };
+        for (i, b) in self.blocks.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let entries = [
+                (
+                    "self_attn.q_proj",
+                    linear(&b.q.weight, Some(config.num_heads)),
+                ),
+                (
+                    "self_attn.k_proj",
+                    linear(&b.k.weight, Some(config.num_kv_heads)),
+                ),
+                ("self_attn.v_proj", linear(&b.v.weight, None)),
+                ("self_attn.o_proj", linear(&b.o.weight, None)),
+                ("mlp.gate_proj", linear(&b.gate.weight, None)),
+                ("mlp.up_proj", linear(&b.up.weight, None)),
+                ("mlp.down_proj", linear(&b.down.weight, None)),
+                ("input_layernorm", values(&b.attn_norm.gamma)),
+                ("post_attention_layernorm", values(&b.mlp_norm.gamma)),
+            ];
+            for (name, (shape, v)) in entries {
+                out.push((format!("{p}.{name}.weight"), shape, v));
+            }
+        }
+        let (shape, v) = values(&self.norm.gamma);
+        out.push(("model.norm.weight".to_string(), shape, v));
+        if let Some(head) = &self.lm_head {
+            let (shape, v) = linear(&head.weight, None);
+            out.push(("lm_head.weight".to_string(), shape, v));
+        }
+        out
+    }
+
+    /// Writes `dir/config.json` and `dir/model.safetensors` (f32). The safetensors file is
+    /// written to a temporary name and renamed, so a crash never leaves a torn checkpoint.
+    pub fn save_hf(&self, config: &LlamaConfig, dir: &Path) -> Result<(), LoadError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| LoadError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let json = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": self.blocks.len(),
+            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+            "head_dim": config.head_dim(),
+            "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
+            "max_position_embeddings": config.max_seq_len,
+            "tie_word_embeddings": config.tie_embeddings,
+            "attention_bias": false, "mlp_bias": false, "torch_dtype": "float32",
+        });
+        let config_path = dir.join("config.json");
+        std::fs::write(&config_path, format!("{json:#}")).map_err(io(&config_path))?;
+        let tensors = self.hf_tensors(config);
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+            .collect();
+        let fail = |what: String| LoadError::Format {
+            path: dir.join("model.safetensors"),
+            what,
+        };
+        let views = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| fail(e.to_string()))
+            })
+            .collect::<Result<HashMap<_, _>, _>>()?;
+        let tmp = dir.join("model.safetensors.partial");
+        safetensors::serialize_to_file(views, &None, &tmp).map_err(|e| fail(e.to_string()))?;
+        let dst = dir.join("model.safetensors");
+        std::fs::rename(&tmp, &dst).map_err(io(&dst))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::NdArray;
+    use burn::tensor::{Int, TensorData, Tolerance};
+
+    use super::*;
+    use crate::hf::HfDir;
+    use crate::weights::interleave_rope_rows;
+
+    #[test]
+    fn rope_row_permutations_are_inverse() {
+        let v: Vec<f32> = (0..2 * 8 * 3).map(|i| i as f32).collect();
+        let there = interleave_rope_rows(&v, 2, 8, 3);
+        assert_ne!(there, v);
+        assert_eq!(deinterleave_rope_rows(&there, 2, 8, 3), v);
+    }
+
+    /// A model saved as a Hugging Face directory loads back to the same logits.
+    #[test]
+    fn saved_directory_loads_to_the_same_model() {
+        type B = NdArray;
+        let config = LlamaConfig::new(29, 16, 24, 2, 4, 2).with_tie_embeddings(false);
+        let device = Default::default();
+        let model: Llama<B> = config.init(&device);
+        let dir = std::env::temp_dir().join(format!("bz-export-{}", std::process::id()));
+        model.save_hf(&config, &dir).unwrap();
+        let back_config = LlamaConfig::from_hf_json(&dir.join("config.json")).unwrap();
+        assert_eq!(back_config, config);
+        let back: Llama<B> = back_config
+            .load(&HfDir::open(&dir).unwrap(), &device)
+            .unwrap();
+        let ids = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(vec![1i64, 7, 28, 3, 3], [1, 5]),
+            &device,
+        );
+        model
+            .forward(ids.clone())
+            .into_data()
+            .assert_approx_eq::<f32>(&back.forward(ids).into_data(), Tolerance::absolute(1e-6));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
