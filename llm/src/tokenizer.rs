@@ -135,6 +135,11 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Writes it as a Hugging Face `tokenizer.json`.
+    pub fn save(&self, path: &Path) -> Result<(), TokenizerError> {
+        self.inner.save(path, false).map_err(|e| self.fail(e))
+    }
+
     /// Vocabulary size, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -6,7 +6,8 @@
 //! tokenizer and embeddings) so a run finishes in minutes on 2 cores.
 //!
 //! Reports held-out perplexity on Persuasion before and after, a progress line (tokens/s,
-//! loss, LR, ETA), metrics as JSONL and a greedy sample.
+//! loss, LR, ETA), metrics as JSONL, greedy and top-p samples, and a checkpoint (a Hugging Face
+//! directory that `--hf` loads).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -20,7 +21,9 @@ use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::{Communicator, ReduceOp};
 use burn_zero::engine::{ZeroAutodiff, initialize};
 use burn_zero::testing::run_ranks;
-use burn_zero_llm::data::{Book, DistributedSampler, SamplerState, pack, read_austen_rdb};
+use burn_zero_llm::data::{
+    Book, DistributedSampler, SamplerState, pack, read_austen_rdb, read_text_files,
+};
 use burn_zero_llm::gguf::Gguf;
 use burn_zero_llm::hf::HfDir;
 use burn_zero_llm::tokenizer::TextTokenizer;
@@ -36,6 +39,8 @@ struct Args {
     gguf: Option<PathBuf>,
     hf: Option<PathBuf>,
     austen: PathBuf,
+    text: Vec<PathBuf>,
+    held_out: Option<String>,
     layers: Option<usize>,
     seq: usize,
     steps: usize,
@@ -55,10 +60,11 @@ fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(".cache/burn-zero-data"))
 }
 
-const USAGE: &str =
-    "finetune [--config ds_config.json] [--gguf FILE | --hf DIR] [--austen Rdata.rdb]
-  [--layers N] [--seq LEN] [--steps N] [--world RANKS] [--train-tokens N] [--eval-len LEN]
-  [--out DIR] [--seed N]";
+const USAGE: &str = "finetune [--config ds_config.json] [--gguf FILE | --hf DIR]
+  [--austen Rdata.rdb | --text FILE ... [--held-out TITLE]] [--layers N|all] [--seq LEN]
+  [--steps N] [--world RANKS] [--train-tokens N] [--eval-len LEN] [--out DIR] [--seed N]
+Held out for evaluation: Persuasion, or with --text the file named by --held-out (default: the
+last). Writes OUT/metrics.jsonl, OUT/summary.json and OUT/checkpoint (a Hugging Face directory).";
 
 fn parse_args() -> Result<Args, String> {
     let cache = cache_dir();
@@ -70,6 +76,8 @@ fn parse_args() -> Result<Args, String> {
         gguf: None,
         hf: None,
         austen: cache.join("austen/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"),
+        text: Vec::new(),
+        held_out: None,
         layers: Some(2),
         seq: 64,
         steps: 30,
@@ -96,6 +104,8 @@ fn parse_args() -> Result<Args, String> {
             "--gguf" => args.gguf = Some(value.into()),
             "--hf" => args.hf = Some(value.into()),
             "--austen" => args.austen = value.into(),
+            "--text" => args.text.push(value.into()),
+            "--held-out" => args.held_out = Some(value),
             "--layers" if value == "all" => args.layers = None,
             "--layers" => args.layers = Some(num(&value)?),
             "--seq" => args.seq = num(&value)?,
@@ -170,10 +180,19 @@ fn eval_windows(tokens: &[u32], len: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Greedy continuation of `prompt` by `model`, `n` tokens.
-fn greedy(model: &Llama<Inner>, prompt: &[u32], n: usize, stop: Option<u32>) -> Vec<u32> {
+/// Continuation of `prompt` by `model`, up to `n` tokens: greedy, or nucleus sampling from the
+/// smallest set of tokens whose probability reaches `top_p` (seeded).
+fn generate(
+    model: &Llama<Inner>,
+    prompt: &[u32],
+    n: usize,
+    stop: Option<u32>,
+    top_p: Option<f64>,
+    seed: u64,
+) -> Vec<u32> {
     let device = Default::default();
     let mut ids = prompt.to_vec();
+    let mut state = seed | 1;
     for _ in 0..n {
         let t = Tensor::<Inner, 2, Int>::from_data(
             TensorData::new(ids.iter().map(|x| *x as i64).collect(), [1, ids.len()]),
@@ -182,13 +201,80 @@ fn greedy(model: &Llama<Inner>, prompt: &[u32], n: usize, stop: Option<u32>) -> 
         let logits = model.forward(t);
         let [_, s, v] = logits.dims();
         let last = logits.slice([0..1, s - 1..s, 0..v]).reshape([v]);
-        let next = last.argmax(0).into_scalar() as u32;
+        let next = match top_p {
+            None => last.argmax(0).into_scalar() as u32,
+            Some(p) => {
+                let probs = burn::tensor::activation::softmax(last, 0).into_data();
+                let probs = probs.to_vec::<f32>().expect("f32 probabilities");
+                // xorshift64*: a uniform draw in [0, 1).
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                let u =
+                    (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64;
+                nucleus(&probs, p, u)
+            }
+        };
         ids.push(next);
         if Some(next) == stop {
             break;
         }
     }
     ids[prompt.len()..].to_vec()
+}
+
+/// The token drawn by `u` ∈ [0, 1) from the most probable tokens whose mass reaches `p`.
+fn nucleus(probs: &[f32], p: f64, u: f64) -> u32 {
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|a, b| probs[*b].total_cmp(&probs[*a]));
+    let mut kept = Vec::new();
+    let mut mass = 0.0;
+    for i in order {
+        kept.push(i);
+        mass += probs[i] as f64;
+        if mass >= p {
+            break;
+        }
+    }
+    let mut target = u * mass;
+    for i in &kept {
+        target -= probs[*i] as f64;
+        if target < 0.0 {
+            return *i as u32;
+        }
+    }
+    *kept.last().expect("at least one token") as u32
+}
+
+/// The held-out text and the training texts.
+fn books(args: &Args) -> Result<(Book, Vec<Book>), String> {
+    let (all, held_title) = if args.text.is_empty() {
+        if !args.austen.exists() {
+            return Err(format!(
+                "{} does not exist: run `bash scripts/fetch-data.sh` (or pass --text FILE ...)",
+                args.austen.display()
+            ));
+        }
+        let books = read_austen_rdb(&args.austen).map_err(|e| e.to_string())?;
+        let title = args.held_out.clone().unwrap_or_else(|| "Persuasion".into());
+        (books, title)
+    } else {
+        let books = read_text_files(&args.text).map_err(|e| e.to_string())?;
+        let last = books.last().map(|b| b.title.clone()).unwrap_or_default();
+        (books, args.held_out.clone().unwrap_or(last))
+    };
+    let titles: Vec<String> = all.iter().map(|b| b.title.clone()).collect();
+    let (held, train): (Vec<Book>, Vec<Book>) =
+        all.into_iter().partition(|b| b.title == held_title);
+    let held = held.into_iter().next().ok_or_else(|| {
+        format!("no text titled `{held_title}` to hold out; the texts are {titles:?}")
+    })?;
+    if train.is_empty() {
+        return Err(format!(
+            "nothing left to train on after holding out `{held_title}`"
+        ));
+    }
+    Ok((held, train))
 }
 
 fn run() -> Result<(), String> {
@@ -210,15 +296,7 @@ fn run() -> Result<(), String> {
         config.num_params() as f64 / 1e6,
         source.path().display()
     );
-    if !args.austen.exists() {
-        return Err(format!(
-            "{} does not exist: run `bash scripts/fetch-data.sh`",
-            args.austen.display()
-        ));
-    }
-    let books: Vec<Book> = read_austen_rdb(&args.austen).map_err(|e| e.to_string())?;
-    let (held_out, train): (Vec<Book>, Vec<Book>) =
-        books.into_iter().partition(|b| b.title == "Persuasion");
+    let (held_out, train) = books(&args)?;
     let eos = tok
         .end_of_text
         .ok_or("the tokenizer has no <|endoftext|>")?;
@@ -234,15 +312,31 @@ fn run() -> Result<(), String> {
         docs.push(ids);
     }
     let windows = pack(&docs, eos, args.seq);
-    let persuasion = tok.encode(&held_out[0].text).map_err(|e| e.to_string())?;
-    let eval = eval_windows(&persuasion, args.eval_len);
+    let held_ids = tok.encode(&held_out.text).map_err(|e| e.to_string())?;
+    if held_ids.len() <= args.eval_len + 1 {
+        return Err(format!(
+            "the held-out text `{}` has {} tokens, fewer than one --eval-len window ({})",
+            held_out.title,
+            held_ids.len(),
+            args.eval_len
+        ));
+    }
+    let eval = eval_windows(&held_ids, args.eval_len);
     println!(
-        "data: {} training windows of {} tokens from {} novels; held out: Persuasion ({} tokens)",
+        "data: {} training windows of {} tokens from {} texts; held out: {} ({} tokens)",
         windows.len(),
         args.seq,
         docs.len(),
-        persuasion.len()
+        held_out.title,
+        held_ids.len()
     );
+    if windows.len() < args.world {
+        return Err(format!(
+            "{} training windows cannot feed {} ranks: pass more text or a shorter --seq",
+            windows.len(),
+            args.world
+        ));
+    }
     let device = Default::default();
     let model: Llama<B> = config
         .load(source.as_ref(), &device)
@@ -333,10 +427,21 @@ fn run() -> Result<(), String> {
     );
     let prompt = "<|im_start|>user\nWho is Mr. Darcy?<|im_end|>\n<|im_start|>assistant\n";
     let prompt_ids = tok.encode(prompt).map_err(|e| e.to_string())?;
-    let sample = greedy(&trained, &prompt_ids, 24, tok.token_id("<|im_end|>"));
+    let stop = tok.token_id("<|im_end|>");
+    for (label, top_p) in [("greedy", None), ("top-p 0.9", Some(0.9))] {
+        let sample = generate(&trained, &prompt_ids, 24, stop, top_p, args.seed);
+        let text = tok.decode(&sample).map_err(|e| e.to_string())?;
+        println!("{label} sample: {text:?}");
+    }
+    let checkpoint = args.out.join("checkpoint");
+    trained
+        .save_hf(&config, &checkpoint)
+        .map_err(|e| e.to_string())?;
+    tok.save(&checkpoint.join("tokenizer.json"))
+        .map_err(|e| e.to_string())?;
     println!(
-        "greedy sample: {:?}",
-        tok.decode(&sample).map_err(|e| e.to_string())?
+        "checkpoint: {} (a Hugging Face directory; --hf loads it)",
+        checkpoint.display()
     );
     let summary = serde_json::json!({"nll_before": before, "nll_after": after,
         "perplexity_before": before.exp(), "perplexity_after": after.exp(),
