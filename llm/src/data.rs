@@ -162,6 +162,17 @@ pub fn pack(docs: &[Vec<u32>], separator: u32, len: usize) -> Vec<Vec<u32>> {
     windows
 }
 
+/// Four evaluation windows of `len + 1` tokens at 10, 35, 60 and 85% of `tokens`.
+pub fn eval_windows(tokens: &[u32], len: usize) -> Vec<Vec<u32>> {
+    [0.10, 0.35, 0.60, 0.85]
+        .iter()
+        .map(|f| {
+            let start = ((tokens.len() - len - 1) as f64 * f) as usize;
+            tokens[start..start + len + 1].to_vec()
+        })
+        .collect()
+}
+
 /// Where a sampler is: resumes exactly from here.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SamplerState {

@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::model::{Llama, LlamaConfig};
-use crate::weights::LoadError;
+use crate::weights::{LoadError, deinterleave_rope_rows, transpose};
 
 /// One tensor under its Hugging Face name: row-major shape and values.
 pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
@@ -20,29 +20,6 @@ fn values<B: Backend, const D: usize>(p: &Param<Tensor<B, D>>) -> (Vec<usize>, V
     let shape = t.dims().to_vec();
     let data = t.into_data().convert::<f32>();
     (shape, data.to_vec::<f32>().expect("f32 after convert"))
-}
-
-/// Rows of a q/k projection from interleaved RoPE pairs back to `rotate_half` order (the
-/// inverse of [`crate::weights::interleave_rope_rows`]).
-pub fn deinterleave_rope_rows(
-    values: &[f32],
-    heads: usize,
-    head_dim: usize,
-    cols: usize,
-) -> Vec<f32> {
-    let half = head_dim / 2;
-    let mut out = vec![0.0; values.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for part in 0..2 {
-                let src = h * head_dim + 2 * i + part;
-                let dst = h * head_dim + part * half + i;
-                out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
 }
 
 impl<B: Backend> Llama<B> {
@@ -57,12 +34,7 @@ impl<B: Backend> Llama<B> {
         let linear = |p: &Param<Tensor<B, 2>>, rope_heads: Option<usize>| {
             let (shape, v) = values(p);
             let (inp, outp) = (shape[0], shape[1]);
-            let mut t = vec![0.0; v.len()];
-            for r in 0..inp {
-                for c in 0..outp {
-                    t[c * inp + r] = v[r * outp + c];
-                }
-            }
+            let mut t = transpose(&v, inp, outp);
             if let Some(heads) = rope_heads {
                 t = deinterleave_rope_rows(&t, heads, hd, inp);
             }
@@ -153,7 +125,7 @@ mod tests {
 
     use super::*;
     use crate::hf::HfDir;
-    use crate::weights::interleave_rope_rows;
+    use crate::weights::{deinterleave_rope_rows, interleave_rope_rows};
 
     #[test]
     fn rope_row_permutations_are_inverse() {

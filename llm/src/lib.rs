@@ -8,6 +8,7 @@
 
 pub mod data;
 pub mod export;
+pub mod generate;
 pub mod gguf;
 pub mod hf;
 pub mod model;

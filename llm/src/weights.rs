@@ -81,12 +81,7 @@ pub fn linear_weight<B: Backend>(
     device: &B::Device,
 ) -> Result<Param<Tensor<B, 2>>, LoadError> {
     let ([rows, cols], values) = stored(source, name, expected, rope_heads)?;
-    let mut t = vec![0.0; values.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            t[c * rows + r] = values[r * cols + c];
-        }
-    }
+    let t = transpose(&values, rows, cols);
     let tensor = Tensor::from_data(TensorData::new(t, [cols, rows]), device);
     Ok(Param::from_tensor(tensor))
 }
@@ -142,17 +137,56 @@ pub fn interleave_rope_rows(
     head_dim: usize,
     cols: usize,
 ) -> Vec<f32> {
+    permute_rope_rows(values, heads, head_dim, cols, true)
+}
+
+/// The inverse of [`interleave_rope_rows`]: interleaved pairs back to `rotate_half` order.
+pub fn deinterleave_rope_rows(
+    values: &[f32],
+    heads: usize,
+    head_dim: usize,
+    cols: usize,
+) -> Vec<f32> {
+    permute_rope_rows(values, heads, head_dim, cols, false)
+}
+
+/// Row `h·hd + part·hd/2 + i` (half-split) ↔ row `h·hd + 2i + part` (interleaved).
+fn permute_rope_rows(
+    values: &[f32],
+    heads: usize,
+    head_dim: usize,
+    cols: usize,
+    to_interleaved: bool,
+) -> Vec<f32> {
     let half = head_dim / 2;
-    let mut out = Vec::with_capacity(values.len());
+    let mut out = vec![0.0; values.len()];
     for h in 0..heads {
         for i in 0..half {
             for part in 0..2 {
-                let row = h * head_dim + part * half + i;
-                out.extend_from_slice(&values[row * cols..(row + 1) * cols]);
+                let split = h * head_dim + part * half + i;
+                let paired = h * head_dim + 2 * i + part;
+                let (src, dst) = if to_interleaved {
+                    (split, paired)
+                } else {
+                    (paired, split)
+                };
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&values[src * cols..(src + 1) * cols]);
             }
         }
     }
     out
+}
+
+/// Row-major `rows × cols` values transposed (`cols × rows`), on the host.
+pub(crate) fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = values[r * cols + c];
+        }
+    }
+    t
 }
 
 /// GGUF tensor name of Hugging Face name `hf`.

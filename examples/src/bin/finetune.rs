@@ -22,8 +22,9 @@ use burn_zero::comm::{Communicator, ReduceOp};
 use burn_zero::engine::{ZeroAutodiff, initialize};
 use burn_zero::testing::run_ranks;
 use burn_zero_llm::data::{
-    Book, DistributedSampler, SamplerState, pack, read_austen_rdb, read_text_files,
+    Book, DistributedSampler, SamplerState, eval_windows, pack, read_austen_rdb, read_text_files,
 };
+use burn_zero_llm::generate::Sampling;
 use burn_zero_llm::gguf::Gguf;
 use burn_zero_llm::hf::HfDir;
 use burn_zero_llm::tokenizer::TextTokenizer;
@@ -150,102 +151,6 @@ fn load_source(args: &Args) -> Result<(Box<dyn WeightSource>, LlamaConfig, TextT
     Ok((Box::new(gguf), config, tok))
 }
 
-/// Mean NLL (nats/token) of `model` on `windows` (each `[len + 1]` tokens).
-fn mean_nll<M: Fn(Tensor<Inner, 2, Int>) -> Tensor<Inner, 1>>(
-    loss: M,
-    windows: &[Vec<u32>],
-) -> f64 {
-    let device = Default::default();
-    let total: f64 = windows
-        .iter()
-        .map(|w| {
-            let t = Tensor::<Inner, 2, Int>::from_data(
-                TensorData::new(w.iter().map(|x| *x as i64).collect(), [1, w.len()]),
-                &device,
-            );
-            loss(t).into_scalar() as f64
-        })
-        .sum();
-    total / windows.len() as f64
-}
-
-/// Four held-out windows at 10/35/60/85% of `tokens`.
-fn eval_windows(tokens: &[u32], len: usize) -> Vec<Vec<u32>> {
-    [0.10, 0.35, 0.60, 0.85]
-        .iter()
-        .map(|f| {
-            let start = ((tokens.len() - len - 1) as f64 * f) as usize;
-            tokens[start..start + len + 1].to_vec()
-        })
-        .collect()
-}
-
-/// Continuation of `prompt` by `model`, up to `n` tokens: greedy, or nucleus sampling from the
-/// smallest set of tokens whose probability reaches `top_p` (seeded).
-fn generate(
-    model: &Llama<Inner>,
-    prompt: &[u32],
-    n: usize,
-    stop: Option<u32>,
-    top_p: Option<f64>,
-    seed: u64,
-) -> Vec<u32> {
-    let device = Default::default();
-    let mut ids = prompt.to_vec();
-    let mut state = seed | 1;
-    for _ in 0..n {
-        let t = Tensor::<Inner, 2, Int>::from_data(
-            TensorData::new(ids.iter().map(|x| *x as i64).collect(), [1, ids.len()]),
-            &device,
-        );
-        let logits = model.forward(t);
-        let [_, s, v] = logits.dims();
-        let last = logits.slice([0..1, s - 1..s, 0..v]).reshape([v]);
-        let next = match top_p {
-            None => last.argmax(0).into_scalar() as u32,
-            Some(p) => {
-                let probs = burn::tensor::activation::softmax(last, 0).into_data();
-                let probs = probs.to_vec::<f32>().expect("f32 probabilities");
-                // xorshift64*: a uniform draw in [0, 1).
-                state ^= state >> 12;
-                state ^= state << 25;
-                state ^= state >> 27;
-                let u =
-                    (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64;
-                nucleus(&probs, p, u)
-            }
-        };
-        ids.push(next);
-        if Some(next) == stop {
-            break;
-        }
-    }
-    ids[prompt.len()..].to_vec()
-}
-
-/// The token drawn by `u` ∈ [0, 1) from the most probable tokens whose mass reaches `p`.
-fn nucleus(probs: &[f32], p: f64, u: f64) -> u32 {
-    let mut order: Vec<usize> = (0..probs.len()).collect();
-    order.sort_by(|a, b| probs[*b].total_cmp(&probs[*a]));
-    let mut kept = Vec::new();
-    let mut mass = 0.0;
-    for i in order {
-        kept.push(i);
-        mass += probs[i] as f64;
-        if mass >= p {
-            break;
-        }
-    }
-    let mut target = u * mass;
-    for i in &kept {
-        target -= probs[*i] as f64;
-        if target < 0.0 {
-            return *i as u32;
-        }
-    }
-    *kept.last().expect("at least one token") as u32
-}
-
 /// The held-out text and the training texts.
 fn books(args: &Args) -> Result<(Book, Vec<Book>), String> {
     let (all, held_title) = if args.text.is_empty() {
@@ -342,7 +247,7 @@ fn run() -> Result<(), String> {
         .load(source.as_ref(), &device)
         .map_err(|e| e.to_string())?;
     drop(source);
-    let before = mean_nll(|t| model.valid().loss(t), &eval);
+    let before = model.valid().mean_nll(&eval, &device);
     println!(
         "held-out NLL before: {before:.3} nats/token (perplexity {:.1})",
         before.exp()
@@ -420,7 +325,7 @@ fn run() -> Result<(), String> {
         }
     }
     let trained = trained.expect("rank 0 returns the model");
-    let after = mean_nll(|t| trained.loss(t), &eval);
+    let after = trained.mean_nll(&eval, &device);
     println!(
         "held-out NLL after:  {after:.3} nats/token (perplexity {:.1})",
         after.exp()
@@ -428,8 +333,12 @@ fn run() -> Result<(), String> {
     let prompt = "<|im_start|>user\nWho is Mr. Darcy?<|im_end|>\n<|im_start|>assistant\n";
     let prompt_ids = tok.encode(prompt).map_err(|e| e.to_string())?;
     let stop = tok.token_id("<|im_end|>");
-    for (label, top_p) in [("greedy", None), ("top-p 0.9", Some(0.9))] {
-        let sample = generate(&trained, &prompt_ids, 24, stop, top_p, args.seed);
+    let top_p = Sampling::TopP {
+        p: 0.9,
+        seed: args.seed,
+    };
+    for (label, sampling) in [("greedy", Sampling::Greedy), ("top-p 0.9", top_p)] {
+        let sample = trained.generate(&prompt_ids, 24, stop, sampling, &device);
         let text = tok.decode(&sample).map_err(|e| e.to_string())?;
         println!("{label} sample: {text:?}");
     }

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::backend::NdArray;
-use burn::tensor::{Int, Tensor, TensorData};
-use burn_zero_llm::data::read_austen_rdb;
+use burn_zero_llm::data::{eval_windows, read_austen_rdb};
+use burn_zero_llm::generate::{Sampling, token_tensor};
 use burn_zero_llm::gguf::Gguf;
 use burn_zero_llm::tokenizer::TextTokenizer;
 use burn_zero_llm::{Llama, LlamaConfig};
@@ -23,22 +23,6 @@ const PROMPT_IDS: [u32; 16] = [
     1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
 ];
 const ANSWER_IDS: [u32; 8] = [504, 3575, 282, 4649, 314, 7042, 30, 2];
-
-fn tokens(ids: &[u32]) -> Tensor<B, 2, Int> {
-    let data = TensorData::new(ids.iter().map(|x| *x as i64).collect(), [1, ids.len()]);
-    Tensor::from_data(data, &Default::default())
-}
-
-fn greedy(model: &Llama<B>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut ids = prompt.to_vec();
-    for _ in 0..n {
-        let logits = model.forward(tokens(&ids));
-        let [_, s, v] = logits.dims();
-        let last = logits.slice([0..1, s - 1..s, 0..v]).reshape([v]);
-        ids.push(last.argmax(0).into_scalar() as u32);
-    }
-    ids[prompt.len()..].to_vec()
-}
 
 fn run() -> Result<(), String> {
     let cache = std::env::var_os("BURN_ZERO_DATA")
@@ -78,10 +62,9 @@ fn run() -> Result<(), String> {
         return Err(format!("decode(encode(prompt)) = {back:?}"));
     }
     println!("tokenizer: prompt ids and round trip match");
-    let model: Llama<B> = config
-        .load(&gguf, &Default::default())
-        .map_err(|e| e.to_string())?;
-    let answer = greedy(&model, &ids, ANSWER_IDS.len());
+    let device = Default::default();
+    let model: Llama<B> = config.load(&gguf, &device).map_err(|e| e.to_string())?;
+    let answer = model.generate(&ids, ANSWER_IDS.len(), None, Sampling::Greedy, &device);
     let text = tok.decode(&answer).map_err(|e| e.to_string())?;
     println!(
         "greedy answer: {text:?} ({:.1}s)",
@@ -101,10 +84,9 @@ fn run() -> Result<(), String> {
         let all = tok.encode(&text).map_err(|e| e.to_string())?;
         println!("Austen: {} bytes, {} tokens", text.len(), all.len());
         let mut total = 0.0;
-        for f in [0.10, 0.35, 0.60, 0.85] {
-            let s = ((all.len() - 257) as f64 * f) as usize;
-            let nll = model.loss(tokens(&all[s..s + 257])).into_scalar() as f64;
-            println!("  window at {:.0}%: {nll:.3}", f * 100.0);
+        for (window, at) in eval_windows(&all, 256).iter().zip([10, 35, 60, 85]) {
+            let nll = model.loss(token_tensor(window, &device)).into_scalar() as f64;
+            println!("  window at {at}%: {nll:.3}");
             total += nll / 4.0;
         }
         println!(
