@@ -1,6 +1,8 @@
 //! Pieces shared by the example programs: a small MLP and synthetic data.
 #![warn(missing_docs)]
 
+pub mod plot;
+
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;

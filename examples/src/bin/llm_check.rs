@@ -4,18 +4,23 @@
 //! of Austen (3.60 nats/token). Fails, never skips, when the files are missing.
 //!
 //!   cargo run --release -p burn-zero-examples --bin llm-check [-- --nll]
+//!
+//! Also `--device cuda` (on `ZeroBackend<Cuda>`, so `BURN_ZERO_CUBLASLT=1` routes its matmuls
+//! through cuBLASLt), `--logits FILE` (the prompt's logits, little-endian f32 `[16, vocab]`) and
+//! `--save-hf DIR` (the dequantized model as a Hugging Face directory): what the device compares
+//! against `transformers` (`bench/llm_reference.py`).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::backend::NdArray;
+use burn::tensor::ElementConversion;
+use burn::tensor::backend::Backend;
 use burn_zero_llm::data::{eval_windows, read_austen_rdb};
 use burn_zero_llm::generate::{Sampling, token_tensor};
 use burn_zero_llm::gguf::Gguf;
 use burn_zero_llm::tokenizer::TextTokenizer;
 use burn_zero_llm::{Llama, LlamaConfig};
-
-type B = NdArray;
 
 const PROMPT: &str =
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
@@ -24,7 +29,31 @@ const PROMPT_IDS: [u32; 16] = [
 ];
 const ANSWER_IDS: [u32; 8] = [504, 3575, 282, 4649, 314, 7042, 30, 2];
 
+/// The value after `flag` on the command line.
+fn option(flag: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
 fn run() -> Result<(), String> {
+    match option("--device").as_deref() {
+        None | Some("cpu") => check::<NdArray>(&Default::default()),
+        #[cfg(feature = "cuda")]
+        Some("cuda") => check::<burn_zero::ZeroBackend<burn::backend::Cuda>>(&Default::default()),
+        Some(other) => Err(format!(
+            "--device {other}: this build knows cpu{}",
+            if cfg!(feature = "cuda") {
+                " and cuda"
+            } else {
+                " (build with --features cuda for cuda)"
+            }
+        )),
+    }
+}
+
+fn check<B: Backend>(device: &B::Device) -> Result<(), String> {
     let cache = std::env::var_os("BURN_ZERO_DATA")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -62,9 +91,24 @@ fn run() -> Result<(), String> {
         return Err(format!("decode(encode(prompt)) = {back:?}"));
     }
     println!("tokenizer: prompt ids and round trip match");
-    let device = Default::default();
-    let model: Llama<B> = config.load(&gguf, &device).map_err(|e| e.to_string())?;
-    let answer = model.generate(&ids, ANSWER_IDS.len(), None, Sampling::Greedy, &device);
+    let model: Llama<B> = config.load(&gguf, device).map_err(|e| e.to_string())?;
+    if let Some(file) = option("--logits") {
+        let logits = model.forward(token_tensor(&ids, device));
+        let values = logits.into_data().convert::<f32>();
+        let values = values.to_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&file, bytes).map_err(|e| format!("{file}: {e}"))?;
+        println!("logits of the prompt: {file} ({} values)", values.len());
+    }
+    if let Some(dir) = option("--save-hf") {
+        model
+            .save_hf(&config, std::path::Path::new(&dir))
+            .map_err(|e| e.to_string())?;
+        tok.save(&std::path::Path::new(&dir).join("tokenizer.json"))
+            .map_err(|e| e.to_string())?;
+        println!("saved the dequantized model to {dir}");
+    }
+    let answer = model.generate(&ids, ANSWER_IDS.len(), None, Sampling::Greedy, device);
     let text = tok.decode(&answer).map_err(|e| e.to_string())?;
     println!(
         "greedy answer: {text:?} ({:.1}s)",
@@ -85,7 +129,10 @@ fn run() -> Result<(), String> {
         println!("Austen: {} bytes, {} tokens", text.len(), all.len());
         let mut total = 0.0;
         for (window, at) in eval_windows(&all, 256).iter().zip([10, 35, 60, 85]) {
-            let nll = model.loss(token_tensor(window, &device)).into_scalar() as f64;
+            let nll = model
+                .loss(token_tensor(window, device))
+                .into_scalar()
+                .elem::<f64>();
             println!("  window at {at}%: {nll:.3}");
             total += nll / 4.0;
         }

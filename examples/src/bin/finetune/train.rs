@@ -1,0 +1,259 @@
+//! One rank's training loop and rank 0's report, generic over the backend under the engine:
+//! `NdArray` on CPU thread ranks, `Cuda` in one process per GPU.
+
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn_zero::ZeroBackend;
+use burn_zero::comm::{Communicator, ReduceOp};
+use burn_zero::config::DeepSpeedConfig;
+use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero_llm::data::{DistributedSampler, SamplerState};
+use burn_zero_llm::generate::Sampling;
+use burn_zero_llm::tokenizer::TextTokenizer;
+use burn_zero_llm::{Llama, LlamaConfig};
+
+use crate::args::Args;
+
+/// What every rank trains with.
+pub struct Job<'a> {
+    pub args: &'a Args,
+    pub config: &'a DeepSpeedConfig,
+    pub windows: &'a [Vec<u32>],
+    pub rank: usize,
+    pub world: usize,
+}
+
+/// Rank 0's result: the trained model (without autodiff) and its speed.
+pub struct Trained<I: Backend> {
+    pub model: Llama<ZeroBackend<I>>,
+    /// Tokens (all ranks) per second over the whole run.
+    pub tokens_per_sec: f64,
+    /// Over the second half of the steps: after compilation and autotuning.
+    pub steady_tokens_per_sec: f64,
+    pub final_loss: f32,
+}
+
+/// Trains `model` for `--steps` optimizer steps on this rank's share of the windows; rank 0
+/// prints progress, writes `metrics.jsonl` and returns the model.
+pub fn train<I: Backend>(
+    model: Llama<ZeroAutodiff<I>>,
+    comm: Arc<dyn Communicator>,
+    job: &Job,
+    device: &I::Device,
+) -> Result<Option<Trained<I>>, String> {
+    let args = job.args;
+    let mut engine =
+        initialize::<I, _>(model, job.config, comm.clone()).map_err(|e| e.to_string())?;
+    let batch = engine.config().batch;
+    let sampler = DistributedSampler {
+        len: job.windows.len(),
+        world: job.world,
+        rank: job.rank,
+        micro_batch: batch.micro_batch_per_gpu,
+        seed: args.seed,
+    };
+    let metrics_path = args.out.join("metrics.jsonl");
+    let mut metrics = (job.rank == 0)
+        .then(|| std::fs::File::create(&metrics_path))
+        .transpose()
+        .map_err(|e| format!("{}: {e}", metrics_path.display()))?;
+    // A terminal gets one line redrawn; a log (the launcher's pipes) about 50 lines.
+    let redraw = std::io::stdout().is_terminal();
+    let every = if redraw { 1 } else { args.steps.div_ceil(50) };
+    let mut state = SamplerState::default();
+    let tokens_per_step = batch.train_batch_size * args.seq;
+    let t0 = Instant::now();
+    let half = args.steps / 2;
+    let mut half_time = 0.0;
+    let mut last_loss = f32::NAN;
+    for step in 1..=args.steps {
+        let lr = engine.lr();
+        let mut step_loss = 0.0;
+        for _ in 0..batch.gradient_accumulation_steps {
+            let (ids, next) = sampler.next(state);
+            state = next;
+            let flat: Vec<i64> = ids
+                .iter()
+                .flat_map(|i| job.windows[*i].iter().map(|t| *t as i64))
+                .collect();
+            let tokens = Tensor::<ZeroAutodiff<I>, 2, Int>::from_data(
+                TensorData::new(flat, [ids.len(), args.seq + 1]),
+                device,
+            );
+            let loss = engine.model().loss(tokens);
+            step_loss +=
+                loss.clone().into_scalar().elem::<f64>() / batch.gradient_accumulation_steps as f64;
+            engine.backward(loss).map_err(|e| e.to_string())?;
+            engine.step().map_err(|e| e.to_string())?;
+        }
+        let mut global = [step_loss as f32];
+        comm.all_reduce(global.as_mut_slice().into(), ReduceOp::Avg)
+            .map_err(|e| e.to_string())?;
+        last_loss = global[0];
+        let secs = t0.elapsed().as_secs_f64();
+        if step == half {
+            half_time = secs;
+        }
+        let Some(file) = metrics.as_mut() else {
+            continue;
+        };
+        let tps = (step * tokens_per_step) as f64 / secs;
+        let eta = secs / step as f64 * (args.steps - step) as f64;
+        if step % every == 0 || step == args.steps {
+            let line = format!(
+                "step {step:>4}/{}  loss {:.4}  lr {lr:.2e}  {tps:.0} tokens/s  ETA {eta:.0}s",
+                args.steps, global[0]
+            );
+            if redraw {
+                print!("\r{line}   ");
+                let _ = std::io::stdout().flush();
+            } else {
+                println!("{line}");
+            }
+        }
+        let record = serde_json::json!({"step": step, "loss": global[0], "lr": lr,
+            "tokens": step * tokens_per_step, "seconds": secs,
+            "grad_norm": engine.last_grad_norm(), "epoch": state.epoch});
+        writeln!(file, "{record}").map_err(|e| e.to_string())?;
+    }
+    let total = t0.elapsed().as_secs_f64();
+    if job.rank != 0 {
+        return Ok(None);
+    }
+    if redraw {
+        println!();
+    }
+    let steady = (args.steps - half) * tokens_per_step;
+    Ok(Some(Trained {
+        model: engine.into_model().valid(),
+        tokens_per_sec: (args.steps * tokens_per_step) as f64 / total,
+        steady_tokens_per_sec: steady as f64 / (total - half_time).max(1e-9),
+        final_loss: last_loss,
+    }))
+}
+
+/// Held-out NLL, printed.
+pub fn evaluate<B: Backend>(
+    model: &Llama<B>,
+    eval: &[Vec<u32>],
+    when: &str,
+    device: &B::Device,
+) -> f64 {
+    let nll = model.mean_nll(eval, device);
+    println!(
+        "held-out NLL {when}: {nll:.3} nats/token (perplexity {:.1})",
+        nll.exp()
+    );
+    nll
+}
+
+/// Rank 0 after training: held-out NLL, samples, checkpoint, summary and loss curve; an error
+/// when the held-out NLL did not go down.
+#[allow(clippy::too_many_arguments)]
+pub fn report<I: Backend>(
+    trained: Trained<I>,
+    before: f64,
+    args: &Args,
+    config: &LlamaConfig,
+    tok: &TextTokenizer,
+    eval: &[Vec<u32>],
+    world: usize,
+    start: Instant,
+    device: &I::Device,
+) -> Result<(), String> {
+    let model = &trained.model;
+    let after = evaluate(model, eval, "after", device);
+    let prompt = "<|im_start|>user\nWho is Mr. Darcy?<|im_end|>\n<|im_start|>assistant\n";
+    let prompt_ids = tok.encode(prompt).map_err(|e| e.to_string())?;
+    let stop = tok.token_id("<|im_end|>");
+    let top_p = Sampling::TopP {
+        p: 0.9,
+        seed: args.seed,
+    };
+    let mut samples = serde_json::Map::new();
+    for (label, sampling) in [("greedy", Sampling::Greedy), ("top-p 0.9", top_p)] {
+        let sample = model.generate(&prompt_ids, 24, stop, sampling, device);
+        let text = tok.decode(&sample).map_err(|e| e.to_string())?;
+        println!("{label} sample: {text:?}");
+        samples.insert(label.into(), text.into());
+    }
+    let checkpoint = args.out.join("checkpoint");
+    model
+        .save_hf(config, &checkpoint)
+        .map_err(|e| e.to_string())?;
+    tok.save(&checkpoint.join("tokenizer.json"))
+        .map_err(|e| e.to_string())?;
+    println!(
+        "checkpoint: {} (a Hugging Face directory; --hf loads it)",
+        checkpoint.display()
+    );
+    // The held-out windows, for an independent evaluation of the checkpoint.
+    let windows_path = args.out.join("eval_windows.json");
+    std::fs::write(
+        &windows_path,
+        serde_json::json!({"windows": eval}).to_string(),
+    )
+    .map_err(|e| format!("{}: {e}", windows_path.display()))?;
+    let png = args.out.join("loss.png");
+    draw_curve(&args.out.join("metrics.jsonl"), &png)?;
+    let summary = serde_json::json!({"nll_before": before, "nll_after": after,
+        "perplexity_before": before.exp(), "perplexity_after": after.exp(),
+        "eval_windows": eval.len(), "eval_len": args.eval_len,
+        "layers": config.num_layers, "params": config.num_params(), "steps": args.steps,
+        "world": world, "device": format!("{:?}", args.device), "seq": args.seq,
+        "final_train_loss": trained.final_loss,
+        "tokens_per_sec": trained.tokens_per_sec,
+        "steady_tokens_per_sec": trained.steady_tokens_per_sec,
+        "samples": samples, "seconds": start.elapsed().as_secs_f64()});
+    let summary_path = args.out.join("summary.json");
+    std::fs::write(&summary_path, summary.to_string())
+        .map_err(|e| format!("{}: {e}", summary_path.display()))?;
+    println!(
+        "done in {:.0}s ({:.0} tokens/s, {:.0} after warm-up); metrics, summary and loss curve in {}",
+        start.elapsed().as_secs_f64(),
+        trained.tokens_per_sec,
+        trained.steady_tokens_per_sec,
+        args.out.display()
+    );
+    // NaN counts as no improvement.
+    if after.partial_cmp(&before) != Some(std::cmp::Ordering::Less) {
+        return Err(format!(
+            "held-out NLL did not improve: {before:.3} -> {after:.3}"
+        ));
+    }
+    Ok(())
+}
+
+/// Draws `metrics` (JSONL with `step` and `loss`) to `png`.
+pub fn draw_curve(metrics: &Path, png: &Path) -> Result<(), String> {
+    let text =
+        std::fs::read_to_string(metrics).map_err(|e| format!("{}: {e}", metrics.display()))?;
+    let mut points = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| format!("{} line {}: {e}", metrics.display(), i + 1))?;
+        match (v["step"].as_f64(), v["loss"].as_f64()) {
+            (Some(s), Some(l)) => points.push((s, l)),
+            _ => {
+                return Err(format!(
+                    "{} line {}: no numeric `step` and `loss`",
+                    metrics.display(),
+                    i + 1
+                ));
+            }
+        }
+    }
+    burn_zero_examples::plot::loss_curve(&points, png)?;
+    println!("loss curve: {}", png.display());
+    Ok(())
+}
