@@ -6,9 +6,11 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use burn::module::Param;
+use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use crate::lora::{Adapter, merged_weight};
 use crate::model::{Llama, LlamaConfig};
 use crate::weights::{LoadError, deinterleave_rope_rows, transpose};
 
@@ -16,7 +18,10 @@ use crate::weights::{LoadError, deinterleave_rope_rows, transpose};
 pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
 
 fn values<B: Backend, const D: usize>(p: &Param<Tensor<B, D>>) -> (Vec<usize>, Vec<f32>) {
-    let t = p.val();
+    tensor_values(p.val())
+}
+
+fn tensor_values<B: Backend, const D: usize>(t: Tensor<B, D>) -> (Vec<usize>, Vec<f32>) {
     let shape = t.dims().to_vec();
     let data = t.into_data().convert::<f32>();
     (shape, data.to_vec::<f32>().expect("f32 after convert"))
@@ -31,8 +36,9 @@ impl<B: Backend> Llama<B> {
         let (shape, v) = values(&self.embed.weight);
         out.push(("model.embed_tokens.weight".to_string(), shape, v));
         // burn holds `[in, out]`; Hugging Face `[out, in]`.
-        let linear = |p: &Param<Tensor<B, 2>>, rope_heads: Option<usize>| {
-            let (shape, v) = values(p);
+        // LoRA adapters are folded into their projections: the export is a plain Llama.
+        let linear = |l: &Linear<B>, a: Option<&Adapter<B>>, rope_heads: Option<usize>| {
+            let (shape, v) = tensor_values(merged_weight(l, a));
             let (inp, outp) = (shape[0], shape[1]);
             let mut t = transpose(&v, inp, outp);
             if let Some(heads) = rope_heads {
@@ -45,17 +51,23 @@ impl<B: Backend> Llama<B> {
             let entries = [
                 (
                     "self_attn.q_proj",
-                    linear(&b.q.weight, Some(config.num_heads)),
+                    linear(&b.q, b.adapter(|l| &l.q), Some(config.num_heads)),
                 ),
                 (
                     "self_attn.k_proj",
-                    linear(&b.k.weight, Some(config.num_kv_heads)),
+                    linear(&b.k, b.adapter(|l| &l.k), Some(config.num_kv_heads)),
                 ),
-                ("self_attn.v_proj", linear(&b.v.weight, None)),
-                ("self_attn.o_proj", linear(&b.o.weight, None)),
-                ("mlp.gate_proj", linear(&b.gate.weight, None)),
-                ("mlp.up_proj", linear(&b.up.weight, None)),
-                ("mlp.down_proj", linear(&b.down.weight, None)),
+                ("self_attn.v_proj", linear(&b.v, b.adapter(|l| &l.v), None)),
+                ("self_attn.o_proj", linear(&b.o, b.adapter(|l| &l.o), None)),
+                (
+                    "mlp.gate_proj",
+                    linear(&b.gate, b.adapter(|l| &l.gate), None),
+                ),
+                ("mlp.up_proj", linear(&b.up, b.adapter(|l| &l.up), None)),
+                (
+                    "mlp.down_proj",
+                    linear(&b.down, b.adapter(|l| &l.down), None),
+                ),
                 ("input_layernorm", values(&b.attn_norm.gamma)),
                 ("post_attention_layernorm", values(&b.mlp_norm.gamma)),
             ];
@@ -66,7 +78,7 @@ impl<B: Backend> Llama<B> {
         let (shape, v) = values(&self.norm.gamma);
         out.push(("model.norm.weight".to_string(), shape, v));
         if let Some(head) = &self.lm_head {
-            let (shape, v) = linear(&head.weight, None);
+            let (shape, v) = linear(head, None, None);
             out.push(("lm_head.weight".to_string(), shape, v));
         }
         out

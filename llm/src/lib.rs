@@ -11,6 +11,7 @@ pub mod export;
 pub mod generate;
 pub mod gguf;
 pub mod hf;
+pub mod lora;
 pub mod model;
 pub mod tokenizer;
 pub mod weights;

@@ -9,6 +9,7 @@ use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
+use crate::lora::{Adapters, project};
 use crate::weights::{LoadError, WeightSource, linear_weight, matrix, vector};
 
 /// The shape of a Llama model (Hugging Face `config.json` keys in the doc comments).
@@ -104,6 +105,7 @@ impl LlamaConfig {
                 gate: linear(h, self.intermediate_size),
                 up: linear(h, self.intermediate_size),
                 down: linear(self.intermediate_size, h),
+                lora: None,
             })
             .collect();
         Llama {
@@ -175,6 +177,8 @@ pub struct Block<B: Backend> {
     pub(crate) gate: Linear<B>,
     pub(crate) up: Linear<B>,
     pub(crate) down: Linear<B>,
+    /// LoRA adapters of this layer's projections ([`Llama::with_lora`]).
+    pub(crate) lora: Option<Adapters<B>>,
 }
 
 /// The decoder: token ids `[batch, seq]` to logits `[batch, seq, vocab]`.
@@ -251,9 +255,15 @@ impl<B: Backend> Block<B> {
         let hd = hidden / heads;
         let h = self.attn_norm.forward(x.clone());
         let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
-        let q = rope.apply(split(self.q.forward(h.clone()), heads));
-        let k = rope.apply(split(self.k.forward(h.clone()), kv_heads));
-        let v = split(self.v.forward(h), kv_heads);
+        let q = rope.apply(split(
+            project(&self.q, self.adapter(|l| &l.q), h.clone()),
+            heads,
+        ));
+        let k = rope.apply(split(
+            project(&self.k, self.adapter(|l| &l.k), h.clone()),
+            kv_heads,
+        ));
+        let v = split(project(&self.v, self.adapter(|l| &l.v), h), kv_heads);
         // Grouped-query attention: each K/V head serves `heads / kv_heads` query heads.
         let repeat = |t: Tensor<B, 4>| {
             let group = heads / kv_heads;
@@ -266,11 +276,14 @@ impl<B: Backend> Block<B> {
         let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
         let attn = softmax(scores, 3).matmul(v);
         let attn = attn.swap_dims(1, 2).reshape([batch, seq, hidden]);
-        let x = x + self.o.forward(attn);
+        let x = x + project(&self.o, self.adapter(|l| &l.o), attn);
         let h = self.mlp_norm.forward(x.clone());
-        let mlp = self
-            .down
-            .forward(silu(self.gate.forward(h.clone())) * self.up.forward(h));
+        let gate = silu(project(&self.gate, self.adapter(|l| &l.gate), h.clone()));
+        let mlp = project(
+            &self.down,
+            self.adapter(|l| &l.down),
+            gate * project(&self.up, self.adapter(|l| &l.up), h),
+        );
         x + mlp
     }
 }

@@ -7,7 +7,7 @@ use serde::Serialize;
 /// Bytes one rank holds for model states, as allocated by the engine.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryReport {
-    /// The model's parameters (full on every rank in stages 0–2).
+    /// The model's parameters, trainable and frozen (full on every rank in stages 0–2).
     pub parameters: usize,
     /// Gradient storage: the full gradient (stages 0–1) or this rank's partition (stage 2).
     pub gradients: usize,

@@ -77,6 +77,8 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     master: Tensor<I, 1>,
     optimizer: TensorOptimizer<I>,
     scheduler: Scheduler,
+    /// Elements of the frozen parameters (not in `layout`).
+    frozen_params: usize,
     micro_steps: usize,
     global_steps: usize,
     last_grad_norm: Option<f64>,
@@ -87,7 +89,8 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
 /// Builds an engine for `model` from `config` over `comm` (DeepSpeed's `deepspeed.initialize`).
 ///
 /// Every rank must call it with the same model structure; rank 0's parameter values are
-/// broadcast to all. Must be called on the thread that will run `backward` (the gradient hook
+/// broadcast to all. Only parameters with `require_grad` are reduced, partitioned and
+/// optimized; frozen ones (a LoRA base) take rank 0's values and are never changed. Must be called on the thread that will run `backward` (the gradient hook
 /// is per thread).
 pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     model: M,
@@ -116,6 +119,11 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     let zero = &resolved.config.zero_optimization;
     let stage = zero.stage;
     let layout = Arc::new(FlatLayout::of(&model));
+    if layout.numel() == 0 {
+        return Err(EngineError::Usage(
+            "the model has no trainable parameters (every parameter has require_grad off)".into(),
+        ));
+    }
     let world = comm.world_size();
     let plan = if stage == 0 {
         PartitionPlan::new(layout.numel(), 1)
@@ -128,6 +136,17 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
     let params = flat.broadcast(params, 0)?;
     flat.wait()?;
+    // Frozen parameters (a LoRA base) are neither reduced nor optimized, but every rank must
+    // compute with rank 0's values too.
+    let frozen = FlatLayout::of_frozen(&model);
+    let frozen_params = frozen.numel();
+    let model = if frozen_params == 0 {
+        model
+    } else {
+        let values = flat.broadcast(flatten_params(&model, &frozen), 0)?;
+        flat.wait()?;
+        unflatten_params(model, &frozen, values)
+    };
     let owned = owned_range(&plan, stage, comm.rank());
     let master = params.clone().slice(owned.clone());
     let model = hooks::mark_distributed(unflatten_params(model, &layout, params));
@@ -158,6 +177,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         grads,
         master,
         optimizer,
+        frozen_params,
         micro_steps: 0,
         global_steps: 0,
         last_grad_norm: None,
@@ -229,7 +249,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     pub fn memory_report(&self) -> MemoryReport {
         let state = self.state();
         MemoryReport {
-            parameters: 4 * self.layout.numel(),
+            parameters: 4 * (self.layout.numel() + self.frozen_params),
             gradients: state.gradient_bytes(),
             optimizer_state: 4 * self.master.dims()[0] + self.optimizer.state_bytes(),
             communication_buffers: state.comm_buffer_bytes(),

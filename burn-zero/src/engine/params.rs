@@ -37,15 +37,28 @@ pub struct FlatLayout {
 }
 
 impl FlatLayout {
-    /// The layout of `module`'s float parameters.
+    /// The layout of `module`'s trainable float parameters (`require_grad`, on an autodiff
+    /// backend): the ones the engine reduces, partitions and optimizes.
     pub fn of<B: Backend, M: Module<B>>(module: &M) -> Self {
-        struct Collect(Vec<(ParamId, Vec<usize>)>);
+        Self::select(module, true)
+    }
+
+    /// The layout of `module`'s frozen float parameters (no `require_grad`, e.g. a LoRA base).
+    pub fn of_frozen<B: Backend, M: Module<B>>(module: &M) -> Self {
+        Self::select(module, false)
+    }
+
+    fn select<B: Backend, M: Module<B>>(module: &M, trainable: bool) -> Self {
+        struct Collect(Vec<(ParamId, Vec<usize>)>, bool);
         impl<B: Backend> ModuleVisitor<B> for Collect {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                self.0.push((param.id, param.val().dims().to_vec()));
+                let value = param.val();
+                if value.is_require_grad() == self.1 {
+                    self.0.push((param.id, value.dims().to_vec()));
+                }
             }
         }
-        let mut collect = Collect(Vec::new());
+        let mut collect = Collect(Vec::new(), trainable);
         module.visit(&mut collect);
         let mut offset = 0;
         let slots: Vec<ParamSlot> = collect

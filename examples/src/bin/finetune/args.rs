@@ -7,6 +7,7 @@ use burn_zero_llm::LlamaConfig;
 use burn_zero_llm::data::{Book, eval_windows, pack, read_austen_rdb, read_text_files};
 use burn_zero_llm::gguf::Gguf;
 use burn_zero_llm::hf::HfDir;
+use burn_zero_llm::lora::LoraConfig;
 use burn_zero_llm::tokenizer::TextTokenizer;
 use burn_zero_llm::weights::WeightSource;
 
@@ -38,6 +39,8 @@ pub struct Args {
     pub seed: u64,
     /// `--plot METRICS.jsonl`: only draw the loss curve of an earlier run (to `--out`).
     pub plot: Option<PathBuf>,
+    /// `--lora RANK` (with `--lora-alpha`, `--lora-targets`): train adapters, freeze the rest.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Args {
@@ -66,10 +69,11 @@ const USAGE: &str =
     "finetune [--device cpu|cuda] [--config ds_config.json] [--gguf FILE | --hf DIR]
   [--austen Rdata.rdb | --text FILE ... [--held-out TITLE]] [--layers N|all] [--seq LEN]
   [--steps N] [--world RANKS] [--train-tokens N] [--eval-len LEN] [--out DIR] [--seed N]
+  [--lora RANK [--lora-alpha A] [--lora-targets q_proj,v_proj,...]]
   finetune --plot METRICS.jsonl [--out DIR]     (only draw DIR/loss.png)
 Held out for evaluation: Persuasion, or with --text the file named by --held-out (default: the
 last). Writes OUT/metrics.jsonl, OUT/summary.json, OUT/loss.png and OUT/checkpoint (a Hugging
-Face directory). --device cuda runs one process per GPU under the launcher:
+Face directory, LoRA adapters merged). --device cuda runs one process per GPU under the launcher:
   burn-zero run --nproc-per-node N -- finetune --device cuda --layers all";
 
 /// Parses `std::env::args`; `Err` carries the message to print (usage included).
@@ -92,7 +96,9 @@ pub fn parse_args() -> Result<Args, String> {
         out: PathBuf::from("runs/finetune"),
         seed: 42,
         plot: None,
+        lora: None,
     };
+    let (mut lora_alpha, mut lora_targets) = (None, None);
     let mut layers_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -130,8 +136,32 @@ pub fn parse_args() -> Result<Args, String> {
             "--out" => args.out = value.into(),
             "--seed" => args.seed = num(&value)? as u64,
             "--plot" => args.plot = Some(value.into()),
+            "--lora" => args.lora = Some(LoraConfig::new(num(&value)?)),
+            "--lora-alpha" => {
+                lora_alpha = Some(
+                    value
+                        .parse::<f64>()
+                        .map_err(|_| format!("--lora-alpha wants a number, got `{value}`"))?,
+                )
+            }
+            "--lora-targets" => {
+                lora_targets = Some(value.split(',').map(|t| t.trim().to_string()).collect())
+            }
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
+    }
+    match args.lora.as_mut() {
+        Some(lora) => {
+            lora.alpha = lora_alpha.unwrap_or(2.0 * lora.rank as f64);
+            if let Some(targets) = lora_targets {
+                lora.targets = targets;
+            }
+            lora.validate()?;
+        }
+        None if lora_alpha.is_some() || lora_targets.is_some() => {
+            return Err("--lora-alpha and --lora-targets need --lora RANK".into());
+        }
+        None => {}
     }
     // A GPU holds the whole model; the CPU default is cut to fit 2 cores.
     if args.device == Device::Cuda && !layers_given {

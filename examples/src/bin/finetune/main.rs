@@ -64,9 +64,21 @@ fn load<I: Backend>(args: &Args, quiet: bool, device: &I::Device) -> Result<Load
         );
     }
     let data = prepare_data(args, &tok, quiet)?;
-    let model = config
+    let mut model: Llama<ZeroAutodiff<I>> = config
         .load(source.as_ref(), device)
         .map_err(|e| e.to_string())?;
+    if let Some(lora) = &args.lora {
+        model = model.with_lora(lora, device)?;
+        if !quiet {
+            println!(
+                "LoRA: rank {}, alpha {}, on {}: {:.2}M trainable parameters, the rest frozen",
+                lora.rank,
+                lora.alpha,
+                lora.targets.join(", "),
+                model.num_trainable() as f64 / 1e6
+            );
+        }
+    }
     Ok(Loaded {
         model,
         config,

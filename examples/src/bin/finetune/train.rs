@@ -210,7 +210,9 @@ pub fn report<I: Backend>(
         "final_train_loss": trained.final_loss,
         "tokens_per_sec": trained.tokens_per_sec,
         "steady_tokens_per_sec": trained.steady_tokens_per_sec,
-        "samples": samples, "seconds": start.elapsed().as_secs_f64()});
+        "samples": samples, "seconds": start.elapsed().as_secs_f64(),
+        "lora": args.lora.as_ref().map(|l| serde_json::json!({"rank": l.rank, "alpha": l.alpha,
+            "targets": l.targets}))});
     let summary_path = args.out.join("summary.json");
     std::fs::write(&summary_path, summary.to_string())
         .map_err(|e| format!("{}: {e}", summary_path.display()))?;
