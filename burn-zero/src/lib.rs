@@ -22,6 +22,7 @@ pub mod partition;
 pub mod report;
 pub mod schedule;
 pub mod testing;
+pub mod trace;
 
 pub use backend::{ZeroBackend, ZeroTensor};
 pub use comm::{Communicator, LocalComm, LocalGroup};
