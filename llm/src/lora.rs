@@ -140,17 +140,14 @@ pub(crate) fn merged_weight<B: Backend>(
     }
 }
 
-/// `linear` with `adapter` folded in, keeping the weight's id and gradient flag.
-fn merged<B: Backend>(linear: Linear<B>, adapter: Option<Adapter<B>>) -> Linear<B> {
+/// Folds `adapter` into `linear`'s weight, keeping the weight's id and gradient flag.
+fn fold<B: Backend>(linear: &mut Linear<B>, adapter: Option<Adapter<B>>) {
     let Some(adapter) = adapter else {
-        return linear;
+        return;
     };
-    let w = merged_weight(&linear, Some(&adapter));
+    let w = merged_weight(linear, Some(&adapter));
     let grad = linear.weight.val().is_require_grad();
-    Linear {
-        weight: Param::initialized(linear.weight.id, w.set_require_grad(grad)),
-        bias: linear.bias,
-    }
+    linear.weight = Param::initialized(linear.weight.id, w.set_require_grad(grad));
 }
 
 impl<B: Backend> Llama<B> {
@@ -184,20 +181,13 @@ impl<B: Backend> Llama<B> {
             let Some(lora) = block.lora.take() else {
                 continue;
             };
-            let take = |l: &mut Linear<B>, a: Option<Adapter<B>>| {
-                let dummy = Linear {
-                    weight: Param::from_tensor(Tensor::zeros([1, 1], &l.weight.device())),
-                    bias: None,
-                };
-                *l = merged(std::mem::replace(l, dummy), a);
-            };
-            take(&mut block.q, lora.q);
-            take(&mut block.k, lora.k);
-            take(&mut block.v, lora.v);
-            take(&mut block.o, lora.o);
-            take(&mut block.gate, lora.gate);
-            take(&mut block.up, lora.up);
-            take(&mut block.down, lora.down);
+            fold(&mut block.q, lora.q);
+            fold(&mut block.k, lora.k);
+            fold(&mut block.v, lora.v);
+            fold(&mut block.o, lora.o);
+            fold(&mut block.gate, lora.gate);
+            fold(&mut block.up, lora.up);
+            fold(&mut block.down, lora.down);
         }
         self
     }

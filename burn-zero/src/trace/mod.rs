@@ -159,19 +159,18 @@ impl GatherTracer {
         match state {
             Live::InUse(n) if n > 1 => {
                 self.live.insert(id, (numel, Live::InUse(n - 1)));
-                return false;
+                false
             }
             // Keeping it adds no live elements and no traffic.
             Live::InUse(_) if self.reused_soon(id) => {
                 self.live.insert(id, (numel, Live::Kept));
-                return false;
+                false
             }
-            Live::InUse(_) | Live::Kept => {}
-            Live::Prefetched => self.in_flight_numel -= numel,
+            _ => {
+                self.forget(id);
+                true
+            }
         }
-        self.live.remove(&id);
-        self.live_numel -= numel;
-        true
     }
 
     /// Whether the replayed trace uses `id` again within `max_reuse_distance` elements.
@@ -212,7 +211,8 @@ impl GatherTracer {
         self.invalidations
     }
 
-    fn drop_prefetch(&mut self, id: HandleId) {
+    /// Stops tracking `id`: its elements leave the live (and in-flight) counts.
+    fn forget(&mut self, id: HandleId) {
         if let Some((numel, state)) = self.live.remove(&id) {
             self.live_numel -= numel;
             if state == Live::Prefetched {
@@ -261,7 +261,7 @@ impl GatherTracer {
             .collect();
         evict.sort_unstable();
         for id in &evict {
-            self.drop_prefetch(*id);
+            self.forget(*id);
         }
         evict
     }

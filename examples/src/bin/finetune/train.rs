@@ -155,7 +155,6 @@ pub fn evaluate<B: Backend>(
 
 /// Rank 0 after training: held-out NLL, samples, checkpoint, summary and loss curve; an error
 /// when the held-out NLL did not go down.
-#[allow(clippy::too_many_arguments)]
 pub fn report<I: Backend>(
     trained: Trained<I>,
     before: f64,
