@@ -1,4 +1,4 @@
-//! The engine at ZeRO stages 0, 1, 2 on 1–4 thread ranks, with 1 or 3 accumulation steps,
+//! The engine at ZeRO stages 0–3 on 1–4 thread ranks, with 1 or 3 accumulation steps,
 //! global-norm clipping and a warmup schedule, against the plain single-process burn run on
 //! the same global batch (`reference/`, built without burn-zero): the loss of every step,
 //! the clip norm of every step, and the final parameters agree within 1e-5 relative.
@@ -23,7 +23,8 @@ type B = ZeroAutodiff<NdArray>;
 const RTOL: f32 = 1e-5;
 const ATOL: f32 = 1e-6;
 
-fn config(stage: u8, gas: usize, overlap: bool) -> DeepSpeedConfig {
+/// The parity config, with `extra` zero_optimization keys (`, "key": value` each).
+fn config_with(stage: u8, gas: usize, overlap: bool, extra: &str) -> DeepSpeedConfig {
     let (min, max, n) = WARMUP;
     let json = format!(
         r#"{{
@@ -32,7 +33,7 @@ fn config(stage: u8, gas: usize, overlap: bool) -> DeepSpeedConfig {
         "gradient_clipping": {CLIP},
         "optimizer": {{"type": "AdamW", "params": {{"lr": {max}, "betas": [0.9, 0.999], "eps": {EPS}, "weight_decay": {WEIGHT_DECAY}}}}},
         "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": {min}, "warmup_max_lr": {max}, "warmup_num_steps": {n}, "warmup_type": "linear"}}}},
-        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40, "overlap_comm": {overlap}}}
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40, "overlap_comm": {overlap}{extra}}}
     }}"#
     );
     let loaded = DeepSpeedConfig::from_json(&json).unwrap();
@@ -41,18 +42,20 @@ fn config(stage: u8, gas: usize, overlap: bool) -> DeepSpeedConfig {
 }
 
 struct Run {
+    /// ZeRO-3 all-gathers of sharded parameters during training.
+    gathers: usize,
     losses: Vec<f32>,
     norms: Vec<f32>,
     params: Vec<Vec<f32>>,
 }
 
-fn train(world: usize, stage: u8, gas: usize, overlap: bool) -> Vec<Run> {
+fn train(world: usize, stage: u8, gas: usize, overlap: bool, extra: &str) -> Vec<Run> {
     run_ranks(world, |ctx| {
         let device = Default::default();
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
         let mut engine = initialize::<NdArray, _>(
             Mlp::<B>::new(&device),
-            &config(stage, gas, overlap),
+            &config_with(stage, gas, overlap, extra),
             comm.clone(),
         )
         .unwrap();
@@ -85,11 +88,13 @@ fn train(world: usize, stage: u8, gas: usize, overlap: bool) -> Vec<Run> {
             (engine.global_step(), engine.micro_step()),
             (STEPS, STEPS * gas)
         );
+        let gathers = engine.gather_stats().map_or(0, |s| s.gathers);
         let params = param_data(engine.model())
             .into_iter()
             .map(|d| d.convert::<f32>().to_vec::<f32>().unwrap())
             .collect();
         Run {
+            gathers,
             losses,
             norms,
             params,
@@ -98,8 +103,20 @@ fn train(world: usize, stage: u8, gas: usize, overlap: bool) -> Vec<Run> {
 }
 
 fn check(world: usize, stage: u8, gas: usize, overlap: bool) {
-    let runs = train(world, stage, gas, overlap);
-    let what = format!("world {world}, stage {stage}, gas {gas}, overlap {overlap}");
+    check_with(world, stage, gas, overlap, "");
+}
+
+fn check_with(world: usize, stage: u8, gas: usize, overlap: bool, extra: &str) {
+    let runs = train(world, stage, gas, overlap, extra);
+    let what = format!("world {world}, stage {stage}, gas {gas}, overlap {overlap}{extra}");
+    // The weights are sharded: every micro-step gathers them (the exact counts are the
+    // business of `zero3_gathers`).
+    let sharded = stage == 3 && extra.contains("threshold\": 16");
+    assert!(
+        runs.iter().all(|r| (r.gathers >= STEPS * gas) == sharded),
+        "{what}: gathers {:?}",
+        runs.iter().map(|r| r.gathers).collect::<Vec<_>>()
+    );
     for (rank, run) in runs.iter().enumerate() {
         for step in 0..STEPS {
             assert_close_to_reference(
@@ -158,4 +175,32 @@ fn stage2_matches_plain_burn() {
     });
     check(3, 2, 3, false);
     check(4, 2, 1, true);
+}
+
+/// Stage 3 shards every weight (the biases, under the persistence threshold of 16 elements,
+/// stay replicated); a tiny prefetch bucket and live budget exercise prefetch and release.
+const SHARDED: &str = r#", "stage3_param_persistence_threshold": 16,
+    "stage3_prefetch_bucket_size": 150, "stage3_max_live_parameters": 300"#;
+
+#[test]
+fn stage3_matches_plain_burn() {
+    for_world_sizes(&[1, 2, 3, 4], |world| {
+        check_with(world, 3, 1, false, SHARDED);
+        check_with(world, 3, 3, true, SHARDED);
+    });
+    // Prefetch off, and everything persistent (nothing sharded).
+    check_with(
+        3,
+        3,
+        1,
+        true,
+        r#", "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 0"#,
+    );
+    check_with(
+        2,
+        3,
+        3,
+        false,
+        r#", "stage3_param_persistence_threshold": 1000"#,
+    );
 }

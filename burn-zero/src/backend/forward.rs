@@ -10,16 +10,25 @@
 /// Implements one op trait for `ZeroBackend<B>` by forwarding every function to `B`.
 macro_rules! forward_ops {
     ($trait:ident; $(fn $name:ident($($arg:ident: [$($arg_ty:tt)*]),* $(,)?) -> [$($ret:tt)*]
-        $(=> $route:path)?;)*) => {
+        $(=> $(@$raw:ident)? $route:path)?;)*) => {
         impl<B: burn_backend::Backend> $trait<Self> for $crate::backend::ZeroBackend<B> {
             $(
                 fn $name($($arg: $($arg_ty)*),*) -> $($ret)* {
-                    forward_ops!(@ret [$($ret)*]
-                        (forward_ops!(@callee [$($route)?] [<B as $trait<B>>::$name]))
-                            ($(forward_ops!(@arg $arg [$($arg_ty)*])),*))
+                    forward_ops!(@body [$($($raw)?)?] [$($ret)*] [$($route)?]
+                        [<B as $trait<B>>::$name] ($($arg [$($arg_ty)*]),*))
                 }
             )*
         }
+    };
+
+    // `=> @raw path`: the route takes and returns `ZeroBackend`'s own types, unconverted.
+    (@body [raw] [$($ret:tt)*] [$route:path] [$($default:tt)*] ($($arg:ident [$($ty:tt)*]),*)) => {
+        $route($($arg),*)
+    };
+    (@body [] [$($ret:tt)*] [$($route:path)?] [$($default:tt)*] ($($arg:ident [$($ty:tt)*]),*)) => {
+        forward_ops!(@ret [$($ret)*]
+            (forward_ops!(@callee [$($route)?] [$($default)*]))
+                ($(forward_ops!(@arg $arg [$($ty)*])),*))
     };
 
     // The function called: `B`'s own, or the `=> route` given for it.
@@ -28,7 +37,7 @@ macro_rules! forward_ops {
 
     // Arguments: unwrap float primitives of `ZeroBackend` into those of `B`.
     (@arg $a:ident [FloatTensor<Self>]) => { $a.into_inner() };
-    (@arg $a:ident [&FloatTensor<Self>]) => { $a.inner() };
+    (@arg $a:ident [&FloatTensor<Self>]) => { $a.inner_for_metadata() };
     (@arg $a:ident [Option<FloatTensor<Self>>]) => { $a.map($crate::backend::ZeroTensor::into_inner) };
     (@arg $a:ident [Vec<FloatTensor<Self>>]) => {
         $a.into_iter().map($crate::backend::ZeroTensor::into_inner).collect()

@@ -5,9 +5,6 @@
 //! calling thread for that inner backend. One thread drives one rank (a thread rank on CPU,
 //! the process's main thread on a GPU), so a thread-local registry needs no rank lookup.
 
-use core::any::{Any, TypeId};
-use std::cell::RefCell;
-
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Tensor, backend::AutodiffBackend};
 use burn_backend::{Backend, distributed::DistributedParamId};
@@ -29,67 +26,87 @@ pub trait GradientHook<B: Backend>: Send {
     fn on_backward_end(&mut self) {}
 }
 
-thread_local! {
-    static HOOKS: RefCell<Vec<(TypeId, Box<dyn Any>)>> = const { RefCell::new(Vec::new()) };
+/// Per-thread registry of the objects `ZeroBackend` calls back into: gradient hooks and
+/// parameter gatherers, one of each kind per inner backend, keyed by the boxed trait object's
+/// type. One thread drives one rank, so no lookup by rank is needed.
+pub mod registry {
+    use core::any::{Any, TypeId};
+    use std::cell::RefCell;
+
+    thread_local! {
+        static SLOTS: RefCell<Vec<(TypeId, Box<dyn Any>)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// Keeps an object installed on this thread; dropping it uninstalls the object.
+    #[must_use = "the object is uninstalled when the guard is dropped"]
+    pub struct Guard<T: ?Sized + 'static> {
+        _kind: core::marker::PhantomData<(Box<T>, *const ())>,
+    }
+
+    impl<T: ?Sized + 'static> Drop for Guard<T> {
+        fn drop(&mut self) {
+            SLOTS.with(|s| {
+                s.borrow_mut()
+                    .retain(|(id, _)| *id != TypeId::of::<Box<T>>())
+            });
+        }
+    }
+
+    /// Installs `value` on this thread, replacing an earlier one of its kind.
+    pub fn install<T: ?Sized + 'static>(value: Box<T>) -> Guard<T> {
+        SLOTS.with(|s| {
+            let mut s = s.borrow_mut();
+            s.retain(|(id, _)| *id != TypeId::of::<Box<T>>());
+            s.push((TypeId::of::<Box<T>>(), Box::new(Some(value))));
+        });
+        Guard {
+            _kind: core::marker::PhantomData,
+        }
+    }
+
+    /// Whether an object of this kind is installed on this thread.
+    pub fn is_installed<T: ?Sized + 'static>() -> bool {
+        SLOTS.with(|s| {
+            s.borrow()
+                .iter()
+                .any(|(id, _)| *id == TypeId::of::<Box<T>>())
+        })
+    }
+
+    /// Runs `f` on this thread's object of kind `T`, if one is installed (and not already
+    /// running). The object is taken out while it runs, so it may run tensor ops itself.
+    pub fn with<T: ?Sized + 'static, R>(f: impl FnOnce(&mut T) -> R) -> Option<R> {
+        let mut value = access::<T, _>(|slot| slot.take()).flatten()?;
+        let result = f(value.as_mut());
+        access::<T, _>(|slot| *slot = Some(value));
+        Some(result)
+    }
+
+    fn access<T: ?Sized + 'static, R>(f: impl FnOnce(&mut Option<Box<T>>) -> R) -> Option<R> {
+        SLOTS.with(|s| {
+            let mut s = s.borrow_mut();
+            let (_, slot) = s.iter_mut().find(|(id, _)| *id == TypeId::of::<Box<T>>())?;
+            Some(f(slot.downcast_mut::<Option<Box<T>>>()?))
+        })
+    }
 }
 
 /// Keeps a hook installed on this thread; dropping it uninstalls the hook.
-#[must_use = "the hook is uninstalled when the guard is dropped"]
-pub struct HookGuard<B: Backend> {
-    _backend: core::marker::PhantomData<(B, *const ())>,
-}
-
-impl<B: Backend> Drop for HookGuard<B> {
-    fn drop(&mut self) {
-        HOOKS.with(|hooks| {
-            hooks
-                .borrow_mut()
-                .retain(|(id, _)| *id != TypeId::of::<B>())
-        });
-    }
-}
+pub type HookGuard<B> = registry::Guard<dyn GradientHook<B>>;
 
 /// Installs `hook` for `ZeroBackend<B>` on the calling thread, replacing any earlier one.
 pub fn install<B: Backend>(hook: Box<dyn GradientHook<B>>) -> HookGuard<B> {
-    HOOKS.with(|hooks| {
-        let mut hooks = hooks.borrow_mut();
-        hooks.retain(|(id, _)| *id != TypeId::of::<B>());
-        hooks.push((TypeId::of::<B>(), Box::new(Some(hook))));
-    });
-    HookGuard {
-        _backend: core::marker::PhantomData,
-    }
+    registry::install(hook)
 }
 
 /// Whether a hook for `ZeroBackend<B>` is installed on this thread.
 pub fn is_installed<B: Backend>() -> bool {
-    HOOKS.with(|hooks| {
-        hooks
-            .borrow()
-            .iter()
-            .any(|(id, _)| *id == TypeId::of::<B>())
-    })
+    registry::is_installed::<dyn GradientHook<B>>()
 }
 
-/// Runs `f` on this thread's hook for `B`, if one is installed. The hook is taken out of the
-/// registry while it runs, so it may itself run tensor ops on `ZeroBackend`.
+/// Runs `f` on this thread's hook for `B`, if one is installed.
 pub(crate) fn with_hook<B: Backend, R>(f: impl FnOnce(&mut dyn GradientHook<B>) -> R) -> Option<R> {
-    let mut hook = HOOKS.with(|hooks| {
-        let mut hooks = hooks.borrow_mut();
-        let (_, slot) = hooks.iter_mut().find(|(id, _)| *id == TypeId::of::<B>())?;
-        slot.downcast_mut::<Option<Box<dyn GradientHook<B>>>>()?
-            .take()
-    })?;
-    let result = f(hook.as_mut());
-    HOOKS.with(|hooks| {
-        let mut hooks = hooks.borrow_mut();
-        if let Some((_, slot)) = hooks.iter_mut().find(|(id, _)| *id == TypeId::of::<B>())
-            && let Some(empty) = slot.downcast_mut::<Option<Box<dyn GradientHook<B>>>>()
-        {
-            *empty = Some(hook);
-        }
-    });
-    Some(result)
+    registry::with::<dyn GradientHook<B>, _>(|hook| f(hook))
 }
 
 /// Marks every float parameter of `module` as distributed, so that autodiff reports its final

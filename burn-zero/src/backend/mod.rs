@@ -14,9 +14,11 @@ pub mod matmul;
 #[cfg(feature = "cuda")]
 mod matmul_cuda;
 mod ops_list;
+pub mod sharded;
 #[cfg(feature = "cuda")]
 mod stream_order;
 mod tensor;
 
 pub use base::ZeroBackend;
+pub use sharded::{GathererGuard, ParamGatherer, ShardedParam, install_gatherer};
 pub use tensor::ZeroTensor;

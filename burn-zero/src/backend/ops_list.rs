@@ -4,7 +4,7 @@
 //! forwarded to the inner backend, default-bodied ones too, so the inner backend's own
 //! specializations run unchanged. Types in `[..]` are those of the trait with `B` = `Self`.
 //! Hand edits: `=> path` routes `float_matmul` and the matmuls of `linear` to burn-zero's own
-//! (cuBLASLt on CUDA).
+//! (cuBLASLt on CUDA); `=> @raw path` routes the shape-only ops that stay lazy on ZeRO-3 shards.
 
 use burn_backend::{BoolDType, FloatDType, IntDType};
 use burn_backend::{
@@ -358,11 +358,15 @@ forward_ops! { FloatTensorOps;
     fn float_cross(lhs: [FloatTensor<Self>], rhs: [FloatTensor<Self>], dim: [usize]) -> [FloatTensor<Self>];
     fn float_neg(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
     fn float_recip(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
-    fn float_transpose(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
-    fn float_swap_dims(tensor: [FloatTensor<Self>], dim1: [usize], dim2: [usize]) -> [FloatTensor<Self>];
-    fn float_permute(tensor: [FloatTensor<Self>], axes: [&[usize]]) -> [FloatTensor<Self>];
+    fn float_transpose(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>]
+        => @raw crate::backend::sharded::float_transpose::<B>;
+    fn float_swap_dims(tensor: [FloatTensor<Self>], dim1: [usize], dim2: [usize]) -> [FloatTensor<Self>]
+        => @raw crate::backend::sharded::float_swap_dims::<B>;
+    fn float_permute(tensor: [FloatTensor<Self>], axes: [&[usize]]) -> [FloatTensor<Self>]
+        => @raw crate::backend::sharded::float_permute::<B>;
     fn float_flip(tensor: [FloatTensor<Self>], axes: [&[usize]]) -> [FloatTensor<Self>];
-    fn float_reshape(tensor: [FloatTensor<Self>], shape: [Shape]) -> [FloatTensor<Self>];
+    fn float_reshape(tensor: [FloatTensor<Self>], shape: [Shape]) -> [FloatTensor<Self>]
+        => @raw crate::backend::sharded::float_reshape::<B>;
     fn float_gather(dim: [usize], tensor: [FloatTensor<Self>], indices: [IntTensor<Self>]) -> [FloatTensor<Self>];
     fn float_scatter_add(dim: [usize], tensor: [FloatTensor<Self>], indices: [IntTensor<Self>], value: [FloatTensor<Self>]) -> [FloatTensor<Self>];
     fn float_scatter_nd(_data: [FloatTensor<Self>], _indices: [IntTensor<Self>], _values: [FloatTensor<Self>], _reduction: [IndexingUpdateOp]) -> [FloatTensor<Self>];

@@ -1,12 +1,16 @@
 //! The float primitive of [`ZeroBackend`](super::ZeroBackend).
 
+use std::sync::Arc;
+
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
+
+use super::sharded::{ShardedParam, ShardedView, ViewOp};
 
 /// A float tensor as `ZeroBackend` holds it.
 ///
 /// Every op reads its operands through [`ZeroTensor::into_inner`] / [`ZeroTensor::inner`] and
-/// wraps its results with [`ZeroTensor::local`]: that is the single place where a future
-/// sharded parameter (ZeRO-3) is gathered on demand, without touching the forwarding code.
+/// wraps its results with [`ZeroTensor::local`]: that is the single place where a sharded
+/// parameter (ZeRO-3) is gathered on demand, without touching the forwarding code.
 #[derive(Clone, Debug)]
 pub struct ZeroTensor<B: Backend> {
     repr: Repr<B>,
@@ -17,6 +21,8 @@ pub struct ZeroTensor<B: Backend> {
 enum Repr<B: Backend> {
     /// The full tensor, held by the inner backend on this rank.
     Local(B::FloatTensorPrimitive),
+    /// A ZeRO-3 parameter: this rank's partition, gathered by every op that reads it.
+    Sharded(ShardedView<B>),
 }
 
 impl<B: Backend> ZeroTensor<B> {
@@ -27,24 +33,69 @@ impl<B: Backend> ZeroTensor<B> {
         }
     }
 
-    /// The full tensor of the inner backend, consuming the handle.
+    /// A handle on a sharded parameter.
+    pub fn sharded(param: Arc<ShardedParam<B>>) -> Self {
+        let shape = param.shape.clone();
+        Self {
+            repr: Repr::Sharded(ShardedView {
+                param,
+                views: Vec::new(),
+                shape,
+            }),
+        }
+    }
+
+    /// The sharded parameter behind this handle, when it is one and no view was taken of it.
+    pub fn as_sharded(&self) -> Option<&Arc<ShardedParam<B>>> {
+        match &self.repr {
+            Repr::Sharded(s) if s.views.is_empty() => Some(&s.param),
+            _ => None,
+        }
+    }
+
+    /// The full tensor of the inner backend, consuming the handle (a sharded parameter is
+    /// gathered).
     pub fn into_inner(self) -> B::FloatTensorPrimitive {
         match self.repr {
             Repr::Local(tensor) => tensor,
+            Repr::Sharded(s) => s.materialize(),
         }
     }
 
     /// The full tensor of the inner backend, borrowed.
+    ///
+    /// # Panics
+    /// On a sharded parameter, which has no full tensor to borrow: read it by value.
     pub fn inner(&self) -> &B::FloatTensorPrimitive {
         match &self.repr {
             Repr::Local(tensor) => tensor,
+            Repr::Sharded(s) => panic!(
+                "parameter #{} is a ZeRO-3 shard: it can be read by value only",
+                s.param.slot
+            ),
+        }
+    }
+
+    /// A tensor of the inner backend on the same device with the same dtype: the tensor
+    /// itself, or a sharded parameter's partition (for queries such as `float_device`).
+    pub fn inner_for_metadata(&self) -> &B::FloatTensorPrimitive {
+        match &self.repr {
+            Repr::Local(tensor) => tensor,
+            Repr::Sharded(s) => &s.param.partition,
         }
     }
 
     /// The full tensor of the inner backend, mutably borrowed (gradient hooks replace it).
+    ///
+    /// # Panics
+    /// On a sharded parameter (gradients are never sharded handles).
     pub fn inner_mut(&mut self) -> &mut B::FloatTensorPrimitive {
         match &mut self.repr {
             Repr::Local(tensor) => tensor,
+            Repr::Sharded(s) => panic!(
+                "parameter #{} is a ZeRO-3 shard and cannot be modified in place",
+                s.param.slot
+            ),
         }
     }
 
@@ -52,18 +103,35 @@ impl<B: Backend> ZeroTensor<B> {
     pub fn is_local(&self) -> bool {
         matches!(self.repr, Repr::Local(_))
     }
+
+    /// A shape-only op: applied now to a local tensor, recorded on a sharded handle.
+    pub(crate) fn view(self, op: ViewOp) -> Self {
+        match self.repr {
+            Repr::Local(t) => Self::local(op.apply::<B>(t)),
+            Repr::Sharded(mut s) => {
+                s.shape = op.shape(&s.shape);
+                s.views.push(op);
+                Self {
+                    repr: Repr::Sharded(s),
+                }
+            }
+        }
+    }
 }
 
 impl<B: Backend> TensorMetadata for ZeroTensor<B> {
     fn dtype(&self) -> DType {
-        self.inner().dtype()
+        self.inner_for_metadata().dtype()
     }
 
     fn shape(&self) -> Shape {
-        self.inner().shape()
+        match &self.repr {
+            Repr::Local(t) => t.shape(),
+            Repr::Sharded(s) => s.shape.clone(),
+        }
     }
 
     fn rank(&self) -> usize {
-        self.inner().rank()
+        self.shape().num_dims()
     }
 }

@@ -189,6 +189,40 @@ pub struct OpSignature {
     pub dtype: DType,
     /// Elements this rank contributes (the input length).
     pub count: usize,
+    /// What the caller says the call is for ([`with_label`]; 0 when unlabeled): ranks must
+    /// agree on it too, so a call for a different purpose at the same sequence number is a
+    /// mismatch even when kind and length agree (ZeRO-3 labels each gather with its parameter).
+    pub label: u64,
+}
+
+impl OpSignature {
+    /// The signature of a call made now on this thread (the current [`with_label`] label).
+    pub fn new(kind: OpKind, dtype: DType, count: usize) -> Self {
+        Self {
+            kind,
+            dtype,
+            count,
+            label: current_label(),
+        }
+    }
+}
+
+std::thread_local! {
+    static LABEL: core::cell::Cell<u64> = const { core::cell::Cell::new(0) };
+}
+
+/// Runs `f` with every collective this thread starts labeled `label`. Labels travel in the
+/// call signatures that communicators already compare across ranks, at no extra round trip.
+pub fn with_label<R>(label: u64, f: impl FnOnce() -> R) -> R {
+    let previous = LABEL.with(|l| l.replace(label));
+    let result = f();
+    LABEL.with(|l| l.set(previous));
+    result
+}
+
+/// The label of collectives started now on this thread.
+pub fn current_label() -> u64 {
+    LABEL.with(|l| l.get())
 }
 
 impl fmt::Display for OpSignature {
@@ -198,10 +232,16 @@ impl fmt::Display for OpSignature {
             OpKind::ReduceScatter(op) => write!(f, "reduce_scatter[{op:?}]")?,
             OpKind::AllGather => write!(f, "all_gather")?,
             OpKind::Broadcast { root } => write!(f, "broadcast[root {root}]")?,
-            OpKind::Barrier => return f.write_str("barrier"),
+            OpKind::Barrier => f.write_str("barrier")?,
             OpKind::PointToPoint => write!(f, "send/recv")?,
         }
-        write!(f, "({} x {})", self.dtype, self.count)
+        if self.kind != OpKind::Barrier {
+            write!(f, "({} x {})", self.dtype, self.count)?;
+        }
+        if self.label != 0 {
+            write!(f, " [label {}]", self.label)?;
+        }
+        Ok(())
     }
 }
 

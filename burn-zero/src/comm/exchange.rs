@@ -35,11 +35,7 @@ pub(crate) fn next_seq(counters: &Mutex<HashMap<usize, u64>>, peer: usize) -> u6
 }
 
 fn signature(kind: OpKind, input: &Buf<'_>) -> OpSignature {
-    OpSignature {
-        kind,
-        dtype: input.dtype(),
-        count: input.len(),
-    }
+    OpSignature::new(kind, input.dtype(), input.len())
 }
 
 fn invalid(rank: usize, call: OpSignature, reason: String) -> CommError {

@@ -98,7 +98,7 @@ impl Raw {
             Raw::AllGather => OpKind::AllGather,
             Raw::Broadcast(root) => OpKind::Broadcast { root },
         };
-        OpSignature { kind, dtype, count }
+        OpSignature::new(kind, dtype, count)
     }
 }
 

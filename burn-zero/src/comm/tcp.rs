@@ -30,7 +30,7 @@ struct Frame {
     payload: Payload,
 }
 
-const HELLO: &[u8; 4] = b"BZ01";
+const HELLO: &[u8; 4] = b"BZ02";
 
 fn encode_call(call: &OpSignature, out: &mut Vec<u8>) {
     let (kind, op, root) = match call.kind {
@@ -45,9 +45,14 @@ fn encode_call(call: &OpSignature, out: &mut Vec<u8>) {
     out.extend_from_slice(&root.to_le_bytes());
     out.push(call.dtype as u8);
     out.extend_from_slice(&(call.count as u64).to_le_bytes());
+    out.push(0); // pad to 16 bytes
+    out.extend_from_slice(&call.label.to_le_bytes());
 }
 
-fn decode_call(b: &[u8; 16]) -> Option<OpSignature> {
+/// Bytes of an encoded [`OpSignature`].
+const CALL_BYTES: usize = 24;
+
+fn decode_call(b: &[u8; CALL_BYTES]) -> Option<OpSignature> {
     let op = match b[1] {
         0 => ReduceOp::Sum,
         1 => ReduceOp::Avg,
@@ -71,7 +76,13 @@ fn decode_call(b: &[u8; 16]) -> Option<OpSignature> {
         _ => return None,
     };
     let count = u64::from_le_bytes(b[7..15].try_into().ok()?) as usize;
-    Some(OpSignature { kind, dtype, count })
+    let label = u64::from_le_bytes(b[16..24].try_into().ok()?);
+    Some(OpSignature {
+        kind,
+        dtype,
+        count,
+        label,
+    })
 }
 
 fn write_frame(stream: &mut TcpStream, frame: &Frame) -> std::io::Result<()> {
@@ -79,7 +90,6 @@ fn write_frame(stream: &mut TcpStream, frame: &Frame) -> std::io::Result<()> {
     bytes.push(frame.channel as u8);
     bytes.extend_from_slice(&frame.seq.to_le_bytes());
     encode_call(&frame.call, &mut bytes);
-    bytes.push(0); // pad the call to 16 bytes
     let mut payload = Vec::new();
     frame.payload.write_le(&mut payload);
     bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
@@ -89,7 +99,7 @@ fn write_frame(stream: &mut TcpStream, frame: &Frame) -> std::io::Result<()> {
 
 fn read_frame(reader: &mut impl Read) -> std::io::Result<Frame> {
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
-    let mut head = [0u8; 1 + 8 + 16 + 8];
+    let mut head = [0u8; 1 + 8 + CALL_BYTES + 8];
     reader.read_exact(&mut head)?;
     let channel = match head[0] {
         0 => Channel::Collective,
@@ -97,9 +107,10 @@ fn read_frame(reader: &mut impl Read) -> std::io::Result<Frame> {
         _ => return Err(bad("unknown channel")),
     };
     let seq = u64::from_le_bytes(head[1..9].try_into().expect("8 bytes"));
-    let call = decode_call(head[9..25].try_into().expect("16 bytes"))
+    let call = decode_call(head[9..9 + CALL_BYTES].try_into().expect("a call"))
         .ok_or_else(|| bad("unknown call"))?;
-    let len = u64::from_le_bytes(head[25..33].try_into().expect("8 bytes")) as usize;
+    let at = 9 + CALL_BYTES;
+    let len = u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes")) as usize;
     let mut payload = vec![0u8; len];
     reader.read_exact(&mut payload)?;
     Ok(Frame {

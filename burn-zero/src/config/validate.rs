@@ -57,12 +57,6 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
             ),
         ));
     }
-    if z.stage == 3 {
-        return Err(unsupported(
-            "zero_optimization.stage",
-            "stage 3 (sharded parameters) is not implemented yet; use 0, 1 or 2",
-        ));
-    }
     if z.legacy_stage1 {
         return Err(unsupported(
             "zero_optimization.legacy_stage1",

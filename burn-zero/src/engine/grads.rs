@@ -15,6 +15,7 @@ use burn_backend::{Backend, TensorMetadata};
 
 use super::collective::FlatComm;
 use super::params::FlatLayout;
+use super::stage3::Stage3;
 use crate::ZeroTensor;
 use crate::backend::hooks::GradientHook;
 use crate::comm::{CommError, ReduceOp};
@@ -29,13 +30,16 @@ struct Pending<I: Backend> {
 /// What the hook accumulates into, shared with the engine.
 pub(crate) struct GradState<I: Backend> {
     layout: Arc<FlatLayout>,
-    offsets: HashMap<DistributedParamId, usize>,
+    /// Index in `layout` of each parameter.
+    slots: HashMap<DistributedParamId, usize>,
     plan: PartitionPlan,
     pub(crate) flat: FlatComm<I>,
     stage: u8,
     bucket_size: usize,
-    /// Stage 0/1: the full flat gradient. Stage 2: this rank's chunk.
+    /// Stage 0/1: the full flat gradient. Stage 2: this rank's chunk. Stage 3: this rank's
+    /// partition of the [`ShardPlan`](crate::partition::ShardPlan).
     pub(crate) buffer: Tensor<I, 1>,
+    /// Gradients waiting for a reduce-scatter: (slot, flattened gradient).
     bucket: Vec<(usize, Tensor<I, 1>)>,
     bucket_elems: usize,
     pending: Vec<Pending<I>>,
@@ -45,6 +49,8 @@ pub(crate) struct GradState<I: Backend> {
     pub(crate) failure: Option<CommError>,
     /// Parameters reported final during the running backward.
     pub(crate) seen: usize,
+    /// Stage 3: the sharded parameters and their gathers.
+    pub(crate) stage3: Option<Stage3<I>>,
 }
 
 impl<I: Backend> GradState<I> {
@@ -54,21 +60,23 @@ impl<I: Backend> GradState<I> {
         flat: FlatComm<I>,
         stage: u8,
         bucket_size: usize,
+        stage3: Option<Stage3<I>>,
     ) -> Self {
-        let len = if stage >= 2 {
-            plan.chunk()
-        } else {
-            layout.numel()
+        let len = match &stage3 {
+            Some(s3) => s3.plan().len(),
+            None if stage >= 2 => plan.chunk(),
+            None => layout.numel(),
         };
-        let offsets = layout
+        let slots = layout
             .slots()
             .iter()
-            .map(|s| (DistributedParamId::from(s.id.val()), s.offset))
+            .enumerate()
+            .map(|(i, s)| (DistributedParamId::from(s.id.val()), i))
             .collect();
         let buffer = Tensor::zeros([len], flat.device());
         Self {
             layout,
-            offsets,
+            slots,
             plan,
             flat,
             stage,
@@ -80,6 +88,7 @@ impl<I: Backend> GradState<I> {
             boundary: true,
             failure: None,
             seen: 0,
+            stage3,
         }
     }
 
@@ -99,19 +108,20 @@ impl<I: Backend> GradState<I> {
     }
 
     fn accept(&mut self, id: DistributedParamId, grad: Tensor<I, 1>) {
-        let Some(&offset) = self.offsets.get(&id) else {
+        let Some(&slot) = self.slots.get(&id) else {
             return;
         };
         self.seen += 1;
         let n = grad.dims()[0];
         if self.stage < 2 {
+            let offset = self.layout.slots()[slot].offset;
             let range = offset..offset + n;
             let sum = self.buffer.clone().slice(range.clone()) + grad;
             self.buffer = self.buffer.clone().slice_assign(range, sum);
             return;
         }
         self.bucket_elems += n;
-        self.bucket.push((offset, grad));
+        self.bucket.push((slot, grad));
         if self.bucket_elems >= self.bucket_size {
             self.flush();
         }
@@ -124,8 +134,19 @@ impl<I: Backend> GradState<I> {
         if items.is_empty() || self.failure.is_some() {
             return;
         }
-        let spans: Vec<_> = items.iter().map(|(o, t)| (*o, t.dims()[0])).collect();
-        let layout = ScatterLayout::new(&self.plan, &spans);
+        let layout = match &self.stage3 {
+            Some(s3) => {
+                let slots: Vec<usize> = items.iter().map(|(slot, _)| *slot).collect();
+                ScatterLayout::sharded(s3.plan(), &slots)
+            }
+            None => {
+                let spans: Vec<_> = items
+                    .iter()
+                    .map(|(slot, t)| (self.layout.slots()[*slot].offset, t.dims()[0]))
+                    .collect();
+                ScatterLayout::new(&self.plan, &spans)
+            }
+        };
         if layout.longest == 0 {
             return;
         }
@@ -233,6 +254,10 @@ impl<I: Backend> GradientHook<I> for EngineHook<I> {
     }
 
     fn on_backward_end(&mut self) {
-        self.state.lock().expect("gradient state").finish_backward();
+        let mut state = self.state.lock().expect("gradient state");
+        state.finish_backward();
+        if let Some(s3) = state.stage3.as_mut() {
+            s3.end_pass();
+        }
     }
 }

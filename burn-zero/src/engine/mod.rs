@@ -13,6 +13,7 @@ mod collective;
 mod grads;
 mod memory;
 mod params;
+mod stage3;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -24,10 +25,12 @@ use burn::tensor::{ElementConversion, Tensor};
 
 pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates};
 pub use params::{FlatLayout, ParamSlot, flatten_params, unflatten_params};
+pub use stage3::{GatherEvent, GatherStats};
 
 use crate::ZeroBackend;
 use crate::backend::hooks::{self, HookGuard};
 use crate::backend::matmul::{MatmulPolicy, matmul_policy, set_matmul_policy};
+use crate::backend::{GathererGuard, install_gatherer};
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::config::{ConfigError, DeepSpeedConfig, ResolvedConfig};
 use crate::optim::{StepParams, TensorOptimizer};
@@ -35,6 +38,7 @@ use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
 use collective::FlatComm;
 use grads::{EngineHook, GradState};
+use stage3::{EngineGatherer, Stage3, rebuild_params, sharded_handles};
 
 /// The autodiff backend the engine trains on.
 pub type ZeroAutodiff<I> = Autodiff<ZeroBackend<I>>;
@@ -65,7 +69,7 @@ pub struct Timings {
     pub step: Duration,
 }
 
-/// A model being trained data-parallel with ZeRO stage 0, 1 or 2.
+/// A model being trained data-parallel with ZeRO stage 0, 1, 2 or 3.
 pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     model: Option<M>,
     comm: Arc<dyn Communicator>,
@@ -84,6 +88,7 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     last_grad_norm: Option<f64>,
     timings: Timings,
     _hook: HookGuard<I>,
+    _gatherer: Option<GathererGuard<I>>,
 }
 
 /// Builds an engine for `model` from `config` over `comm` (DeepSpeed's `deepspeed.initialize`).
@@ -130,12 +135,23 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     } else {
         PartitionPlan::aligned(layout.numel(), world, PARTITION_ALIGN)
     };
+    let mut stage3 = (stage == 3).then(|| {
+        let trace = crate::trace::TraceConfig {
+            prefetch_bucket_size: zero.prefetch_bucket_size.get(),
+            max_live_parameters: zero.max_live_parameters.get(),
+            max_reuse_distance: zero.max_reuse_distance.get(),
+        };
+        Stage3::<I>::new(
+            &layout,
+            world,
+            PARTITION_ALIGN,
+            zero.param_persistence_threshold.get(),
+            trace,
+        )
+    });
 
-    let params = flatten_params(&model, &layout);
-    let device = params.device();
+    let device = model_device(&model);
     let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
-    let params = flat.broadcast(params, 0)?;
-    flat.wait()?;
     // Frozen parameters (a LoRA base) are neither reduced nor optimized, but every rank must
     // compute with rank 0's values too.
     let frozen = FlatLayout::of_frozen(&model);
@@ -147,26 +163,55 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         flat.wait()?;
         unflatten_params(model, &frozen, values)
     };
-    let owned = owned_range(&plan, stage, comm.rank());
-    let master = params.clone().slice(owned.clone());
-    let model = hooks::mark_distributed(unflatten_params(model, &layout, params));
+    let (model, master) = match stage3.as_mut() {
+        Some(s3) => {
+            let master = match sharded_master(&model, &layout, s3)? {
+                // Built sharded (every rank its own partitions, from the same seed).
+                Some(master) => master,
+                None => {
+                    let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
+                    flat.wait()?;
+                    s3.partition_of(&params, comm.rank())
+                }
+            };
+            s3.set_partitions(&master);
+            let full = s3.gather_persistent(&mut flat, &master)?;
+            let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));
+            (hooks::mark_distributed(model), master)
+        }
+        None => {
+            let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
+            flat.wait()?;
+            let owned = owned_range(&plan, stage, comm.rank());
+            let master = params.clone().slice(owned);
+            let model = unflatten_params(model, &layout, params);
+            (hooks::mark_distributed(model), master)
+        }
+    };
 
     let optimizer = TensorOptimizer::new(
         resolved.optimizer,
         &resolved.optimizer_params,
-        owned.len(),
+        master.dims()[0],
         &device,
     );
+    let with_gatherer = stage3.is_some();
     let grads = Arc::new(Mutex::new(GradState::new(
         layout.clone(),
         plan,
         flat,
         stage,
         zero.reduce_bucket_size.get(),
+        stage3,
     )));
     let hook = hooks::install::<I>(Box::new(EngineHook {
         state: grads.clone(),
     }));
+    let gatherer = with_gatherer.then(|| {
+        install_gatherer::<I>(Box::new(EngineGatherer {
+            state: grads.clone(),
+        }))
+    });
     Ok(Engine {
         model: Some(model),
         scheduler: Scheduler::new(resolved.schedule.clone()),
@@ -183,10 +228,61 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         last_grad_norm: None,
         timings: Timings::default(),
         _hook: hook,
+        _gatherer: gatherer,
     })
 }
 
-/// The elements of the flat buffer whose optimizer state `rank` holds.
+/// The device of the model's parameters (of the first trainable one).
+fn model_device<I: Backend, M: Module<ZeroAutodiff<I>>>(model: &M) -> I::Device {
+    model.devices().into_iter().next().unwrap_or_default()
+}
+
+/// This rank's partition when `model` was built sharded ([`construct`]): its handles'
+/// partitions and its full parameters' chunks, in layout order; `None` for a full model.
+fn sharded_master<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    model: &M,
+    layout: &FlatLayout,
+    s3: &Stage3<I>,
+) -> Result<Option<Tensor<I, 1>>, EngineError> {
+    let handles = sharded_handles(model, layout);
+    if handles.iter().all(Option::is_none) {
+        return Ok(None);
+    }
+    let plan = s3.plan();
+    let mut parts = Vec::new();
+    for (p, handle) in handles.into_iter().enumerate() {
+        let part = match handle {
+            Some(h) => {
+                let t = Tensor::<I, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+                    h.partition.clone(),
+                ));
+                if t.dims()[0] != plan.chunk(p) {
+                    return Err(EngineError::Usage(format!(
+                        "parameter `{}` was built sharded for another world size: its partition \
+                         holds {} elements, {} ranks need {}",
+                        layout.slots()[p].name,
+                        t.dims()[0],
+                        plan.world_size(),
+                        plan.chunk(p)
+                    )));
+                }
+                t
+            }
+            None => {
+                return Err(EngineError::Usage(format!(
+                    "parameter `{}` is full while others were built sharded: build the whole \
+                     model with `burn_zero::engine::construct_sharded`",
+                    layout.slots()[p].name
+                )));
+            }
+        };
+        parts.push(part);
+    }
+    Ok(Some(Tensor::cat(parts, 0)))
+}
+
+/// The elements of the flat buffer whose optimizer state `rank` holds (stages 0–2; stage 3
+/// partitions per parameter, see [`crate::partition::ShardPlan`]).
 fn owned_range(plan: &PartitionPlan, stage: u8, rank: usize) -> core::ops::Range<usize> {
     if stage == 0 {
         0..plan.numel()
@@ -248,12 +344,21 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Bytes this rank holds for parameters, gradients, optimizer state and communication.
     pub fn memory_report(&self) -> MemoryReport {
         let state = self.state();
+        let params = match &state.stage3 {
+            Some(s3) => s3.param_numel(),
+            None => self.layout.numel(),
+        };
         MemoryReport {
-            parameters: 4 * (self.layout.numel() + self.frozen_params),
+            parameters: 4 * (params + self.frozen_params),
             gradients: state.gradient_bytes(),
             optimizer_state: 4 * self.master.dims()[0] + self.optimizer.state_bytes(),
             communication_buffers: state.comm_buffer_bytes(),
         }
+    }
+
+    /// What the ZeRO-3 gathers did so far (`None` below stage 3).
+    pub fn gather_stats(&self) -> Option<GatherStats> {
+        self.state().stage3.as_ref().map(|s3| s3.stats())
     }
 
     /// Collectives that ran on device memory so far (0 on the host path).
@@ -314,6 +419,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let mut state = grads.lock().expect("gradient state");
         let grad = match stage {
             0 | 2 => state.buffer.clone().slice(0..owned.len()),
+            3 => state.buffer.clone(),
             _ => state.buffer.clone().slice(owned.clone()),
         };
         let norm = global_norm(&mut state.flat, grad.clone(), stage)?;
@@ -335,32 +441,38 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.master = params.clone();
         state.clear();
 
-        let flat = if stage == 0 {
-            params
+        let model = self.model.take().expect("model");
+        let model = if stage == 3 {
+            // No all-gather: the new partitions are the new handles.
+            let state = &mut *state;
+            let s3 = state.stage3.as_mut().expect("stage 3 state");
+            s3.set_partitions(&params);
+            let full = s3.gather_persistent(&mut state.flat, &params)?;
+            rebuild_params(model, &self.layout, |p| s3.handle(p, full.get(&p)))
         } else {
-            let piece = self
-                .resolved
-                .config
-                .zero_optimization
-                .allgather_bucket_size
-                .get()
-                / self.comm.world_size();
-            let padding = self.plan.chunk() - owned.len();
-            let chunk = if padding > 0 {
-                let zeros = Tensor::zeros([padding], &params.device());
-                Tensor::cat(vec![params, zeros], 0)
-            } else {
+            let flat = if stage == 0 {
                 params
+            } else {
+                let piece = self
+                    .resolved
+                    .config
+                    .zero_optimization
+                    .allgather_bucket_size
+                    .get()
+                    / self.comm.world_size();
+                let padding = self.plan.chunk() - owned.len();
+                let chunk = if padding > 0 {
+                    let zeros = Tensor::zeros([padding], &params.device());
+                    Tensor::cat(vec![params, zeros], 0)
+                } else {
+                    params
+                };
+                all_gather_in_pieces(&mut state.flat, chunk, piece)?
             };
-            all_gather_in_pieces(&mut state.flat, chunk, piece)?
+            unflatten_params(model, &self.layout, flat)
         };
         drop(state);
-        let model = self.model.take().expect("model");
-        self.model = Some(hooks::mark_distributed(unflatten_params(
-            model,
-            &self.layout,
-            flat,
-        )));
+        self.model = Some(hooks::mark_distributed(model));
 
         self.scheduler.step();
         self.global_steps += 1;

@@ -19,6 +19,8 @@ pub struct ParamSlot {
     pub shape: Vec<usize>,
     /// Offset of its first element.
     pub offset: usize,
+    /// Its path in the module, dotted (`blocks.3.attn.q_proj.weight`).
+    pub name: String,
 }
 
 impl ParamSlot {
@@ -49,23 +51,43 @@ impl FlatLayout {
     }
 
     fn select<B: Backend, M: Module<B>>(module: &M, trainable: bool) -> Self {
-        struct Collect(Vec<(ParamId, Vec<usize>)>, bool);
+        struct Collect {
+            found: Vec<(ParamId, Vec<usize>, String)>,
+            trainable: bool,
+            path: Vec<String>,
+        }
         impl<B: Backend> ModuleVisitor<B> for Collect {
+            fn enter_module(&mut self, name: &str, _container_type: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _name: &str, _container_type: &str) {
+                self.path.pop();
+            }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
                 let value = param.val();
-                if value.is_require_grad() == self.1 {
-                    self.0.push((param.id, value.dims().to_vec()));
+                if value.is_require_grad() == self.trainable {
+                    let name = self.path.join(".");
+                    self.found.push((param.id, value.dims().to_vec(), name));
                 }
             }
         }
-        let mut collect = Collect(Vec::new(), trainable);
+        let mut collect = Collect {
+            found: Vec::new(),
+            trainable,
+            path: Vec::new(),
+        };
         module.visit(&mut collect);
         let mut offset = 0;
         let slots: Vec<ParamSlot> = collect
-            .0
+            .found
             .into_iter()
-            .map(|(id, shape)| {
-                let slot = ParamSlot { id, shape, offset };
+            .map(|(id, shape, name)| {
+                let slot = ParamSlot {
+                    id,
+                    shape,
+                    offset,
+                    name,
+                };
                 offset += slot.numel();
                 slot
             })

@@ -58,6 +58,11 @@ impl ScatterLayout {
                     .collect()
             })
             .collect();
+        Self::from_pieces(per_rank)
+    }
+
+    /// The layout of the given pieces per rank.
+    pub(crate) fn from_pieces(per_rank: Vec<Vec<Piece>>) -> Self {
         let longest = per_rank
             .iter()
             .map(|p| p.iter().map(|piece| piece.range.len()).sum::<usize>())

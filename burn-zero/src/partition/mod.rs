@@ -6,7 +6,9 @@
 use core::ops::Range;
 
 mod bucket;
+mod shard;
 pub use bucket::{BucketItem, Piece, ScatterLayout, all_gather_in_pieces, reduce_scatter_bucket};
+pub use shard::ShardPlan;
 
 /// Equal chunks of a padded flat buffer, one per rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

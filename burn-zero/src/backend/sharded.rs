@@ -1,0 +1,131 @@
+//! ZeRO-3's sharded parameter: a float primitive that holds only this rank's partition and is
+//! gathered in full by whatever op reads it.
+//!
+//! The gather itself belongs to the engine (it knows the partition plan, the communicator and
+//! the prefetch trace): it installs a [`ParamGatherer`] on the rank's thread, and
+//! [`ZeroTensor::into_inner`](super::ZeroTensor::into_inner) calls it. Shape-only ops
+//! (reshape, transpose, swap_dims, permute) on a sharded handle stay lazy: they are recorded
+//! and replayed on the gathered tensor, so e.g. a tied embedding's transpose saved by autodiff
+//! for backward is a handle, not a full copy kept alive from forward to backward.
+
+use std::sync::Arc;
+
+use burn_backend::{Backend, Shape};
+
+use super::ZeroTensor;
+use super::hooks::registry;
+
+/// This rank's part of one parameter under ZeRO-3.
+#[derive(Debug)]
+pub struct ShardedParam<B: Backend> {
+    /// Index of the parameter in the engine's layout; gathers are labeled with it.
+    pub slot: usize,
+    /// The engine's parameter version (its optimizer steps) when the handle was made: a
+    /// handle kept from an older step is gathered from its own partition, outside the trace.
+    pub version: u64,
+    /// The full shape.
+    pub shape: Shape,
+    /// This rank's partition: a 1-D tensor of the plan's chunk for this parameter, zero
+    /// padded past the end of the parameter.
+    pub partition: B::FloatTensorPrimitive,
+}
+
+/// A shape-only op recorded on a sharded handle, replayed after the gather.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum ViewOp {
+    Reshape(Shape),
+    Transpose,
+    SwapDims(usize, usize),
+    Permute(Vec<usize>),
+}
+
+impl ViewOp {
+    /// The shape of the view of a tensor of shape `shape`.
+    pub(crate) fn shape(&self, shape: &Shape) -> Shape {
+        let mut dims = shape.to_vec();
+        match self {
+            ViewOp::Reshape(to) => return to.clone(),
+            ViewOp::Transpose => {
+                let n = dims.len();
+                dims.swap(n - 2, n - 1);
+            }
+            ViewOp::SwapDims(a, b) => dims.swap(*a, *b),
+            ViewOp::Permute(axes) => dims = axes.iter().map(|&a| shape[a]).collect(),
+        }
+        Shape::from(dims)
+    }
+
+    /// The op on a tensor of the inner backend.
+    pub(crate) fn apply<B: Backend>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
+        match self {
+            ViewOp::Reshape(to) => B::float_reshape(t, to.clone()),
+            ViewOp::Transpose => B::float_transpose(t),
+            ViewOp::SwapDims(a, b) => B::float_swap_dims(t, *a, *b),
+            ViewOp::Permute(axes) => B::float_permute(t, axes),
+        }
+    }
+}
+
+/// Gathers sharded parameters for the ops of one thread (the engine of that rank).
+pub trait ParamGatherer<B: Backend> {
+    /// The full tensor of `param`, in its full shape: gathered now, or already live.
+    fn gather(&mut self, param: &ShardedParam<B>) -> B::FloatTensorPrimitive;
+}
+
+/// Keeps a gatherer installed on this thread; dropping it uninstalls the gatherer.
+pub type GathererGuard<B> = registry::Guard<dyn ParamGatherer<B>>;
+
+/// Installs `gatherer` for `ZeroBackend<B>` on this thread, replacing an earlier one.
+pub fn install_gatherer<B: Backend>(gatherer: Box<dyn ParamGatherer<B>>) -> GathererGuard<B> {
+    registry::install(gatherer)
+}
+
+/// The full tensor of `param`, from this thread's gatherer.
+pub(crate) fn gather<B: Backend>(param: &ShardedParam<B>) -> B::FloatTensorPrimitive {
+    registry::with::<dyn ParamGatherer<B>, _>(|g| g.gather(param)).unwrap_or_else(|| {
+        panic!(
+            "parameter #{} of shape {:?} is a ZeRO-3 shard, and no engine on this thread can \
+             gather it: use the model while its engine is alive, or take the full model from \
+             the engine (`Engine::full_model`)",
+            param.slot, param.shape
+        )
+    })
+}
+
+/// A sharded handle, with the views recorded on it.
+#[derive(Clone, Debug)]
+pub(crate) struct ShardedView<B: Backend> {
+    pub(crate) param: Arc<ShardedParam<B>>,
+    pub(crate) views: Vec<ViewOp>,
+    pub(crate) shape: Shape,
+}
+
+impl<B: Backend> ShardedView<B> {
+    /// Gathers the parameter and replays the views.
+    pub(crate) fn materialize(&self) -> B::FloatTensorPrimitive {
+        let full = gather(&self.param);
+        self.views.iter().fold(full, |t, op| op.apply::<B>(t))
+    }
+}
+
+// The ops routed here (see `ops_list`) take and return `ZeroBackend`'s primitive unconverted.
+
+pub(crate) fn float_reshape<B: Backend>(tensor: ZeroTensor<B>, shape: Shape) -> ZeroTensor<B> {
+    tensor.view(ViewOp::Reshape(shape))
+}
+
+pub(crate) fn float_transpose<B: Backend>(tensor: ZeroTensor<B>) -> ZeroTensor<B> {
+    tensor.view(ViewOp::Transpose)
+}
+
+pub(crate) fn float_swap_dims<B: Backend>(
+    tensor: ZeroTensor<B>,
+    dim1: usize,
+    dim2: usize,
+) -> ZeroTensor<B> {
+    tensor.view(ViewOp::SwapDims(dim1, dim2))
+}
+
+pub(crate) fn float_permute<B: Backend>(tensor: ZeroTensor<B>, axes: &[usize]) -> ZeroTensor<B> {
+    tensor.view(ViewOp::Permute(axes.to_vec()))
+}

@@ -1,0 +1,427 @@
+//! ZeRO-3 in the engine: parameters become sharded handles ([`ShardedParam`]) holding this
+//! rank's chunk of each parameter ([`ShardPlan`]); the gatherer installed on the rank's thread
+//! all-gathers a parameter when an op reads it, replaying the recorded order to prefetch
+//! ([`GatherTracer`]); gradients reduce-scatter into the partition (see `grads`), and after
+//! the optimizer step the new partitions are the new handles, with no all-gather.
+//!
+//! Parameters smaller than `param_persistence_threshold` stay replicated (full, local): they
+//! are partitioned in the optimizer like the others and all-gathered after each step.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
+
+use super::ZeroAutodiff;
+use super::collective::FlatComm;
+use super::grads::GradState;
+use super::params::FlatLayout;
+use crate::backend::{ParamGatherer, ShardedParam};
+use crate::comm::{CommError, with_label};
+use crate::partition::ShardPlan;
+use crate::trace::{GatherTracer, TraceConfig};
+use crate::{ZeroBackend, ZeroTensor};
+
+/// One event of the gathers of a pass (forward + backward), in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatherEvent {
+    /// An op read parameter `slot`; `ready` when its full tensor was already live.
+    Use {
+        /// Index of the parameter in the layout.
+        slot: usize,
+        /// Gathered before this use (prefetched, or kept from an earlier use).
+        ready: bool,
+    },
+    /// An all-gather of parameter `slot` was issued; `ahead` for a prefetch.
+    Gather {
+        /// Index of the parameter in the layout.
+        slot: usize,
+        /// Issued ahead of its use from the recorded trace.
+        ahead: bool,
+    },
+}
+
+/// What the gathers of the engine did so far.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GatherStats {
+    /// All-gathers of sharded parameters issued.
+    pub gathers: usize,
+    /// Of those, issued ahead of use.
+    pub prefetched: usize,
+    /// The most elements of full sharded parameters alive at once (in use, kept or
+    /// prefetched), as the gatherer accounts them.
+    pub peak_live_numel: usize,
+    /// Times a change of order made the trace be recorded again.
+    pub invalidations: usize,
+    /// The events of the last complete pass.
+    pub last_pass: Vec<GatherEvent>,
+}
+
+/// The sharded parameters of one rank and their gathers.
+pub(crate) struct Stage3<I: Backend> {
+    plan: ShardPlan,
+    names: Vec<String>,
+    shapes: Vec<Shape>,
+    persistent: Vec<bool>,
+    tracer: GatherTracer,
+    /// Full (flat, `world × chunk`) gathered parameters kept or prefetched.
+    live: HashMap<usize, Tensor<I, 1>>,
+    /// Prefetches whose collective may still run.
+    in_flight: HashSet<usize>,
+    /// The current partitions of the sharded parameters (what prefetches gather).
+    partitions: Vec<Option<Tensor<I, 1>>>,
+    /// Bumped at each parameter update.
+    version: u64,
+    events: Vec<GatherEvent>,
+    stats: GatherStats,
+}
+
+impl<I: Backend> Stage3<I> {
+    pub(crate) fn new(
+        layout: &FlatLayout,
+        world: usize,
+        align: usize,
+        persistence_threshold: usize,
+        trace: TraceConfig,
+    ) -> Self {
+        let numels: Vec<usize> = layout.slots().iter().map(|s| s.numel()).collect();
+        Self {
+            plan: ShardPlan::new(&numels, world, align),
+            names: layout.slots().iter().map(|s| s.name.clone()).collect(),
+            shapes: layout
+                .slots()
+                .iter()
+                .map(|s| Shape::from(s.shape.clone()))
+                .collect(),
+            persistent: numels.iter().map(|n| *n < persistence_threshold).collect(),
+            tracer: GatherTracer::new(trace),
+            live: HashMap::new(),
+            in_flight: HashSet::new(),
+            partitions: vec![None; numels.len()],
+            version: 0,
+            events: Vec::new(),
+            stats: GatherStats::default(),
+        }
+    }
+
+    pub(crate) fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    pub(crate) fn stats(&self) -> GatherStats {
+        GatherStats {
+            peak_live_numel: self.tracer.peak_live_numel(),
+            invalidations: self.tracer.invalidations(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// Elements of the sharded parameters' partitions and of the persistent ones (full).
+    pub(crate) fn param_numel(&self) -> usize {
+        (0..self.plan.params())
+            .map(|p| {
+                if self.persistent[p] {
+                    self.plan.numel(p)
+                } else {
+                    self.plan.chunk(p)
+                }
+            })
+            .sum()
+    }
+
+    /// This rank's partition built from the full flat parameters (the layout's order).
+    pub(crate) fn partition_of(&self, full: &Tensor<I, 1>, rank: usize) -> Tensor<I, 1> {
+        let device = full.device();
+        let mut parts = Vec::new();
+        let mut start = 0;
+        for p in 0..self.plan.params() {
+            let owned = self.plan.owned(p, rank);
+            if !owned.is_empty() {
+                parts.push(full.clone().slice(start + owned.start..start + owned.end));
+            }
+            let padding = self.plan.chunk(p) - owned.len();
+            if padding > 0 {
+                parts.push(Tensor::zeros([padding], &device));
+            }
+            start += self.plan.numel(p);
+        }
+        if parts.is_empty() {
+            return Tensor::zeros([0], &device);
+        }
+        Tensor::cat(parts, 0)
+    }
+
+    /// Takes `master` as the new parameters: the sharded handles' partitions are its chunks;
+    /// every full parameter gathered for the old values is dropped.
+    pub(crate) fn set_partitions(&mut self, master: &Tensor<I, 1>) {
+        self.version += 1;
+        for id in self.tracer.drop_live() {
+            self.live.remove(&(id as usize));
+        }
+        self.live.clear();
+        self.in_flight.clear();
+        for p in 0..self.plan.params() {
+            let start = self.plan.offset(p);
+            self.partitions[p] = (!self.persistent[p])
+                .then(|| master.clone().slice(start..start + self.plan.chunk(p)));
+        }
+    }
+
+    /// The full values of the persistent parameters, all-gathered from every rank's
+    /// partition in one collective.
+    pub(crate) fn gather_persistent(
+        &self,
+        flat: &mut FlatComm<I>,
+        master: &Tensor<I, 1>,
+    ) -> Result<HashMap<usize, Tensor<I, 1>>, CommError> {
+        let slots: Vec<usize> = (0..self.plan.params())
+            .filter(|p| self.persistent[*p])
+            .collect();
+        if slots.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let pieces: Vec<Tensor<I, 1>> = slots
+            .iter()
+            .map(|&p| {
+                let start = self.plan.offset(p);
+                master.clone().slice(start..start + self.plan.chunk(p))
+            })
+            .collect();
+        let mine = Tensor::cat(pieces, 0);
+        let len = mine.dims()[0];
+        let world = self.plan.world_size();
+        let gathered = flat.all_gather(mine)?;
+        flat.wait()?;
+        let table = gathered.reshape([world, len]);
+        let mut column = 0;
+        let mut values = HashMap::new();
+        for p in slots {
+            let c = self.plan.chunk(p);
+            let full = table
+                .clone()
+                .slice([0..world, column..column + c])
+                .reshape([world * c])
+                .slice(0..self.plan.numel(p));
+            values.insert(p, full);
+            column += c;
+        }
+        Ok(values)
+    }
+
+    /// The handle of parameter `p` for the current version: a sharded handle, or the full
+    /// value of a persistent parameter from `full`.
+    pub(crate) fn handle(&self, p: usize, full: Option<&Tensor<I, 1>>) -> ZeroTensor<I> {
+        if self.persistent[p] {
+            let full = full.expect("persistent parameters come with their full value");
+            let flat = full.clone().into_primitive().tensor();
+            return ZeroTensor::local(I::float_reshape(flat, self.shapes[p].clone()));
+        }
+        let partition = self.partitions[p]
+            .clone()
+            .expect("sharded parameters have a partition")
+            .into_primitive()
+            .tensor();
+        ZeroTensor::sharded(Arc::new(ShardedParam {
+            slot: p,
+            version: self.version,
+            shape: self.shapes[p].clone(),
+            partition,
+        }))
+    }
+
+    /// Every rank's chunk of `p`, from `partition`, as the flat full parameter.
+    fn all_gather(
+        &mut self,
+        flat: &mut FlatComm<I>,
+        p: usize,
+        partition: Tensor<I, 1>,
+        ahead: bool,
+    ) -> Result<Tensor<I, 1>, CommError> {
+        self.stats.gathers += 1;
+        self.stats.prefetched += usize::from(ahead);
+        self.events.push(GatherEvent::Gather { slot: p, ahead });
+        with_label(p as u64 + 1, || flat.all_gather(partition))
+    }
+
+    fn shaped(&self, p: usize, flat_full: Tensor<I, 1>) -> I::FloatTensorPrimitive {
+        let flat = flat_full
+            .slice(0..self.plan.numel(p))
+            .into_primitive()
+            .tensor();
+        I::float_reshape(flat, self.shapes[p].clone())
+    }
+
+    /// The full tensor of `param` for an op: live already, or gathered now; prefetches what
+    /// the trace says comes next, and frees what the trace says is done.
+    pub(crate) fn gather(
+        &mut self,
+        flat: &mut FlatComm<I>,
+        param: &ShardedParam<I>,
+    ) -> Result<I::FloatTensorPrimitive, CommError> {
+        let p = param.slot;
+        let own =
+            || Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(param.partition.clone()));
+        if param.version != self.version || p >= self.plan.params() {
+            // A handle kept from an older step: its own values, outside the trace.
+            let full = self.all_gather(flat, p, own(), false)?;
+            flat.wait()?;
+            return Ok(self.shaped(p, full));
+        }
+        let answer = self.tracer.on_use(p as u64, self.plan.numel(p));
+        for id in &answer.evict {
+            self.live.remove(&(*id as usize));
+            self.in_flight.remove(&(*id as usize));
+        }
+        self.events.push(GatherEvent::Use {
+            slot: p,
+            ready: answer.prefetched,
+        });
+        let full = match self.live.get(&p) {
+            Some(full) if answer.prefetched => {
+                let full = full.clone();
+                if self.in_flight.remove(&p) {
+                    flat.wait()?;
+                }
+                full
+            }
+            _ => {
+                let full = self.all_gather(flat, p, own(), false)?;
+                flat.wait()?;
+                self.live.insert(p, full.clone());
+                full
+            }
+        };
+        for id in answer.prefetch {
+            let next = id as usize;
+            let partition = self.partitions[next]
+                .clone()
+                .expect("the trace holds sharded parameters only");
+            let full = self.all_gather(flat, next, partition, true)?;
+            self.live.insert(next, full);
+            self.in_flight.insert(next);
+        }
+        if self.tracer.release(p as u64) {
+            self.live.remove(&p);
+        }
+        Ok(self.shaped(p, full))
+    }
+
+    /// A forward and backward pass ended: the next uses start a new pass of the trace.
+    pub(crate) fn end_pass(&mut self) {
+        self.stats.last_pass = std::mem::take(&mut self.events);
+        self.tracer.begin_step();
+    }
+
+    /// A gather failure explained with the parameters' names: which parameter each rank
+    /// gathered when they disagree (labels carry the parameter index).
+    pub(crate) fn explain(&self, p: usize, error: &CommError) -> String {
+        let name = |label: u64| match label.checked_sub(1).map(|i| i as usize) {
+            Some(i) if i < self.names.len() => format!("`{}`", self.names[i]),
+            _ => "no parameter (a collective outside the gathers)".to_string(),
+        };
+        match error {
+            CommError::Mismatch {
+                seq,
+                rank_a,
+                call_a,
+                rank_b,
+                call_b,
+            } => format!(
+                "ZeRO-3 ranks diverged at collective #{seq}: rank {rank_a} gathered {} but rank \
+                 {rank_b} gathered {} (every rank must run the same ops on the same parameters \
+                 in the same order)",
+                name(call_a.label),
+                name(call_b.label)
+            ),
+            other => format!(
+                "gathering ZeRO-3 parameter `{}` failed: {other}",
+                self.names.get(p).map(String::as_str).unwrap_or("?")
+            ),
+        }
+    }
+}
+
+/// The [`ParamGatherer`] the engine installs on its thread.
+pub(crate) struct EngineGatherer<I: Backend> {
+    pub(crate) state: Arc<Mutex<GradState<I>>>,
+}
+
+impl<I: Backend> ParamGatherer<I> for EngineGatherer<I> {
+    fn gather(&mut self, param: &ShardedParam<I>) -> I::FloatTensorPrimitive {
+        let result = {
+            let mut state = self.state.lock().expect("engine state");
+            let state = &mut *state;
+            let stage3 = state
+                .stage3
+                .as_mut()
+                .expect("a gatherer is installed for stage 3 only");
+            stage3
+                .gather(&mut state.flat, param)
+                .map_err(|e| stage3.explain(param.slot, &e))
+        };
+        // Panic only once the lock is released: the failure is the user's to see, and the
+        // communicator has already stopped the other ranks (no one waits on this one).
+        result.unwrap_or_else(|message| panic!("{message}"))
+    }
+}
+
+/// Rebuilds every trainable parameter of `module` from `make(slot)`, as new leaves that keep
+/// their `require_grad` flag.
+pub(crate) fn rebuild_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    module: M,
+    layout: &FlatLayout,
+    make: impl FnMut(usize) -> ZeroTensor<I>,
+) -> M {
+    struct Rebuild<'a, F> {
+        layout: &'a FlatLayout,
+        make: F,
+    }
+    impl<I: Backend, F: FnMut(usize) -> ZeroTensor<I>> ModuleMapper<ZeroAutodiff<I>>
+        for Rebuild<'_, F>
+    {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<ZeroAutodiff<I>, D>>,
+        ) -> Param<Tensor<ZeroAutodiff<I>, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let Some(slot) = self.layout.index(id.val()) else {
+                return Param::from_mapped_value(id, tensor, mapper);
+            };
+            let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float((self
+                .make)(
+                slot
+            )));
+            let rebuilt = Tensor::from_inner(inner).set_require_grad(tensor.is_require_grad());
+            Param::from_mapped_value(id, rebuilt, mapper)
+        }
+    }
+    module.map(&mut Rebuild { layout, make })
+}
+
+/// The sharded handles of `module`'s trainable parameters, by slot, when it was built sharded
+/// ([`super::construct`]); `None` when any trainable parameter is full.
+pub(crate) fn sharded_handles<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    module: &M,
+    layout: &FlatLayout,
+) -> Vec<Option<Arc<ShardedParam<I>>>> {
+    struct Collect<'a, I: Backend> {
+        layout: &'a FlatLayout,
+        found: Vec<Option<Arc<ShardedParam<I>>>>,
+    }
+    impl<I: Backend> ModuleVisitor<ZeroAutodiff<I>> for Collect<'_, I> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<ZeroAutodiff<I>, D>>) {
+            if let Some(slot) = self.layout.index(param.id.val()) {
+                let zero = param.val().inner().into_primitive().tensor();
+                self.found[slot] = zero.as_sharded().cloned();
+            }
+        }
+    }
+    let mut collect = Collect {
+        layout,
+        found: vec![None; layout.slots().len()],
+    };
+    module.visit(&mut collect);
+    collect.found
+}
