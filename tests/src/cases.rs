@@ -264,6 +264,42 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
+/// `layers` equal square Linear layers without bias, tanh between them: the model of the
+/// ZeRO-3 gather, memory and construction tests. Weights are lazy (initialized on first use).
+#[derive(Module, Debug)]
+pub struct Stack<B: Backend> {
+    layers: Vec<Linear<B>>,
+}
+
+impl<B: Backend> Stack<B> {
+    /// `layers` layers of `width` × `width`.
+    pub fn new(layers: usize, width: usize, device: &B::Device) -> Self {
+        Self {
+            layers: (0..layers)
+                .map(|_| {
+                    LinearConfig::new(width, width)
+                        .with_bias(false)
+                        .init(device)
+                })
+                .collect(),
+        }
+    }
+
+    /// Forward pass.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.forward_skipping(x, None)
+    }
+
+    /// Forward pass without layer `skip` (control flow that differs between ranks).
+    pub fn forward_skipping(&self, x: Tensor<B, 2>, skip: Option<usize>) -> Tensor<B, 2> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| Some(*i) != skip)
+            .fold(x, |x, (_, layer)| activation::tanh(layer.forward(x)))
+    }
+}
+
 /// Rows `rows` of a global batch of `total` samples: inputs `[rows, 7]`, targets `[rows, 3]`,
 /// drawn from [`values`] with the salts `salt` and `salt + 100`.
 pub fn batch_rows<B: Backend>(

@@ -10,6 +10,7 @@
 //! (see `collective`).
 
 mod collective;
+mod construct;
 mod grads;
 mod memory;
 mod params;
@@ -23,6 +24,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor};
 
+pub use construct::{construct_full, construct_sharded};
 pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates};
 pub use params::{FlatLayout, ParamSlot, flatten_params, unflatten_params};
 pub use stage3::{GatherEvent, GatherStats};

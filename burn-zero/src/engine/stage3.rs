@@ -66,8 +66,8 @@ pub(crate) struct Stage3<I: Backend> {
     shapes: Vec<Shape>,
     persistent: Vec<bool>,
     tracer: GatherTracer,
-    /// Full (flat, `world × chunk`) gathered parameters kept or prefetched.
-    live: HashMap<usize, Tensor<I, 1>>,
+    /// Full gathered parameters kept or prefetched, in their shape.
+    live: HashMap<usize, I::FloatTensorPrimitive>,
     /// Prefetches whose collective may still run.
     in_flight: HashSet<usize>,
     /// The current partitions of the sharded parameters (what prefetches gather).
@@ -287,8 +287,9 @@ impl<I: Backend> Stage3<I> {
                 full
             }
             _ => {
-                let full = self.all_gather(flat, p, own(), false)?;
+                let gathered = self.all_gather(flat, p, own(), false)?;
                 flat.wait()?;
+                let full = self.shaped(p, gathered);
                 self.live.insert(p, full.clone());
                 full
             }
@@ -298,14 +299,15 @@ impl<I: Backend> Stage3<I> {
             let partition = self.partitions[next]
                 .clone()
                 .expect("the trace holds sharded parameters only");
-            let full = self.all_gather(flat, next, partition, true)?;
-            self.live.insert(next, full);
+            let gathered = self.all_gather(flat, next, partition, true)?;
+            // Shaping is a view where the backend has them (CUDA): it does not wait for NCCL.
+            self.live.insert(next, self.shaped(next, gathered));
             self.in_flight.insert(next);
         }
         if self.tracer.release(p as u64) {
             self.live.remove(&p);
         }
-        Ok(self.shaped(p, full))
+        Ok(full)
     }
 
     /// A forward and backward pass ended: the next uses start a new pass of the trace.

@@ -7,7 +7,10 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::comm::{DEFAULT_TIMEOUT, LocalComm, LocalGroup};
+use crate::comm::{
+    Buf, BufMut, CommError, Communicator, DEFAULT_TIMEOUT, LocalComm, LocalGroup, OpKind,
+    OpSignature, ReduceOp,
+};
 
 /// What a rank's closure receives.
 pub struct RankCtx {
@@ -136,5 +139,76 @@ fn panic_message(payload: &(dyn core::any::Any + Send)) -> String {
         s.clone()
     } else {
         "non-string panic payload".to_string()
+    }
+}
+
+/// A communicator that records the signature of every call it forwards to `inner`, labels
+/// included (for tests that count and order collectives).
+pub struct RecordingComm<C> {
+    inner: C,
+    calls: Mutex<Vec<OpSignature>>,
+}
+
+impl<C: Communicator> RecordingComm<C> {
+    /// Records the calls made on `inner`.
+    pub fn new(inner: C) -> Self {
+        Self {
+            inner,
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The calls recorded since the last `take`, in order.
+    pub fn take(&self) -> Vec<OpSignature> {
+        std::mem::take(&mut *self.calls.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn record(&self, kind: OpKind, buf: Buf<'_>) {
+        self.calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(OpSignature::new(kind, buf.dtype(), buf.len()));
+    }
+}
+
+impl<C: Communicator> Communicator for RecordingComm<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        self.record(OpKind::AllReduce(op), buf.as_buf());
+        self.inner.all_reduce(buf, op)
+    }
+    fn reduce_scatter(
+        &self,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.record(OpKind::ReduceScatter(op), input);
+        self.inner.reduce_scatter(input, output, op)
+    }
+    fn all_gather(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<(), CommError> {
+        self.record(OpKind::AllGather, input);
+        self.inner.all_gather(input, output)
+    }
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
+        self.record(OpKind::Broadcast { root }, buf.as_buf());
+        self.inner.broadcast(buf, root)
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        self.record(OpKind::Barrier, Buf::F32(&[]));
+        self.inner.barrier()
+    }
+    fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError> {
+        self.record(OpKind::PointToPoint, buf);
+        self.inner.send(buf, peer)
+    }
+    fn recv(&self, buf: BufMut<'_>, peer: usize) -> Result<(), CommError> {
+        self.record(OpKind::PointToPoint, buf.as_buf());
+        self.inner.recv(buf, peer)
     }
 }

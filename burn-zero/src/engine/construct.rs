@@ -1,0 +1,131 @@
+//! Sharded construction (DeepSpeed's `zero.Init`): build a model whose full parameters never
+//! exist on one rank at once.
+//!
+//! burn initializes parameters lazily: `config.init(device)` records how to make each one
+//! and materializes it on first use. [`construct_sharded`] walks the parameters in module
+//! order, materializes one, keeps this rank's chunk of it as a ZeRO-3 handle and drops the
+//! rest before the next, so the peak is one parameter plus the partitions. Every parameter
+//! is drawn from its own seed (derived from `seed` and its position), under a process-wide
+//! lock: the values do not depend on the rank, on other threads drawing random numbers (thread
+//! ranks share NdArray's generator), or on the order of materialization.
+//! [`construct_full`] draws the same values into full parameters: partitioning its result
+//! gives exactly the partitions of [`construct_sharded`].
+
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::{PARTITION_ALIGN, ZeroAutodiff};
+use crate::backend::ShardedParam;
+use crate::partition::ShardPlan;
+use crate::{ZeroBackend, ZeroTensor};
+
+/// Serializes seeding and drawing, so each parameter's values come from its own seed.
+static DRAW: Mutex<()> = Mutex::new(());
+
+/// The seed of the parameter at `position` in module order.
+fn param_seed(seed: u64, position: usize) -> u64 {
+    // SplitMix64's finalizer: neighboring positions get unrelated seeds.
+    let mut z = seed ^ (position as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Builds `model` (fresh from `config.init`, parameters not yet materialized) with each float
+/// parameter as rank `rank`'s ZeRO-3 partition of `world_size`; pass it to
+/// [`initialize`](super::initialize) with stage 3 and the same world size.
+pub fn construct_sharded<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    model: M,
+    seed: u64,
+    rank: usize,
+    world_size: usize,
+) -> M {
+    assert!(rank < world_size, "rank {rank} outside {world_size} ranks");
+    model.map(&mut Draw {
+        seed,
+        position: 0,
+        shard: Some((rank, world_size)),
+    })
+}
+
+/// Builds `model` with full parameters drawn exactly as [`construct_sharded`] draws them.
+pub fn construct_full<I: Backend, M: Module<ZeroAutodiff<I>>>(model: M, seed: u64) -> M {
+    model.map(&mut Draw {
+        seed,
+        position: 0,
+        shard: None,
+    })
+}
+
+struct Draw {
+    seed: u64,
+    position: usize,
+    /// (rank, world size), or `None` for full parameters.
+    shard: Option<(usize, usize)>,
+}
+
+impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Draw {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: Param<Tensor<ZeroAutodiff<I>, D>>,
+    ) -> Param<Tensor<ZeroAutodiff<I>, D>> {
+        let position = self.position;
+        self.position += 1;
+        let (id, tensor, mapper) = {
+            let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
+            let device = param.lazy_device();
+            <ZeroAutodiff<I> as Backend>::seed(&device, param_seed(self.seed, position));
+            param.consume()
+        };
+        let Some((rank, world)) = self.shard else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let full = Tensor::<I, D>::from_primitive(TensorPrimitive::Float(
+            tensor.inner().into_primitive().tensor().into_inner(),
+        ))
+        .reshape([n]);
+        let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
+        let owned = plan.owned(0, rank);
+        let padding = plan.chunk(0) - owned.len();
+        let mut parts = Vec::new();
+        if !owned.is_empty() {
+            parts.push(full.clone().slice(owned));
+        }
+        if padding > 0 {
+            parts.push(Tensor::zeros([padding], &full.device()));
+        }
+        drop(full);
+        let partition = Tensor::cat(parts, 0).into_primitive().tensor();
+        let handle = ZeroTensor::sharded(Arc::new(ShardedParam {
+            slot: position,
+            version: 0,
+            shape,
+            partition,
+        }));
+        let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(handle));
+        let sharded = Tensor::from_inner(inner).set_require_grad(require_grad);
+        Param::from_mapped_value(id, sharded, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_seeds_differ_and_repeat() {
+        let seeds: Vec<u64> = (0..100).map(|p| param_seed(7, p)).collect();
+        let mut unique = seeds.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), seeds.len());
+        assert_eq!(seeds[3], param_seed(7, 3));
+        assert_ne!(param_seed(7, 3), param_seed(8, 3));
+    }
+}
