@@ -179,3 +179,73 @@ fn ranks_that_gather_different_parameters_are_named_not_hung() {
     });
     assert!(named, "{messages:#?}");
 }
+
+#[test]
+fn full_parameters_stream_one_at_a_time_or_come_as_a_model() {
+    use burn_zero_tests::cases::param_data;
+    let config = |flag: bool| {
+        let json = format!(
+            r#"{{"train_batch_size": 3, "optimizer": {{"type": "SGD", "params": {{"lr": 0.1}}}},
+                "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                  "stage3_gather_16bit_weights_on_model_save": {flag}}}}}"#
+        );
+        DeepSpeedConfig::from_json(&json).unwrap().config
+    };
+    run_ranks(3, |ctx| {
+        let device = Default::default();
+        let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        for flag in [false, true] {
+            let model = Stack::<B>::new(3, WIDTH, &device);
+            let mut engine = initialize::<NdArray, _>(model, &config(flag), comm.clone()).unwrap();
+            let x = Tensor::<B, 2>::ones([2, WIDTH], &device);
+            let loss = engine.model().forward(x).sum().reshape([1]);
+            engine.backward(loss).unwrap();
+            engine.step().unwrap();
+            // What the ops see through the sharded handles...
+            let through_handles: Vec<Vec<f32>> = param_data(engine.model())
+                .into_iter()
+                .map(|d| d.to_vec().unwrap())
+                .collect();
+            // ...equals the streamed parameters.
+            let mut streamed = Vec::new();
+            engine
+                .for_each_full_param(|slot, values| {
+                    assert_eq!(slot.name, format!("layers.{}.weight", streamed.len()));
+                    streamed.push(values.into_data().to_vec::<f32>().unwrap());
+                })
+                .unwrap();
+            assert_eq!(streamed, through_handles);
+            let full = engine.full_model();
+            if !flag {
+                let err = full.err().expect("stage 3 needs the flag").to_string();
+                assert!(
+                    err.contains("stage3_gather_16bit_weights_on_model_save"),
+                    "{err}"
+                );
+                continue;
+            }
+            let full = full.unwrap();
+            let model = engine.into_model().unwrap();
+            for m in [full, model] {
+                let values: Vec<Vec<f32>> = param_data(&m)
+                    .into_iter()
+                    .map(|d| d.to_vec().unwrap())
+                    .collect();
+                assert_eq!(values, streamed);
+                let mut local = true;
+                struct Locality<'a>(&'a mut bool);
+                impl burn::module::ModuleVisitor<B> for Locality<'_> {
+                    fn visit_float<const D: usize>(
+                        &mut self,
+                        param: &burn::module::Param<Tensor<B, D>>,
+                    ) {
+                        let zero = param.val().inner().into_primitive().tensor();
+                        *self.0 &= zero.is_local();
+                    }
+                }
+                burn::module::Module::visit(&m, &mut Locality(&mut local));
+                assert!(local, "every parameter is full and local");
+            }
+        }
+    });
+}

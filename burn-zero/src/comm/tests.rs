@@ -298,3 +298,29 @@ fn invalid_lengths_are_named() {
         failures[0].message
     );
 }
+
+#[test]
+fn labels_must_agree_like_the_rest_of_the_signature() {
+    let result = try_run_ranks(2, Duration::from_secs(20), |ctx| {
+        let input = [1.0f32; 3];
+        let mut out = [0.0f32; 6];
+        let label = 10 + ctx.rank as u64;
+        with_label(label, || {
+            ctx.comm
+                .all_gather(input.as_slice().into(), out.as_mut_slice().into())
+        })
+        .map_err(|e| e.to_string())
+    });
+    let messages: Vec<String> = result
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap_err())
+        .collect();
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.contains("[label 10]") && m.contains("[label 11]")),
+        "{messages:?}"
+    );
+    assert_eq!(current_label(), 0, "the label is scoped to the call");
+}

@@ -11,6 +11,7 @@
 
 mod collective;
 mod construct;
+mod export;
 mod grads;
 mod memory;
 mod params;
@@ -298,13 +299,6 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     pub fn model(&self) -> &M {
         self.model
             .as_ref()
-            .expect("the model is present between calls")
-    }
-
-    /// The trained model.
-    pub fn into_model(mut self) -> M {
-        self.model
-            .take()
             .expect("the model is present between calls")
     }
 

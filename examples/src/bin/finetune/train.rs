@@ -123,6 +123,8 @@ pub fn train<I: Backend>(
         writeln!(file, "{record}").map_err(|e| e.to_string())?;
     }
     let total = t0.elapsed().as_secs_f64();
+    // Every rank takes part: under ZeRO-3 the full model is gathered.
+    let model = engine.into_model().map_err(|e| e.to_string())?.valid();
     if job.rank != 0 {
         return Ok(None);
     }
@@ -131,7 +133,7 @@ pub fn train<I: Backend>(
     }
     let steady = (args.steps - half) * tokens_per_step;
     Ok(Some(Trained {
-        model: engine.into_model().valid(),
+        model,
         tokens_per_sec: (args.steps * tokens_per_step) as f64 / total,
         steady_tokens_per_sec: steady as f64 / (total - half_time).max(1e-9),
         final_loss: last_loss,

@@ -1,0 +1,89 @@
+//! Full parameters out of a training engine: streamed one at a time (to save a consolidated
+//! model without holding it), or as a whole model (DeepSpeed's
+//! `stage3_gather_16bit_weights_on_model_save`). Every rank must make the same calls: under
+//! ZeRO-3 each parameter is all-gathered.
+
+use std::collections::HashMap;
+
+use burn::module::Module;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use super::stage3::rebuild_params;
+use super::{Engine, EngineError, ParamSlot, ZeroAutodiff, flatten_params};
+use crate::ZeroTensor;
+use crate::comm::with_label;
+
+impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
+    /// Calls `f` with each trainable parameter's full value (flattened, fp32), one at a time in
+    /// module order; under ZeRO-3 each is gathered from the partitions and dropped after `f`,
+    /// so at most one full parameter is alive at once.
+    pub fn for_each_full_param(
+        &self,
+        mut f: impl FnMut(&ParamSlot, Tensor<I, 1>),
+    ) -> Result<(), EngineError> {
+        if self.state().stage3.is_none() {
+            let flat = flatten_params(self.model(), &self.layout);
+            for slot in self.layout.slots() {
+                f(
+                    slot,
+                    flat.clone().slice(slot.offset..slot.offset + slot.numel()),
+                );
+            }
+            return Ok(());
+        }
+        let mut state = self.state();
+        let state = &mut *state;
+        let plan = state.stage3.as_ref().expect("stage 3").plan().clone();
+        for (p, slot) in self.layout.slots().iter().enumerate() {
+            let start = plan.offset(p);
+            let partition = self.master.clone().slice(start..start + plan.chunk(p));
+            let gathered = with_label(p as u64 + 1, || state.flat.all_gather(partition))?;
+            state.flat.wait()?;
+            f(slot, gathered.slice(0..plan.numel(p)));
+        }
+        Ok(())
+    }
+
+    /// A copy of the model with every parameter full and local, usable without the engine.
+    /// Under ZeRO-3 this holds the whole model on every rank, so it requires
+    /// `stage3_gather_16bit_weights_on_model_save` (else [`Engine::for_each_full_param`]
+    /// streams the parameters without holding them all).
+    pub fn full_model(&self) -> Result<M, EngineError> {
+        let zero = &self.resolved.config.zero_optimization;
+        if zero.stage == 3 && !zero.gather_16bit_weights_on_model_save {
+            return Err(EngineError::Usage(
+                "a full model under ZeRO-3 holds every parameter on every rank: set \
+                 `zero_optimization.stage3_gather_16bit_weights_on_model_save` to true, or \
+                 stream the parameters with `for_each_full_param`"
+                    .into(),
+            ));
+        }
+        self.gather_model()
+    }
+
+    /// The trained model with full, local parameters (gathered under ZeRO-3; every rank
+    /// must call it).
+    pub fn into_model(self) -> Result<M, EngineError> {
+        self.gather_model()
+    }
+
+    fn gather_model(&self) -> Result<M, EngineError> {
+        let model = self.model().clone();
+        if self.state().stage3.is_none() {
+            return Ok(model);
+        }
+        let mut full = HashMap::new();
+        self.for_each_full_param(|slot, values| {
+            full.insert(slot.offset, (values, slot.shape.clone()));
+        })?;
+        let layout = self.layout.clone();
+        Ok(rebuild_params(model, &layout, |p| {
+            let (values, shape) = full
+                .remove(&layout.slots()[p].offset)
+                .expect("every parameter was gathered");
+            let values = values.into_primitive().tensor();
+            ZeroTensor::local(I::float_reshape(values, shape.into()))
+        }))
+    }
+}
