@@ -17,16 +17,17 @@ rdb="$data/austen/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
 export BURN_ZERO_DATA="$data" PYTHONUNBUFFERED=1
 steps="${STEPS:-300}"
 
-finetune() { # GPUS PORT
-  local dir="/tmp/ft-$1gpu"
+finetune() { # GPUS PORT   (env CONFIG: a ds_config other than the recipe's; TAG: output suffix)
+  local tag="$1${TAG:-}" dir="/tmp/ft-$1gpu${TAG:-}"
   timeout "${FT_TIMEOUT:-480}" .gpu/bin/burn-zero run --nproc-per-node "$1" --master-port "$2" -- \
     .gpu/bin/finetune --device cuda --seq 256 --eval-len 256 --steps "$steps" --out "$dir" \
-    > "$out/finetune-$1gpu.log" 2>&1
-  echo "finetune on $1 GPU(s): exit $?"
-  tail -n 14 "$out/finetune-$1gpu.log"
-  for f in summary.json metrics.jsonl loss.png; do cp "$dir/$f" "$out/ft$1-$f" 2>/dev/null; done
+    ${CONFIG:+--config "$CONFIG"} > "$out/finetune-$tag.log" 2>&1
+  echo "finetune on $1 GPU(s) ${TAG:-}: exit $?"
+  tail -n 14 "$out/finetune-$tag.log"
+  for f in summary.json metrics.jsonl loss.png; do cp "$dir/$f" "$out/ft$tag-$f" 2>/dev/null; done
+  [ -n "${SKIP_REFERENCE:-}" ] && return
   python3 bench/llm_reference.py nll "$dir/checkpoint" "$dir/summary.json" \
-    "$dir/eval_windows.json" "$out/ft$1-transformers-nll.json" 2>&1 | tail -n 12
+    "$dir/eval_windows.json" "$out/ft$tag-transformers-nll.json" 2>&1 | tail -n 12
   echo "transformers NLL of the $1-GPU checkpoint: exit ${PIPESTATUS[0]}"
 }
 

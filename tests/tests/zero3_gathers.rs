@@ -217,7 +217,7 @@ fn full_parameters_stream_one_at_a_time_or_come_as_a_model() {
             assert_eq!(streamed, through_handles);
             let full = engine.full_model();
             if !flag {
-                let err = full.err().expect("stage 3 needs the flag").to_string();
+                let err = full.expect_err("stage 3 needs the flag").to_string();
                 assert!(
                     err.contains("stage3_gather_16bit_weights_on_model_save"),
                     "{err}"
