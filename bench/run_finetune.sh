@@ -35,6 +35,12 @@ case "$phase" in
 part1)
   cp .gpu-part1/gguf.part1 /tmp/gguf.part1 && ls -la /tmp/gguf.part1
   nvidia-smi -L ;;
+join) # the data only, for a run that needs no llm-check
+  mkdir -p "$(dirname "$gguf")" "$(dirname "$rdb")"
+  cat /tmp/gguf.part1 .gpu-part2/gguf.part2 > "$gguf"
+  cp .gpu-part2/Rdata.rdb "$rdb"
+  sha256sum "$gguf" | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 \
+    || { echo "GGUF checksum mismatch"; exit 1; } ;;
 check)
   mkdir -p "$(dirname "$gguf")" "$(dirname "$rdb")"
   cat /tmp/gguf.part1 .gpu-part2/gguf.part2 > "$gguf"
