@@ -18,6 +18,7 @@ pub mod launch;
 mod log;
 pub mod optim;
 pub mod partition;
+pub mod precision;
 #[cfg(unix)]
 pub mod report;
 pub mod schedule;
