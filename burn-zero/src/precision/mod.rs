@@ -162,7 +162,7 @@ impl LossScaler {
                 d.cur_hysteresis = d.delayed_shift;
             }
             let stable = iter as i64 - d.last_overflow_iter - 1;
-            if stable > 0 && stable as u64 % d.scale_window == 0 {
+            if stable > 0 && (stable as u64).is_multiple_of(d.scale_window) {
                 if !d.consecutive_hysteresis {
                     d.cur_hysteresis = d.delayed_shift;
                 }
