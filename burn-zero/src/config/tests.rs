@@ -197,8 +197,6 @@ fn bad_values_name_the_key_and_the_allowed_range() {
 #[test]
 fn features_not_built_yet_are_refused_clearly() {
     for (json, key) in [
-        (r#"{"bf16": {"enabled": true}}"#, "bf16.enabled"),
-        (r#"{"fp16": {"enabled": true}}"#, "fp16.enabled"),
         (
             r#"{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}"#,
             "zero_optimization.offload_optimizer",

@@ -165,19 +165,6 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         c.fp16.min_loss_scale,
         "> 0",
     )?;
-    if c.fp16.enabled {
-        return Err(unsupported(
-            "fp16.enabled",
-            "fp16 mixed precision is not implemented yet; train in fp32",
-        ));
-    }
-    if c.bf16.enabled {
-        return Err(unsupported(
-            "bf16.enabled",
-            "bf16 mixed precision is not implemented yet; train in fp32",
-        ));
-    }
-
     if let Some(o) = &c.optimizer {
         optimizer_kind(o)?;
         let p = &o.params;

@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 
 use burn::module::Module;
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
 
 use super::stage3::rebuild_params;
 use super::{Engine, EngineError, ParamSlot, ZeroAutodiff, flatten_params};
@@ -32,12 +32,54 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             }
             return Ok(());
         }
+        self.gather_sharded(self.master.clone(), f)
+    }
+
+    /// Calls `f` with each trainable parameter's accumulated, averaged gradient (flattened,
+    /// fp32, unscaled), one at a time in module order, like DeepSpeed's `safe_get_full_grad`:
+    /// call it after the `backward` that ends an accumulation window and before `step`.
+    pub fn for_each_full_grad(
+        &self,
+        mut f: impl FnMut(&ParamSlot, Tensor<I, 1>),
+    ) -> Result<(), EngineError> {
+        let stage = self.resolved.config.zero_optimization.stage;
+        let buffer = self.state().buffer.clone().cast(FloatDType::F32);
+        let buffer = if self.precision.scales() {
+            buffer.div_scalar(self.precision.scaler.scale())
+        } else {
+            buffer
+        };
+        let full = match stage {
+            0 | 1 => buffer,
+            2 => {
+                let mut state = self.state();
+                let gathered = state.flat.all_gather(buffer)?;
+                state.flat.wait()?;
+                gathered
+            }
+            _ => return self.gather_sharded(buffer, f),
+        };
+        for slot in self.layout.slots() {
+            f(
+                slot,
+                full.clone().slice(slot.offset..slot.offset + slot.numel()),
+            );
+        }
+        Ok(())
+    }
+
+    /// Gathers each parameter's chunks of a ZeRO-3 partition-shaped `source` in turn.
+    fn gather_sharded(
+        &self,
+        source: Tensor<I, 1>,
+        mut f: impl FnMut(&ParamSlot, Tensor<I, 1>),
+    ) -> Result<(), EngineError> {
         let mut state = self.state();
         let state = &mut *state;
         let plan = state.stage3.as_ref().expect("stage 3").plan().clone();
         for (p, slot) in self.layout.slots().iter().enumerate() {
             let start = plan.offset(p);
-            let partition = self.master.clone().slice(start..start + plan.chunk(p));
+            let partition = source.clone().slice(start..start + plan.chunk(p));
             let gathered = with_label(p as u64 + 1, || state.flat.all_gather(partition))?;
             state.flat.wait()?;
             f(slot, gathered.slice(0..plan.numel(p)));

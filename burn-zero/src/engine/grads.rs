@@ -15,6 +15,7 @@ use burn_backend::{Backend, TensorMetadata};
 
 use super::collective::FlatComm;
 use super::params::FlatLayout;
+use super::precision::Format;
 use super::stage3::Stage3;
 use crate::ZeroTensor;
 use crate::backend::hooks::GradientHook;
@@ -51,6 +52,10 @@ pub(crate) struct GradState<I: Backend> {
     pub(crate) seen: usize,
     /// Stage 3: the sharded parameters and their gathers.
     pub(crate) stage3: Option<Stage3<I>>,
+    /// The format gradients arrive in (emulated bf16/fp16 rounds them).
+    compute: Format,
+    /// The format they accumulate and travel in.
+    accum: Format,
 }
 
 impl<I: Backend> GradState<I> {
@@ -61,6 +66,7 @@ impl<I: Backend> GradState<I> {
         stage: u8,
         bucket_size: usize,
         stage3: Option<Stage3<I>>,
+        (compute, accum): (Format, Format),
     ) -> Self {
         let len = match &stage3 {
             Some(s3) => s3.plan().len(),
@@ -73,7 +79,7 @@ impl<I: Backend> GradState<I> {
             .enumerate()
             .map(|(i, s)| (DistributedParamId::from(s.id.val()), i))
             .collect();
-        let buffer = Tensor::zeros([len], flat.device());
+        let buffer = Tensor::zeros([len], (flat.device(), accum.storage()));
         Self {
             layout,
             slots,
@@ -89,12 +95,14 @@ impl<I: Backend> GradState<I> {
             failure: None,
             seen: 0,
             stage3,
+            compute,
+            accum,
         }
     }
 
     /// Bytes of gradient storage held.
     pub(crate) fn gradient_bytes(&self) -> usize {
-        4 * self.buffer.dims()[0]
+        self.accum.storage().size() * self.buffer.dims()[0]
     }
 
     /// Bytes of communication buffers at their peak: one bucket, and its send/receive copies.
@@ -112,11 +120,14 @@ impl<I: Backend> GradState<I> {
             return;
         };
         self.seen += 1;
+        let grad = self.accum.convert(self.compute.settle(grad));
         let n = grad.dims()[0];
         if self.stage < 2 {
             let offset = self.layout.slots()[slot].offset;
             let range = offset..offset + n;
-            let sum = self.buffer.clone().slice(range.clone()) + grad;
+            let sum = self
+                .accum
+                .settle(self.buffer.clone().slice(range.clone()) + grad);
             self.buffer = self.buffer.clone().slice_assign(range, sum);
             return;
         }
@@ -159,7 +170,8 @@ impl<I: Backend> GradState<I> {
                 filled += piece.range.len();
             }
             if filled < layout.longest {
-                parts.push(Tensor::zeros([layout.longest - filled], &device));
+                let padding = [layout.longest - filled];
+                parts.push(Tensor::zeros(padding, (&device, self.accum.storage())));
             }
         }
         let send = Tensor::cat(parts, 0);
@@ -185,8 +197,9 @@ impl<I: Backend> GradState<I> {
             for piece in pieces {
                 let len = piece.range.len();
                 let dst = piece.dst..piece.dst + len;
-                let sum =
-                    self.buffer.clone().slice(dst.clone()) + received.clone().slice(at..at + len);
+                let sum = self.accum.settle(
+                    self.buffer.clone().slice(dst.clone()) + received.clone().slice(at..at + len),
+                );
                 self.buffer = self.buffer.clone().slice_assign(dst, sum);
                 at += len;
             }

@@ -15,6 +15,7 @@ mod export;
 mod grads;
 mod memory;
 mod params;
+mod precision;
 mod stage3;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,7 +24,7 @@ use std::time::{Duration, Instant};
 use burn::backend::Autodiff;
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::{ElementConversion, FloatDType, Tensor};
 
 pub use construct::{construct_full, construct_sharded};
 pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates};
@@ -41,6 +42,7 @@ use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
 use collective::FlatComm;
 use grads::{EngineHook, GradState};
+use precision::Precision;
 use stage3::{EngineGatherer, Stage3, rebuild_params, sharded_handles};
 
 /// The autodiff backend the engine trains on.
@@ -58,6 +60,9 @@ pub enum EngineError {
     /// A collective failed (a rank diverged, died or timed out).
     #[error("communication failed: {0}")]
     Comm(#[from] CommError),
+    /// fp16 cannot go on: gradients overflow at the minimum loss scale.
+    #[error(transparent)]
+    LossScale(#[from] crate::precision::MinScaleReached),
     /// The engine was used out of order.
     #[error("{0}")]
     Usage(String),
@@ -90,6 +95,7 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     global_steps: usize,
     last_grad_norm: Option<f64>,
     timings: Timings,
+    precision: Precision,
     _hook: HookGuard<I>,
     _gatherer: Option<GathererGuard<I>>,
 }
@@ -154,6 +160,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     });
 
     let device = model_device(&model);
+    let precision = Precision::new::<I>(&resolved.config, &device);
     let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
     // Frozen parameters (a LoRA base) are neither reduced nor optimized, but every rank must
     // compute with rank 0's values too.
@@ -177,17 +184,20 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
                     s3.partition_of(&params, comm.rank())
                 }
             };
-            s3.set_partitions(&master);
-            let full = s3.gather_persistent(&mut flat, &master)?;
+            let master = master.cast(FloatDType::F32);
+            let working = precision.compute.convert(master.clone());
+            s3.set_partitions(&working);
+            let full = s3.gather_persistent(&mut flat, &working)?;
             let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));
             (hooks::mark_distributed(model), master)
         }
         None => {
             let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
             flat.wait()?;
+            let params = params.cast(FloatDType::F32);
             let owned = owned_range(&plan, stage, comm.rank());
             let master = params.clone().slice(owned);
-            let model = unflatten_params(model, &layout, params);
+            let model = unflatten_params(model, &layout, precision.compute.convert(params));
             (hooks::mark_distributed(model), master)
         }
     };
@@ -206,6 +216,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         stage,
         zero.reduce_bucket_size.get(),
         stage3,
+        (precision.compute, precision.accum),
     )));
     let hook = hooks::install::<I>(Box::new(EngineHook {
         state: grads.clone(),
@@ -230,6 +241,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         global_steps: 0,
         last_grad_norm: None,
         timings: Timings::default(),
+        precision,
         _hook: hook,
         _gatherer: gatherer,
     })
@@ -337,7 +349,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         std::mem::take(&mut self.timings)
     }
 
-    /// Bytes this rank holds for parameters, gradients, optimizer state and communication.
+    /// Bytes this rank holds for parameters (their working copy: 2 per element in bf16/fp16
+    /// where the backend has the dtype), gradients, optimizer state (fp32 master included) and
+    /// communication buffers.
     pub fn memory_report(&self) -> MemoryReport {
         let state = self.state();
         let params = match &state.stage3 {
@@ -345,11 +359,21 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             None => self.layout.numel(),
         };
         MemoryReport {
-            parameters: 4 * (params + self.frozen_params),
+            parameters: self.precision.compute.storage().size() * params + 4 * self.frozen_params,
             gradients: state.gradient_bytes(),
             optimizer_state: 4 * self.master.dims()[0] + self.optimizer.state_bytes(),
             communication_buffers: state.comm_buffer_bytes(),
         }
+    }
+
+    /// The loss scale of the next backward (1 unless fp16).
+    pub fn loss_scale(&self) -> f64 {
+        self.precision.scaler.scale()
+    }
+
+    /// Optimizer steps skipped because gradients overflowed (fp16), on every rank alike.
+    pub fn skipped_steps(&self) -> usize {
+        self.precision.skipped
     }
 
     /// What the ZeRO-3 gathers did so far (`None` below stage 3).
@@ -375,6 +399,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let gas = self.resolved.batch.gradient_accumulation_steps;
         let loss = if gas > 1 {
             loss.div_scalar(gas as f32)
+        } else {
+            loss
+        };
+        // fp16: the loss scale keeps small gradients representable; `step` divides it out.
+        let loss = if self.precision.scales() {
+            loss.mul_scalar(self.precision.scaler.scale())
         } else {
             loss
         };
@@ -418,8 +448,33 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             3 => state.buffer.clone(),
             _ => state.buffer.clone().slice(owned.clone()),
         };
+        let mut grad = grad.cast(FloatDType::F32);
+        if self.precision.scales() {
+            grad = grad.div_scalar(self.precision.scaler.scale());
+        }
         let norm = global_norm(&mut state.flat, grad.clone(), stage)?;
         self.last_grad_norm = Some(norm);
+        // The norm is reduced across ranks: inf or NaN anywhere overflows everywhere.
+        let update = self.precision.scaler.update(!norm.is_finite())?;
+        if update.skipped() {
+            state.clear();
+            drop(state);
+            self.precision.skipped += 1;
+            if self.comm.rank() == 0 {
+                crate::log::warn(&format!(
+                    "step {}: gradients overflowed (norm {norm}); step skipped ({} so far), {update:?}",
+                    self.global_steps + 1,
+                    self.precision.skipped
+                ));
+            }
+            // burn consumed the marks in backward; the parameters are unchanged.
+            let model = self.model.take().expect("model");
+            self.model = Some(hooks::mark_distributed(model));
+            self.global_steps += 1;
+            self.micro_steps += 1;
+            self.timings.step += start.elapsed();
+            return Ok(());
+        }
         let clip = self.resolved.config.gradient_clipping;
         let grad = if clip > 0.0 && norm + 1e-6 > clip {
             grad.mul_scalar((clip / (norm + 1e-6)) as f32)
@@ -442,10 +497,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             // No all-gather: the new partitions are the new handles.
             let state = &mut *state;
             let s3 = state.stage3.as_mut().expect("stage 3 state");
-            s3.set_partitions(&params);
-            let full = s3.gather_persistent(&mut state.flat, &params)?;
+            let working = self.precision.compute.convert(params);
+            s3.set_partitions(&working);
+            let full = s3.gather_persistent(&mut state.flat, &working)?;
             rebuild_params(model, &self.layout, |p| s3.handle(p, full.get(&p)))
         } else {
+            let params = self.precision.compute.convert(params);
             let flat = if stage == 0 {
                 params
             } else {
@@ -458,7 +515,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     / self.comm.world_size();
                 let padding = self.plan.chunk() - owned.len();
                 let chunk = if padding > 0 {
-                    let zeros = Tensor::zeros([padding], &params.device());
+                    let zeros = Tensor::zeros([padding], (&params.device(), params.dtype()));
                     Tensor::cat(vec![params, zeros], 0)
                 } else {
                     params

@@ -181,12 +181,12 @@ pub fn unflatten_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
             let Some(slot) = self.layout.slot(id.val()) else {
                 return Param::from_mapped_value(id, tensor, mapper);
             };
+            // In the flat tensor's dtype: the engine's working copy (bf16 under mixed precision).
             let values = self
                 .flat
                 .clone()
                 .slice(slot.offset..slot.offset + slot.numel())
-                .reshape::<D, _>(Shape::from(slot.shape.clone()))
-                .cast(tensor.dtype());
+                .reshape::<D, _>(Shape::from(slot.shape.clone()));
             let zero = ZeroTensor::local(values.into_primitive().tensor());
             let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(zero));
             let rebuilt = Tensor::from_inner(inner).set_require_grad(tensor.is_require_grad());
