@@ -89,16 +89,6 @@ fn worst_gap(a: &Run, b: &Run) -> f32 {
         .fold(0.0f32, f32::max)
 }
 
-/// The largest absolute difference between two runs' final parameters.
-fn param_error(a: &Run, b: &Run) -> f32 {
-    a.params
-        .iter()
-        .flatten()
-        .zip(b.params.iter().flatten())
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max)
-}
-
 /// bf16 keeps 8 significant bits: parameters and gradients are rounded by up to 2^-9 ≈ 2e-3
 /// relative. The fp32 master weights and fp32 accumulation keep that rounding from compounding
 /// over steps, so the loss stays within a few roundings of fp32's: 1e-2 relative at every one
