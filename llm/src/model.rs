@@ -7,7 +7,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::lora::{Adapters, project};
 use crate::weights::{LoadError, WeightSource, linear_weight, matrix, vector};
@@ -200,7 +200,8 @@ impl<B: Backend> Llama<B> {
         let device = tokens.device();
         let mut x = self.embed.forward(tokens);
         let head_dim = x.dims()[2] / self.num_heads;
-        let rope = Rope::new(seq, head_dim, self.rope_theta, &device);
+        // Activations follow the parameters' dtype (bf16 under mixed precision).
+        let rope = Rope::new(seq, head_dim, self.rope_theta, &device, x.dtype());
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         for block in &self.blocks {
             x = block.forward(x, &rope, &mask, self.num_heads, self.num_kv_heads);
@@ -234,7 +235,8 @@ impl<B: Backend> Llama<B> {
 /// computed with a max shift (stable in bf16 logits too).
 pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
     let [batch, seq, vocab] = logits.dims();
-    let logits = logits.reshape([batch * seq, vocab]);
+    // In f32 whatever the logits' dtype: log-sum-exp over 49k entries loses too much in bf16.
+    let logits = logits.cast(FloatDType::F32).reshape([batch * seq, vocab]);
     let max = logits.clone().max_dim(1).detach();
     let shifted = logits - max;
     let log_z = shifted.clone().exp().sum_dim(1).log();
@@ -274,7 +276,11 @@ impl<B: Backend> Block<B> {
         let (k, v) = (repeat(k), repeat(v));
         let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
         let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
-        let attn = softmax(scores, 3).matmul(v);
+        // Softmax in f32 (as transformers does), back to the activations' dtype.
+        let dtype = scores.dtype();
+        let attn = softmax(scores.cast(FloatDType::F32), 3)
+            .cast(dtype)
+            .matmul(v);
         let attn = attn.swap_dims(1, 2).reshape([batch, seq, hidden]);
         let x = x + project(&self.o, self.adapter(|l| &l.o), attn);
         let h = self.mlp_norm.forward(x.clone());
@@ -298,7 +304,7 @@ struct Rope<B: Backend> {
 }
 
 impl<B: Backend> Rope<B> {
-    fn new(seq: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
+    fn new(seq: usize, head_dim: usize, theta: f64, device: &B::Device, dtype: DType) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(seq * half);
         let mut sin = Vec::with_capacity(seq * half);
@@ -311,8 +317,11 @@ impl<B: Backend> Rope<B> {
             }
         }
         let t = |v: Vec<f32>| {
-            Tensor::<B, 1>::from_data(TensorData::new(v, [seq * half]), device)
-                .reshape([1, 1, seq, half, 1])
+            Tensor::<B, 1>::from_data(
+                TensorData::new(v, [seq * half]).convert_dtype(dtype),
+                device,
+            )
+            .reshape([1, 1, seq, half, 1])
         };
         Self {
             cos: t(cos),

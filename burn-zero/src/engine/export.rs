@@ -10,29 +10,42 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::stage3::rebuild_params;
-use super::{Engine, EngineError, ParamSlot, ZeroAutodiff, flatten_params};
+use super::{Engine, EngineError, ParamSlot, ZeroAutodiff};
 use crate::ZeroTensor;
 use crate::comm::with_label;
 
 impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
-    /// Calls `f` with each trainable parameter's full value (flattened, fp32), one at a time in
-    /// module order; under ZeRO-3 each is gathered from the partitions and dropped after `f`,
-    /// so at most one full parameter is alive at once.
+    /// Calls `f` with each trainable parameter's full fp32 value (flattened; from the fp32
+    /// master weights, whatever the compute dtype), one at a time in module order; under ZeRO-3
+    /// each is gathered from the partitions and dropped after `f`, so at most one full
+    /// parameter is alive at once.
     pub fn for_each_full_param(
         &self,
         mut f: impl FnMut(&ParamSlot, Tensor<I, 1>),
     ) -> Result<(), EngineError> {
-        if self.state().stage3.is_none() {
-            let flat = flatten_params(self.model(), &self.layout);
-            for slot in self.layout.slots() {
-                f(
-                    slot,
-                    flat.clone().slice(slot.offset..slot.offset + slot.numel()),
-                );
+        let full = match self.resolved.config.zero_optimization.stage {
+            0 => self.master.clone(),
+            1 | 2 => {
+                let padding = self.plan.chunk() - self.master.dims()[0];
+                let mut chunk = self.master.clone();
+                if padding > 0 {
+                    let zeros = Tensor::zeros([padding], &chunk.device());
+                    chunk = Tensor::cat(vec![chunk, zeros], 0);
+                }
+                let mut state = self.state();
+                let gathered = state.flat.all_gather(chunk)?;
+                state.flat.wait()?;
+                gathered
             }
-            return Ok(());
+            _ => return self.gather_sharded(self.master.clone(), f),
+        };
+        for slot in self.layout.slots() {
+            f(
+                slot,
+                full.clone().slice(slot.offset..slot.offset + slot.numel()),
+            );
         }
-        self.gather_sharded(self.master.clone(), f)
+        Ok(())
     }
 
     /// Calls `f` with each trainable parameter's accumulated, averaged gradient (flattened,
@@ -87,7 +100,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         Ok(())
     }
 
-    /// A copy of the model with every parameter full and local, usable without the engine.
+    /// A copy of the model with every parameter full, local and fp32 (the master weights),
+    /// usable without the engine.
     /// Under ZeRO-3 this holds the whole model on every rank, so it requires
     /// `stage3_gather_16bit_weights_on_model_save` (else [`Engine::for_each_full_param`]
     /// streams the parameters without holding them all).
@@ -104,17 +118,14 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.gather_model()
     }
 
-    /// The trained model with full, local parameters (gathered under ZeRO-3; every rank
-    /// must call it).
+    /// The trained model with full, local fp32 parameters (the master weights; gathered, so
+    /// every rank must call it).
     pub fn into_model(self) -> Result<M, EngineError> {
         self.gather_model()
     }
 
     fn gather_model(&self) -> Result<M, EngineError> {
         let model = self.model().clone();
-        if self.state().stage3.is_none() {
-            return Ok(model);
-        }
         let mut full = HashMap::new();
         self.for_each_full_param(|slot, values| {
             full.insert(slot.offset, (values, slot.shape.clone()));

@@ -1,7 +1,9 @@
 //! A rank of the multi-process tests, started by the launcher:
 //!   dist-worker collectives          collectives over TCP, checked against local arithmetic
 //!   dist-worker train STAGE GAS      the engine parity run; rank 0 prints `RESULT` lines
-//!   dist-worker train-gpu STAGE GAS  the same on `Cuda`, GPU `LOCAL_RANK`, NCCL (feature nccl)
+//!   dist-worker train-gpu STAGE GAS [PRECISION [STEPS]]
+//!                                    the same on `Cuda`, GPU `LOCAL_RANK`, NCCL (feature nccl);
+//!                                    PRECISION fp32 (default), bf16 or fp16
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
 //!                                    a collective; the others sleep until stopped
 
@@ -50,30 +52,40 @@ fn collectives(comm: &dyn Communicator) {
     println!("collectives ok rank {rank} world {world}");
 }
 
+/// `precision`: "fp32", "bf16" or "fp16"; `steps`: optimizer steps.
 fn train<I: burn::tensor::backend::Backend>(
     comm: Arc<dyn Communicator>,
     stage: u8,
     gas: usize,
+    (precision, steps): (&str, usize),
     device: I::Device,
 ) {
+    let precision = match precision {
+        "bf16" => r#", "bf16": {"enabled": true}"#,
+        "fp16" => r#", "fp16": {"enabled": true, "initial_scale_power": 8}"#,
+        _ => "",
+    };
     let (min, max, n) = WARMUP;
     let json = format!(
         r#"{{"train_batch_size": {GLOBAL_BATCH}, "gradient_accumulation_steps": {gas}, "gradient_clipping": {CLIP},
         "optimizer": {{"type": "AdamW", "params": {{"lr": {max}, "eps": {EPS}, "weight_decay": {WEIGHT_DECAY}}}}},
         "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": {min}, "warmup_max_lr": {max}, "warmup_num_steps": {n}, "warmup_type": "linear"}}}},
-        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40}}}}"#
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40,
+          "stage3_param_persistence_threshold": 16}}{precision}}}"#
     );
     let config = DeepSpeedConfig::from_json(&json).unwrap().config;
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut engine =
         initialize::<I, _>(Mlp::<ZeroAutodiff<I>>::new(&device), &config, comm.clone()).unwrap();
     let micro = GLOBAL_BATCH / (world * gas);
-    for step in 0..STEPS {
+    // Inputs in the parameters' dtype (bf16/fp16 under mixed precision on a GPU).
+    let dtype = engine.model().l1_weight().dtype();
+    for step in 0..steps {
         let mut step_loss = 0.0f32;
         for j in 0..gas {
             let start = (j * world + rank) * micro;
             let (x, y) = engine_run::batch::<ZeroAutodiff<I>>(step, start..start + micro, &device);
-            let loss = engine_run::loss(engine.model(), x, y);
+            let loss = engine_run::loss(engine.model(), x.cast(dtype), y.cast(dtype));
             step_loss += loss
                 .clone()
                 .into_data()
@@ -97,6 +109,7 @@ fn train<I: burn::tensor::backend::Backend>(
     }
     if rank == 0 {
         println!("STAT device_collectives {}", engine.device_collectives());
+        println!("STAT skipped_steps {}", engine.skipped_steps());
         for (i, p) in param_data(engine.model()).into_iter().enumerate() {
             println!(
                 "RESULT param_{i} {:?}",
@@ -112,10 +125,13 @@ fn main() {
     if args.first().map(String::as_str) == Some("train-gpu") {
         let (env, nccl) = burn_zero::dist::init_nccl().unwrap_or_else(|e| panic!("{e}"));
         let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
+        let precision = args.get(3).map_or("fp32", String::as_str);
+        let steps = args.get(4).map_or(STEPS, |s| s.parse().unwrap());
         train::<burn::backend::Cuda>(
             Arc::new(nccl),
             args[1].parse().unwrap(),
             args[2].parse().unwrap(),
+            (precision, steps),
             device,
         );
         return;
@@ -127,6 +143,7 @@ fn main() {
             dist.comm,
             args[1].parse().unwrap(),
             args[2].parse().unwrap(),
+            ("fp32", STEPS),
             Default::default(),
         ),
         Some("die") => {
