@@ -186,7 +186,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             };
             let master = master.cast(FloatDType::F32);
             let working = precision.compute.convert(master.clone());
-            s3.set_partitions(&working);
+            s3.set_partitions(&mut flat, &working)?;
             let full = s3.gather_persistent(&mut flat, &working)?;
             let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));
             (hooks::mark_distributed(model), master)
@@ -498,7 +498,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             let state = &mut *state;
             let s3 = state.stage3.as_mut().expect("stage 3 state");
             let working = self.precision.compute.convert(params);
-            s3.set_partitions(&working);
+            s3.set_partitions(&mut state.flat, &working)?;
             let full = s3.gather_persistent(&mut state.flat, &working)?;
             rebuild_params(model, &self.layout, |p| s3.handle(p, full.get(&p)))
         } else {

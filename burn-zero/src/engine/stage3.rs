@@ -7,7 +7,7 @@
 //! Parameters smaller than `param_persistence_threshold` stay replicated (full, local): they
 //! are partitioned in the optimizer like the others and all-gathered after each step.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -59,6 +59,15 @@ pub struct GatherStats {
     pub last_pass: Vec<GatherEvent>,
 }
 
+/// A gathered parameter held for a later use.
+enum Gathered<I: Backend> {
+    /// A prefetch whose collective may still be writing: the flat output, untouched (any op
+    /// on it, even a slice, could run on the compute stream before NCCL is done).
+    InFlight(Tensor<I, 1>),
+    /// Complete, in the parameter's shape.
+    Ready(I::FloatTensorPrimitive),
+}
+
 /// The sharded parameters of one rank and their gathers.
 pub(crate) struct Stage3<I: Backend> {
     plan: ShardPlan,
@@ -66,10 +75,8 @@ pub(crate) struct Stage3<I: Backend> {
     shapes: Vec<Shape>,
     persistent: Vec<bool>,
     tracer: GatherTracer,
-    /// Full gathered parameters kept or prefetched, in their shape.
-    live: HashMap<usize, I::FloatTensorPrimitive>,
-    /// Prefetches whose collective may still run.
-    in_flight: HashSet<usize>,
+    /// Full gathered parameters kept or prefetched.
+    live: HashMap<usize, Gathered<I>>,
     /// The current partitions of the sharded parameters (what prefetches gather).
     partitions: Vec<Option<Tensor<I, 1>>>,
     /// Bumped at each parameter update.
@@ -98,7 +105,6 @@ impl<I: Backend> Stage3<I> {
             persistent: numels.iter().map(|n| *n < persistence_threshold).collect(),
             tracer: GatherTracer::new(trace),
             live: HashMap::new(),
-            in_flight: HashSet::new(),
             partitions: vec![None; numels.len()],
             version: 0,
             events: Vec::new(),
@@ -155,18 +161,43 @@ impl<I: Backend> Stage3<I> {
 
     /// Takes `master` as the new parameters: the sharded handles' partitions are its chunks;
     /// every full parameter gathered for the old values is dropped.
-    pub(crate) fn set_partitions(&mut self, master: &Tensor<I, 1>) {
+    pub(crate) fn set_partitions(
+        &mut self,
+        flat: &mut FlatComm<I>,
+        master: &Tensor<I, 1>,
+    ) -> Result<(), CommError> {
         self.version += 1;
-        for id in self.tracer.drop_live() {
-            self.live.remove(&(id as usize));
-        }
-        self.live.clear();
-        self.in_flight.clear();
+        self.tracer.drop_live();
+        self.drop_live(flat)?;
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
             self.partitions[p] = (!self.persistent[p])
                 .then(|| master.clone().slice(start..start + self.plan.chunk(p)));
         }
+        Ok(())
+    }
+
+    /// Frees every held gather; one still in flight is waited for first, so that its memory
+    /// is not reused while NCCL writes it.
+    fn drop_live(&mut self, flat: &mut FlatComm<I>) -> Result<(), CommError> {
+        if self
+            .live
+            .values()
+            .any(|g| matches!(g, Gathered::InFlight(_)))
+        {
+            flat.wait()?;
+        }
+        self.live.clear();
+        Ok(())
+    }
+
+    /// Frees the held gather of `p` (waiting first if it is in flight).
+    fn forget(&mut self, flat: &mut FlatComm<I>, p: usize) -> Result<(), CommError> {
+        if let Some(Gathered::InFlight(_)) = self.live.get(&p) {
+            flat.wait()?;
+        }
+        self.live.remove(&p);
+        Ok(())
     }
 
     /// The full values of the persistent parameters, all-gathered from every rank's
@@ -271,38 +302,32 @@ impl<I: Backend> Stage3<I> {
         }
         let answer = self.tracer.on_use(p as u64, self.plan.numel(p));
         for id in &answer.evict {
-            self.live.remove(&(*id as usize));
-            self.in_flight.remove(&(*id as usize));
+            self.forget(flat, *id as usize)?;
         }
         self.events.push(GatherEvent::Use {
             slot: p,
             ready: answer.prefetched,
         });
-        let full = match self.live.get(&p) {
-            Some(full) if answer.prefetched => {
-                let full = full.clone();
-                if self.in_flight.remove(&p) {
-                    flat.wait()?;
-                }
-                full
+        let full = match self.live.remove(&p) {
+            Some(Gathered::Ready(full)) if answer.prefetched => full,
+            Some(Gathered::InFlight(gathered)) if answer.prefetched => {
+                flat.wait()?;
+                self.shaped(p, gathered)
             }
             _ => {
                 let gathered = self.all_gather(flat, p, own(), false)?;
                 flat.wait()?;
-                let full = self.shaped(p, gathered);
-                self.live.insert(p, full.clone());
-                full
+                self.shaped(p, gathered)
             }
         };
+        self.live.insert(p, Gathered::Ready(full.clone()));
         for id in answer.prefetch {
             let next = id as usize;
             let partition = self.partitions[next]
                 .clone()
                 .expect("the trace holds sharded parameters only");
             let gathered = self.all_gather(flat, next, partition, true)?;
-            // Shaping is a view where the backend has them (CUDA): it does not wait for NCCL.
-            self.live.insert(next, self.shaped(next, gathered));
-            self.in_flight.insert(next);
+            self.live.insert(next, Gathered::InFlight(gathered));
         }
         if self.tracer.release(p as u64) {
             self.live.remove(&p);

@@ -107,10 +107,12 @@ fn train<I: burn::tensor::backend::Backend>(
             );
         }
     }
+    // Every rank reads the parameters: under ZeRO-3 that gathers them.
+    let params = param_data(engine.model());
     if rank == 0 {
         println!("STAT device_collectives {}", engine.device_collectives());
         println!("STAT skipped_steps {}", engine.skipped_steps());
-        for (i, p) in param_data(engine.model()).into_iter().enumerate() {
+        for (i, p) in params.into_iter().enumerate() {
             println!(
                 "RESULT param_{i} {:?}",
                 p.convert::<f32>().to_vec::<f32>().unwrap()
