@@ -316,12 +316,10 @@ impl<B: Backend> Rope<B> {
                 sin.push(angle.sin() as f32);
             }
         }
+        // `from_data` takes the dtype from its options, not from the data.
         let t = |v: Vec<f32>| {
-            Tensor::<B, 1>::from_data(
-                TensorData::new(v, [seq * half]).convert_dtype(dtype),
-                device,
-            )
-            .reshape([1, 1, seq, half, 1])
+            Tensor::<B, 1>::from_data(TensorData::new(v, [seq * half]), (device, dtype))
+                .reshape([1, 1, seq, half, 1])
         };
         Self {
             cos: t(cos),

@@ -159,7 +159,8 @@ impl<I: Backend> FlatComm<I> {
             }
         };
         let data = TensorData::new(values, [n]).convert_dtype(dtype);
-        Ok(Tensor::from_data(data, &self.device))
+        // The input's dtype: `from_data` would otherwise take the device's default.
+        Ok(Tensor::from_data(data, (&self.device, dtype)))
     }
 
     /// Runs `op` on device memory when the communicator and the tensor allow it.
