@@ -428,7 +428,7 @@ pub(crate) fn rebuild_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
 }
 
 /// The sharded handles of `module`'s trainable parameters, by slot, when it was built sharded
-/// ([`super::construct`]); `None` when any trainable parameter is full.
+/// ([`super::construct_sharded`]); `None` when any trainable parameter is full.
 pub(crate) fn sharded_handles<I: Backend, M: Module<ZeroAutodiff<I>>>(
     module: &M,
     layout: &FlatLayout,

@@ -1,0 +1,220 @@
+//! `initialize`: an engine from a model, a config and a communicator.
+
+use std::sync::{Arc, Mutex};
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
+
+use super::collective::FlatComm;
+use super::grads::{EngineHook, GradState};
+use super::precision::Precision;
+use super::stage3::{EngineGatherer, Stage3, rebuild_params, sharded_handles};
+use super::{
+    Engine, EngineError, FlatLayout, PARTITION_ALIGN, Timings, ZeroAutodiff, flatten_params,
+    owned_range, unflatten_params,
+};
+use crate::backend::hooks;
+use crate::backend::install_gatherer;
+use crate::backend::matmul::{MatmulPolicy, matmul_policy, set_matmul_policy};
+use crate::comm::Communicator;
+use crate::config::DeepSpeedConfig;
+use crate::optim::TensorOptimizer;
+use crate::partition::PartitionPlan;
+use crate::schedule::Scheduler;
+
+/// Builds an engine for `model` from `config` over `comm` (DeepSpeed's `deepspeed.initialize`).
+///
+/// Every rank must call it with the same model structure; rank 0's parameter values are
+/// broadcast to all. Only parameters with `require_grad` are reduced, partitioned and
+/// optimized; frozen ones (a LoRA base) take rank 0's values and are never changed. Must be called on the thread that will run `backward` (the gradient hook
+/// is per thread).
+pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    model: M,
+    config: &DeepSpeedConfig,
+    comm: Arc<dyn Communicator>,
+) -> Result<Engine<I, M>, EngineError> {
+    if hooks::is_installed::<I>() {
+        return Err(EngineError::Usage(
+            "another engine (or gradient hook) is active on this thread for this backend; \
+             drop it before initializing a new one"
+                .into(),
+        ));
+    }
+    let resolved = config.resolve(comm.world_size())?;
+    if comm.rank() == 0 {
+        resolved.warnings.iter().for_each(|w| crate::log::warn(w));
+        let json = serde_json::to_string(&resolved).unwrap_or_default();
+        crate::log::info(&format!("resolved config: {json}"));
+    }
+    let matmul = &resolved.config.burn_zero.matmul;
+    set_matmul_policy(MatmulPolicy {
+        cublaslt: matmul.cublaslt || matmul_policy().cublaslt,
+        allow_tf32: matmul.allow_tf32,
+        min_macs: matmul.min_macs,
+    });
+    let zero = &resolved.config.zero_optimization;
+    let stage = zero.stage;
+    let layout = Arc::new(FlatLayout::of(&model));
+    if layout.numel() == 0 {
+        return Err(EngineError::Usage(
+            "the model has no trainable parameters (every parameter has require_grad off)".into(),
+        ));
+    }
+    let world = comm.world_size();
+    let plan = if stage == 0 {
+        PartitionPlan::new(layout.numel(), 1)
+    } else {
+        PartitionPlan::aligned(layout.numel(), world, PARTITION_ALIGN)
+    };
+    let mut stage3 = (stage == 3).then(|| {
+        let trace = crate::trace::TraceConfig {
+            prefetch_bucket_size: zero.prefetch_bucket_size.get(),
+            max_live_parameters: zero.max_live_parameters.get(),
+            max_reuse_distance: zero.max_reuse_distance.get(),
+        };
+        Stage3::<I>::new(
+            &layout,
+            world,
+            PARTITION_ALIGN,
+            zero.param_persistence_threshold.get(),
+            trace,
+        )
+    });
+
+    let device = model_device(&model);
+    let precision = Precision::new::<I>(&resolved.config, &device);
+    let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
+    // Frozen parameters (a LoRA base) are neither reduced nor optimized, but every rank must
+    // compute with rank 0's values too.
+    let frozen = FlatLayout::of_frozen(&model);
+    let frozen_params = frozen.numel();
+    let model = if frozen_params == 0 {
+        model
+    } else {
+        let values = flat.broadcast(flatten_params(&model, &frozen), 0)?;
+        flat.wait()?;
+        unflatten_params(model, &frozen, values)
+    };
+    let (model, master) = match stage3.as_mut() {
+        Some(s3) => {
+            let master = match sharded_master(&model, &layout, s3)? {
+                // Built sharded (every rank its own partitions, from the same seed).
+                Some(master) => master,
+                None => {
+                    let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
+                    flat.wait()?;
+                    s3.partition_of(&params, comm.rank())
+                }
+            };
+            let master = master.cast(FloatDType::F32);
+            let working = precision.compute.convert(master.clone());
+            s3.set_partitions(&mut flat, &working)?;
+            let full = s3.gather_persistent(&mut flat, &working)?;
+            let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));
+            (hooks::mark_distributed(model), master)
+        }
+        None => {
+            let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
+            flat.wait()?;
+            let params = params.cast(FloatDType::F32);
+            let owned = owned_range(&plan, stage, comm.rank());
+            let master = params.clone().slice(owned);
+            let model = unflatten_params(model, &layout, precision.compute.convert(params));
+            (hooks::mark_distributed(model), master)
+        }
+    };
+
+    let optimizer = TensorOptimizer::new(
+        resolved.optimizer,
+        &resolved.optimizer_params,
+        master.dims()[0],
+        &device,
+    );
+    let with_gatherer = stage3.is_some();
+    let grads = Arc::new(Mutex::new(GradState::new(
+        layout.clone(),
+        plan,
+        flat,
+        stage,
+        zero.reduce_bucket_size.get(),
+        stage3,
+        (precision.compute, precision.accum),
+    )));
+    let hook = hooks::install::<I>(Box::new(EngineHook {
+        state: grads.clone(),
+    }));
+    let gatherer = with_gatherer.then(|| {
+        install_gatherer::<I>(Box::new(EngineGatherer {
+            state: grads.clone(),
+        }))
+    });
+    Ok(Engine {
+        model: Some(model),
+        scheduler: Scheduler::new(resolved.schedule.clone()),
+        comm,
+        resolved,
+        layout,
+        plan,
+        grads,
+        master,
+        optimizer,
+        frozen_params,
+        micro_steps: 0,
+        global_steps: 0,
+        last_grad_norm: None,
+        timings: Timings::default(),
+        precision,
+        _hook: hook,
+        _gatherer: gatherer,
+    })
+}
+
+/// The device of the model's parameters (of the first trainable one).
+fn model_device<I: Backend, M: Module<ZeroAutodiff<I>>>(model: &M) -> I::Device {
+    model.devices().into_iter().next().unwrap_or_default()
+}
+
+/// This rank's partition when `model` was built sharded ([`super::construct_sharded`]): its handles'
+/// partitions and its full parameters' chunks, in layout order; `None` for a full model.
+fn sharded_master<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    model: &M,
+    layout: &FlatLayout,
+    s3: &Stage3<I>,
+) -> Result<Option<Tensor<I, 1>>, EngineError> {
+    let handles = sharded_handles(model, layout);
+    if handles.iter().all(Option::is_none) {
+        return Ok(None);
+    }
+    let plan = s3.plan();
+    let mut parts = Vec::new();
+    for (p, handle) in handles.into_iter().enumerate() {
+        let part = match handle {
+            Some(h) => {
+                let t = Tensor::<I, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+                    h.partition.clone(),
+                ));
+                if t.dims()[0] != plan.chunk(p) {
+                    return Err(EngineError::Usage(format!(
+                        "parameter `{}` was built sharded for another world size: its partition \
+                         holds {} elements, {} ranks need {}",
+                        layout.slots()[p].name,
+                        t.dims()[0],
+                        plan.world_size(),
+                        plan.chunk(p)
+                    )));
+                }
+                t
+            }
+            None => {
+                return Err(EngineError::Usage(format!(
+                    "parameter `{}` is full while others were built sharded: build the whole \
+                     model with `burn_zero::engine::construct_sharded`",
+                    layout.slots()[p].name
+                )));
+            }
+        };
+        parts.push(part);
+    }
+    Ok(Some(Tensor::cat(parts, 0)))
+}
