@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod dist;
