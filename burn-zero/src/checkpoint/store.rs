@@ -1,0 +1,321 @@
+//! Checkpoint directories on disk, atomically: files are written into a staging directory,
+//! checksummed, and the directory becomes visible under its tag by one rename once the
+//! manifest (the last file) is complete; `latest` is replaced by rename too. A crash at any
+//! point leaves the previous checkpoint and `latest` as they were. Free of burn types.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use super::{FileEntry, Manifest, ManifestError};
+
+/// The name of the manifest inside a checkpoint directory.
+pub const MANIFEST: &str = "manifest.json";
+/// The file naming the newest complete tag (DeepSpeed's `latest`).
+pub const LATEST: &str = "latest";
+
+/// Why a checkpoint could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A file operation failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The failure.
+        source: std::io::Error,
+    },
+    /// The manifest is unusable.
+    #[error("{path}: {source}")]
+    Manifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// Why.
+        source: ManifestError,
+    },
+    /// A file does not match its recorded size or checksum.
+    #[error("{path} is corrupted or truncated: {what}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What differs.
+        what: String,
+    },
+    /// No checkpoint to load.
+    #[error("no checkpoint in {0} (no `latest` file and no tag given)")]
+    NoCheckpoint(PathBuf),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// SHA-256 of a file, lowercase hex, and its size.
+pub fn sha256_file(path: &Path) -> Result<(String, u64), StoreError> {
+    let mut file = fs::File::open(path).map_err(io(path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io(path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    let hex = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok((hex, bytes))
+}
+
+/// Writes `contents` to `path` and flushes it to disk.
+fn write_synced(path: &Path, contents: &[u8]) -> Result<(), StoreError> {
+    let mut file = fs::File::create(path).map_err(io(path))?;
+    file.write_all(contents).map_err(io(path))?;
+    file.sync_all().map_err(io(path))
+}
+
+/// A checkpoint being written under `root/tag`.
+#[derive(Debug)]
+pub struct Staging {
+    root: PathBuf,
+    tag: String,
+    dir: PathBuf,
+}
+
+impl Staging {
+    /// The staging directory of `root/tag` (`root/.tag.partial`), created empty. Every rank
+    /// calls it with the same arguments; rank 0 creates it (`create`), the others after a
+    /// barrier.
+    pub fn open(root: &Path, tag: &str, create: bool) -> Result<Self, StoreError> {
+        let dir = root.join(format!(".{tag}.partial"));
+        if create {
+            fs::create_dir_all(root).map_err(io(root))?;
+            if dir.exists() {
+                // Left by a crashed save: never visible, safe to discard.
+                fs::remove_dir_all(&dir).map_err(io(&dir))?;
+            }
+            fs::create_dir(&dir).map_err(io(&dir))?;
+        }
+        Ok(Self {
+            root: root.to_path_buf(),
+            tag: tag.to_string(),
+            dir,
+        })
+    }
+
+    /// Where to write file `name` of the checkpoint.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The entry of file `name` once written: its size and checksum (each rank describes its
+    /// own files; rank 0 collects them into the manifest).
+    pub fn describe(&self, name: &str, rank: Option<usize>) -> Result<FileEntry, StoreError> {
+        let path = self.path(name);
+        fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&path))?;
+        let (sha256, bytes) = sha256_file(&path)?;
+        Ok(FileEntry {
+            path: name.to_string(),
+            rank,
+            bytes,
+            sha256,
+        })
+    }
+
+    /// Rank 0, once every rank's files are written: checks them against `manifest`, writes
+    /// the manifest, and makes the checkpoint visible as `root/tag` and `latest`. A previous
+    /// checkpoint of the same tag is replaced only at that point.
+    pub fn commit(self, manifest: &Manifest) -> Result<PathBuf, StoreError> {
+        verify_files(&self.dir, manifest)?;
+        write_synced(&self.path(MANIFEST), manifest.to_json().as_bytes())?;
+        let target = self.root.join(&self.tag);
+        if target.exists() {
+            let old = self.root.join(format!(".{}.old", self.tag));
+            let _ = fs::remove_dir_all(&old);
+            fs::rename(&target, &old).map_err(io(&target))?;
+            fs::rename(&self.dir, &target).map_err(io(&self.dir))?;
+            fs::remove_dir_all(&old).map_err(io(&old))?;
+        } else {
+            fs::rename(&self.dir, &target).map_err(io(&self.dir))?;
+        }
+        let latest_tmp = self.root.join(format!(".{LATEST}.partial"));
+        write_synced(&latest_tmp, self.tag.as_bytes())?;
+        let latest = self.root.join(LATEST);
+        fs::rename(&latest_tmp, &latest).map_err(io(&latest))?;
+        if let Ok(dir) = fs::File::open(&self.root) {
+            let _ = dir.sync_all();
+        }
+        Ok(target)
+    }
+}
+
+/// Checks every file of `manifest` in `dir` against its recorded size and checksum.
+fn verify_files(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
+    for f in &manifest.files {
+        let path = dir.join(&f.path);
+        let (sha256, bytes) = sha256_file(&path)?;
+        if bytes != f.bytes {
+            return Err(StoreError::Corrupt {
+                path,
+                what: format!("{bytes} bytes, {} recorded", f.bytes),
+            });
+        }
+        if sha256 != f.sha256 {
+            return Err(StoreError::Corrupt {
+                path,
+                what: "its SHA-256 differs from the manifest's".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The directory of checkpoint `tag` under `root`, or of the `latest` one.
+pub fn resolve(root: &Path, tag: Option<&str>) -> Result<PathBuf, StoreError> {
+    let tag = match tag {
+        Some(t) => t.to_string(),
+        None => {
+            let latest = root.join(LATEST);
+            fs::read_to_string(&latest)
+                .map_err(|_| StoreError::NoCheckpoint(root.to_path_buf()))?
+                .trim()
+                .to_string()
+        }
+    };
+    Ok(root.join(tag))
+}
+
+/// Reads and checks a checkpoint directory: its manifest, and every file's size and checksum.
+pub fn open_verified(dir: &Path) -> Result<Manifest, StoreError> {
+    let path = dir.join(MANIFEST);
+    let bytes = fs::read(&path).map_err(io(&path))?;
+    let manifest =
+        Manifest::parse(&bytes).map_err(|source| StoreError::Manifest { path, source })?;
+    verify_files(dir, &manifest)?;
+    Ok(manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::{FORMAT, Partitioning, VERSION};
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("bz-store-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    /// Saves checkpoint `tag` with one file per rank of `world`, as the ranks would.
+    fn save(root: &Path, tag: &str, world: usize, fill: u8) -> PathBuf {
+        let staging = Staging::open(root, tag, true).unwrap();
+        let files = (0..world)
+            .map(|r| {
+                let name = format!("rank{r}.bin");
+                write_synced(&staging.path(&name), &vec![fill + r as u8; 100 + r]).unwrap();
+                staging.describe(&name, Some(r)).unwrap()
+            })
+            .collect();
+        staging.commit(&manifest(tag, world, files)).unwrap()
+    }
+
+    fn manifest(tag: &str, world: usize, files: Vec<FileEntry>) -> Manifest {
+        Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            tag: tag.into(),
+            stage: 2,
+            world_size: world,
+            partitioning: Partitioning::Flat { chunk: 0 },
+            params: vec![],
+            files,
+            engine: serde_json::json!({}),
+        }
+    }
+
+    #[test]
+    fn saves_become_visible_whole_and_latest_follows() {
+        let root = scratch("visible");
+        save(&root, "step1", 2, 1);
+        let dir = save(&root, "step2", 3, 7);
+        assert_eq!(resolve(&root, None).unwrap(), dir);
+        let m = open_verified(&dir).unwrap();
+        assert_eq!((m.tag.as_str(), m.files.len()), ("step2", 3));
+        assert!(open_verified(&resolve(&root, Some("step1")).unwrap()).is_ok());
+        // Saving a tag again replaces it whole.
+        save(&root, "step1", 1, 9);
+        assert_eq!(open_verified(&root.join("step1")).unwrap().world_size, 1);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn an_interrupted_save_leaves_the_previous_checkpoint_loadable() {
+        let root = scratch("crash");
+        let good = save(&root, "step1", 2, 1);
+        // A save that dies after writing its files, before the commit.
+        let staging = Staging::open(&root, "step2", true).unwrap();
+        write_synced(&staging.path("rank0.bin"), b"half of a checkpoint").unwrap();
+        drop(staging);
+        assert_eq!(resolve(&root, None).unwrap(), good);
+        assert!(open_verified(&good).is_ok());
+        assert!(!root.join("step2").exists(), "never visible");
+        // The next save of that tag discards the leftovers and succeeds.
+        save(&root, "step2", 2, 3);
+        assert!(open_verified(&resolve(&root, None).unwrap()).is_ok());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn corruption_and_truncation_are_named_by_file() {
+        let root = scratch("corrupt");
+        let dir = save(&root, "step1", 2, 1);
+        let victim = dir.join("rank1.bin");
+        let mut bytes = fs::read(&victim).unwrap();
+        bytes[50] ^= 0x01;
+        fs::write(&victim, &bytes).unwrap();
+        let err = open_verified(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("rank1.bin") && err.contains("SHA-256"),
+            "{err}"
+        );
+        bytes.truncate(10);
+        fs::write(&victim, &bytes).unwrap();
+        let err = open_verified(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("rank1.bin") && err.contains("truncated"),
+            "{err}"
+        );
+        fs::remove_dir_all(&root).unwrap();
+        assert!(matches!(
+            resolve(&root, None),
+            Err(StoreError::NoCheckpoint(_))
+        ));
+    }
+
+    #[test]
+    fn a_commit_refuses_files_that_changed_after_they_were_described() {
+        let root = scratch("refuse");
+        let staging = Staging::open(&root, "step1", true).unwrap();
+        write_synced(&staging.path("rank0.bin"), b"one").unwrap();
+        let entry = staging.describe("rank0.bin", Some(0)).unwrap();
+        write_synced(&staging.path("rank0.bin"), b"two").unwrap();
+        let err = staging
+            .commit(&manifest("step1", 1, vec![entry]))
+            .unwrap_err();
+        assert!(err.to_string().contains("rank0.bin"), "{err}");
+        assert!(!root.join("step1").exists() && !root.join(LATEST).exists());
+        fs::remove_dir_all(&root).unwrap();
+    }
+}
