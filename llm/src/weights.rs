@@ -66,8 +66,8 @@ pub fn matrix<B: Backend>(
     rope_heads: Option<usize>,
     device: &B::Device,
 ) -> Result<Param<Tensor<B, 2>>, LoadError> {
-    let (shape, values) = stored(source, name, expected, rope_heads)?;
-    let tensor = Tensor::from_data(TensorData::new(values, shape), device);
+    let values = stored(source, name, expected, rope_heads)?;
+    let tensor = Tensor::from_data(TensorData::new(values, expected), device);
     Ok(Param::from_tensor(tensor))
 }
 
@@ -80,7 +80,8 @@ pub fn linear_weight<B: Backend>(
     rope_heads: Option<usize>,
     device: &B::Device,
 ) -> Result<Param<Tensor<B, 2>>, LoadError> {
-    let ([rows, cols], values) = stored(source, name, expected, rope_heads)?;
+    let [rows, cols] = expected;
+    let values = stored(source, name, expected, rope_heads)?;
     let t = transpose(&values, rows, cols);
     let tensor = Tensor::from_data(TensorData::new(t, [cols, rows]), device);
     Ok(Param::from_tensor(tensor))
@@ -91,12 +92,12 @@ fn stored(
     name: &str,
     expected: [usize; 2],
     rope_heads: Option<usize>,
-) -> Result<([usize; 2], Vec<f32>), LoadError> {
+) -> Result<Vec<f32>, LoadError> {
     let (_, mut values) = checked(source, name, &expected)?;
     if let (Some(heads), true) = (rope_heads, source.half_split_rope()) {
         values = interleave_rope_rows(&values, heads, expected[0] / heads, expected[1]);
     }
-    Ok((expected, values))
+    Ok(values)
 }
 
 /// Vector `name` of length `len`.

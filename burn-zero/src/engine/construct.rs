@@ -17,6 +17,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::stage3::chunk_of;
 use super::{PARTITION_ALIGN, ZeroAutodiff};
 use crate::backend::ShardedParam;
 use crate::partition::ShardPlan;
@@ -91,17 +92,8 @@ impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Draw {
         ))
         .reshape([n]);
         let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
-        let owned = plan.owned(0, rank);
-        let padding = plan.chunk(0) - owned.len();
-        let mut parts = Vec::new();
-        if !owned.is_empty() {
-            parts.push(full.clone().slice(owned));
-        }
-        if padding > 0 {
-            parts.push(Tensor::zeros([padding], &full.device()));
-        }
+        let partition = chunk_of(&plan, 0, rank, &full, 0).into_primitive().tensor();
         drop(full);
-        let partition = Tensor::cat(parts, 0).into_primitive().tensor();
         let handle = ZeroTensor::sharded(Arc::new(ShardedParam {
             slot: position,
             version: 0,

@@ -25,18 +25,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     ) -> Result<(), EngineError> {
         let full = match self.resolved.config.zero_optimization.stage {
             0 => self.master.clone(),
-            1 | 2 => {
-                let padding = self.plan.chunk() - self.master.dims()[0];
-                let mut chunk = self.master.clone();
-                if padding > 0 {
-                    let zeros = Tensor::zeros([padding], &chunk.device());
-                    chunk = Tensor::cat(vec![chunk, zeros], 0);
-                }
-                let mut state = self.state();
-                let gathered = state.flat.all_gather(chunk)?;
-                state.flat.wait()?;
-                gathered
-            }
+            1 | 2 => self.gather_chunks(&mut self.state().flat, self.master.clone())?,
             _ => return self.gather_sharded(self.master.clone(), f),
         };
         for slot in self.layout.slots() {
@@ -64,12 +53,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         };
         let full = match stage {
             0 | 1 => buffer,
-            2 => {
-                let mut state = self.state();
-                let gathered = state.flat.all_gather(buffer)?;
-                state.flat.wait()?;
-                gathered
-            }
+            2 => self.gather_chunks(&mut self.state().flat, buffer)?,
             _ => return self.gather_sharded(buffer, f),
         };
         for slot in self.layout.slots() {

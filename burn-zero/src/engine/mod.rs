@@ -311,21 +311,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             let flat = if stage == 0 {
                 params
             } else {
-                let piece = self
-                    .resolved
-                    .config
-                    .zero_optimization
-                    .allgather_bucket_size
-                    .get()
-                    / self.comm.world_size();
-                let padding = self.plan.chunk() - owned.len();
-                let chunk = if padding > 0 {
-                    let zeros = Tensor::zeros([padding], (&params.device(), params.dtype()));
-                    Tensor::cat(vec![params, zeros], 0)
-                } else {
-                    params
-                };
-                all_gather_in_pieces(&mut state.flat, chunk, piece)?
+                self.gather_chunks(&mut state.flat, params)?
             };
             unflatten_params(model, &self.layout, flat)
         };
@@ -338,6 +324,18 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.timings.step += start.elapsed();
         self.report_progress();
         Ok(())
+    }
+
+    /// Stages 1–2: every rank's part of the flat buffer (`owned` elements, padded here to the
+    /// plan's chunk), gathered into the padded flat buffer in `allgather_bucket_size` pieces.
+    fn gather_chunks(
+        &self,
+        flat: &mut FlatComm<I>,
+        owned: Tensor<I, 1>,
+    ) -> Result<Tensor<I, 1>, CommError> {
+        let zero = &self.resolved.config.zero_optimization;
+        let piece = zero.allgather_bucket_size.get() / self.comm.world_size();
+        all_gather_in_pieces(flat, zero_padded(owned, self.plan.chunk()), piece)
     }
 
     fn report_progress(&mut self) {
@@ -381,6 +379,16 @@ fn global_norm<I: Backend>(
         total
     };
     Ok(f64::from(total.into_scalar().elem::<f32>()).sqrt())
+}
+
+/// `t` followed by zeros (of its dtype) up to `len` elements.
+fn zero_padded<I: Backend>(t: Tensor<I, 1>, len: usize) -> Tensor<I, 1> {
+    let padding = len - t.dims()[0];
+    if padding == 0 {
+        return t;
+    }
+    let zeros = Tensor::zeros([padding], (&t.device(), t.dtype()));
+    Tensor::cat(vec![t, zeros], 0)
 }
 
 /// All-gathers every rank's `chunk` into the full padded flat buffer (rank-major), in pieces of

@@ -139,22 +139,14 @@ impl<I: Backend> Stage3<I> {
 
     /// This rank's partition built from the full flat parameters (the layout's order).
     pub(crate) fn partition_of(&self, full: &Tensor<I, 1>, rank: usize) -> Tensor<I, 1> {
-        let device = full.device();
         let mut parts = Vec::new();
         let mut start = 0;
         for p in 0..self.plan.params() {
-            let owned = self.plan.owned(p, rank);
-            if !owned.is_empty() {
-                parts.push(full.clone().slice(start + owned.start..start + owned.end));
-            }
-            let padding = self.plan.chunk(p) - owned.len();
-            if padding > 0 {
-                parts.push(Tensor::zeros([padding], &device));
-            }
+            parts.push(chunk_of(&self.plan, p, rank, full, start));
             start += self.plan.numel(p);
         }
         if parts.is_empty() {
-            return Tensor::zeros([0], &device);
+            return Tensor::zeros([0], &full.device());
         }
         Tensor::cat(parts, 0)
     }
@@ -368,6 +360,23 @@ impl<I: Backend> Stage3<I> {
             ),
         }
     }
+}
+
+/// Rank `rank`'s chunk of parameter `p`, whose flat values start at `base` in `values`: its
+/// owned elements, zero-padded to the plan's chunk.
+pub(crate) fn chunk_of<I: Backend>(
+    plan: &ShardPlan,
+    p: usize,
+    rank: usize,
+    values: &Tensor<I, 1>,
+    base: usize,
+) -> Tensor<I, 1> {
+    let owned = plan.owned(p, rank);
+    if owned.is_empty() {
+        return Tensor::zeros([plan.chunk(p)], (&values.device(), values.dtype()));
+    }
+    let mine = values.clone().slice(base + owned.start..base + owned.end);
+    super::zero_padded(mine, plan.chunk(p))
 }
 
 /// The [`ParamGatherer`] the engine installs on its thread.

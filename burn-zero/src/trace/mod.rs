@@ -191,15 +191,13 @@ impl GatherTracer {
         false
     }
 
-    /// Forgets every live handle (their values are stale once the parameters change) and
-    /// returns them, for the caller to free; the trace itself is kept.
-    pub fn drop_live(&mut self) -> Vec<HandleId> {
-        let mut ids: Vec<HandleId> = self.live.keys().copied().collect();
-        ids.sort_unstable();
-        for id in &ids {
-            self.forget(*id);
+    /// Forgets every live handle (their values are stale once the parameters change); the
+    /// trace itself is kept.
+    pub fn drop_live(&mut self) {
+        let ids: Vec<HandleId> = self.live.keys().copied().collect();
+        for id in ids {
+            self.forget(id);
         }
-        ids
     }
 
     /// Whether the current step replays a trace.
