@@ -170,6 +170,8 @@ const WORLD: usize = 4;
 
 /// What the 4 ranks of one run measured.
 struct Measured {
+    /// Bytes the sharded model's parameters take, all ranks together (before `initialize`).
+    params: usize,
     /// Bytes held after initialization.
     held: usize,
     /// The most held above that during a replayed forward pass.
@@ -191,11 +193,19 @@ fn train_measure(max_live: usize, prefetch: usize, reuse: usize) -> Measured {
     let config = DeepSpeedConfig::from_json(&json).unwrap().config;
     let baseline = current();
     let held = AtomicUsize::new(0);
+    let params = AtomicUsize::new(0);
     let (forward, backward) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let live = run_ranks(WORLD, |ctx| {
         let device = Default::default();
         let (rank, comm) = (ctx.rank, Arc::new(ctx.comm));
+        comm.barrier().unwrap();
+        let before = current();
+        comm.barrier().unwrap();
         let model = construct_sharded(Stack::<B>::new(LAYERS, WIDTH, &device), 7, rank, WORLD);
+        comm.barrier().unwrap();
+        if rank == 0 {
+            params.store(current() - before, Ordering::SeqCst);
+        }
         let mut engine =
             initialize::<NdArray, _>(model, &config, comm.clone() as Arc<dyn Communicator>)
                 .unwrap();
@@ -234,6 +244,7 @@ fn train_measure(max_live: usize, prefetch: usize, reuse: usize) -> Measured {
         engine.gather_stats().unwrap().peak_live_numel
     });
     Measured {
+        params: params.into_inner(),
         held: held.into_inner(),
         forward: forward.into_inner(),
         backward: backward.into_inner(),
@@ -262,6 +273,14 @@ fn parameters_take_a_quarter_per_rank_and_gathers_stay_in_the_live_budget() {
         per_rank(all.backward),
         small.live,
         all.live
+    );
+    // The parameters of a rank: its quarter of every layer (9216 / 4 elements, no padding),
+    // plus burn's per-parameter bookkeeping.
+    let quarter = psi_bytes / WORLD;
+    assert!(
+        per_rank(small.params) >= quarter && per_rank(small.params) < quarter + 4096 * LAYERS,
+        "{report}: parameters {} per rank, Ψ/4 = {quarter}",
+        per_rank(small.params)
     );
     // Persistent: the parameters' partitions, the fp32 master and the gradient partition,
     // Ψ/4 each, plus burn's per-parameter bookkeeping; less than one replica of the model.
