@@ -206,6 +206,8 @@ fn train_measure(max_live: usize, prefetch: usize, reuse: usize) -> Measured {
         if rank == 0 {
             params.store(current() - before, Ordering::SeqCst);
         }
+        // No rank goes on allocating (initialize) before rank 0 has read the count.
+        comm.barrier().unwrap();
         let mut engine =
             initialize::<NdArray, _>(model, &config, comm.clone() as Arc<dyn Communicator>)
                 .unwrap();
