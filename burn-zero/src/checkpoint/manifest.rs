@@ -29,6 +29,10 @@ pub struct Manifest {
     pub partitioning: Partitioning,
     /// The trainable parameters, in the engine's layout order.
     pub params: Vec<ParamEntry>,
+    /// The tensors of every partition file (`master`, `exp_avg`, ...), each the rank's flat
+    /// partition of that quantity, with its dtype.
+    #[serde(default)]
+    pub tensors: std::collections::BTreeMap<String, super::Dtype>,
     /// Every file of the checkpoint, with its size and SHA-256.
     pub files: Vec<FileEntry>,
     /// The engine's state (steps, scheduler, loss scaler, data position, ...), as written.

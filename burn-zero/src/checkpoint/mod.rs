@@ -2,11 +2,15 @@
 //! manifest and the atomic directory store, as cores free of burn types.
 
 mod manifest;
+mod read;
+pub mod safetensors;
 mod store;
 
 pub use manifest::{
     FORMAT, FileEntry, Manifest, ManifestError, ParamEntry, Partitioning, Piece, VERSION,
 };
+pub use read::{MASTER, PartitionFiles, Span, consolidate, describe, partition_file};
+pub use safetensors::Dtype;
 pub use store::{LATEST, MANIFEST, Staging, StoreError, open_verified, resolve, sha256_file};
 
 #[cfg(test)]

@@ -240,6 +240,7 @@ mod tests {
             world_size: world,
             partitioning: Partitioning::Flat { chunk: 0 },
             params: vec![],
+            tensors: Default::default(),
             files,
             engine: serde_json::json!({}),
         }

@@ -36,6 +36,7 @@ fn per_param(shapes: &[&[usize]], world: usize) -> Manifest {
             .enumerate()
             .map(|(i, s)| entry(&format!("p{i}"), s, Some(plan.chunk(i))))
             .collect(),
+        tensors: Default::default(),
         files: (0..world)
             .map(|r| file(&format!("rank{r}.safetensors"), Some(r)))
             .collect(),

@@ -9,11 +9,13 @@
 //! model's device; with an NCCL communicator the collectives run on their device memory
 //! (see `collective`).
 
+mod checkpoint;
 mod collective;
 mod construct;
 mod export;
 mod grads;
 mod init;
+mod load_module;
 mod memory;
 mod params;
 mod precision;
@@ -27,8 +29,10 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, FloatDType, Tensor};
 
+pub use checkpoint::{LoadedCheckpoint, inject_save_failure};
 pub use construct::{construct_full, construct_sharded};
 pub use init::initialize;
+pub use load_module::load_params;
 pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates};
 pub use params::{FlatLayout, ParamSlot, flatten_params, unflatten_params};
 pub use stage3::{GatherEvent, GatherStats};
@@ -64,6 +68,9 @@ pub enum EngineError {
     /// fp16 cannot go on: gradients overflow at the minimum loss scale.
     #[error(transparent)]
     LossScale(#[from] crate::precision::MinScaleReached),
+    /// A checkpoint could not be written or read.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::StoreError),
     /// The engine was used out of order.
     #[error("{0}")]
     Usage(String),
@@ -293,14 +300,25 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 (b1, b2)
             }),
         };
-        let params = self.optimizer.step(params, grad, hp);
-        self.master = params.clone();
+        self.master = self.optimizer.step(params, grad, hp);
         state.clear();
+        self.publish(&mut state)?;
+        drop(state);
 
+        self.scheduler.step();
+        self.global_steps += 1;
+        self.micro_steps += 1;
+        self.timings.step += start.elapsed();
+        self.report_progress();
+        Ok(())
+    }
+
+    /// Rebuilds the model's parameters from the master partition (after a step or a load).
+    fn publish(&mut self, state: &mut GradState<I>) -> Result<(), EngineError> {
+        let params = self.master.clone();
         let model = self.model.take().expect("model");
-        let model = if stage == 3 {
+        let model = if self.resolved.config.zero_optimization.stage == 3 {
             // No all-gather: the new partitions are the new handles.
-            let state = &mut *state;
             let s3 = state.stage3.as_mut().expect("stage 3 state");
             let working = self.precision.compute.convert(params);
             s3.set_partitions(&mut state.flat, &working)?;
@@ -308,21 +326,14 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             rebuild_params(model, &self.layout, |p| s3.handle(p, full.get(&p)))
         } else {
             let params = self.precision.compute.convert(params);
-            let flat = if stage == 0 {
+            let flat = if self.resolved.config.zero_optimization.stage == 0 {
                 params
             } else {
                 self.gather_chunks(&mut state.flat, params)?
             };
             unflatten_params(model, &self.layout, flat)
         };
-        drop(state);
         self.model = Some(hooks::mark_distributed(model));
-
-        self.scheduler.step();
-        self.global_steps += 1;
-        self.micro_steps += 1;
-        self.timings.step += start.elapsed();
-        self.report_progress();
         Ok(())
     }
 

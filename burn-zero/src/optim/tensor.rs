@@ -60,6 +60,63 @@ impl<B: Backend> TensorOptimizer<B> {
         }
     }
 
+    /// The state as named flat partitions (PyTorch's names: `exp_avg`, `exp_avg_sq`,
+    /// `momentum_buffer`) and the step count, for checkpoints.
+    pub fn export(&self) -> (u64, Vec<(&'static str, Tensor<B, 1>)>) {
+        match &self.state {
+            State::Adam { m, v, step, .. } => (
+                *step,
+                vec![("exp_avg", m.clone()), ("exp_avg_sq", v.clone())],
+            ),
+            State::Sgd { buffer, .. } => (
+                0,
+                buffer
+                    .iter()
+                    .map(|b| ("momentum_buffer", b.clone()))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// The names [`TensorOptimizer::import`] needs (SGD's momentum buffer is optional: it
+    /// exists once a step was taken with momentum).
+    pub fn required(&self) -> &'static [&'static str] {
+        match &self.state {
+            State::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+            State::Sgd { .. } => &[],
+        }
+    }
+
+    /// Replaces the state with `tensors` (named as [`TensorOptimizer::export`] names them,
+    /// each `len` elements) at step `step`; an error names what is missing or mis-sized.
+    pub fn import(
+        &mut self,
+        step: u64,
+        mut tensors: Vec<(String, Tensor<B, 1>)>,
+    ) -> Result<(), String> {
+        if let Some((name, t)) = tensors.iter().find(|(_, t)| t.dims()[0] != self.len) {
+            return Err(format!(
+                "optimizer state `{name}` has {} elements, the partition {}",
+                t.dims()[0],
+                self.len
+            ));
+        }
+        let mut take = |name: &str| {
+            let i = tensors.iter().position(|(n, _)| n == name)?;
+            Some(tensors.swap_remove(i).1)
+        };
+        match &mut self.state {
+            State::Adam { m, v, step: s, .. } => {
+                let missing = |n: &str| format!("the checkpoint has no `{n}` (Adam's state)");
+                *m = take("exp_avg").ok_or_else(|| missing("exp_avg"))?;
+                *v = take("exp_avg_sq").ok_or_else(|| missing("exp_avg_sq"))?;
+                *s = step;
+            }
+            State::Sgd { buffer, .. } => *buffer = take("momentum_buffer"),
+        }
+        Ok(())
+    }
+
     /// The updated partition from `param` and `grad` (both `len` elements).
     pub fn step(
         &mut self,

@@ -9,6 +9,8 @@
 //! error); after a run of `loss_scale_window` clean steps since the last overflow the scale
 //! doubles and the hysteresis credit is refilled.
 
+use serde::{Deserialize, Serialize};
+
 use crate::config::Fp16Config;
 
 #[cfg(test)]
@@ -57,14 +59,14 @@ pub struct MinScaleReached {
 }
 
 /// DeepSpeed's loss scaler: static (a fixed scale) or dynamic.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LossScaler {
     cur_scale: f64,
     cur_iter: u64,
     dynamic: Option<Dynamic>,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct Dynamic {
     last_overflow_iter: i64,
     scale_factor: f64,

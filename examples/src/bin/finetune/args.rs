@@ -41,6 +41,12 @@ pub struct Args {
     pub plot: Option<PathBuf>,
     /// `--lora RANK` (with `--lora-alpha`, `--lora-targets`): train adapters, freeze the rest.
     pub lora: Option<LoraConfig>,
+    /// `--save-every N`: an engine checkpoint every N steps (and always after the last).
+    pub save_every: Option<usize>,
+    /// `--resume DIR`: continue from the latest engine checkpoint under DIR.
+    pub resume: Option<PathBuf>,
+    /// `--export-hf CHECKPOINT`: only turn an engine checkpoint into OUT/checkpoint.
+    pub export_hf: Option<PathBuf>,
 }
 
 impl Args {
@@ -70,10 +76,14 @@ const USAGE: &str =
   [--austen Rdata.rdb | --text FILE ... [--held-out TITLE]] [--layers N|all] [--seq LEN]
   [--steps N] [--world RANKS] [--train-tokens N] [--eval-len LEN] [--out DIR] [--seed N]
   [--lora RANK [--lora-alpha A] [--lora-targets q_proj,v_proj,...]]
+  [--save-every N] [--resume CHECKPOINTS]
   finetune --plot METRICS.jsonl [--out DIR]     (only draw DIR/loss.png)
+  finetune --export-hf CHECKPOINT [--gguf FILE | --hf DIR] [--layers N|all] [--lora ...] [--out DIR]
 Held out for evaluation: Persuasion, or with --text the file named by --held-out (default: the
-last). Writes OUT/metrics.jsonl, OUT/summary.json, OUT/loss.png and OUT/checkpoint (a Hugging
-Face directory, LoRA adapters merged). --device cuda runs one process per GPU under the launcher:
+last). Writes OUT/metrics.jsonl, OUT/summary.json, OUT/loss.png, OUT/engine (engine
+checkpoints: every --save-every steps and after the last; --resume OUT/engine continues from
+the latest, data order included) and OUT/checkpoint (a Hugging Face directory, LoRA adapters
+merged; --export-hf writes it from an engine checkpoint, with the same model options). --device cuda runs one process per GPU under the launcher:
   burn-zero run --nproc-per-node N -- finetune --device cuda --layers all";
 
 /// Parses `std::env::args`; `Err` carries the message to print (usage included).
@@ -97,6 +107,9 @@ pub fn parse_args() -> Result<Args, String> {
         seed: 42,
         plot: None,
         lora: None,
+        save_every: None,
+        resume: None,
+        export_hf: None,
     };
     let (mut lora_alpha, mut lora_targets) = (None, None);
     let mut layers_given = false;
@@ -136,6 +149,9 @@ pub fn parse_args() -> Result<Args, String> {
             "--out" => args.out = value.into(),
             "--seed" => args.seed = num(&value)? as u64,
             "--plot" => args.plot = Some(value.into()),
+            "--save-every" => args.save_every = Some(num(&value)?).filter(|n| *n > 0),
+            "--resume" => args.resume = Some(value.into()),
+            "--export-hf" => args.export_hf = Some(value.into()),
             "--lora" => args.lora = Some(LoraConfig::new(num(&value)?)),
             "--lora-alpha" => {
                 lora_alpha = Some(

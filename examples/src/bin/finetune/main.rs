@@ -21,7 +21,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::Communicator;
-use burn_zero::engine::ZeroAutodiff;
+use burn_zero::engine::{ZeroAutodiff, load_params};
 use burn_zero::testing::run_ranks;
 use burn_zero_llm::tokenizer::TextTokenizer;
 use burn_zero_llm::{Llama, LlamaConfig};
@@ -178,8 +178,49 @@ fn run_cuda(_: &Args, _: &DeepSpeedConfig, _: Instant) -> Result<(), String> {
         .into())
 }
 
+/// `--export-hf CHECKPOINT`: the recipe's model (same source, `--layers` and `--lora` as
+/// trained) with the checkpoint's parameters, written as a Hugging Face directory.
+fn export_hf(args: &Args, checkpoint: &std::path::Path) -> Result<(), String> {
+    let device = Default::default();
+    let (source, full, tok) = load_source(args)?;
+    let config = cut(&full, args.layers);
+    let mut model: Llama<NdArray> = config
+        .load(source.as_ref(), &device)
+        .map_err(|e| e.to_string())?;
+    if let Some(lora) = &args.lora {
+        model = model.with_lora(lora, &device)?;
+    }
+    let (model, kept) = load_params(model, checkpoint).map_err(|e| e.to_string())?;
+    // Without LoRA every parameter was trained; with it the frozen base comes from the source.
+    if args.lora.is_none()
+        && let Some(name) = kept.first()
+    {
+        return Err(format!(
+            "{}: no `{name}` in the checkpoint ({} parameters missing): pass the --layers and \
+             --lora it was trained with",
+            checkpoint.display(),
+            kept.len()
+        ));
+    }
+    let dir = args.out.join("checkpoint");
+    model.save_hf(&config, &dir).map_err(|e| e.to_string())?;
+    tok.save(&dir.join("tokenizer.json"))
+        .map_err(|e| e.to_string())?;
+    println!(
+        "exported {} ({} layers) to {} (a Hugging Face directory)",
+        checkpoint.display(),
+        config.num_layers,
+        dir.display()
+    );
+    Ok(())
+}
+
 fn run() -> Result<(), String> {
     let args = parse_args()?;
+    if let Some(checkpoint) = &args.export_hf {
+        std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+        return export_hf(&args, checkpoint);
+    }
     if let Some(metrics) = &args.plot {
         std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
         return draw_curve(metrics, &args.out.join("loss.png"));

@@ -58,21 +58,73 @@ pub fn train<I: Backend>(
         micro_batch: batch.micro_batch_per_gpu,
         seed: args.seed,
     };
+    let mut state = SamplerState::default();
+    if let Some(root) = &args.resume {
+        // The latest checkpoint under a root, or one checkpoint's own directory.
+        let (root, tag) = match (
+            root.join(burn_zero::checkpoint::MANIFEST).exists(),
+            root.parent(),
+        ) {
+            (true, Some(parent)) => (parent, root.file_name().and_then(|t| t.to_str())),
+            _ => (root.as_path(), None),
+        };
+        let loaded = engine
+            .load_checkpoint(root, tag)
+            .map_err(|e| e.to_string())?;
+        let client = &loaded.client_state;
+        state = serde_json::from_value(client["sampler"].clone())
+            .map_err(|e| format!("{}: no sampler state: {e}", loaded.dir.display()))?;
+        if client["seed"] != serde_json::json!(args.seed) || client["seq"] != args.seq {
+            return Err(format!(
+                "{} was trained with --seed {} --seq {}: resume with the same",
+                loaded.dir.display(),
+                client["seed"],
+                client["seq"]
+            ));
+        }
+        if job.rank == 0 {
+            println!(
+                "resumed from {} at step {} (epoch {}, {} samples in)",
+                loaded.dir.display(),
+                engine.global_step(),
+                state.epoch,
+                state.consumed
+            );
+        }
+    }
+    let first = engine.global_step() + 1;
+    if first > args.steps {
+        return Err(format!(
+            "the checkpoint is at step {}: --steps {} leaves nothing to train",
+            first - 1,
+            args.steps
+        ));
+    }
     let metrics_path = args.out.join("metrics.jsonl");
     let mut metrics = (job.rank == 0)
-        .then(|| std::fs::File::create(&metrics_path))
+        .then(|| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(args.resume.is_some())
+                .truncate(args.resume.is_none())
+                .open(&metrics_path)
+        })
         .transpose()
         .map_err(|e| format!("{}: {e}", metrics_path.display()))?;
     // A terminal gets one line redrawn; a log (the launcher's pipes) about 50 lines.
     let redraw = std::io::stdout().is_terminal();
     let every = if redraw { 1 } else { args.steps.div_ceil(50) };
-    let mut state = SamplerState::default();
     let tokens_per_step = batch.train_batch_size * args.seq;
     let t0 = Instant::now();
-    let half = args.steps / 2;
+    let steps = args.steps + 1 - first;
+    let half = first - 1 + steps / 2;
     let mut half_time = 0.0;
     let mut last_loss = f32::NAN;
-    for step in 1..=args.steps {
+    let checkpoints = args.out.join("engine");
+    // Checkpoint writing is not training: kept out of tokens/s.
+    let mut save_secs = 0.0;
+    for step in first..=args.steps {
         let lr = engine.lr();
         let mut step_loss = 0.0;
         for _ in 0..batch.gradient_accumulation_steps {
@@ -96,15 +148,23 @@ pub fn train<I: Backend>(
         comm.all_reduce(global.as_mut_slice().into(), ReduceOp::Avg)
             .map_err(|e| e.to_string())?;
         last_loss = global[0];
-        let secs = t0.elapsed().as_secs_f64();
+        let secs = t0.elapsed().as_secs_f64() - save_secs;
         if step == half {
             half_time = secs;
+        }
+        if step == args.steps || args.save_every.is_some_and(|n| step % n == 0) {
+            let client = serde_json::json!({"sampler": state, "seed": args.seed, "seq": args.seq});
+            let s0 = Instant::now();
+            let saved = engine.save_checkpoint(&checkpoints, None, client);
+            saved.map_err(|e| format!("step {step}: {e}"))?;
+            save_secs += s0.elapsed().as_secs_f64();
         }
         let Some(file) = metrics.as_mut() else {
             continue;
         };
-        let tps = (step * tokens_per_step) as f64 / secs;
-        let eta = secs / step as f64 * (args.steps - step) as f64;
+        let done = step + 1 - first;
+        let tps = (done * tokens_per_step) as f64 / secs;
+        let eta = secs / done as f64 * (args.steps - step) as f64;
         if step % every == 0 || step == args.steps {
             let line = format!(
                 "step {step:>4}/{}  loss {:.4}  lr {lr:.2e}  {tps:.0} tokens/s  ETA {eta:.0}s",
@@ -122,7 +182,7 @@ pub fn train<I: Backend>(
             "grad_norm": engine.last_grad_norm(), "epoch": state.epoch});
         writeln!(file, "{record}").map_err(|e| e.to_string())?;
     }
-    let total = t0.elapsed().as_secs_f64();
+    let total = t0.elapsed().as_secs_f64() - save_secs;
     // Every rank takes part: under ZeRO-3 the full model is gathered.
     let model = engine.into_model().map_err(|e| e.to_string())?.valid();
     if job.rank != 0 {
@@ -134,7 +194,7 @@ pub fn train<I: Backend>(
     let steady = (args.steps - half) * tokens_per_step;
     Ok(Some(Trained {
         model,
-        tokens_per_sec: (args.steps * tokens_per_step) as f64 / total,
+        tokens_per_sec: (steps * tokens_per_step) as f64 / total,
         steady_tokens_per_sec: steady as f64 / (total - half_time).max(1e-9),
         final_loss: last_loss,
     }))

@@ -1,0 +1,487 @@
+//! `save_checkpoint` / `load_checkpoint`: every rank writes its flat partitions (fp32 master,
+//! optimizer state, and the compute-dtype copy under bf16/fp16) to one safetensors file; rank 0
+//! writes the manifest and commits the directory atomically (see [`crate::checkpoint`]).
+//! Loading reads this rank's partition out of whatever pieces the writing ranks held, so a
+//! checkpoint of any world size and stage loads at any other.
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use serde_json::json;
+
+use super::{Engine, EngineError, ZeroAutodiff, zero_padded};
+use crate::checkpoint::{
+    Dtype, FORMAT, MASTER, Manifest, ParamEntry, PartitionFiles, Partitioning, Span, Staging,
+    StoreError, VERSION, open_verified, partition_file, resolve, safetensors::Writer,
+};
+use crate::comm::ReduceOp;
+use crate::precision::LossScaler;
+
+/// The compute-dtype copy of the parameters in bf16/fp16 runs (the master is the copy in fp32).
+const PARAMS: &str = "params";
+
+thread_local! {
+    static FAIL_NEXT_SAVE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes this thread's next `save_checkpoint` fail after its rank wrote its file, before the
+/// commit, as a crash there would (for tests of atomicity).
+#[doc(hidden)]
+pub fn inject_save_failure() {
+    FAIL_NEXT_SAVE.with(|f| f.set(true));
+}
+
+/// What [`Engine::load_checkpoint`] restored.
+#[derive(Clone, Debug)]
+pub struct LoadedCheckpoint {
+    /// The checkpoint's directory.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// The `client_state` given to `save_checkpoint` (data-loader position, RNG seeds, ...).
+    pub client_state: serde_json::Value,
+}
+
+impl LoadedCheckpoint {
+    /// Whether it was written by a run of another world size or stage.
+    pub fn resharded(&self, world_size: usize, stage: u8) -> bool {
+        self.manifest.world_size != world_size || self.manifest.stage != stage
+    }
+}
+
+/// This rank's partition as read from a checkpoint, before anything is changed.
+struct Restored {
+    manifest: Manifest,
+    dir: PathBuf,
+    master: Vec<f32>,
+    /// Optimizer state partitions by name.
+    state: Vec<(String, Vec<f32>)>,
+}
+
+fn storage_dtype(dtype: FloatDType) -> Option<Dtype> {
+    match dtype {
+        FloatDType::BF16 => Some(Dtype::BF16),
+        FloatDType::F16 => Some(Dtype::F16),
+        _ => None,
+    }
+}
+
+fn host_values<I: Backend>(t: Tensor<I, 1>) -> Vec<f32> {
+    t.cast(FloatDType::F32)
+        .into_data()
+        .into_vec::<f32>()
+        .expect("an f32 tensor")
+}
+
+impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
+    /// Saves the training state under `root/tag` (`global_step{N}` when `tag` is `None`) and
+    /// points `root/latest` at it; every rank must call it, between optimizer steps.
+    /// `client_state` is stored as is and returned by [`Engine::load_checkpoint`] (the
+    /// data-loader position, RNG seeds, anything the training loop needs to resume).
+    pub fn save_checkpoint(
+        &self,
+        root: &Path,
+        tag: Option<&str>,
+        client_state: serde_json::Value,
+    ) -> Result<PathBuf, EngineError> {
+        let gas = self.resolved.batch.gradient_accumulation_steps;
+        if !self.micro_steps.is_multiple_of(gas) {
+            return Err(EngineError::Usage(format!(
+                "save_checkpoint in the middle of a gradient-accumulation window (micro-step {} \
+                 of {gas}): save after the `step` that ends a window",
+                self.micro_steps % gas
+            )));
+        }
+        let tag = tag.map_or_else(|| format!("global_step{}", self.global_steps), String::from);
+        if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
+            return Err(EngineError::Usage(format!(
+                "checkpoint tag `{tag}` must be a plain, non-hidden directory name other than `latest`"
+            )));
+        }
+        let rank = self.comm.rank();
+        let created = match rank {
+            0 => Staging::open(root, &tag, true).map(Some),
+            _ => Ok(None),
+        };
+        let staging = match self.agree("create the staging directory", created)? {
+            Some(staging) => staging,
+            None => Staging::open(root, &tag, false)?,
+        };
+        let written = self.write_partition(&staging).and_then(|wrote| {
+            if FAIL_NEXT_SAVE.with(|f| f.replace(false)) {
+                return Err(EngineError::Usage(format!(
+                    "rank {rank}: injected failure during save (after its partition file)"
+                )));
+            }
+            Ok(wrote)
+        });
+        let tensors = self.agree("write its partition file", written)?;
+        let committed = if rank == 0 {
+            self.manifest(&staging, tag.clone(), tensors, client_state)
+                .and_then(|m| Ok(staging.commit(&m)?))
+        } else {
+            Ok(root.join(&tag))
+        };
+        let dir = self.agree("commit the checkpoint", committed)?;
+        if rank == 0 {
+            crate::log::info(&format!("saved checkpoint {}", dir.display()));
+        }
+        Ok(dir)
+    }
+
+    /// Every rank's outcome of one phase of a save or load: `local` if every rank succeeded,
+    /// else this rank's error, or one saying which phase failed elsewhere. Keeps the ranks
+    /// together, so one failing rank never leaves the others waiting in a collective.
+    fn agree<T, E: Into<EngineError>>(
+        &self,
+        phase: &str,
+        local: Result<T, E>,
+    ) -> Result<T, EngineError> {
+        let mut failed = [f32::from(u8::from(local.is_err()))];
+        self.comm
+            .all_reduce(failed.as_mut_slice().into(), ReduceOp::Max)?;
+        match local {
+            Err(e) => Err(e.into()),
+            Ok(_) if failed[0] > 0.0 => Err(EngineError::Usage(format!(
+                "another rank failed to {phase} (its error says why); nothing was changed here"
+            ))),
+            Ok(value) => Ok(value),
+        }
+    }
+
+    /// This rank's partition file, if it holds a partition; the tensors' names and dtypes.
+    fn write_partition(&self, staging: &Staging) -> Result<BTreeMap<String, Dtype>, EngineError> {
+        let stage = self.resolved.config.zero_optimization.stage;
+        let rank = self.comm.rank();
+        let pad = |t: Tensor<I, 1>| match stage {
+            1 | 2 => zero_padded(t, self.plan.chunk()),
+            _ => t,
+        };
+        let (step, state) = self.optimizer.export();
+        let mut tensors: Vec<(String, Dtype, Vec<f32>)> = vec![(
+            MASTER.into(),
+            Dtype::F32,
+            host_values(pad(self.master.clone())),
+        )];
+        for (name, t) in state {
+            tensors.push((name.into(), Dtype::F32, host_values(pad(t))));
+        }
+        if let Some(dtype) = storage_dtype(self.precision.compute.dtype) {
+            let master = tensors[0].2.clone();
+            tensors.push((PARAMS.into(), dtype, master));
+        }
+        let names = tensors.iter().map(|(n, d, _)| (n.clone(), *d)).collect();
+        if stage == 0 && rank != 0 {
+            return Ok(names); // Replicated: rank 0's file holds it all.
+        }
+        let specs: Vec<_> = tensors
+            .iter()
+            .map(|(n, d, v)| (n.clone(), *d, vec![v.len()]))
+            .collect();
+        let metadata = BTreeMap::from([
+            ("rank".to_string(), rank.to_string()),
+            ("optimizer_step".to_string(), step.to_string()),
+        ]);
+        let mut writer = Writer::create(&staging.path(&partition_file(rank)), &specs, &metadata)?;
+        for (_, dtype, values) in &tensors {
+            writer.write_next(&dtype.encode(values))?;
+        }
+        writer.finish()?;
+        Ok(names)
+    }
+
+    /// Rank 0: the manifest of the files every rank wrote into `staging`.
+    fn manifest(
+        &self,
+        staging: &Staging,
+        tag: String,
+        tensors: BTreeMap<String, Dtype>,
+        client_state: serde_json::Value,
+    ) -> Result<Manifest, EngineError> {
+        let stage = self.resolved.config.zero_optimization.stage;
+        let world = self.comm.world_size();
+        let state = self.state();
+        let (partitioning, chunks) = match (stage, state.stage3.as_ref()) {
+            (3, Some(s3)) => (
+                Partitioning::PerParam,
+                (0..self.layout.slots().len())
+                    .map(|p| Some(s3.plan().chunk(p)))
+                    .collect(),
+            ),
+            (0, _) => (
+                Partitioning::Flat {
+                    chunk: self.layout.numel(),
+                },
+                vec![None; self.layout.slots().len()],
+            ),
+            _ => (
+                Partitioning::Flat {
+                    chunk: self.plan.chunk(),
+                },
+                vec![None; self.layout.slots().len()],
+            ),
+        };
+        drop(state);
+        let params = self
+            .layout
+            .slots()
+            .iter()
+            .zip(chunks)
+            .map(|(s, chunk)| ParamEntry {
+                name: s.name.clone(),
+                shape: s.shape.clone(),
+                chunk,
+            })
+            .collect();
+        let writers = if stage == 0 { 1 } else { world };
+        let files = (0..writers)
+            .map(|r| staging.describe(&partition_file(r), Some(r)))
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let (optimizer_step, _) = self.optimizer.export();
+        let engine = json!({
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.precision.skipped,
+            "last_grad_norm": self.last_grad_norm,
+            "scheduler": {"last_batch_iteration": self.scheduler.last_batch_iteration()},
+            "loss_scaler": self.precision.scaler,
+            "optimizer": {"kind": self.resolved.optimizer, "step": optimizer_step},
+            "compute_dtype": format!("{:?}", self.precision.compute.dtype),
+            "gradient_accumulation_steps": self.resolved.batch.gradient_accumulation_steps,
+            "client": client_state,
+        });
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            tag,
+            stage,
+            world_size: world,
+            partitioning,
+            params,
+            tensors,
+            files,
+            engine,
+        };
+        manifest
+            .validate()
+            .map_err(|e| EngineError::Usage(format!("internal: an invalid manifest: {e}")))?;
+        Ok(manifest)
+    }
+
+    /// Restores the state saved under `root/tag` (the `latest` one when `tag` is `None`),
+    /// written at any world size and stage; every rank must call it, between optimizer steps.
+    /// The files this rank reads are checked against their checksums first; a model whose
+    /// parameters differ from the checkpoint's is refused, naming the first that differs.
+    pub fn load_checkpoint(
+        &mut self,
+        root: &Path,
+        tag: Option<&str>,
+    ) -> Result<LoadedCheckpoint, EngineError> {
+        let loaded = self.read_checkpoint(root, tag);
+        let loaded = self.agree("load the checkpoint", loaded)?;
+        let Restored {
+            manifest,
+            dir,
+            master,
+            state,
+        } = loaded;
+        let device = self.master.device();
+        let to_tensor = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<I, 1>::from_data(TensorData::new(v, [n]), (&device, DType::F32))
+        };
+        let engine = &manifest.engine;
+        let field = |key: &str| engine.get(key).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+        let optimizer_step = engine["optimizer"]["step"].as_u64().unwrap_or(0);
+        self.optimizer
+            .import(
+                optimizer_step,
+                state.into_iter().map(|(n, v)| (n, to_tensor(v))).collect(),
+            )
+            .map_err(EngineError::Usage)?;
+        self.master = to_tensor(master);
+        self.global_steps = field("global_steps");
+        self.micro_steps = field("micro_steps");
+        self.precision.skipped = field("skipped_steps");
+        self.last_grad_norm = engine["last_grad_norm"].as_f64();
+        if let Some(i) = engine["scheduler"]["last_batch_iteration"].as_i64() {
+            self.scheduler.set_last_batch_iteration(i);
+        }
+        if let Ok(scaler) = serde_json::from_value::<LossScaler>(engine["loss_scaler"].clone()) {
+            self.precision.scaler = scaler;
+        }
+        let grads = self.grads.clone();
+        let mut state = grads.lock().expect("gradient state");
+        state.clear();
+        self.publish(&mut state)?;
+        drop(state);
+        let loaded = LoadedCheckpoint {
+            client_state: engine.get("client").cloned().unwrap_or_default(),
+            dir,
+            manifest,
+        };
+        if self.comm.rank() == 0 {
+            let stage = self.resolved.config.zero_optimization.stage;
+            let how = if loaded.resharded(self.comm.world_size(), stage) {
+                format!(
+                    ", resharded from {} ranks at stage {} to {} at stage {stage}",
+                    loaded.manifest.world_size,
+                    loaded.manifest.stage,
+                    self.comm.world_size()
+                )
+            } else {
+                String::new()
+            };
+            crate::log::info(&format!(
+                "loaded checkpoint {} (step {}){how}",
+                loaded.dir.display(),
+                self.global_steps
+            ));
+        }
+        Ok(loaded)
+    }
+
+    /// This rank's side of a load: the manifest, the directory, the master partition and the
+    /// optimizer state partitions, checked and read (nothing changed yet).
+    fn read_checkpoint(&self, root: &Path, tag: Option<&str>) -> Result<Restored, EngineError> {
+        let gas = self.resolved.batch.gradient_accumulation_steps;
+        if !self.micro_steps.is_multiple_of(gas) {
+            return Err(EngineError::Usage(
+                "load_checkpoint in the middle of a gradient-accumulation window".into(),
+            ));
+        }
+        let dir = resolve(root, tag)?;
+        let manifest = open_verified(&dir)?;
+        let optimizer = serde_json::to_value(self.resolved.optimizer).unwrap_or_default();
+        let saved = &manifest.engine["optimizer"]["kind"];
+        if *saved != optimizer {
+            return Err(EngineError::Usage(format!(
+                "{}: the checkpoint's optimizer is {saved}, this run's {optimizer}",
+                dir.display()
+            )));
+        }
+        let (spans, len) = self.spans(&manifest, &dir)?;
+        let mut files = PartitionFiles::new(&dir, &manifest);
+        let mut read = |name: &str| -> Result<Vec<f32>, StoreError> {
+            let mut out = vec![0.0; len];
+            files.read_spans(name, &spans, &mut out)?;
+            Ok(out)
+        };
+        let master = read(MASTER)?;
+        let mut state = Vec::new();
+        for name in ["exp_avg", "exp_avg_sq", "momentum_buffer"] {
+            let required = self.optimizer.required().contains(&name);
+            if manifest.tensors.contains_key(name) {
+                state.push((name.to_string(), read(name)?));
+            } else if required {
+                return Err(EngineError::Usage(format!(
+                    "{}: the checkpoint has no `{name}`, which this run's optimizer needs",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(Restored {
+            manifest,
+            dir,
+            master,
+            state,
+        })
+    }
+
+    /// Where this rank's partition comes from in the checkpoint: spans of its parameters
+    /// (matched by name, shapes checked) and the partition's length.
+    fn spans(&self, manifest: &Manifest, dir: &Path) -> Result<(Vec<Span>, usize), EngineError> {
+        let by_name: HashMap<&str, usize> = manifest
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.as_str(), i))
+            .collect();
+        let mut index = Vec::new();
+        for slot in self.layout.slots() {
+            let Some(&i) = by_name.get(slot.name.as_str()) else {
+                return Err(EngineError::Usage(format!(
+                    "{}: the model's parameter `{}` is not in the checkpoint",
+                    dir.display(),
+                    slot.name
+                )));
+            };
+            if manifest.params[i].shape != slot.shape {
+                return Err(EngineError::Usage(format!(
+                    "{}: parameter `{}` has shape {:?} in the checkpoint but {:?} in the model",
+                    dir.display(),
+                    slot.name,
+                    manifest.params[i].shape,
+                    slot.shape
+                )));
+            }
+            index.push(i);
+        }
+        if manifest.params.len() != index.len() {
+            let ours: std::collections::HashSet<_> = self
+                .layout
+                .slots()
+                .iter()
+                .map(|s| s.name.as_str())
+                .collect();
+            let extra = manifest
+                .params
+                .iter()
+                .find(|p| !ours.contains(p.name.as_str()))
+                .map_or("?", |p| p.name.as_str());
+            return Err(EngineError::Usage(format!(
+                "{}: the checkpoint's parameter `{extra}` is not a trainable parameter of the model",
+                dir.display()
+            )));
+        }
+        let rank = self.comm.rank();
+        let slots = self.layout.slots();
+        let mut spans = Vec::new();
+        let len = match self.resolved.config.zero_optimization.stage {
+            0 => {
+                for (slot, &param) in slots.iter().zip(&index) {
+                    spans.push(Span {
+                        param,
+                        elements: 0..slot.numel(),
+                        at: slot.offset,
+                    });
+                }
+                self.layout.numel()
+            }
+            3 => {
+                let state = self.state();
+                let plan = state.stage3.as_ref().expect("stage 3 state").plan();
+                for (p, &param) in index.iter().enumerate() {
+                    spans.push(Span {
+                        param,
+                        elements: plan.owned(p, rank),
+                        at: plan.offset(p),
+                    });
+                }
+                plan.len()
+            }
+            _ => {
+                let owned = self.plan.owned(rank);
+                for (slot, &param) in slots.iter().zip(&index) {
+                    let (lo, hi) = (
+                        owned.start.max(slot.offset),
+                        owned.end.min(slot.offset + slot.numel()),
+                    );
+                    if lo < hi {
+                        spans.push(Span {
+                            param,
+                            elements: lo - slot.offset..hi - slot.offset,
+                            at: lo - owned.start,
+                        });
+                    }
+                }
+                owned.len()
+            }
+        };
+        Ok((spans, len))
+    }
+}
