@@ -21,7 +21,7 @@ finetune() { # GPUS PORT   (env CONFIG: a ds_config other than the recipe's; TAG
   local tag="$1${TAG:-}" dir="/tmp/ft-$1gpu${TAG:-}"
   timeout "${FT_TIMEOUT:-480}" .gpu/bin/burn-zero run --nproc-per-node "$1" --master-port "$2" -- \
     .gpu/bin/finetune --device cuda --seq 256 --eval-len 256 --steps "$steps" --out "$dir" \
-    ${CONFIG:+--config "$CONFIG"} > "$out/finetune-$tag.log" 2>&1
+    ${CONFIG:+--config "$CONFIG"} ${FT_ARGS:-} > "$out/finetune-$tag.log" 2>&1
   echo "finetune on $1 GPU(s) ${TAG:-}: exit $?"
   tail -n 14 "$out/finetune-$tag.log"
   for f in summary.json metrics.jsonl loss.png; do cp "$dir/$f" "$out/ft$tag-$f" 2>/dev/null; done
@@ -57,4 +57,24 @@ check)
   echo "transformers comparison: exit ${PIPESTATUS[0]}" ;;
 ft)
   finetune "${3:?GPUS}" $((29610 + $3)) ;;
+ckpt) # GPUS: after `ft GPUS` with FT_ARGS="--save-every N": resume from step N for 20 steps
+  # (losses against the first run), then the engine checkpoint of the last step exported to a
+  # Hugging Face directory (compared with the run's own export) and read by transformers.
+  g="${3:?GPUS}"; dir="/tmp/ft-${g}gpu${TAG:-}"; mid="${RESUME_AT:?RESUME_AT}"
+  timeout 300 .gpu/bin/burn-zero run --nproc-per-node "$g" --master-port $((29650 + g)) -- \
+    .gpu/bin/finetune --device cuda --seq 256 --eval-len 256 --steps $((mid + 20)) \
+    --resume "$dir/engine/global_step$mid" --out "$dir-resumed" ${CONFIG:+--config "$CONFIG"} \
+    > "$out/resume-$g.log" 2>&1
+  echo "resume on $g GPU(s) from step $mid: exit $?"; tail -n 6 "$out/resume-$g.log"
+  cp "$dir-resumed/metrics.jsonl" "$out/ft$g${TAG:-}-resumed-metrics.jsonl" 2>/dev/null
+  .gpu/bin/burn-zero inspect "$dir/engine" --verify > "$out/inspect-$g.log" 2>&1
+  echo "inspect: exit $?"; head -n 8 "$out/inspect-$g.log"
+  timeout 300 .gpu/bin/finetune --export-hf "$dir/engine" --layers all --out "$dir/export" \
+    > "$out/export-$g.log" 2>&1
+  echo "export-hf: exit $?"; tail -n 2 "$out/export-$g.log"
+  cmp "$dir/checkpoint/model.safetensors" "$dir/export/checkpoint/model.safetensors" \
+    && echo "exported engine checkpoint == the run's own HF export (byte for byte)"
+  python3 bench/llm_reference.py nll "$dir/export/checkpoint" "$dir/summary.json" \
+    "$dir/eval_windows.json" "$out/ft$g${TAG:-}-export-transformers-nll.json" 2>&1 | tail -n 6
+  echo "transformers NLL of the exported engine checkpoint: exit ${PIPESTATUS[0]}" ;;
 esac
