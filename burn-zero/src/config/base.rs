@@ -55,6 +55,18 @@ pub struct DeepSpeedConfig {
 pub struct BurnZeroConfig {
     /// `matmul`: how `ZeroBackend` multiplies matrices.
     pub matmul: MatmulConfig,
+    /// `cpu_adam`: the CPU optimizer of `offload_optimizer {"device": "cpu"}`.
+    pub cpu_adam: CpuAdamConfig,
+}
+
+/// `burn_zero.cpu_adam`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CpuAdamConfig {
+    /// `threads`: threads of one step (default: every core).
+    pub threads: Option<usize>,
+    /// `pin_cores`: pin step thread `i` to core `i` (Linux).
+    pub pin_cores: bool,
 }
 
 /// `burn_zero.matmul`.

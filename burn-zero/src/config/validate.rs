@@ -95,10 +95,10 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
             "1 unless stage is 3",
         )?;
     }
-    if z.optimizer_offload() != OffloadDevice::None {
+    if z.optimizer_offload() == OffloadDevice::Nvme {
         return Err(unsupported(
             "zero_optimization.offload_optimizer",
-            "optimizer offload (CPU/NVMe) is not implemented yet",
+            "optimizer offload to NVMe is not implemented yet (\"device\": \"cpu\" is)",
         ));
     }
     if z.param_offload() != OffloadDevice::None {

@@ -9,11 +9,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
+use burn::tensor::FloatDType;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use serde_json::json;
 
-use super::{Engine, EngineError, ZeroAutodiff, zero_padded};
+use super::{Engine, EngineError, ZeroAutodiff};
 use crate::checkpoint::{
     Dtype, FORMAT, MASTER, Manifest, ParamEntry, PartitionFiles, Partitioning, Span, Staging,
     StoreError, VERSION, open_verified, partition_file, resolve, safetensors::Writer,
@@ -70,13 +70,6 @@ fn storage_dtype(dtype: FloatDType) -> Option<Dtype> {
     }
 }
 
-fn host_values<I: Backend>(t: Tensor<I, 1>) -> Vec<f32> {
-    t.cast(FloatDType::F32)
-        .into_data()
-        .into_vec::<f32>()
-        .expect("an f32 tensor")
-}
-
 impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Saves the training state under `root/tag` (`global_step{N}` when `tag` is `None`) and
     /// points `root/latest` at it; every rank must call it, between optimizer steps.
@@ -119,10 +112,15 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             }
             Ok(wrote)
         });
-        let tensors = self.agree("write its partition file", written)?;
+        let (tensors, optimizer_step) = self.agree("write its partition file", written)?;
         let committed = if rank == 0 {
-            self.manifest(&staging, tag.clone(), tensors, client_state)
-                .and_then(|m| Ok(staging.commit(&m)?))
+            self.manifest(
+                &staging,
+                tag.clone(),
+                (tensors, optimizer_step),
+                client_state,
+            )
+            .and_then(|m| Ok(staging.commit(&m)?))
         } else {
             Ok(root.join(&tag))
         };
@@ -154,30 +152,39 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     }
 
     /// This rank's partition file, if it holds a partition; the tensors' names and dtypes.
-    fn write_partition(&self, staging: &Staging) -> Result<BTreeMap<String, Dtype>, EngineError> {
+    /// Returns the tensors' names and dtypes, and the optimizer's step count.
+    fn write_partition(
+        &self,
+        staging: &Staging,
+    ) -> Result<(BTreeMap<String, Dtype>, u64), EngineError> {
         let stage = self.resolved.config.zero_optimization.stage;
         let rank = self.comm.rank();
-        let pad = |t: Tensor<I, 1>| match stage {
-            1 | 2 => zero_padded(t, self.plan.chunk()),
-            _ => t,
+        // Stages 1-2 write every rank's chunk of the padded flat buffer, padding included.
+        if stage == 0 && rank != 0 {
+            // Replicated: rank 0's file holds it all (and rank 0 writes the manifest).
+            return Ok((BTreeMap::new(), 0));
+        }
+        let pad = |mut v: Vec<f32>| {
+            if matches!(stage, 1 | 2) {
+                v.resize(self.plan.chunk(), 0.0);
+            }
+            v
         };
-        let (step, state) = self.optimizer.export();
-        let mut tensors: Vec<(String, Dtype, Vec<f32>)> = vec![(
-            MASTER.into(),
-            Dtype::F32,
-            host_values(pad(self.master.clone())),
-        )];
-        for (name, t) in state {
-            tensors.push((name.into(), Dtype::F32, host_values(pad(t))));
+        let super::optim_state::Exported {
+            master,
+            step,
+            state,
+        } = self.optim.export();
+        let mut tensors: Vec<(String, Dtype, Vec<f32>)> =
+            vec![(MASTER.into(), Dtype::F32, pad(master))];
+        for (name, v) in state {
+            tensors.push((name.into(), Dtype::F32, pad(v)));
         }
         if let Some(dtype) = storage_dtype(self.precision.compute.dtype) {
             let master = tensors[0].2.clone();
             tensors.push((PARAMS.into(), dtype, master));
         }
         let names = tensors.iter().map(|(n, d, _)| (n.clone(), *d)).collect();
-        if stage == 0 && rank != 0 {
-            return Ok(names); // Replicated: rank 0's file holds it all.
-        }
         let specs: Vec<_> = tensors
             .iter()
             .map(|(n, d, v)| (n.clone(), *d, vec![v.len()]))
@@ -191,7 +198,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             writer.write_next(&dtype.encode(values))?;
         }
         writer.finish()?;
-        Ok(names)
+        Ok((names, step))
     }
 
     /// Rank 0: the manifest of the files every rank wrote into `staging`.
@@ -199,7 +206,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         &self,
         staging: &Staging,
         tag: String,
-        tensors: BTreeMap<String, Dtype>,
+        (tensors, optimizer_step): (BTreeMap<String, Dtype>, u64),
         client_state: serde_json::Value,
     ) -> Result<Manifest, EngineError> {
         let stage = self.resolved.config.zero_optimization.stage;
@@ -241,7 +248,6 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let files = (0..writers)
             .map(|r| staging.describe(&partition_file(r), Some(r)))
             .collect::<Result<Vec<_>, StoreError>>()?;
-        let (optimizer_step, _) = self.optimizer.export();
         let engine = json!({
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
@@ -289,21 +295,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             master,
             state,
         } = loaded;
-        let device = self.master.device();
-        let to_tensor = |v: Vec<f32>| {
-            let n = v.len();
-            Tensor::<I, 1>::from_data(TensorData::new(v, [n]), (&device, DType::F32))
-        };
         let engine = &manifest.engine;
         let field = |key: &str| engine.get(key).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
         let optimizer_step = engine["optimizer"]["step"].as_u64().unwrap_or(0);
-        self.optimizer
-            .import(
-                optimizer_step,
-                state.into_iter().map(|(n, v)| (n, to_tensor(v))).collect(),
-            )
+        self.optim
+            .import(master, optimizer_step, state)
             .map_err(EngineError::Usage)?;
-        self.master = to_tensor(master);
         self.global_steps = field("global_steps");
         self.micro_steps = field("micro_steps");
         self.precision.skipped = field("skipped_steps");
@@ -317,7 +314,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let grads = self.grads.clone();
         let mut state = grads.lock().expect("gradient state");
         state.clear();
-        self.publish(&mut state)?;
+        let working = self.precision.compute.convert(self.optim.master());
+        self.publish(&mut state, working)?;
         drop(state);
         let loaded = LoadedCheckpoint {
             client_state: engine.get("client").cloned().unwrap_or_default(),
@@ -374,7 +372,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let master = read(MASTER)?;
         let mut state = Vec::new();
         for name in ["exp_avg", "exp_avg_sq", "momentum_buffer"] {
-            let required = self.optimizer.required().contains(&name);
+            let required = self.optim.required().contains(&name);
             if manifest.tensors.contains_key(name) {
                 state.push((name.to_string(), read(name)?));
             } else if required {

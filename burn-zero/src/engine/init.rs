@@ -8,6 +8,7 @@ use burn::tensor::{FloatDType, Tensor};
 
 use super::collective::FlatComm;
 use super::grads::{EngineHook, GradState};
+use super::optim_state::Optim;
 use super::precision::Precision;
 use super::stage3::{EngineGatherer, Stage3, rebuild_params, sharded_handles};
 use super::{
@@ -19,7 +20,6 @@ use crate::backend::install_gatherer;
 use crate::backend::matmul::{MatmulPolicy, matmul_policy, set_matmul_policy};
 use crate::comm::Communicator;
 use crate::config::DeepSpeedConfig;
-use crate::optim::TensorOptimizer;
 use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
 
@@ -125,12 +125,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         }
     };
 
-    let optimizer = TensorOptimizer::new(
-        resolved.optimizer,
-        &resolved.optimizer_params,
-        master.dims()[0],
-        &device,
-    );
+    let optim = Optim::new(&resolved, master);
     let with_gatherer = stage3.is_some();
     let grads = Arc::new(Mutex::new(GradState::new(
         layout.clone(),
@@ -157,8 +152,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         layout,
         plan,
         grads,
-        master,
-        optimizer,
+        optim,
         frozen_params,
         micro_steps: 0,
         global_steps: 0,

@@ -15,6 +15,9 @@ pub struct MemoryReport {
     pub optimizer_state: usize,
     /// Peak communication buffers (one bucket and its copies).
     pub communication_buffers: usize,
+    /// Host memory of an offloaded optimizer (`offload_optimizer`): master and state, counted
+    /// here instead of in `optimizer_state`.
+    pub host_optimizer_state: usize,
 }
 
 impl MemoryReport {
@@ -51,7 +54,15 @@ impl fmt::Display for MemoryReport {
             human(self.optimizer_state),
             human(self.communication_buffers),
             human(self.total())
-        )
+        )?;
+        if self.host_optimizer_state > 0 {
+            write!(
+                f,
+                " | offloaded to host {}",
+                human(self.host_optimizer_state)
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -17,6 +17,7 @@ mod grads;
 mod init;
 mod load_module;
 mod memory;
+mod optim_state;
 mod params;
 mod precision;
 mod stage3;
@@ -42,11 +43,13 @@ use crate::backend::GathererGuard;
 use crate::backend::hooks::{self, HookGuard};
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::config::{ConfigError, ResolvedConfig};
-use crate::optim::{StepParams, TensorOptimizer};
+use crate::optim::StepParams;
 use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
 use collective::FlatComm;
 use grads::GradState;
+pub use optim_state::OffloadTimings;
+use optim_state::Optim;
 use precision::Precision;
 use stage3::rebuild_params;
 
@@ -93,9 +96,9 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     layout: Arc<FlatLayout>,
     plan: PartitionPlan,
     grads: Arc<Mutex<GradState<I>>>,
-    /// This rank's fp32 partition of the parameters (the optimizer's master copy).
-    master: Tensor<I, 1>,
-    optimizer: TensorOptimizer<I>,
+    /// This rank's fp32 partition of the parameters (the optimizer's master copy) and the
+    /// optimizer state, on the device or offloaded.
+    optim: Optim<I>,
     scheduler: Scheduler,
     /// Elements of the frozen parameters (not in `layout`).
     frozen_params: usize,
@@ -173,7 +176,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         MemoryReport {
             parameters: self.precision.compute.storage().size() * params + 4 * self.frozen_params,
             gradients: state.gradient_bytes(),
-            optimizer_state: 4 * self.master.dims()[0] + self.optimizer.state_bytes(),
+            optimizer_state: self.optim.device_bytes(),
+            host_optimizer_state: self.optim.host_bytes(),
             communication_buffers: state.comm_buffer_bytes(),
         }
     }
@@ -191,6 +195,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// What the ZeRO-3 gathers did so far (`None` below stage 3).
     pub fn gather_stats(&self) -> Option<GatherStats> {
         self.state().stage3.as_ref().map(|s3| s3.stats())
+    }
+
+    /// Where offloaded optimizer steps spent their time since the last call (`None` unless
+    /// `offload_optimizer` is on).
+    pub fn take_offload_timings(&mut self) -> Option<OffloadTimings> {
+        self.optim.take_timings()
     }
 
     /// Collectives that ran on device memory so far (0 on the host path).
@@ -251,8 +261,6 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let start = Instant::now();
         let stage = self.resolved.config.zero_optimization.stage;
         let owned = owned_range(&self.plan, stage, self.comm.rank());
-        let params = self.master.clone();
-
         let grads = self.grads.clone();
         let mut state = grads.lock().expect("gradient state");
         let grad = match stage {
@@ -300,9 +308,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 (b1, b2)
             }),
         };
-        self.master = self.optimizer.step(params, grad, hp);
+        let working = self.optim.step(grad, hp, self.precision.compute);
         state.clear();
-        self.publish(&mut state)?;
+        self.publish(&mut state, working)?;
         drop(state);
 
         self.scheduler.step();
@@ -313,23 +321,25 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         Ok(())
     }
 
-    /// Rebuilds the model's parameters from the master partition (after a step or a load).
-    fn publish(&mut self, state: &mut GradState<I>) -> Result<(), EngineError> {
-        let params = self.master.clone();
+    /// Rebuilds the model's parameters from this rank's `working` partition (the master in the
+    /// compute format, after a step or a load).
+    fn publish(
+        &mut self,
+        state: &mut GradState<I>,
+        working: Tensor<I, 1>,
+    ) -> Result<(), EngineError> {
         let model = self.model.take().expect("model");
         let model = if self.resolved.config.zero_optimization.stage == 3 {
             // No all-gather: the new partitions are the new handles.
             let s3 = state.stage3.as_mut().expect("stage 3 state");
-            let working = self.precision.compute.convert(params);
             s3.set_partitions(&mut state.flat, &working)?;
             let full = s3.gather_persistent(&mut state.flat, &working)?;
             rebuild_params(model, &self.layout, |p| s3.handle(p, full.get(&p)))
         } else {
-            let params = self.precision.compute.convert(params);
             let flat = if self.resolved.config.zero_optimization.stage == 0 {
-                params
+                working
             } else {
-                self.gather_chunks(&mut state.flat, params)?
+                self.gather_chunks(&mut state.flat, working)?
             };
             unflatten_params(model, &self.layout, flat)
         };

@@ -87,7 +87,7 @@ impl OptimizerSettings {
 
 impl StepParams {
     /// (lr, (β1, β2)) in the f32 the update computes in.
-    fn f32(&self) -> (f32, (f32, f32)) {
+    pub(crate) fn f32(&self) -> (f32, (f32, f32)) {
         (self.lr as f32, (self.betas.0 as f32, self.betas.1 as f32))
     }
 }

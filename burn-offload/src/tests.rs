@@ -1,0 +1,261 @@
+//! CPU-Adam against scalar references: the same order of operations in plain f32 (bit for
+//! bit, every SIMD level and thread count), and Adam's formula in f64 (within f32 rounding).
+
+use half::{bf16, f16};
+
+use crate::cpu_adam::{AdamStep, CpuAdam, Decay, Grad, Out, SgdStep, SimdLevel};
+
+/// Deterministic values in [-1, 1) (an LCG; no RNG dependency).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum GradType {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// The gradient of step `t` as stored in `ty`, and its exact f32 values.
+fn gradient(n: usize, t: u64, ty: GradType) -> (Vec<f32>, Vec<bf16>, Vec<f16>) {
+    let g: Vec<f32> = values(n, 100 + t).iter().map(|x| x * 0.3).collect();
+    let b: Vec<bf16> = g.iter().map(|x| bf16::from_f32(*x)).collect();
+    let h: Vec<f16> = g.iter().map(|x| f16::from_f32(*x)).collect();
+    let exact = match ty {
+        GradType::F32 => g,
+        GradType::Bf16 => b.iter().map(|x| x.to_f32()).collect(),
+        GradType::F16 => h.iter().map(|x| x.to_f32()).collect(),
+    };
+    (exact, b, h)
+}
+
+fn grad_of<'a>(ty: GradType, exact: &'a [f32], b: &'a [bf16], h: &'a [f16]) -> Grad<'a> {
+    match ty {
+        GradType::F32 => Grad::F32(exact),
+        GradType::Bf16 => Grad::Bf16(b),
+        GradType::F16 => Grad::F16(h),
+    }
+}
+
+/// The engine's order of operations, one element at a time.
+fn scalar_adam(k: &AdamStep, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let bc2_sqrt = k.bias_correction2.sqrt();
+    let step_size = k.lr / k.bias_correction1;
+    for i in 0..w.len() {
+        let mut gi = g[i];
+        if k.decay == Decay::L2 {
+            gi += w[i] * k.weight_decay;
+        }
+        m[i] = m[i] * k.beta1 + gi * (1.0 - k.beta1);
+        v[i] = v[i] * k.beta2 + gi * (1.0 - k.beta2) * gi;
+        if k.decay == Decay::Decoupled {
+            w[i] *= 1.0 - k.lr * k.weight_decay;
+        }
+        w[i] -= m[i] / (v[i].sqrt() / bc2_sqrt + k.eps) * step_size;
+    }
+}
+
+/// Adam as its paper and PyTorch write it, in f64.
+#[allow(clippy::too_many_arguments)]
+fn f64_adam(
+    t: u64,
+    lr: f64,
+    wd: f64,
+    decay: Decay,
+    bias: bool,
+    w: &mut f64,
+    g: f64,
+    mv: &mut (f64, f64),
+) {
+    // The hyperparameters as the f32 step receives them (0.999 is not exact in f32).
+    let (b1, b2, eps) = (0.9f32 as f64, 0.999f32 as f64, 1e-8f32 as f64);
+    let g = if decay == Decay::L2 { g + wd * *w } else { g };
+    mv.0 = b1 * mv.0 + (1.0 - b1) * g;
+    mv.1 = b2 * mv.1 + (1.0 - b2) * g * g;
+    if decay == Decay::Decoupled {
+        *w *= 1.0 - lr * wd;
+    }
+    let (c1, c2) = if bias {
+        (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32))
+    } else {
+        (1.0, 1.0)
+    };
+    *w -= lr / c1 * mv.0 / (mv.1.sqrt() / c2.sqrt() + eps);
+}
+
+/// Ten steps of every combination against both references, at every SIMD level.
+#[test]
+fn adam_equals_the_scalar_references() {
+    let lengths = [1usize, 7, 64, 1000, 1_000_003];
+    for &n in &lengths {
+        for (decay, wd, decoupled) in [
+            (Decay::Decoupled, 0.01f32, true),
+            (Decay::L2, 0.05, false),
+            (Decay::None, 0.0, false),
+        ] {
+            for bias in [true, false] {
+                for ty in [GradType::F32, GradType::Bf16, GradType::F16] {
+                    // The longest length for one combination per decay mode only (time).
+                    if n > 1000 && (!bias || !matches!(ty, GradType::Bf16)) {
+                        continue;
+                    }
+                    check_adam(n, decay, wd, decoupled, bias, ty);
+                }
+            }
+        }
+    }
+}
+
+fn check_adam(n: usize, decay: Decay, wd: f32, decoupled: bool, bias: bool, ty: GradType) {
+    let what = format!("n {n}, {decay:?}, bias correction {bias}, grad {ty:?}");
+    let w0 = values(n, 1);
+    let mut reference = (w0.clone(), vec![0.0f32; n], vec![0.0f32; n]);
+    let mut wide: Vec<(f64, (f64, f64))> = w0.iter().map(|w| (*w as f64, (0.0, 0.0))).collect();
+    let configs: Vec<CpuAdam> = SimdLevel::available()
+        .into_iter()
+        .flat_map(|l| [1, 3].map(|t| CpuAdam::new(Some(t)).with_level(l)))
+        .collect();
+    let mut states: Vec<_> = configs
+        .iter()
+        .map(|_| {
+            (
+                w0.clone(),
+                vec![0.0f32; n],
+                vec![0.0f32; n],
+                vec![bf16::ZERO; n],
+            )
+        })
+        .collect();
+    for t in 1..=10u64 {
+        let lr = 1e-3 * t as f32;
+        let k = AdamStep::at(t, lr, (0.9, 0.999), 1e-8, wd, decoupled, bias);
+        assert_eq!(k.decay, decay);
+        let (exact, b, h) = gradient(n, t, ty);
+        scalar_adam(
+            &k,
+            &mut reference.0,
+            &exact,
+            &mut reference.1,
+            &mut reference.2,
+        );
+        for (i, (w, mv)) in wide.iter_mut().enumerate() {
+            f64_adam(t, lr as f64, wd as f64, decay, bias, w, exact[i] as f64, mv);
+        }
+        for (adam, (w, m, v, out)) in configs.iter().zip(states.iter_mut()) {
+            let g = grad_of(ty, &exact, &b, &h);
+            adam.adam(&k, w, g, m, v, Out::Bf16(out));
+        }
+    }
+    for (adam, (w, m, v, out)) in configs.iter().zip(&states) {
+        let at = format!("{what}, {:?} × {} threads", adam.level(), adam.threads());
+        assert!(
+            *w == reference.0 && *m == reference.1 && *v == reference.2,
+            "{at}: not bitwise"
+        );
+        assert!(
+            out.iter().zip(w).all(|(o, w)| *o == bf16::from_f32(*w)),
+            "{at}: the bf16 copy is not the rounded master"
+        );
+    }
+    for (i, (w, _)) in wide.iter().enumerate() {
+        let got = reference.0[i] as f64;
+        assert!(
+            (got - w).abs() <= 1e-6 * (1.0 + w.abs()),
+            "{what}: element {i}: {got} vs {w} (f64)"
+        );
+    }
+}
+
+#[test]
+#[allow(clippy::needless_range_loop)] // the reference indexes like the formula
+fn sgd_equals_the_scalar_reference() {
+    let n = 4099;
+    for (momentum, dampening, nesterov, wd) in [
+        (0.0f32, 0.0f32, false, 0.0f32),
+        (0.9, 0.0, false, 0.01),
+        (0.9, 0.1, true, 0.0),
+    ] {
+        let mut reference = (values(n, 7), vec![0.0f32; n]);
+        let adam = CpuAdam::new(Some(2));
+        let (mut w, mut buf, mut out) = (values(n, 7), vec![0.0f32; n], vec![f16::ZERO; n]);
+        for t in 0..5u64 {
+            let k = SgdStep {
+                lr: 0.01,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay: wd,
+                started: t > 0,
+            };
+            let (g, _, h) = gradient(n, t, GradType::F16);
+            for i in 0..n {
+                let mut gi = g[i];
+                if wd != 0.0 {
+                    gi += reference.0[i] * wd;
+                }
+                if momentum > 0.0 {
+                    let next = if t > 0 {
+                        reference.1[i] * momentum + gi * (1.0 - dampening)
+                    } else {
+                        gi
+                    };
+                    reference.1[i] = next;
+                    gi = if nesterov { gi + next * momentum } else { next };
+                }
+                reference.0[i] -= gi * 0.01;
+            }
+            adam.sgd(&k, &mut w, Grad::F16(&h), &mut buf, Out::F16(&mut out));
+        }
+        assert!(w == reference.0, "momentum {momentum}, nesterov {nesterov}");
+        assert!(out.iter().zip(&w).all(|(o, w)| *o == f16::from_f32(*w)));
+    }
+}
+
+#[test]
+fn bf16_rounding_matches_half_on_every_class_of_value() {
+    let mut specials = vec![
+        0.0f32,
+        -0.0,
+        1.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001), // signalling NaN
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        f32::from_bits(1),           // smallest subnormal
+        f32::from_bits(0x3f80_8000), // a tie: 1 + 2^-8
+        f32::from_bits(0x3f81_8000), // a tie rounding up to even
+        f32::from_bits(0x7f7f_ffff), // rounds to infinity
+    ];
+    specials.extend(values(100_000, 3).iter().map(|x| x * 1e3));
+    for v in specials {
+        let ours = crate::cpu_adam::bf16_bits(v);
+        let theirs = bf16::from_f32(v).to_bits();
+        assert_eq!(ours, theirs, "{v:e} ({:#x})", v.to_bits());
+    }
+}
+
+#[test]
+fn mismatched_lengths_are_refused() {
+    let adam = CpuAdam::new(Some(1));
+    let k = AdamStep::at(1, 1e-3, (0.9, 0.999), 1e-8, 0.0, true, true);
+    let result = std::panic::catch_unwind(|| {
+        let (mut w, mut m, mut v) = (vec![0.0f32; 5], vec![0.0f32; 5], vec![0.0f32; 4]);
+        adam.adam(&k, &mut w, Grad::F32(&[0.0; 5]), &mut m, &mut v, Out::None);
+    });
+    let message = *result.unwrap_err().downcast::<String>().unwrap();
+    assert!(message.contains("differ in length"), "{message}");
+}

@@ -1,0 +1,107 @@
+//! One GPU training a deep MLP (`LAYERS` × `WIDTH`² weights) in bf16 at ZeRO-2 with the fp32
+//! master weights and Adam's moments on the device or offloaded to host memory
+//! (`offload_optimizer {"device": "cpu"}`, CPU-Adam): median step time and, offloaded, its
+//! breakdown (gradient down, CPU step, weights up). Start it under the launcher:
+//!   burn-zero run --nproc-per-node 1 -- bench-offload LAYERS WIDTH cpu|none [STEPS]
+
+use std::time::Instant;
+
+use burn::backend::Cuda;
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor};
+use burn_zero::DeepSpeedConfig;
+use burn_zero::dist::init_nccl;
+use burn_zero::engine::{ZeroAutodiff, initialize};
+
+const BATCH: usize = 16;
+
+#[derive(Module, Debug)]
+struct DeepMlp<B: Backend> {
+    layers: Vec<Linear<B>>,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let usage = "bench-offload LAYERS WIDTH cpu|none [STEPS]";
+    let layers: usize = args.get(1).and_then(|v| v.parse().ok()).expect(usage);
+    let width: usize = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
+    let offload = args.get(3).map(String::as_str).expect(usage) == "cpu";
+    let steps: usize = args.get(4).and_then(|v| v.parse().ok()).unwrap_or(5);
+    let (_env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
+    let device = burn::backend::cuda::CudaDevice::new(0);
+    let offload_json = if offload {
+        r#", "offload_optimizer": {"device": "cpu"}, "sub_group_size": 100000000"#
+    } else {
+        ""
+    };
+    let json = format!(
+        r#"{{"train_micro_batch_size_per_gpu": {BATCH}, "gradient_accumulation_steps": 1,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
+            "bf16": {{"enabled": true}},
+            "zero_optimization": {{"stage": 2, "overlap_comm": true{offload_json}}},
+            "burn_zero": {{"matmul": {{"cublaslt": true}}}}}}"#
+    );
+    let config = DeepSpeedConfig::from_json(&json).expect("config").config;
+    type B = ZeroAutodiff<Cuda>;
+    let t0 = Instant::now();
+    let model = DeepMlp::<B> {
+        layers: (0..layers)
+            .map(|_| {
+                LinearConfig::new(width, width)
+                    .with_bias(false)
+                    .init(&device)
+            })
+            .collect(),
+    };
+    let params = model.num_params();
+    eprintln!("{params} parameters; initializing (offload: {offload})");
+    let mut engine = initialize::<Cuda, _>(model, &config, std::sync::Arc::new(nccl))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let init_s = t0.elapsed().as_secs_f64();
+    let report = engine.memory_report();
+    let mut times = Vec::new();
+    let mut losses = Vec::new();
+    engine.take_offload_timings();
+    for step in 0..steps + 1 {
+        let x = Tensor::<B, 2>::random([BATCH, width], Distribution::Default, &device);
+        <Cuda as Backend>::sync(&device).expect("sync");
+        let start = Instant::now();
+        let mut h = x;
+        for layer in &engine.model().layers {
+            h = relu(layer.forward(h)).mul_scalar(0.5);
+        }
+        let loss = h.powf_scalar(2.0).mean();
+        engine.backward(loss.clone()).expect("backward");
+        engine.step().expect("step");
+        losses.push(loss.into_scalar());
+        <Cuda as Backend>::sync(&device).expect("sync");
+        let secs = start.elapsed().as_secs_f64();
+        eprintln!("step {step}: {secs:.3} s");
+        if step == 0 {
+            engine.take_offload_timings(); // the first step compiles kernels
+            engine.take_timings();
+        } else {
+            times.push(secs);
+        }
+    }
+    let timings = engine.take_timings();
+    let per = |d: std::time::Duration| d.as_secs_f64() / steps as f64;
+    let offload_breakdown = engine.take_offload_timings().map(|t| {
+        serde_json::json!({"d2h_s": per(t.d2h), "cpu_step_s": per(t.cpu_step),
+            "h2d_s": per(t.h2d), "optimizer_total_s": per(t.total)})
+    });
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    println!(
+        "{}",
+        serde_json::json!({"params": params, "layers": layers, "width": width, "batch": BATCH,
+            "offload": if offload {"cpu"} else {"none"}, "init_s": init_s,
+            "median_step_s": sorted[sorted.len() / 2], "step_times_s": times,
+            "engine_backward_s": per(timings.backward), "engine_step_s": per(timings.step),
+            "offload_breakdown": offload_breakdown, "losses": losses,
+            "memory_report": report, "memory_report_text": report.to_string()})
+    );
+}

@@ -1,0 +1,189 @@
+//! ZeRO-Offload on CPU thread ranks: `offload_optimizer {"device": "cpu"}` keeps the fp32
+//! master and Adam's moments in host memory and steps them with CPU-Adam in sub-groups; the
+//! losses and parameters must equal the run whose optimizer state stays on the device, bit for
+//! bit (the same arithmetic in the same order), at stages 0–3, in fp32 and bf16, with Adam and
+//! SGD; and checkpoints move between the two.
+
+use std::sync::Arc;
+
+use burn::backend::NdArray;
+use burn::tensor::Tensor;
+use burn_zero::DeepSpeedConfig;
+use burn_zero::comm::{Communicator, ReduceOp};
+use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero::testing::run_ranks;
+use burn_zero_tests::cases::engine_run::{self, CLIP, GLOBAL_BATCH, WARMUP};
+use burn_zero_tests::cases::{Mlp, param_data};
+use serde_json::json;
+
+type B = ZeroAutodiff<NdArray>;
+
+const STEPS: usize = 5;
+
+/// `offload` places the optimizer on the host, in sub-groups of 40 elements (several per rank).
+fn config(stage: u8, offload: bool, optimizer: &str, extra: &str) -> DeepSpeedConfig {
+    let (min, max, n) = WARMUP;
+    let offload = if offload {
+        r#", "offload_optimizer": {"device": "cpu"}, "sub_group_size": 40"#
+    } else {
+        ""
+    };
+    let json = format!(
+        r#"{{
+        "train_batch_size": {GLOBAL_BATCH},
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": {CLIP},
+        "optimizer": {optimizer},
+        "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": {min}, "warmup_max_lr": {max}, "warmup_num_steps": {n}, "warmup_type": "linear"}}}},
+        "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40,
+            "stage3_param_persistence_threshold": 16{offload}}},
+        "burn_zero": {{"cpu_adam": {{"threads": 2}}}}{extra}
+    }}"#
+    );
+    DeepSpeedConfig::from_json(&json).unwrap().config
+}
+
+const ADAMW: &str =
+    r#"{"type": "AdamW", "params": {"lr": 0.02, "eps": 1e-6, "weight_decay": 0.01}}"#;
+const ADAM_L2: &str =
+    r#"{"type": "Adam", "params": {"lr": 0.02, "weight_decay": 0.05, "adam_w_mode": false}}"#;
+const SGD: &str = r#"{"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": true}}"#;
+
+#[derive(Debug, PartialEq)]
+struct Run {
+    losses: Vec<f32>,
+    params: Vec<Vec<f32>>,
+    host_bytes: usize,
+    device_optimizer_bytes: usize,
+}
+
+/// Trains `steps` on `world` ranks with `cfg`, optionally loading from / saving to `ckpt`.
+fn train(
+    world: usize,
+    cfg: &DeepSpeedConfig,
+    steps: std::ops::Range<usize>,
+    load: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+) -> Vec<Run> {
+    run_ranks(world, |ctx| {
+        let device = Default::default();
+        let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let mut engine =
+            initialize::<NdArray, _>(Mlp::<B>::new(&device), cfg, comm.clone()).unwrap();
+        if let Some(root) = load {
+            engine.load_checkpoint(root, None).unwrap();
+        }
+        let gas = 2;
+        let micro = GLOBAL_BATCH / (world * gas);
+        let mut losses = Vec::new();
+        for step in steps.clone() {
+            let mut step_loss = 0.0f32;
+            for j in 0..gas {
+                let start = (j * world + ctx.rank) * micro;
+                let (x, y) = engine_run::batch::<B>(step, start..start + micro, &device);
+                let loss: Tensor<B, 1> = engine_run::loss(engine.model(), x, y);
+                step_loss += loss.clone().into_scalar() / gas as f32;
+                engine.backward(loss).unwrap();
+                engine.step().unwrap();
+            }
+            let mut mean = [step_loss];
+            comm.all_reduce(mean.as_mut_slice().into(), ReduceOp::Avg)
+                .unwrap();
+            losses.push(mean[0]);
+        }
+        if let Some(root) = save {
+            engine.save_checkpoint(root, None, json!(null)).unwrap();
+        }
+        let report = engine.memory_report();
+        Run {
+            losses,
+            params: param_data(engine.model())
+                .into_iter()
+                .map(|d| d.convert::<f32>().to_vec::<f32>().unwrap())
+                .collect(),
+            host_bytes: report.host_optimizer_state,
+            device_optimizer_bytes: report.optimizer_state,
+        }
+    })
+}
+
+#[test]
+fn offloaded_training_equals_training_on_the_device() {
+    let bf16 = r#", "bf16": {"enabled": true}"#;
+    let cases = [
+        (0, 2, ADAMW, ""),
+        (1, 3, ADAMW, ""),
+        (2, 3, ADAM_L2, ""),
+        (2, 2, SGD, ""),
+        (3, 3, ADAMW, ""),
+        (2, 2, ADAMW, bf16),
+        (3, 2, ADAMW, bf16),
+    ];
+    for (stage, world, optimizer, extra) in cases {
+        let what = format!("stage {stage}, world {world}, {optimizer}{extra}");
+        let device = train(
+            world,
+            &config(stage, false, optimizer, extra),
+            0..STEPS,
+            None,
+            None,
+        );
+        let host = train(
+            world,
+            &config(stage, true, optimizer, extra),
+            0..STEPS,
+            None,
+            None,
+        );
+        for (d, h) in device.iter().zip(&host) {
+            assert_eq!(d.losses, h.losses, "{what}: losses");
+            assert!(d.params == h.params, "{what}: parameters");
+            assert!(
+                d.host_bytes == 0 && d.device_optimizer_bytes > 0,
+                "{what}: {d:?}"
+            );
+            assert!(
+                h.host_bytes > 0 && h.device_optimizer_bytes == 0,
+                "{what}: offloaded"
+            );
+        }
+        if optimizer != SGD {
+            assert!(
+                device[0].losses.last() < device[0].losses.first(),
+                "{what}: it trains"
+            );
+        }
+    }
+}
+
+#[test]
+fn checkpoints_move_between_device_and_host_optimizers() {
+    let root = std::env::temp_dir().join(format!("bz-offload-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let full = train(2, &config(2, false, ADAMW, ""), 0..STEPS, None, None);
+    // Saved offloaded at world 2, resumed on the device at world 3 (stage 3), and back.
+    train(2, &config(2, true, ADAMW, ""), 0..2, None, Some(&root));
+    let resumed = train(
+        3,
+        &config(3, false, ADAMW, ""),
+        2..4,
+        Some(&root),
+        Some(&root),
+    );
+    let finished = train(2, &config(1, true, ADAMW, ""), 4..STEPS, Some(&root), None);
+    let close = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-5 * x.abs().max(y.abs()) + 1e-6)
+    };
+    assert!(
+        close(&resumed[0].losses, &full[0].losses[2..4]),
+        "{:?}",
+        resumed[0].losses
+    );
+    assert!(close(&finished[0].losses, &full[0].losses[4..]));
+    for (a, b) in finished[0].params.iter().zip(&full[0].params) {
+        assert!(close(a, b));
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
