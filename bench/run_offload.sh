@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Device side of issue 9's benchmarks, one call (carry [".gpu"], staged by
+#   scripts/gpu-stage.sh bench-cpu-adam bench-offload   with GPU_FEATURES=nccl):
+#   1. CPU-Adam vs torch's fused CPU AdamW (bench/run_cpu_adam.sh)
+#   2. one GPU, bf16, ZeRO-2: a deep MLP with the optimizer on the device and offloaded (same
+#      size), then a larger one offloaded only; step time, breakdown and GPU memory peak.
+#   bash bench/run_offload.sh KIND "LAYERS:WIDTH:cpu|none ..."
+source bench/prelude.sh "$1"
+runs="${2:-24:8192:none 24:8192:cpu 60:8192:cpu}"
+bash bench/run_cpu_adam.sh "$1"
+results=()
+for spec in $runs; do
+  IFS=: read -r layers width where <<< "$spec"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > /tmp/mem.log &
+  smi=$!
+  timeout "${RUN_TIMEOUT:-200}" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port 29711 -- \
+    .gpu/bin/bench-offload "$layers" "$width" "$where" 5 > /tmp/run.json 2> "$out/offload-$spec.log"
+  rc=$?
+  kill $smi
+  peak=$(sort -n /tmp/mem.log | tail -1)
+  echo "$spec: exit $rc, peak GPU memory ${peak} MiB"; tail -n 3 "$out/offload-$spec.log"
+  python3 - "$spec" "$rc" "$peak" <<'PY' >> /tmp/offload-runs.jsonl
+import json, sys
+spec, rc, peak = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    run = json.loads(open("/tmp/run.json").read().strip().splitlines()[-1])
+except Exception as e:
+    run = {"error": f"no result ({e})"}
+run.update({"spec": spec, "exit": rc, "peak_gpu_mib": int(peak) if peak.isdigit() else None})
+print(json.dumps(run))
+PY
+done
+python3 - "$kind" "$out/offload-$kind.json" <<'PY'
+import json, sys
+runs = [json.loads(l) for l in open("/tmp/offload-runs.jsonl")]
+mem = open("/proc/meminfo").read().split("\n")[0]
+json.dump({"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0], "host_memory": mem,
+           "runs": runs}, open(sys.argv[2], "w"), indent=1)
+for r in runs:
+    print(r["spec"], r.get("exit"), r.get("median_step_s"), r.get("offload_breakdown"), r.get("peak_gpu_mib"))
+PY
