@@ -23,7 +23,8 @@ for spec in $runs; do
 import json, sys
 spec, rc, peak = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 try:
-    run = json.loads(open("/tmp/run.json").read().strip().splitlines()[-1])
+    line = open("/tmp/run.json").read().strip().splitlines()[-1]
+    run = json.loads(line[line.index("{"):])  # the launcher prefixes "[rank 0] "
 except Exception as e:
     run = {"error": f"no result ({e})"}
 run.update({"spec": spec, "exit": rc, "peak_gpu_mib": int(peak) if peak.isdigit() else None})
