@@ -1,10 +1,14 @@
-//! An optimizer whose fp32 master weights and state live in host memory (ZeRO-Offload): one
-//! rank's flat partition, stepped by [`CpuAdam`] one sub-group at a time so each sub-group's
-//! updated weights can travel to the device while the next one steps.
+//! An optimizer whose fp32 master weights and state live off the device (ZeRO-Offload in host
+//! memory, ZeRO-Infinity in swap files on NVMe): one rank's flat partition, stepped by
+//! [`CpuAdam`] one sub-group at a time; each sub-group's new weights are handed out as soon
+//! as it is done, so they can travel to the device while the next one steps.
 
 use core::ops::Range;
 
+use half::{bf16, f16};
+
 use crate::cpu_adam::{AdamStep, CpuAdam, Grad, Out, SgdStep};
+use crate::nvme::{NvmeStore, SwapConfig, SwapError};
 
 /// The optimizer's fixed settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -33,6 +37,103 @@ pub enum HostSettings {
     },
 }
 
+impl HostSettings {
+    /// The state tensors' names (PyTorch's), which checkpoints use too.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self {
+            HostSettings::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+            HostSettings::Sgd { momentum, .. } if *momentum > 0.0 => &["momentum_buffer"],
+            HostSettings::Sgd { .. } => &[],
+        }
+    }
+}
+
+/// The dtype a step hands the new weights out in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutDtype {
+    /// fp32 (a copy of the master).
+    F32,
+    /// bf16, rounded in the fused pass.
+    Bf16,
+    /// f16, rounded in the fused pass.
+    F16,
+}
+
+/// A sub-group's new weights.
+#[derive(Debug)]
+pub enum Staged {
+    /// fp32.
+    F32(Vec<f32>),
+    /// bf16.
+    Bf16(Vec<bf16>),
+    /// f16.
+    F16(Vec<f16>),
+}
+
+enum Storage {
+    /// Master first, then the state tensors.
+    Memory(Vec<Vec<f32>>),
+    /// The same tensors in swap files.
+    Nvme(NvmeStore),
+}
+
+/// A partition's master weights and optimizer state off the device.
+pub struct HostOptimizer {
+    len: usize,
+    settings: HostSettings,
+    storage: Storage,
+    /// Steps taken (Adam's t; SGD's buffer holds a value once it is > 0).
+    step: u64,
+    cpu: CpuAdam,
+    sub_group: usize,
+}
+
+impl std::fmt::Debug for HostOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostOptimizer")
+            .field("len", &self.len)
+            .field("settings", &self.settings)
+            .field("step", &self.step)
+            .field("nvme", &matches!(self.storage, Storage::Nvme(_)))
+            .finish()
+    }
+}
+
+/// One sub-group of the step: CPU-Adam or CPU-SGD over `w` (and the state slices).
+fn step_slices(
+    cpu: &CpuAdam,
+    k: &StepConstants,
+    w: &mut [f32],
+    state: &mut [&mut [f32]],
+    grad: &[f32],
+    out: OutDtype,
+) -> Staged {
+    let n = w.len();
+    let (mut b, mut h) = (Vec::new(), Vec::new());
+    let target = match out {
+        OutDtype::F32 => Out::None,
+        OutDtype::Bf16 => {
+            b = vec![bf16::ZERO; n];
+            Out::Bf16(&mut b)
+        }
+        OutDtype::F16 => {
+            h = vec![f16::ZERO; n];
+            Out::F16(&mut h)
+        }
+    };
+    match (k, state) {
+        (StepConstants::Adam(k), [m, v]) => cpu.adam(k, w, Grad::F32(grad), m, v, target),
+        (StepConstants::Sgd(k), [buf]) => cpu.sgd(k, w, Grad::F32(grad), buf, target),
+        (StepConstants::Sgd(k), []) => cpu.sgd(k, w, Grad::F32(grad), &mut [], target),
+        _ => unreachable!("the state matches the settings"),
+    }
+    match out {
+        OutDtype::F32 => Staged::F32(w.to_vec()),
+        OutDtype::Bf16 => Staged::Bf16(b),
+        OutDtype::F16 => Staged::F16(h),
+    }
+}
+
 /// The constants of the step in progress, shared by its sub-groups.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum StepConstants {
@@ -42,68 +143,90 @@ pub enum StepConstants {
     Sgd(SgdStep),
 }
 
-/// A partition's master weights and optimizer state in host memory.
-#[derive(Debug)]
-pub struct HostOptimizer {
-    master: Vec<f32>,
-    settings: HostSettings,
-    /// Adam: m and v. SGD: the momentum buffer (empty without momentum).
-    state: Vec<Vec<f32>>,
-    /// Steps taken (Adam's t); SGD: whether the buffer holds a value once > 0.
-    step: u64,
-    cpu: CpuAdam,
-    sub_group: usize,
-}
-
 impl HostOptimizer {
-    /// Zeroed state for `master`, stepped by `cpu` in sub-groups of `sub_group` elements.
+    /// Zeroed state for `master` in host memory, stepped by `cpu` in sub-groups of
+    /// `sub_group` elements.
     pub fn new(master: Vec<f32>, settings: HostSettings, cpu: CpuAdam, sub_group: usize) -> Self {
-        let n = master.len();
-        let state = match settings {
-            HostSettings::Adam { .. } => vec![vec![0.0; n], vec![0.0; n]],
-            HostSettings::Sgd { momentum, .. } if momentum > 0.0 => vec![vec![0.0; n]],
-            HostSettings::Sgd { .. } => vec![Vec::new()],
-        };
+        let len = master.len();
+        let mut tensors = vec![master];
+        tensors.extend(settings.state_names().iter().map(|_| vec![0.0; len]));
         Self {
-            master,
+            len,
             settings,
-            state,
+            storage: Storage::Memory(tensors),
             step: 0,
             cpu,
             sub_group: sub_group.max(1),
         }
     }
 
-    /// The fp32 master weights.
-    pub fn master(&self) -> &[f32] {
-        &self.master
+    /// The same with master and state in swap files under `swap.dir` (ZeRO-Infinity).
+    pub fn on_nvme(
+        master: Vec<f32>,
+        settings: HostSettings,
+        cpu: CpuAdam,
+        sub_group: usize,
+        swap: &SwapConfig,
+    ) -> Result<Self, SwapError> {
+        let len = master.len();
+        let mut names = vec!["master"];
+        names.extend(settings.state_names());
+        let store = NvmeStore::create(swap, &names, len, sub_group, &|t, range| {
+            (t == 0).then(|| master[range].to_vec())
+        })?;
+        Ok(Self {
+            len,
+            settings,
+            storage: Storage::Nvme(store),
+            step: 0,
+            cpu,
+            sub_group: sub_group.max(1),
+        })
     }
 
     /// Elements of the partition.
     pub fn len(&self) -> usize {
-        self.master.len()
+        self.len
     }
 
     /// Whether the partition is empty.
     pub fn is_empty(&self) -> bool {
-        self.master.is_empty()
+        self.len == 0
     }
 
-    /// Host bytes held: master and state.
+    /// Host memory held for master and state (swap buffers only, on NVMe).
     pub fn bytes(&self) -> usize {
-        4 * (self.master.len() + self.state.iter().map(Vec::len).sum::<usize>())
+        match &self.storage {
+            Storage::Memory(t) => 4 * t.iter().map(Vec::len).sum::<usize>(),
+            Storage::Nvme(_) => 0,
+        }
     }
 
-    /// The sub-groups a step walks, in order.
-    pub fn groups(&self) -> Vec<Range<usize>> {
-        (0..self.len())
-            .step_by(self.sub_group)
-            .map(|s| s..(s + self.sub_group).min(self.len()))
-            .collect()
+    /// The swap files (empty in host memory).
+    pub fn swap_files(&self) -> Vec<std::path::PathBuf> {
+        match &self.storage {
+            Storage::Memory(_) => Vec::new(),
+            Storage::Nvme(s) => s.paths().to_vec(),
+        }
     }
 
-    /// Starts a step with learning rate `lr` and `betas`: its constants.
-    pub fn begin_step(&mut self, lr: f32, betas: (f32, f32)) -> StepConstants {
+    /// The fp32 master weights.
+    pub fn master(&mut self) -> Result<Vec<f32>, SwapError> {
+        match &mut self.storage {
+            Storage::Memory(t) => Ok(t[0].clone()),
+            Storage::Nvme(s) => s.read_all(0),
+        }
+    }
+
+    /// The state names [`HostOptimizer::import`] needs.
+    pub fn required(&self) -> &'static [&'static str] {
+        match self.settings {
+            HostSettings::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+            HostSettings::Sgd { .. } => &[],
+        }
+    }
+
+    fn constants(&mut self, lr: f32, betas: (f32, f32)) -> StepConstants {
         self.step += 1;
         match self.settings {
             HostSettings::Adam {
@@ -136,65 +259,76 @@ impl HostOptimizer {
         }
     }
 
-    /// Steps sub-group `range` with its gradient (`range.len()` elements), writing its new
-    /// weights to `out` too.
-    pub fn step_group(
+    /// One optimizer step from `grad` (the partition's fp32 gradient) with learning rate
+    /// `lr` and `betas`: sub-group by sub-group, each one's new weights handed to `emit` in
+    /// `out` as soon as it is stepped.
+    pub fn step(
         &mut self,
-        k: &StepConstants,
-        range: Range<usize>,
-        grad: Grad<'_>,
-        out: Out<'_>,
-    ) {
-        let master = &mut self.master[range.clone()];
-        match (k, self.state.as_mut_slice()) {
-            (StepConstants::Adam(k), [m, v]) => {
-                self.cpu
-                    .adam(k, master, grad, &mut m[range.clone()], &mut v[range], out)
+        lr: f32,
+        betas: (f32, f32),
+        grad: &[f32],
+        out: OutDtype,
+        emit: &mut dyn FnMut(Range<usize>, Staged),
+    ) -> Result<(), SwapError> {
+        assert_eq!(
+            grad.len(),
+            self.len,
+            "gradient and partition differ in length"
+        );
+        let k = self.constants(lr, betas);
+        let cpu = &self.cpu;
+        match &mut self.storage {
+            Storage::Memory(tensors) => {
+                let (master, state) = tensors.split_first_mut().expect("the master");
+                for start in (0..self.len).step_by(self.sub_group) {
+                    let range = start..(start + self.sub_group).min(self.len);
+                    let mut slices: Vec<&mut [f32]> =
+                        state.iter_mut().map(|s| &mut s[range.clone()]).collect();
+                    let w = &mut master[range.clone()];
+                    let staged = step_slices(cpu, &k, w, &mut slices, &grad[range.clone()], out);
+                    emit(range, staged);
+                }
+                Ok(())
             }
-            (StepConstants::Sgd(k), [buf]) => {
-                let buf = if buf.is_empty() {
-                    &mut buf[..]
-                } else {
-                    &mut buf[range]
-                };
-                self.cpu.sgd(k, master, grad, buf, out)
-            }
-            _ => unreachable!("the state matches the settings"),
+            Storage::Nvme(store) => store.visit(true, true, &mut |_, range, bufs| {
+                let n = range.len();
+                let (master, state) = bufs.split_first_mut().expect("the master");
+                let mut slices: Vec<&mut [f32]> = state
+                    .iter_mut()
+                    .map(|s| &mut s.as_mut_slice()[..n])
+                    .collect();
+                let w = &mut master.as_mut_slice()[..n];
+                let staged = step_slices(cpu, &k, w, &mut slices, &grad[range.clone()], out);
+                emit(range, staged);
+                Ok(())
+            }),
         }
     }
 
-    /// One whole step on the calling thread (every sub-group in turn, fp32 gradient, no
-    /// compute-dtype copy): for callers without a device to overlap with.
-    pub fn step_all(&mut self, lr: f32, betas: (f32, f32), grad: &[f32]) {
-        let k = self.begin_step(lr, betas);
-        for range in self.groups() {
-            self.step_group(&k, range.clone(), Grad::F32(&grad[range]), Out::None);
-        }
+    /// One whole step with no compute-dtype copy (for callers without a device).
+    pub fn step_all(&mut self, lr: f32, betas: (f32, f32), grad: &[f32]) -> Result<(), SwapError> {
+        self.step(lr, betas, grad, OutDtype::F32, &mut |_, _| {})
     }
 
-    /// The state names [`HostOptimizer::import`] needs.
-    pub fn required(&self) -> &'static [&'static str] {
-        match self.settings {
-            HostSettings::Adam { .. } => &["exp_avg", "exp_avg_sq"],
-            HostSettings::Sgd { .. } => &[],
-        }
-    }
-
-    /// The step count and the state as named partitions (PyTorch's names), for checkpoints.
-    pub fn export(&self) -> (u64, Vec<(&'static str, &[f32])>) {
-        let names: &[&'static str] = match self.settings {
-            HostSettings::Adam { .. } => &["exp_avg", "exp_avg_sq"],
-            HostSettings::Sgd { .. } if self.step > 0 && !self.state[0].is_empty() => {
-                &["momentum_buffer"]
-            }
-            HostSettings::Sgd { .. } => &[],
+    /// The master, step count and the state as named partitions (PyTorch's names).
+    #[allow(clippy::type_complexity)]
+    pub fn export(&mut self) -> Result<(Vec<f32>, u64, Vec<(&'static str, Vec<f32>)>), SwapError> {
+        let names = self.settings.state_names();
+        let tensors: Vec<Vec<f32>> = match &mut self.storage {
+            Storage::Memory(t) => t.clone(),
+            Storage::Nvme(s) => (0..=names.len())
+                .map(|i| s.read_all(i))
+                .collect::<Result<_, _>>()?,
         };
-        let tensors = names
-            .iter()
-            .zip(&self.state)
-            .map(|(n, s)| (*n, s.as_slice()))
-            .collect();
-        (self.step, tensors)
+        let mut tensors = tensors.into_iter();
+        let master = tensors.next().expect("the master");
+        // SGD's buffer means nothing before the first step.
+        let state = if self.step == 0 && matches!(self.settings, HostSettings::Sgd { .. }) {
+            Vec::new()
+        } else {
+            names.iter().copied().zip(tensors).collect()
+        };
+        Ok((master, self.step, state))
     }
 
     /// Replaces the master, step count and state (named as [`HostOptimizer::export`] names
@@ -205,8 +339,11 @@ impl HostOptimizer {
         step: u64,
         mut tensors: Vec<(String, Vec<f32>)>,
     ) -> Result<(), String> {
-        let n = master.len();
-        if let Some((name, t)) = tensors.iter().find(|(_, t)| t.len() != n) {
+        let n = self.len;
+        if let Some((name, t)) = std::iter::once(("master".to_string(), &master))
+            .chain(tensors.iter().map(|(n, t)| (n.clone(), t)))
+            .find(|(_, t)| t.len() != n)
+        {
             return Err(format!(
                 "optimizer state `{name}` has {} elements, the partition {n}",
                 t.len()
@@ -216,23 +353,33 @@ impl HostOptimizer {
             let i = tensors.iter().position(|(t, _)| t == name)?;
             Some(tensors.swap_remove(i).1)
         };
-        let missing = |n: &str| format!("the checkpoint has no `{n}` (Adam's state)");
-        self.state = match self.settings {
-            HostSettings::Adam { .. } => vec![
-                take("exp_avg").ok_or_else(|| missing("exp_avg"))?,
-                take("exp_avg_sq").ok_or_else(|| missing("exp_avg_sq"))?,
-            ],
-            HostSettings::Sgd { momentum, .. } => match take("momentum_buffer") {
-                // A buffer holds a value: the next step continues it.
-                Some(buffer) => vec![buffer],
-                None if momentum > 0.0 => vec![vec![0.0; n]],
-                None => vec![Vec::new()],
-            },
+        let mut values = vec![master];
+        let mut resumed = false;
+        for name in self.settings.state_names() {
+            match take(name) {
+                Some(t) => {
+                    values.push(t);
+                    resumed = true;
+                }
+                None if self.required().contains(name) => {
+                    return Err(format!("the checkpoint has no `{name}` (Adam's state)"));
+                }
+                // SGD without a saved buffer starts it at the next step.
+                None => values.push(vec![0.0; n]),
+            }
+        }
+        let sgd = matches!(self.settings, HostSettings::Sgd { .. });
+        self.step = if sgd && resumed {
+            step.max(1)
+        } else if sgd {
+            0
+        } else {
+            step
         };
-        let buffered =
-            matches!(self.settings, HostSettings::Sgd { .. }) && !self.state[0].is_empty();
-        self.master = master;
-        self.step = if buffered { step.max(1) } else { step };
+        match &mut self.storage {
+            Storage::Memory(t) => *t = values,
+            Storage::Nvme(s) => s.write_all(&values).map_err(|e| e.to_string())?,
+        }
         Ok(())
     }
 }

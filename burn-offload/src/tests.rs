@@ -259,3 +259,113 @@ fn mismatched_lengths_are_refused() {
     let message = *result.unwrap_err().downcast::<String>().unwrap();
     assert!(message.contains("differ in length"), "{message}");
 }
+
+mod swap {
+    use std::path::PathBuf;
+
+    use crate::cpu_adam::CpuAdam;
+    use crate::host::{HostOptimizer, HostSettings, OutDtype, Staged};
+    use crate::nvme::{NvmeStore, SwapConfig};
+
+    fn config(name: &str) -> SwapConfig {
+        let dir = std::env::temp_dir().join(format!("bz-swap-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        SwapConfig {
+            root: std::env::temp_dir(),
+            dir,
+            block_size: 4096,
+            queue_depth: 2,
+            buffer_count: 3,
+        }
+    }
+
+    const ADAMW: HostSettings = HostSettings::Adam {
+        eps: 1e-8,
+        weight_decay: 0.01,
+        decoupled: true,
+        bias_correction: true,
+    };
+
+    /// Ten steps in swap files (odd sub-groups, several requests each) equal ten in memory.
+    #[test]
+    fn swapped_steps_equal_steps_in_memory() {
+        let n = 10_007;
+        let cfg = config("parity");
+        let master = super::values(n, 11);
+        let mut memory = HostOptimizer::new(master.clone(), ADAMW, CpuAdam::new(Some(2)), 3001);
+        let mut swapped =
+            HostOptimizer::on_nvme(master, ADAMW, CpuAdam::new(Some(2)), 3001, &cfg).unwrap();
+        assert_eq!(swapped.swap_files().len(), 3, "master, exp_avg, exp_avg_sq");
+        for t in 1..=10 {
+            let g: Vec<f32> = super::values(n, 50 + t).iter().map(|x| x * 0.1).collect();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            memory
+                .step(1e-3, (0.9, 0.999), &g, OutDtype::Bf16, &mut |r, s| {
+                    a.push((r, bits(s)))
+                })
+                .unwrap();
+            swapped
+                .step(1e-3, (0.9, 0.999), &g, OutDtype::Bf16, &mut |r, s| {
+                    b.push((r, bits(s)))
+                })
+                .unwrap();
+            assert_eq!(a, b, "step {t}: the emitted sub-groups");
+            assert_eq!(a.len(), 4, "10007 elements in sub-groups of 3001");
+        }
+        let (ma, sa, va) = memory.export().unwrap();
+        let (mb, sb, vb) = swapped.export().unwrap();
+        assert!(ma == mb && sa == sb && va == vb);
+        let files = swapped.swap_files();
+        drop(swapped);
+        assert!(files.iter().all(|f| !f.exists()), "swap files are removed");
+        let _ = std::fs::remove_dir_all(&cfg.dir);
+    }
+
+    fn bits(s: Staged) -> Vec<u16> {
+        match s {
+            Staged::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_corrupted_swap_file_is_named() {
+        let cfg = config("corrupt");
+        let n = 5000;
+        let mut store = NvmeStore::create(&cfg, &["master", "exp_avg"], n, 2048, &|t, r| {
+            (t == 0).then(|| r.map(|i| i as f32).collect())
+        })
+        .unwrap();
+        let master = store.read_all(0).unwrap();
+        assert_eq!(master, (0..n).map(|i| i as f32).collect::<Vec<_>>());
+        assert_eq!(store.read_all(1).unwrap(), vec![0.0; n]);
+        let victim: PathBuf = store.paths()[1].clone();
+        let mut bytes = std::fs::read(&victim).unwrap();
+        bytes[8192 + 100] ^= 0x10; // sub-group 1 of exp_avg
+        std::fs::write(&victim, &bytes).unwrap();
+        let err = store.read_all(1).unwrap_err().to_string();
+        assert!(
+            err.contains("exp_avg.swp") && err.contains("corrupted") && err.contains("sub-group 1"),
+            "{err}"
+        );
+        // Every tensor of a sub-group travels together, so any read of it fails until a
+        // rewrite heals the region; the store stays usable.
+        assert!(store.read_all(0).is_err());
+        store.write_all(&[master.clone(), vec![1.0; n]]).unwrap();
+        assert_eq!(store.read_all(1).unwrap(), vec![1.0; n]);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&cfg.dir);
+    }
+
+    #[test]
+    fn a_missing_path_is_refused_before_training() {
+        let mut cfg = config("missing");
+        cfg.root = PathBuf::from("/nonexistent-burn-zero");
+        cfg.dir = cfg.root.join("swap");
+        let err = NvmeStore::create(&cfg, &["master"], 10, 10, &|_, _| None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("does not exist"), "{err}");
+    }
+}

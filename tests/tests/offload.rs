@@ -20,13 +20,36 @@ type B = ZeroAutodiff<NdArray>;
 
 const STEPS: usize = 5;
 
-/// `offload` places the optimizer on the host, in sub-groups of 40 elements (several per rank).
-fn config(stage: u8, offload: bool, optimizer: &str, extra: &str) -> DeepSpeedConfig {
+/// Where the optimizer state lives.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Place {
+    Device,
+    Host,
+    /// Swap files under this test's directory in the system temp dir.
+    Nvme,
+}
+
+fn nvme_dir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("bz-offload-nvme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `place` puts the optimizer on the host or in swap files, in sub-groups of 40 elements
+/// (several per rank; the swap's requests are 4 KiB, two in flight).
+fn config(stage: u8, place: Place, optimizer: &str, extra: &str) -> DeepSpeedConfig {
     let (min, max, n) = WARMUP;
-    let offload = if offload {
-        r#", "offload_optimizer": {"device": "cpu"}, "sub_group_size": 40"#
-    } else {
-        ""
+    let offload = match place {
+        Place::Device => String::new(),
+        Place::Host => r#", "offload_optimizer": {"device": "cpu"}, "sub_group_size": 40"#.into(),
+        Place::Nvme => format!(
+            r#", "offload_optimizer": {{"device": "nvme", "nvme_path": "{}", "buffer_count": 3}}, "sub_group_size": 40"#,
+            nvme_dir().display()
+        ),
+    };
+    let aio = match place {
+        Place::Nvme => r#", "aio": {"block_size": 4096, "queue_depth": 2}"#,
+        _ => "",
     };
     let json = format!(
         r#"{{
@@ -37,7 +60,7 @@ fn config(stage: u8, offload: bool, optimizer: &str, extra: &str) -> DeepSpeedCo
         "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": {min}, "warmup_max_lr": {max}, "warmup_num_steps": {n}, "warmup_type": "linear"}}}},
         "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40,
             "stage3_param_persistence_threshold": 16{offload}}},
-        "burn_zero": {{"cpu_adam": {{"threads": 2}}}}{extra}
+        "burn_zero": {{"cpu_adam": {{"threads": 2}}}}{aio}{extra}
     }}"#
     );
     DeepSpeedConfig::from_json(&json).unwrap().config
@@ -121,23 +144,21 @@ fn offloaded_training_equals_training_on_the_device() {
     ];
     for (stage, world, optimizer, extra) in cases {
         let what = format!("stage {stage}, world {world}, {optimizer}{extra}");
-        let device = train(
-            world,
-            &config(stage, false, optimizer, extra),
-            0..STEPS,
-            None,
-            None,
-        );
-        let host = train(
-            world,
-            &config(stage, true, optimizer, extra),
-            0..STEPS,
-            None,
-            None,
-        );
-        for (d, h) in device.iter().zip(&host) {
-            assert_eq!(d.losses, h.losses, "{what}: losses");
-            assert!(d.params == h.params, "{what}: parameters");
+        let run = |place| {
+            train(
+                world,
+                &config(stage, place, optimizer, extra),
+                0..STEPS,
+                None,
+                None,
+            )
+        };
+        let (device, host, nvme) = (run(Place::Device), run(Place::Host), run(Place::Nvme));
+        for ((d, h), v) in device.iter().zip(&host).zip(&nvme) {
+            assert_eq!(d.losses, h.losses, "{what}: losses (host)");
+            assert!(d.params == h.params, "{what}: parameters (host)");
+            assert_eq!(d.losses, v.losses, "{what}: losses (NVMe)");
+            assert!(d.params == v.params, "{what}: parameters (NVMe)");
             assert!(
                 d.host_bytes == 0 && d.device_optimizer_bytes > 0,
                 "{what}: {d:?}"
@@ -145,6 +166,10 @@ fn offloaded_training_equals_training_on_the_device() {
             assert!(
                 h.host_bytes > 0 && h.device_optimizer_bytes == 0,
                 "{what}: offloaded"
+            );
+            assert!(
+                v.host_bytes == 0 && v.device_optimizer_bytes == 0,
+                "{what}: swapped"
             );
         }
         if optimizer != SGD {
@@ -160,17 +185,30 @@ fn offloaded_training_equals_training_on_the_device() {
 fn checkpoints_move_between_device_and_host_optimizers() {
     let root = std::env::temp_dir().join(format!("bz-offload-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    let full = train(2, &config(2, false, ADAMW, ""), 0..STEPS, None, None);
-    // Saved offloaded at world 2, resumed on the device at world 3 (stage 3), and back.
-    train(2, &config(2, true, ADAMW, ""), 0..2, None, Some(&root));
-    let resumed = train(
-        3,
-        &config(3, false, ADAMW, ""),
-        2..4,
-        Some(&root),
+    let full = train(
+        2,
+        &config(2, Place::Device, ADAMW, ""),
+        0..STEPS,
+        None,
+        None,
+    );
+    // Saved offloaded at world 2, resumed on the device at world 3 (stage 3), then swapped.
+    train(
+        2,
+        &config(2, Place::Host, ADAMW, ""),
+        0..2,
+        None,
         Some(&root),
     );
-    let finished = train(2, &config(1, true, ADAMW, ""), 4..STEPS, Some(&root), None);
+    let device3 = config(3, Place::Device, ADAMW, "");
+    let resumed = train(3, &device3, 2..4, Some(&root), Some(&root));
+    let finished = train(
+        2,
+        &config(1, Place::Nvme, ADAMW, ""),
+        4..STEPS,
+        Some(&root),
+        None,
+    );
     let close = |a: &[f32], b: &[f32]| {
         a.iter()
             .zip(b)
@@ -186,4 +224,51 @@ fn checkpoints_move_between_device_and_host_optimizers() {
         assert!(close(a, b));
     }
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_corrupted_swap_file_stops_every_rank_and_is_named() {
+    let cfg = config(2, Place::Nvme, ADAMW, "");
+    let errors = run_ranks(2, |ctx| {
+        let device = Default::default();
+        let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let mut engine = initialize::<NdArray, _>(Mlp::<B>::new(&device), &cfg, comm).unwrap();
+        let files = engine.swap_files();
+        assert_eq!(files.len(), 3, "master, exp_avg, exp_avg_sq: {files:?}");
+        let mut outcome = Ok(());
+        for step in 0..2 {
+            if step == 1 && ctx.rank == 1 {
+                let victim = files
+                    .iter()
+                    .find(|f| f.ends_with("exp_avg_sq.swp"))
+                    .unwrap();
+                let mut bytes = std::fs::read(victim).unwrap();
+                bytes[4] ^= 0x01;
+                std::fs::write(victim, &bytes).unwrap();
+            }
+            for j in 0..2 {
+                let start = (j * 2 + ctx.rank) * 9;
+                let (x, y) = engine_run::batch::<B>(step, start..start + 9, &device);
+                let loss = engine_run::loss(engine.model(), x, y);
+                engine.backward(loss).unwrap();
+                outcome = engine.step().map_err(|e| e.to_string());
+            }
+        }
+        outcome
+    });
+    let rank1 = errors[1].as_ref().unwrap_err();
+    assert!(
+        rank1.contains("exp_avg_sq.swp") && rank1.contains("corrupted"),
+        "{rank1}"
+    );
+    let rank0 = errors[0].as_ref().unwrap_err();
+    assert!(rank0.contains("another rank failed"), "{rank0}");
+}
+
+#[test]
+fn nvme_offload_without_a_path_is_refused_naming_the_key() {
+    let json = r#"{"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}"#;
+    let err = DeepSpeedConfig::from_json(json).unwrap_err().to_string();
+    assert!(err.contains("nvme_path"), "{err}");
 }

@@ -45,8 +45,38 @@ pub struct DeepSpeedConfig {
     pub zero_allow_untested_optimizer: bool,
     /// `communication_data_type`: "fp32", "fp16" or "bf16".
     pub communication_data_type: Option<String>,
+    /// `aio`: the NVMe swap's I/O (`offload_optimizer {"device": "nvme"}`).
+    pub aio: AioConfig,
     /// `burn_zero`: settings of burn-zero's own (not DeepSpeed keys).
     pub burn_zero: BurnZeroConfig,
+}
+
+/// `aio`: how the NVMe swap reads and writes (through io_uring).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AioConfig {
+    /// `block_size`: bytes per request.
+    pub block_size: usize,
+    /// `queue_depth`: requests in flight.
+    pub queue_depth: u32,
+    /// `thread_count` (DeepSpeed's; one I/O thread per rank here).
+    pub thread_count: usize,
+    /// `single_submit` (accepted; requests are always batched).
+    pub single_submit: bool,
+    /// `overlap_events` (accepted; I/O always overlaps the step).
+    pub overlap_events: bool,
+}
+
+impl Default for AioConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 1 << 20,
+            queue_depth: 8,
+            thread_count: 1,
+            single_submit: false,
+            overlap_events: true,
+        }
+    }
 }
 
 /// `burn_zero`: settings DeepSpeed does not have.
@@ -111,6 +141,7 @@ impl Default for DeepSpeedConfig {
             gradient_predivide_factor: 1.0,
             zero_allow_untested_optimizer: false,
             communication_data_type: None,
+            aio: AioConfig::default(),
             burn_zero: BurnZeroConfig::default(),
         }
     }
@@ -259,7 +290,6 @@ pub struct DataTypesConfig {
 /// not implemented yet rather than as unknown.
 pub(crate) const SECTIONS_NOT_YET_IMPLEMENTED: &[&str] = &[
     "activation_checkpointing",
-    "aio",
     "amp",
     "autotuning",
     "checkpoint",

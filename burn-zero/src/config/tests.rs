@@ -196,22 +196,12 @@ fn bad_values_name_the_key_and_the_allowed_range() {
 
 #[test]
 fn features_not_built_yet_are_refused_clearly() {
-    for (json, key) in [
-        (
-            r#"{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}"#,
-            "zero_optimization.offload_optimizer",
-        ),
-        (
-            r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#,
-            "zero_optimization.offload_param",
-        ),
-    ] {
-        let e = error(json);
-        assert!(
-            e.contains(&format!("`{key}` is not supported yet")),
-            "{json}: {e}"
-        );
-    }
+    let json = r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#;
+    let e = error(json);
+    assert!(
+        e.contains("`zero_optimization.offload_param` is not supported yet"),
+        "{json}: {e}"
+    );
 }
 
 #[test]

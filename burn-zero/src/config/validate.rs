@@ -96,11 +96,26 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         )?;
     }
     if z.optimizer_offload() == OffloadDevice::Nvme {
-        return Err(unsupported(
-            "zero_optimization.offload_optimizer",
-            "optimizer offload to NVMe is not implemented yet (\"device\": \"cpu\" is)",
-        ));
+        let path = z
+            .offload_optimizer
+            .as_ref()
+            .and_then(|o| o.nvme_path.as_deref());
+        check(
+            path.is_some_and(|p| !p.is_empty()),
+            "zero_optimization.offload_optimizer.nvme_path",
+            "missing",
+            "a directory on the NVMe drive (required with \"device\": \"nvme\")",
+        )?;
     }
+    check(
+        c.aio.block_size >= 4096 && c.aio.queue_depth >= 1,
+        "aio",
+        format!(
+            "block_size {}, queue_depth {}",
+            c.aio.block_size, c.aio.queue_depth
+        ),
+        "block_size of at least 4096 bytes and queue_depth of at least 1",
+    )?;
     if z.param_offload() != OffloadDevice::None {
         return Err(unsupported(
             "zero_optimization.offload_param",

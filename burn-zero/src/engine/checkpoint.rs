@@ -134,7 +134,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Every rank's outcome of one phase of a save or load: `local` if every rank succeeded,
     /// else this rank's error, or one saying which phase failed elsewhere. Keeps the ranks
     /// together, so one failing rank never leaves the others waiting in a collective.
-    fn agree<T, E: Into<EngineError>>(
+    pub(super) fn agree<T, E: Into<EngineError>>(
         &self,
         phase: &str,
         local: Result<T, E>,
@@ -145,14 +145,14 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         match local {
             Err(e) => Err(e.into()),
             Ok(_) if failed[0] > 0.0 => Err(EngineError::Usage(format!(
-                "another rank failed to {phase} (its error says why); nothing was changed here"
+                "another rank failed to {phase} (its error says why)"
             ))),
             Ok(value) => Ok(value),
         }
     }
 
-    /// This rank's partition file, if it holds a partition; the tensors' names and dtypes.
-    /// Returns the tensors' names and dtypes, and the optimizer's step count.
+    /// Writes this rank's partition file, if it holds a partition; returns the tensors' names
+    /// and dtypes, and the optimizer's step count.
     fn write_partition(
         &self,
         staging: &Staging,
@@ -174,7 +174,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             master,
             step,
             state,
-        } = self.optim.export();
+        } = self.optim.export()?;
         let mut tensors: Vec<(String, Dtype, Vec<f32>)> =
             vec![(MASTER.into(), Dtype::F32, pad(master))];
         for (name, v) in state {
@@ -314,7 +314,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let grads = self.grads.clone();
         let mut state = grads.lock().expect("gradient state");
         state.clear();
-        let working = self.precision.compute.convert(self.optim.master());
+        let working = self.precision.compute.convert(self.optim.master()?);
         self.publish(&mut state, working)?;
         drop(state);
         let loaded = LoadedCheckpoint {

@@ -24,9 +24,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         mut f: impl FnMut(&ParamSlot, Tensor<I, 1>),
     ) -> Result<(), EngineError> {
         let full = match self.resolved.config.zero_optimization.stage {
-            0 => self.optim.master(),
-            1 | 2 => self.gather_chunks(&mut self.state().flat, self.optim.master())?,
-            _ => return self.gather_sharded(self.optim.master(), f),
+            0 => self.master_partition()?,
+            1 | 2 => self.gather_chunks(&mut self.state().flat, self.master_partition()?)?,
+            _ => return self.gather_sharded(self.master_partition()?, f),
         };
         for slot in self.layout.slots() {
             f(

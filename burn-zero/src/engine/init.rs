@@ -125,7 +125,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         }
     };
 
-    let optim = Optim::new(&resolved, master);
+    let optim = Optim::new(&resolved, master, comm.rank())?;
     let with_gatherer = stage3.is_some();
     let grads = Arc::new(Mutex::new(GradState::new(
         layout.clone(),

@@ -71,6 +71,9 @@ pub enum EngineError {
     /// fp16 cannot go on: gradients overflow at the minimum loss scale.
     #[error(transparent)]
     LossScale(#[from] crate::precision::MinScaleReached),
+    /// The NVMe swap of an offloaded optimizer failed.
+    #[error(transparent)]
+    Swap(#[from] burn_offload::SwapError),
     /// A checkpoint could not be written or read.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::StoreError),
@@ -203,6 +206,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.optim.take_timings()
     }
 
+    /// The swap files of `offload_optimizer {"device": "nvme"}`, one per tensor (master,
+    /// optimizer state) of this rank (empty otherwise). They are removed with the engine.
+    pub fn swap_files(&self) -> Vec<std::path::PathBuf> {
+        self.optim.swap_files()
+    }
+
     /// Collectives that ran on device memory so far (0 on the host path).
     pub fn device_collectives(&self) -> usize {
         self.state().flat.device_calls
@@ -309,6 +318,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             }),
         };
         let working = self.optim.step(grad, hp, self.precision.compute);
+        // A failing swap on one rank must not leave the others waiting in the gathers below.
+        let working = match self.optim.offloaded() {
+            true => self.agree("step its offloaded optimizer", working)?,
+            false => working?,
+        };
         state.clear();
         self.publish(&mut state, working)?;
         drop(state);
@@ -319,6 +333,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.timings.step += start.elapsed();
         self.report_progress();
         Ok(())
+    }
+
+    /// This rank's fp32 master partition on the device (read back when offloaded).
+    fn master_partition(&self) -> Result<Tensor<I, 1>, EngineError> {
+        self.optim.master()
     }
 
     /// Rebuilds the model's parameters from this rank's `working` partition (the master in the

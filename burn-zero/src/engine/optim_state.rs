@@ -3,14 +3,14 @@
 //! stepped by burn-offload's CPU-Adam one sub-group at a time while the previous sub-group's
 //! new weights are uploaded. Both run the same arithmetic in the same order.
 
-use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
-use burn_offload::{CpuAdam, Grad, HostOptimizer, HostSettings, Out};
-use half::{bf16, f16};
+use burn_offload::{CpuAdam, HostOptimizer, HostSettings, OutDtype, Staged, SwapConfig};
 
+use super::EngineError;
 use super::precision::Format;
 use crate::config::{OffloadDevice, ResolvedConfig};
 use crate::optim::{OptimizerSettings, StepParams, TensorOptimizer};
@@ -24,7 +24,9 @@ pub(crate) enum Optim<I: Backend> {
     },
     /// In host memory; the device holds only the working copy.
     Host {
-        opt: HostOptimizer,
+        /// Locked so the swap can be read through `&self` (export, checkpoints); boxed,
+        /// as the device variant is small.
+        opt: Box<Mutex<HostOptimizer>>,
         device: I::Device,
         timings: OffloadTimings,
     },
@@ -54,11 +56,14 @@ pub(crate) struct Exported {
     pub(crate) state: Vec<(&'static str, Vec<f32>)>,
 }
 
-/// A sub-group's new weights on the host, in the dtype they travel in.
-enum Staged {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
+/// A number no other engine of this process used (several engines may swap at once).
+fn next_swap_id() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+fn lock(opt: &Mutex<HostOptimizer>) -> MutexGuard<'_, HostOptimizer> {
+    opt.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn host_vec<I: Backend>(t: Tensor<I, 1>) -> Vec<f32> {
@@ -74,18 +79,24 @@ fn upload<I: Backend>(values: Vec<f32>, device: &I::Device) -> Tensor<I, 1> {
 }
 
 impl<I: Backend> Optim<I> {
-    /// The state for `master` (this rank's fp32 partition) as `config` places it.
-    pub(crate) fn new(config: &ResolvedConfig, master: Tensor<I, 1>) -> Self {
+    /// The state for `master` (this rank's fp32 partition) as `config` places it; `rank`
+    /// names this rank's swap directory under `nvme_path`.
+    pub(crate) fn new(
+        config: &ResolvedConfig,
+        master: Tensor<I, 1>,
+        rank: usize,
+    ) -> Result<Self, EngineError> {
         let zero = &config.config.zero_optimization;
         let len = master.dims()[0];
-        if zero.optimizer_offload() != OffloadDevice::Cpu {
+        let place = zero.optimizer_offload();
+        if place == OffloadDevice::None {
             let opt = TensorOptimizer::new(
                 config.optimizer,
                 &config.optimizer_params,
                 len,
                 &master.device(),
             );
-            return Optim::Device { master, opt };
+            return Ok(Optim::Device { master, opt });
         }
         let settings = match OptimizerSettings::new(config.optimizer, &config.optimizer_params) {
             OptimizerSettings::Adam(a) => HostSettings::Adam {
@@ -104,12 +115,32 @@ impl<I: Backend> Optim<I> {
         let cpu = &config.config.burn_zero.cpu_adam;
         let cpu = CpuAdam::new(cpu.threads).with_pinned_cores(cpu.pin_cores);
         let device = master.device();
-        let opt = HostOptimizer::new(host_vec(master), settings, cpu, zero.sub_group_size.get());
-        Optim::Host {
-            opt,
+        let (values, sub_group) = (host_vec(master), zero.sub_group_size.get());
+        let opt = if place == OffloadDevice::Nvme {
+            let offload = zero.offload_optimizer.as_ref().expect("validated");
+            let root = offload.nvme_path.as_deref().expect("validated");
+            let swap = SwapConfig {
+                root: root.into(),
+                dir: std::path::Path::new(root)
+                    .join("burn-zero-swap")
+                    .join(format!(
+                        "pid{}-{}-rank{rank}",
+                        std::process::id(),
+                        next_swap_id()
+                    )),
+                block_size: config.config.aio.block_size,
+                queue_depth: config.config.aio.queue_depth,
+                buffer_count: offload.buffer_count.get(),
+            };
+            HostOptimizer::on_nvme(values, settings, cpu, sub_group, &swap)?
+        } else {
+            HostOptimizer::new(values, settings, cpu, sub_group)
+        };
+        Ok(Optim::Host {
+            opt: Box::new(Mutex::new(opt)),
             device,
             timings: OffloadTimings::default(),
-        }
+        })
     }
 
     /// The offloaded steps' time so far, reset (`None` on the device).
@@ -118,6 +149,19 @@ impl<I: Backend> Optim<I> {
             Optim::Device { .. } => None,
             Optim::Host { timings, .. } => Some(std::mem::take(timings)),
         }
+    }
+
+    /// The swap files of an NVMe-offloaded optimizer (empty otherwise).
+    pub(crate) fn swap_files(&self) -> Vec<std::path::PathBuf> {
+        match self {
+            Optim::Device { .. } => Vec::new(),
+            Optim::Host { opt, .. } => lock(opt).swap_files(),
+        }
+    }
+
+    /// Whether master and state live off the device.
+    pub(crate) fn offloaded(&self) -> bool {
+        matches!(self, Optim::Host { .. })
     }
 
     /// Device bytes of master and state (0 when offloaded).
@@ -132,15 +176,15 @@ impl<I: Backend> Optim<I> {
     pub(crate) fn host_bytes(&self) -> usize {
         match self {
             Optim::Device { .. } => 0,
-            Optim::Host { opt, .. } => opt.bytes(),
+            Optim::Host { opt, .. } => lock(opt).bytes(),
         }
     }
 
     /// The fp32 master partition on the device (uploaded when offloaded).
-    pub(crate) fn master(&self) -> Tensor<I, 1> {
+    pub(crate) fn master(&self) -> Result<Tensor<I, 1>, EngineError> {
         match self {
-            Optim::Device { master, .. } => master.clone(),
-            Optim::Host { opt, device, .. } => upload(opt.master().to_vec(), device),
+            Optim::Device { master, .. } => Ok(master.clone()),
+            Optim::Host { opt, device, .. } => Ok(upload(lock(opt).master()?, device)),
         }
     }
 
@@ -151,11 +195,11 @@ impl<I: Backend> Optim<I> {
         grad: Tensor<I, 1>,
         hp: StepParams,
         compute: Format,
-    ) -> Tensor<I, 1> {
+    ) -> Result<Tensor<I, 1>, EngineError> {
         match self {
             Optim::Device { master, opt } => {
                 *master = opt.step(master.clone(), grad, hp);
-                compute.convert(master.clone())
+                Ok(compute.convert(master.clone()))
             }
             Optim::Host {
                 opt,
@@ -165,32 +209,33 @@ impl<I: Backend> Optim<I> {
                 let start = Instant::now();
                 let grad = host_vec(grad);
                 timings.d2h += start.elapsed();
-                let out = host_step(opt, device, grad, hp, compute, timings);
+                let opt = opt.get_mut().unwrap_or_else(|e| e.into_inner());
+                let out = host_step(opt, device, grad, hp, compute, timings)?;
                 timings.total += start.elapsed();
                 timings.steps += 1;
-                out
+                Ok(out)
             }
         }
     }
 
     /// Master, step count and named state partitions on the host (for checkpoints).
-    pub(crate) fn export(&self) -> Exported {
+    pub(crate) fn export(&self) -> Result<Exported, EngineError> {
         match self {
             Optim::Device { master, opt } => {
                 let (step, state) = opt.export();
-                Exported {
+                Ok(Exported {
                     master: host_vec(master.clone()),
                     step,
                     state: state.into_iter().map(|(n, t)| (n, host_vec(t))).collect(),
-                }
+                })
             }
             Optim::Host { opt, .. } => {
-                let (step, state) = opt.export();
-                Exported {
-                    master: opt.master().to_vec(),
+                let (master, step, state) = lock(opt).export()?;
+                Ok(Exported {
+                    master,
                     step,
-                    state: state.into_iter().map(|(n, s)| (n, s.to_vec())).collect(),
-                }
+                    state,
+                })
             }
         }
     }
@@ -199,7 +244,7 @@ impl<I: Backend> Optim<I> {
     pub(crate) fn required(&self) -> &'static [&'static str] {
         match self {
             Optim::Device { opt, .. } => opt.required(),
-            Optim::Host { opt, .. } => opt.required(),
+            Optim::Host { opt, .. } => lock(opt).required(),
         }
     }
 
@@ -221,13 +266,13 @@ impl<I: Backend> Optim<I> {
                 *m = upload(master, &device);
                 Ok(())
             }
-            Optim::Host { opt, .. } => opt.import(master, step, state),
+            Optim::Host { opt, .. } => lock(opt).import(master, step, state),
         }
     }
 }
 
-/// ZeRO-Offload's step: sub-groups stepped on a worker (CPU-Adam's threads) while this thread
-/// uploads the sub-group before, in the compute dtype.
+/// ZeRO-Offload's step: sub-groups stepped on a worker (CPU-Adam's threads, and the swap's
+/// I/O on NVMe) while this thread uploads the sub-group before, in the compute dtype.
 fn host_step<I: Backend>(
     opt: &mut HostOptimizer,
     device: &I::Device,
@@ -235,40 +280,23 @@ fn host_step<I: Backend>(
     hp: StepParams,
     compute: Format,
     timings: &mut OffloadTimings,
-) -> Tensor<I, 1> {
+) -> Result<Tensor<I, 1>, EngineError> {
     let (lr, betas) = hp.f32();
-    let k = opt.begin_step(lr, betas);
-    let groups = opt.groups();
-    let count = groups.len();
+    let out = match compute.dtype {
+        FloatDType::BF16 => OutDtype::Bf16,
+        FloatDType::F16 => OutDtype::F16,
+        _ => OutDtype::F32,
+    };
     let (tx, rx) = mpsc::channel::<(Staged, Duration)>();
-    let mut parts = Vec::with_capacity(count);
-    std::thread::scope(|s| {
+    let mut parts = Vec::new();
+    let stepped = std::thread::scope(|s| {
         let grad = &grad;
-        s.spawn(move || {
-            for range in groups {
-                let start = Instant::now();
-                let g = Grad::F32(&grad[range.clone()]);
-                let n = range.len();
-                let staged = match compute.dtype {
-                    FloatDType::BF16 => {
-                        let mut out = vec![bf16::ZERO; n];
-                        opt.step_group(&k, range, g, Out::Bf16(&mut out));
-                        Staged::Bf16(out)
-                    }
-                    FloatDType::F16 => {
-                        let mut out = vec![f16::ZERO; n];
-                        opt.step_group(&k, range, g, Out::F16(&mut out));
-                        Staged::F16(out)
-                    }
-                    _ => {
-                        opt.step_group(&k, range.clone(), g, Out::None);
-                        Staged::F32(opt.master()[range].to_vec())
-                    }
-                };
-                if tx.send((staged, start.elapsed())).is_err() {
-                    return;
-                }
-            }
+        let worker = s.spawn(move || {
+            let mut last = Instant::now();
+            opt.step(lr, betas, grad, out, &mut |_, staged| {
+                let _ = tx.send((staged, last.elapsed()));
+                last = Instant::now();
+            })
         });
         for (staged, cpu) in rx.iter() {
             timings.cpu_step += cpu;
@@ -276,17 +304,14 @@ fn host_step<I: Backend>(
             parts.push(stage_on_device::<I>(staged, device, compute));
             timings.h2d += start.elapsed();
         }
+        worker.join().expect("the CPU optimizer's worker")
     });
-    assert_eq!(
-        parts.len(),
-        count,
-        "CPU-Adam stopped before the last sub-group"
-    );
-    match parts.len() {
+    stepped?;
+    Ok(match parts.len() {
         0 => Tensor::zeros([0], (device, compute.storage())),
         1 => parts.pop().expect("one part"),
         _ => Tensor::cat(parts, 0),
-    }
+    })
 }
 
 /// A sub-group's weights on the device, stored as the compute format stores them.
