@@ -4,10 +4,10 @@
 #   1. CPU-Adam vs torch's fused CPU AdamW (bench/run_cpu_adam.sh)
 #   2. one GPU, bf16, ZeRO-2: a deep MLP with the optimizer on the device and offloaded (same
 #      size), then a larger one offloaded only; step time, breakdown and GPU memory peak.
-#   bash bench/run_offload.sh KIND "LAYERS:WIDTH:cpu|none ..."
+#   bash bench/run_offload.sh KIND "LAYERS:WIDTH:cpu|nvme|none ..."   (SKIP_CPU_ADAM=1: only these)
 source bench/prelude.sh "$1"
 runs="${2:-24:8192:none 24:8192:cpu 60:8192:cpu}"
-bash bench/run_cpu_adam.sh "$1"
+[ -n "${SKIP_CPU_ADAM:-}" ] || bash bench/run_cpu_adam.sh "$1"
 results=()
 for spec in $runs; do
   IFS=: read -r layers width where <<< "$spec"
