@@ -78,6 +78,8 @@ struct Run {
     params: Vec<Vec<f32>>,
     host_bytes: usize,
     device_optimizer_bytes: usize,
+    host_params: usize,
+    device_params: usize,
 }
 
 /// Trains `steps` on `world` ranks with `cfg`, optionally loading from / saving to `ckpt`.
@@ -126,6 +128,8 @@ fn train(
                 .collect(),
             host_bytes: report.host_optimizer_state,
             device_optimizer_bytes: report.optimizer_state,
+            host_params: report.host_parameters,
+            device_params: report.parameters,
         }
     })
 }
@@ -271,4 +275,52 @@ fn nvme_offload_without_a_path_is_refused_naming_the_key() {
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}"#;
     let err = DeepSpeedConfig::from_json(json).unwrap_err().to_string();
     assert!(err.contains("nvme_path"), "{err}");
+}
+
+/// `offload_param {"device": "cpu"}` at stage 3: the sharded parameters' partitions live in
+/// host memory and are uploaded at each gather; training is bit for bit the same, with the
+/// optimizer on the device or offloaded too, and the partitions leave the device's count.
+#[test]
+fn offloaded_parameters_train_the_same_at_stage_3() {
+    let params = r#", "zero_optimization": {"stage": 3, "reduce_bucket_size": 50,
+        "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 150,
+        "offload_param": {"device": "cpu"}}"#;
+    let bf16 = r#", "bf16": {"enabled": true}"#;
+    for (place, extra) in [
+        (Place::Device, ""),
+        (Place::Host, ""),
+        (Place::Device, bf16),
+    ] {
+        let what = format!("optimizer {place:?}{extra}");
+        let plain = train(3, &config(3, place, ADAMW, extra), 0..STEPS, None, None);
+        // A later key replaces the earlier one: the same config with parameters offloaded.
+        let mut cfg = config(3, place, ADAMW, extra);
+        let offloaded_zero =
+            DeepSpeedConfig::from_json(&format!("{{\"train_batch_size\": 36{params}}}"))
+                .unwrap()
+                .config
+                .zero_optimization;
+        cfg.zero_optimization.offload_param = offloaded_zero.offload_param;
+        let offloaded = train(3, &cfg, 0..STEPS, None, None);
+        for (a, b) in plain.iter().zip(&offloaded) {
+            assert_eq!(a.losses, b.losses, "{what}: losses");
+            assert!(a.params == b.params, "{what}: parameters");
+            assert!(
+                b.host_params > 0 && b.device_params < a.device_params,
+                "{what}: {b:?}"
+            );
+            assert_eq!(a.host_params, 0, "{what}");
+        }
+    }
+}
+
+#[test]
+fn parameter_offload_needs_stage_3() {
+    let json = r#"{"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}"#;
+    let err = DeepSpeedConfig::from_json(json).unwrap_err().to_string();
+    assert!(
+        err.contains("offload_param") && err.contains("stage 3"),
+        "{err}"
+    );
 }

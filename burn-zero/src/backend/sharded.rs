@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use burn_backend::{Backend, Shape};
+use burn_backend::{Backend, Shape, TensorData};
 
 use super::ZeroTensor;
 use super::hooks::registry;
@@ -26,8 +26,25 @@ pub struct ShardedParam<B: Backend> {
     /// The full shape.
     pub shape: Shape,
     /// This rank's partition: a 1-D tensor of the plan's chunk for this parameter, zero
-    /// padded past the end of the parameter.
+    /// padded past the end of the parameter. With `offloaded`, a one-element tensor of the
+    /// same device and dtype that answers metadata queries only.
     pub partition: B::FloatTensorPrimitive,
+    /// The partition in host memory (`offload_param {"device": "cpu"}`), uploaded when the
+    /// parameter is gathered.
+    pub offloaded: Option<Arc<TensorData>>,
+}
+
+impl<B: Backend> ShardedParam<B> {
+    /// The partition on the device: itself, or uploaded from host memory.
+    pub fn partition_on_device(&self) -> B::FloatTensorPrimitive {
+        match &self.offloaded {
+            None => self.partition.clone(),
+            Some(data) => {
+                let device = B::float_device(&self.partition);
+                B::float_from_data((**data).clone(), &device)
+            }
+        }
+    }
 }
 
 /// A shape-only op recorded on a sharded handle, replayed after the gather.

@@ -196,7 +196,7 @@ fn bad_values_name_the_key_and_the_allowed_range() {
 
 #[test]
 fn features_not_built_yet_are_refused_clearly() {
-    let json = r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#;
+    let json = r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}"#;
     let e = error(json);
     assert!(
         e.contains("`zero_optimization.offload_param` is not supported yet"),

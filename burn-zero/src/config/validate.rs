@@ -116,11 +116,20 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         ),
         "block_size of at least 4096 bytes and queue_depth of at least 1",
     )?;
-    if z.param_offload() != OffloadDevice::None {
-        return Err(unsupported(
+    match z.param_offload() {
+        OffloadDevice::None => {}
+        OffloadDevice::Cpu => check(
+            z.stage == 3,
             "zero_optimization.offload_param",
-            "parameter offload is not implemented yet (and needs stage 3)",
-        ));
+            format!("\"device\": \"cpu\" at stage {}", z.stage),
+            "stage 3 (parameters are partitioned only there)",
+        )?,
+        OffloadDevice::Nvme => {
+            return Err(unsupported(
+                "zero_optimization.offload_param",
+                "parameter offload to NVMe is not implemented yet (\"device\": \"cpu\" is)",
+            ));
+        }
     }
 
     check(

@@ -99,6 +99,7 @@ impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Draw {
             version: 0,
             shape,
             partition,
+            offloaded: None,
         }));
         let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(handle));
         let sharded = Tensor::from_inner(inner).set_require_grad(require_grad);

@@ -79,6 +79,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             PARTITION_ALIGN,
             zero.param_persistence_threshold.get(),
             trace,
+            zero.param_offload() == crate::config::OffloadDevice::Cpu,
         )
     });
 

@@ -18,6 +18,9 @@ pub struct MemoryReport {
     /// Host memory of an offloaded optimizer (`offload_optimizer`): master and state, counted
     /// here instead of in `optimizer_state`.
     pub host_optimizer_state: usize,
+    /// Host memory of offloaded parameter partitions (`offload_param`, ZeRO-3), counted here
+    /// instead of in `parameters`.
+    pub host_parameters: usize,
 }
 
 impl MemoryReport {

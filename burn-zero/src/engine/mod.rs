@@ -172,15 +172,16 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// communication buffers.
     pub fn memory_report(&self) -> MemoryReport {
         let state = self.state();
-        let params = match &state.stage3 {
+        let (params, host_params) = match &state.stage3 {
             Some(s3) => s3.param_numel(),
-            None => self.layout.numel(),
+            None => (self.layout.numel(), 0),
         };
         MemoryReport {
             parameters: self.precision.compute.storage().size() * params + 4 * self.frozen_params,
             gradients: state.gradient_bytes(),
             optimizer_state: self.optim.device_bytes(),
             host_optimizer_state: self.optim.host_bytes(),
+            host_parameters: self.precision.compute.storage().size() * host_params,
             communication_buffers: state.comm_buffer_bytes(),
         }
     }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Shape, Tensor, TensorPrimitive};
+use burn::tensor::{Shape, Tensor, TensorData, TensorPrimitive};
 
 use super::ZeroAutodiff;
 use super::collective::FlatComm;
@@ -59,6 +59,25 @@ pub struct GatherStats {
     pub last_pass: Vec<GatherEvent>,
 }
 
+/// This rank's partition of one sharded parameter.
+enum Partition<I: Backend> {
+    /// On the device.
+    Device(Tensor<I, 1>),
+    /// In host memory (`offload_param`), uploaded at each gather.
+    Host(Arc<TensorData>, I::Device),
+}
+
+impl<I: Backend> Partition<I> {
+    fn on_device(&self) -> Tensor<I, 1> {
+        match self {
+            Partition::Device(t) => t.clone(),
+            Partition::Host(data, device) => {
+                Tensor::from_data((**data).clone(), (device, data.dtype))
+            }
+        }
+    }
+}
+
 /// A gathered parameter held for a later use.
 enum Gathered<I: Backend> {
     /// A prefetch whose collective may still be writing: the flat output, untouched (any op
@@ -77,8 +96,11 @@ pub(crate) struct Stage3<I: Backend> {
     tracer: GatherTracer,
     /// Full gathered parameters kept or prefetched.
     live: HashMap<usize, Gathered<I>>,
-    /// The current partitions of the sharded parameters (what prefetches gather).
-    partitions: Vec<Option<Tensor<I, 1>>>,
+    /// The current partitions of the sharded parameters (what prefetches gather), on the
+    /// device or, with `offload_param`, in host memory.
+    partitions: Vec<Option<Partition<I>>>,
+    /// `offload_param {"device": "cpu"}`: partitions live in host memory.
+    offload: bool,
     /// Bumped at each parameter update.
     version: u64,
     events: Vec<GatherEvent>,
@@ -92,6 +114,7 @@ impl<I: Backend> Stage3<I> {
         align: usize,
         persistence_threshold: usize,
         trace: TraceConfig,
+        offload: bool,
     ) -> Self {
         let numels: Vec<usize> = layout.slots().iter().map(|s| s.numel()).collect();
         Self {
@@ -105,7 +128,8 @@ impl<I: Backend> Stage3<I> {
             persistent: numels.iter().map(|n| *n < persistence_threshold).collect(),
             tracer: GatherTracer::new(trace),
             live: HashMap::new(),
-            partitions: vec![None; numels.len()],
+            partitions: (0..numels.len()).map(|_| None).collect(),
+            offload,
             version: 0,
             events: Vec::new(),
             stats: GatherStats::default(),
@@ -124,17 +148,18 @@ impl<I: Backend> Stage3<I> {
         }
     }
 
-    /// Elements of the sharded parameters' partitions and of the persistent ones (full).
-    pub(crate) fn param_numel(&self) -> usize {
-        (0..self.plan.params())
-            .map(|p| {
-                if self.persistent[p] {
-                    self.plan.numel(p)
-                } else {
-                    self.plan.chunk(p)
-                }
-            })
-            .sum()
+    /// Elements of the parameters held on the device, and in host memory: the sharded
+    /// parameters' partitions (on the host with `offload_param`) and the persistent ones (full).
+    pub(crate) fn param_numel(&self) -> (usize, usize) {
+        let (mut device, mut host) = (0, 0);
+        for p in 0..self.plan.params() {
+            match (self.persistent[p], self.offload) {
+                (true, _) => device += self.plan.numel(p),
+                (false, false) => device += self.plan.chunk(p),
+                (false, true) => host += self.plan.chunk(p),
+            }
+        }
+        (device, host)
     }
 
     /// This rank's partition built from the full flat parameters (the layout's order).
@@ -163,8 +188,13 @@ impl<I: Backend> Stage3<I> {
         self.drop_live(flat)?;
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
-            self.partitions[p] = (!self.persistent[p])
-                .then(|| master.clone().slice(start..start + self.plan.chunk(p)));
+            self.partitions[p] = (!self.persistent[p]).then(|| {
+                let chunk = master.clone().slice(start..start + self.plan.chunk(p));
+                match self.offload {
+                    true => Partition::Host(Arc::new(chunk.into_data()), master.device()),
+                    false => Partition::Device(chunk),
+                }
+            });
         }
         Ok(())
     }
@@ -241,16 +271,21 @@ impl<I: Backend> Stage3<I> {
             let flat = full.clone().into_primitive().tensor();
             return ZeroTensor::local(I::float_reshape(flat, self.shapes[p].clone()));
         }
-        let partition = self.partitions[p]
-            .clone()
-            .expect("sharded parameters have a partition")
-            .into_primitive()
-            .tensor();
+        let (partition, offloaded) = match &self.partitions[p] {
+            Some(Partition::Device(t)) => (t.clone().into_primitive().tensor(), None),
+            Some(Partition::Host(data, device)) => {
+                // One element of the dtype, on the device: for metadata queries only.
+                let stub = Tensor::<I, 1>::zeros([1], (device, data.dtype));
+                (stub.into_primitive().tensor(), Some(data.clone()))
+            }
+            None => panic!("sharded parameters have a partition"),
+        };
         ZeroTensor::sharded(Arc::new(ShardedParam {
             slot: p,
             version: self.version,
             shape: self.shapes[p].clone(),
             partition,
+            offloaded,
         }))
     }
 
@@ -285,7 +320,7 @@ impl<I: Backend> Stage3<I> {
     ) -> Result<I::FloatTensorPrimitive, CommError> {
         let p = param.slot;
         let own =
-            || Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(param.partition.clone()));
+            || Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(param.partition_on_device()));
         if param.version != self.version || p >= self.plan.params() {
             // A handle kept from an older step: its own values, outside the trace.
             let full = self.all_gather(flat, p, own(), false)?;
@@ -316,8 +351,9 @@ impl<I: Backend> Stage3<I> {
         for id in answer.prefetch {
             let next = id as usize;
             let partition = self.partitions[next]
-                .clone()
-                .expect("the trace holds sharded parameters only");
+                .as_ref()
+                .expect("the trace holds sharded parameters only")
+                .on_device();
             let gathered = self.all_gather(flat, next, partition, true)?;
             self.live.insert(next, Gathered::InFlight(gathered));
         }
