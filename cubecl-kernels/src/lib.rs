@@ -1,5 +1,12 @@
 //! cubecl-kernels: CubeCL kernels for burn-zero.
 //!
-//! Not built yet. It will hold fused multi-tensor Adam/AdamW/LAMB and flash attention with
-//! its own backward (no S×S tensor), as custom autodiff ops for burn 0.21.
+//! [`adam`]: fused AdamW over a partition (one read and write of master, gradient and
+//! moments). Tested on the CPU through wgpu on Mesa's lavapipe (`--features wgpu`, with the
+//! environment `scripts/lavapipe.sh` prints); multi-tensor launches, LAMB and flash attention
+//! with its own backward come next.
 #![warn(missing_docs)]
+
+pub mod adam;
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests;

@@ -1,0 +1,53 @@
+//! The kernels on a real runtime: wgpu on lavapipe (a Vulkan driver running on the CPU) in CI.
+//! No adapter is a failure, never a skip.
+
+use cubecl::prelude::*;
+use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+use crate::adam::{AdamConstants, adamw};
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 2000) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+/// The engine's order of operations on the host.
+fn reference(k: &AdamConstants, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    for i in 0..w.len() {
+        let gi = g[i] + w[i] * k.l2;
+        m[i] = m[i] * k.beta1 + gi * (1.0 - k.beta1);
+        v[i] = v[i] * k.beta2 + gi * (1.0 - k.beta2) * gi;
+        let denom = v[i].sqrt() / k.bias_correction2_sqrt + k.eps;
+        w[i] = w[i] * k.shrink - m[i] / denom * k.step_size;
+    }
+}
+
+#[test]
+fn fused_adamw_matches_the_host_update() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    for n in [1usize, 7, 64, 1000, 100_003] {
+        for decoupled in [true, false] {
+            let mut w = values(n, 1);
+            let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+            let hw = client.create_from_slice(f32::as_bytes(&w));
+            let hm = client.create_from_slice(f32::as_bytes(&m));
+            let hv = client.create_from_slice(f32::as_bytes(&v));
+            for t in 1..=5u64 {
+                let g: Vec<f32> = values(n, 10 + t as u32).iter().map(|x| x * 0.1).collect();
+                let k = AdamConstants::at(t, 1e-2, (0.9, 0.999), 1e-8, 0.05, decoupled);
+                reference(&k, &mut w, &g, &mut m, &mut v);
+                let hg = client.create_from_slice(f32::as_bytes(&g));
+                adamw(&client, &k, n, &hw, &hg, &hm, &hv);
+            }
+            let bytes = client.read_one(hw).expect("the result comes back");
+            let got = f32::from_bytes(&bytes).to_vec();
+            for (i, (a, b)) in got.iter().zip(&w).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                    "n {n}, decoupled {decoupled}, element {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
