@@ -1,5 +1,13 @@
 //! burn-pipeline: pipeline and 3D parallelism for burn-zero.
 //!
-//! Not built yet. It will hold the (pipe, data, model) process topology, pipeline schedules
-//! as pure instruction streams (GPipe, 1F1B) with their executor, and tensor-parallel layers.
+//! [`schedule`]: pipeline schedules (GPipe, 1F1B) as pure instruction streams, with a
+//! simulator that checks a set of streams runs without deadlock and with matched messages.
+//! The process topology, the executor and tensor-parallel layers come next.
 #![warn(missing_docs)]
+
+pub mod schedule;
+
+pub use schedule::{Instr, Schedule, peak_in_flight, simulate};
+
+#[cfg(test)]
+mod tests;
