@@ -2,12 +2,15 @@
 //!
 //! [`schedule`]: pipeline schedules (GPipe, 1F1B) as pure instruction streams, with a
 //! simulator that checks a set of streams runs without deadlock and with matched messages.
-//! The process topology, the executor and tensor-parallel layers come next.
+//! [`topology`]: the (pipe, data, model) process grid, its coordinates and its axis groups.
+//! The executor and tensor-parallel layers come next.
 #![warn(missing_docs)]
 
 pub mod schedule;
+pub mod topology;
 
 pub use schedule::{Instr, Schedule, peak_in_flight, simulate};
+pub use topology::Topology;
 
 #[cfg(test)]
 mod tests;
