@@ -6,9 +6,11 @@
 //! The executor and tensor-parallel layers come next.
 #![warn(missing_docs)]
 
+pub mod executor;
 pub mod schedule;
 pub mod topology;
 
+pub use executor::{PipeStage, StageSpec, run_step};
 pub use schedule::{Instr, Schedule, peak_in_flight, simulate};
 pub use topology::Topology;
 

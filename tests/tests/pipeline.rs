@@ -1,0 +1,161 @@
+//! A 4-stage pipeline on thread ranks (one stage per rank, activations and gradients over
+//! the communicator's send/recv), 8 micro-batches of 3 rows, GPipe and 1F1B, against the
+//! unpartitioned model trained in one process on the same 24 rows: losses and parameters of
+//! 10 Adam steps within fp32 tolerance.
+
+use std::sync::Arc;
+
+use burn::backend::NdArray;
+use burn::module::{Module, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, activation};
+use burn_pipeline::{PipeStage, Schedule, StageSpec, run_step};
+use burn_zero::comm::Communicator;
+use burn_zero::engine::ZeroAutodiff;
+use burn_zero::testing::run_ranks;
+use burn_zero_tests::cases::{batch_rows, param_data, tensor};
+
+type B = ZeroAutodiff<NdArray>;
+
+/// Widths: 7 → 11 → 5 → 9 → 3 (odd, all different).
+const DIMS: [usize; 5] = [7, 11, 5, 9, 3];
+const MICRO: usize = 8;
+const ROWS: usize = 3;
+const STEPS: usize = 10;
+
+#[derive(Module, Debug)]
+struct Layer<B: Backend> {
+    linear: Linear<B>,
+}
+
+impl<B: Backend> Layer<B> {
+    fn new(i: usize, device: &B::Device) -> Self {
+        let (d_in, d_out) = (DIMS[i], DIMS[i + 1]);
+        let mut linear = LinearConfig::new(d_in, d_out).init::<B>(device);
+        linear.weight =
+            Param::from_tensor(tensor::<B, 2>([d_in, d_out], 40 + i, device).mul_scalar(0.6));
+        linear.bias = Some(Param::from_tensor(
+            tensor::<B, 1>([d_out], 50 + i, device).mul_scalar(0.1),
+        ));
+        Self { linear }
+    }
+
+    fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        activation::tanh(self.linear.forward(x))
+    }
+}
+
+impl<B: AutodiffBackend> PipeStage<B> for Layer<B> {
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.apply(x)
+    }
+}
+
+/// Rows of micro-batch `mb` of step `step`: inputs and targets.
+fn data(step: usize, mb: usize, device: &burn::tensor::Device<B>) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    batch_rows(MICRO * ROWS, 700 + step, mb * ROWS..(mb + 1) * ROWS, device)
+}
+
+fn mse(out: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+    (out - y).powf_scalar(2.0).mean()
+}
+
+fn lr(step: usize) -> f64 {
+    0.01 + 0.002 * step as f64
+}
+
+/// The four layers as one model.
+#[derive(Module, Debug)]
+struct Whole<B: Backend> {
+    layers: Vec<Layer<B>>,
+}
+
+/// The unpartitioned model, one process, the whole batch: losses and parameters.
+fn reference() -> (Vec<f32>, Vec<Vec<f32>>) {
+    let device = Default::default();
+    let mut model = Whole::<B> {
+        layers: (0..4).map(|i| Layer::new(i, &device)).collect(),
+    };
+    let mut optim = AdamConfig::new().init::<B, Whole<B>>();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = batch_rows::<B>(MICRO * ROWS, 700 + step, 0..MICRO * ROWS, &device);
+        let out = model.layers.iter().fold(x, |h, l| l.apply(h));
+        let loss = mse(out, y);
+        losses.push(loss.clone().into_scalar());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr(step), model, grads);
+    }
+    let params = param_data(&model)
+        .into_iter()
+        .map(|d| d.to_vec::<f32>().unwrap())
+        .collect();
+    (losses, params)
+}
+
+fn pipeline(schedule: Schedule) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let stages = 4;
+    let results = run_ranks(stages, |ctx| {
+        let device = Default::default();
+        let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let stage = ctx.rank;
+        let mut layer = Layer::<B>::new(stage, &device);
+        let mut optim = AdamConfig::new().init::<B, Layer<B>>();
+        let stream = schedule.stream(stages, MICRO, stage);
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let inputs = |mb: usize| data(step, mb, &device).0;
+            let loss = |mb: usize, out: Tensor<B, 2>| mse(out, data(step, mb, &device).1);
+            let spec = StageSpec {
+                stage,
+                stages,
+                micro_batches: MICRO,
+                rows: ROWS,
+                in_features: DIMS[stage],
+                inputs: &inputs,
+                loss: &loss,
+            };
+            let (next, step_loss) =
+                run_step(layer, &mut optim, lr(step), &stream, &spec, comm.as_ref()).unwrap();
+            layer = next;
+            losses.extend(step_loss);
+        }
+        let params: Vec<Vec<f32>> = param_data(&layer)
+            .into_iter()
+            .map(|d| d.to_vec::<f32>().unwrap())
+            .collect();
+        (losses, params)
+    });
+    let losses = results[stages - 1].0.clone();
+    let params = results.into_iter().flat_map(|(_, p)| p).collect();
+    (losses, params)
+}
+
+fn close(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-5 * x.abs().max(y.abs()) + 1e-6)
+}
+
+#[test]
+fn four_stages_match_the_unpartitioned_model() {
+    let (losses, params) = reference();
+    assert!(
+        losses[STEPS - 1] < losses[0],
+        "the reference trains: {losses:?}"
+    );
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        let (p_losses, p_params) = pipeline(schedule);
+        assert!(
+            close(&p_losses, &losses),
+            "{schedule:?}: {p_losses:?} vs {losses:?}"
+        );
+        assert_eq!(p_params.len(), params.len());
+        for (i, (a, b)) in p_params.iter().zip(&params).enumerate() {
+            assert!(close(a, b), "{schedule:?}: parameter {i}");
+        }
+    }
+}
