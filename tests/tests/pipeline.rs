@@ -117,8 +117,16 @@ fn pipeline(schedule: Schedule) -> (Vec<f32>, Vec<Vec<f32>>) {
                 inputs: &inputs,
                 loss: &loss,
             };
-            let (next, step_loss) =
-                run_step(layer, &mut optim, lr(step), &stream, &spec, comm.as_ref()).unwrap();
+            let (next, step_loss) = run_step(
+                layer,
+                &mut optim,
+                lr(step),
+                &stream,
+                &spec,
+                comm.as_ref(),
+                None,
+            )
+            .unwrap();
             layer = next;
             losses.extend(step_loss);
         }
@@ -156,6 +164,127 @@ fn four_stages_match_the_unpartitioned_model() {
         assert_eq!(p_params.len(), params.len());
         for (i, (a, b)) in p_params.iter().zip(&params).enumerate() {
             assert!(close(a, b), "{schedule:?}: parameter {i}");
+        }
+    }
+}
+
+/// Two consecutive layers per stage.
+#[derive(Module, Debug)]
+struct Pair<B: Backend> {
+    layers: Vec<Layer<B>>,
+}
+
+impl<B: AutodiffBackend> PipeStage<B> for Pair<B> {
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.layers.iter().fold(x, |h, l| l.apply(h))
+    }
+}
+
+/// Pipe 2 × data 2 on 4 thread ranks (the topology's groups as sub-communicators): each data
+/// rank runs its own 24 rows through both stages, gradients are averaged over the data axis
+/// at `ReduceGrads`; against one process on all 48 rows.
+#[test]
+fn pipe_by_data_matches_the_unpartitioned_model() {
+    use burn_pipeline::Topology;
+    use burn_zero::comm::LocalGroup;
+    let rows = MICRO * ROWS;
+    // Reference: the four layers on both data shards' rows at once.
+    let device = Default::default();
+    let mut model = Whole::<B> {
+        layers: (0..4).map(|i| Layer::new(i, &device)).collect(),
+    };
+    let mut optim = AdamConfig::new().init::<B, Whole<B>>();
+    let mut ref_losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = batch_rows::<B>(2 * rows, 900 + step, 0..2 * rows, &device);
+        let loss = mse(model.layers.iter().fold(x, |h, l| l.apply(h)), y);
+        ref_losses.push(loss.clone().into_scalar());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr(step), model, grads);
+    }
+    let ref_params: Vec<Vec<f32>> = param_data(&model)
+        .into_iter()
+        .map(|d| d.to_vec::<f32>().unwrap())
+        .collect();
+
+    let topo = Topology::pipe_data_model(2, 2, 1);
+    let groups = |axis: &str| -> Vec<LocalGroup> {
+        topo.groups(axis)
+            .iter()
+            .map(|g| LocalGroup::new(g.len()))
+            .collect()
+    };
+    let (pipe_groups, data_groups) = (groups("pipe"), groups("data"));
+    let comm_of = |groups: &[LocalGroup], axis: &str, rank: usize| {
+        let (group, place) = topo.group_of(rank, axis);
+        let index = topo.groups(axis).iter().position(|g| *g == group).unwrap();
+        groups[index].comm(place)
+    };
+    let results = run_ranks(4, |ctx| {
+        let device = Default::default();
+        let (stage, shard) = (
+            topo.coord_along(ctx.rank, "pipe"),
+            topo.coord_along(ctx.rank, "data"),
+        );
+        let pipe = comm_of(&pipe_groups, "pipe", ctx.rank);
+        let data = comm_of(&data_groups, "data", ctx.rank);
+        let mut pair = Pair::<B> {
+            layers: (2 * stage..2 * stage + 2)
+                .map(|i| Layer::new(i, &device))
+                .collect(),
+        };
+        let mut optim = AdamConfig::new().init::<B, Pair<B>>();
+        let stream = Schedule::OneFOneB.stream(2, MICRO, stage);
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let shard_rows = |mb: usize| {
+                let start = shard * rows + mb * ROWS;
+                batch_rows::<B>(2 * rows, 900 + step, start..start + ROWS, &device)
+            };
+            let inputs = |mb: usize| shard_rows(mb).0;
+            let loss = |mb: usize, out: Tensor<B, 2>| mse(out, shard_rows(mb).1);
+            let spec = StageSpec {
+                stage,
+                stages: 2,
+                micro_batches: MICRO,
+                rows: ROWS,
+                in_features: DIMS[2 * stage],
+                inputs: &inputs,
+                loss: &loss,
+            };
+            let (next, l) = run_step(
+                pair,
+                &mut optim,
+                lr(step),
+                &stream,
+                &spec,
+                &pipe,
+                Some(&data),
+            )
+            .unwrap();
+            pair = next;
+            losses.extend(l);
+        }
+        let params: Vec<Vec<f32>> = param_data(&pair)
+            .into_iter()
+            .map(|d| d.to_vec::<f32>().unwrap())
+            .collect();
+        (stage, shard, losses, params)
+    });
+    // The last stage's two data ranks: their mean loss is the whole batch's.
+    let last: Vec<_> = results.iter().filter(|r| r.0 == 1).collect();
+    let losses: Vec<f32> = (0..STEPS)
+        .map(|s| (last[0].2[s] + last[1].2[s]) / 2.0)
+        .collect();
+    assert!(close(&losses, &ref_losses), "{losses:?} vs {ref_losses:?}");
+    for r in &results {
+        let (stage, shard, _, params) = r;
+        let want = &ref_params[4 * stage..4 * stage + 4];
+        for (i, (a, b)) in params.iter().zip(want).enumerate() {
+            assert!(
+                close(a, b),
+                "stage {stage}, data shard {shard}: parameter {i}"
+            );
         }
     }
 }
