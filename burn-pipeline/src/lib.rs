@@ -3,15 +3,19 @@
 //! [`schedule`]: pipeline schedules (GPipe, 1F1B) as pure instruction streams, with a
 //! simulator that checks a set of streams runs without deadlock and with matched messages.
 //! [`topology`]: the (pipe, data, model) process grid, its coordinates and its axis groups.
-//! The executor and tensor-parallel layers come next.
+//! [`split`]: layers into stages, uniformly or balanced by parameter count.
+//! [`executor`]: runs a stage's stream on a burn module, with gradients averaged over the
+//! data axis (pipe × data). Tensor-parallel layers come next.
 #![warn(missing_docs)]
 
 pub mod executor;
 pub mod schedule;
+pub mod split;
 pub mod topology;
 
 pub use executor::{PipeStage, StageSpec, run_step};
 pub use schedule::{Instr, Schedule, peak_in_flight, simulate};
+pub use split::{SplitMethod, split};
 pub use topology::Topology;
 
 #[cfg(test)]
