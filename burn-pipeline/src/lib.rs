@@ -3,7 +3,7 @@
 //! [`schedule`]: pipeline schedules (GPipe, 1F1B) as pure instruction streams, with a
 //! simulator that checks a set of streams runs without deadlock and with matched messages.
 //! [`topology`]: the (pipe, data, model) process grid, its coordinates and its axis groups.
-//! [`split`]: layers into stages, uniformly or balanced by parameter count.
+//! [`split`](mod@split): layers into stages, uniformly or balanced by parameter count.
 //! [`executor`]: runs a stage's stream on a burn module, with gradients averaged over the
 //! data axis (pipe × data). Tensor-parallel layers come next.
 #![warn(missing_docs)]
