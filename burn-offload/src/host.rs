@@ -305,11 +305,6 @@ impl HostOptimizer {
         }
     }
 
-    /// One whole step with no compute-dtype copy (for callers without a device).
-    pub fn step_all(&mut self, lr: f32, betas: (f32, f32), grad: &[f32]) -> Result<(), SwapError> {
-        self.step(lr, betas, grad, OutDtype::F32, &mut |_, _| {})
-    }
-
     /// The master, step count and the state as named partitions (PyTorch's names).
     #[allow(clippy::type_complexity)]
     pub fn export(&mut self) -> Result<(Vec<f32>, u64, Vec<(&'static str, Vec<f32>)>), SwapError> {

@@ -359,11 +359,6 @@ impl NvmeStore {
         Ok(store)
     }
 
-    /// The sub-groups' element ranges.
-    pub fn groups(&self) -> &[Range<usize>] {
-        &self.groups
-    }
-
     /// The swap files, one per tensor.
     pub fn paths(&self) -> &[PathBuf] {
         &self.paths

@@ -2,6 +2,7 @@
 //! moments, and writes master and moments back (burn 0.21 runs the same update as ~10
 //! separate tensor ops, each a full read and write of the partition).
 
+use burn_offload::{AdamStep, Decay};
 use cubecl::prelude::*;
 
 /// The constants of one Adam step, precomputed on the host as the engine's order of
@@ -24,29 +25,23 @@ pub struct AdamConstants {
     pub step_size: f32,
 }
 
-impl AdamConstants {
-    /// The constants of step `t` (1-based).
-    pub fn at(
-        t: u64,
-        lr: f32,
-        (beta1, beta2): (f32, f32),
-        eps: f32,
-        weight_decay: f32,
-        decoupled: bool,
-    ) -> Self {
-        let (bc1, bc2) = (1.0 - beta1.powi(t as i32), 1.0 - beta2.powi(t as i32));
+impl From<&AdamStep> for AdamConstants {
+    /// The kernel's constants of the step CPU-Adam would take (the same bias corrections).
+    fn from(k: &AdamStep) -> Self {
         Self {
-            beta1,
-            beta2,
-            eps,
-            shrink: if decoupled {
-                1.0 - lr * weight_decay
-            } else {
-                1.0
+            beta1: k.beta1,
+            beta2: k.beta2,
+            eps: k.eps,
+            shrink: match k.decay {
+                Decay::Decoupled => 1.0 - k.lr * k.weight_decay,
+                _ => 1.0,
             },
-            l2: if decoupled { 0.0 } else { weight_decay },
-            bias_correction2_sqrt: bc2.sqrt(),
-            step_size: lr / bc1,
+            l2: match k.decay {
+                Decay::L2 => k.weight_decay,
+                _ => 0.0,
+            },
+            bias_correction2_sqrt: k.bias_correction2.sqrt(),
+            step_size: k.lr / k.bias_correction1,
         }
     }
 }

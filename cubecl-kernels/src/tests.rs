@@ -4,6 +4,8 @@
 use cubecl::prelude::*;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
+use burn_offload::AdamStep;
+
 use crate::adam::{AdamConstants, adamw};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -35,7 +37,8 @@ fn fused_adamw_matches_the_host_update() {
             let hv = client.create_from_slice(f32::as_bytes(&v));
             for t in 1..=5u64 {
                 let g: Vec<f32> = values(n, 10 + t as u32).iter().map(|x| x * 0.1).collect();
-                let k = AdamConstants::at(t, 1e-2, (0.9, 0.999), 1e-8, 0.05, decoupled);
+                let step = AdamStep::at(t, 1e-2, (0.9, 0.999), 1e-8, 0.05, decoupled, true);
+                let k = AdamConstants::from(&step);
                 reference(&k, &mut w, &g, &mut m, &mut v);
                 let hg = client.create_from_slice(f32::as_bytes(&g));
                 adamw(&client, &k, n, &hw, &hg, &hm, &hv);

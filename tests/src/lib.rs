@@ -3,4 +3,5 @@
 #![warn(missing_docs)]
 
 pub mod cases;
+pub mod engine_loop;
 pub mod reference;

@@ -7,14 +7,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::backend::NdArray;
-use burn::tensor::Tensor;
 use burn_zero::DeepSpeedConfig;
 use burn_zero::checkpoint::{self, Dtype};
-use burn_zero::comm::{Communicator, ReduceOp};
+use burn_zero::comm::Communicator;
 use burn_zero::engine::{ZeroAutodiff, initialize, inject_save_failure, load_params};
 use burn_zero::testing::run_ranks;
 use burn_zero_tests::cases::engine_run::{self, CLIP, EPS, GLOBAL_BATCH, WARMUP, WEIGHT_DECAY};
 use burn_zero_tests::cases::{Mlp, Stack, param_data};
+use burn_zero_tests::engine_loop::train_step;
 use serde_json::json;
 
 type B = ZeroAutodiff<NdArray>;
@@ -95,23 +95,16 @@ fn train(
                 (steps.start, steps.start * gas)
             );
         }
-        let micro = GLOBAL_BATCH / (world * gas);
         let mut losses = Vec::new();
         for step in steps.clone() {
             assert!((engine.lr() - engine_run::lr(step + 1)).abs() < 1e-12);
-            let mut step_loss = 0.0f32;
-            for j in 0..gas {
-                let start = (j * world + ctx.rank) * micro;
-                let (x, y) = engine_run::batch::<B>(step, start..start + micro, &device);
-                let loss: Tensor<B, 1> = engine_run::loss(engine.model(), x, y);
-                step_loss += loss.clone().into_scalar() / gas as f32;
-                engine.backward(loss).unwrap();
-                engine.step().unwrap();
-            }
-            let mut mean = [step_loss];
-            comm.all_reduce(mean.as_mut_slice().into(), ReduceOp::Avg)
-                .unwrap();
-            losses.push(mean[0]);
+            losses.push(train_step(
+                &mut engine,
+                comm.as_ref(),
+                step,
+                ctx.rank,
+                world,
+            ));
             if let Some(root) = session.save
                 && step + 1 == SAVE_AT
             {

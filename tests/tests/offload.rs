@@ -7,13 +7,13 @@
 use std::sync::Arc;
 
 use burn::backend::NdArray;
-use burn::tensor::Tensor;
 use burn_zero::DeepSpeedConfig;
-use burn_zero::comm::{Communicator, ReduceOp};
+use burn_zero::comm::Communicator;
 use burn_zero::engine::{ZeroAutodiff, initialize};
 use burn_zero::testing::run_ranks;
 use burn_zero_tests::cases::engine_run::{self, CLIP, GLOBAL_BATCH, WARMUP};
 use burn_zero_tests::cases::{Mlp, param_data};
+use burn_zero_tests::engine_loop::train_step;
 use serde_json::json;
 
 type B = ZeroAutodiff<NdArray>;
@@ -98,24 +98,10 @@ fn train(
         if let Some(root) = load {
             engine.load_checkpoint(root, None).unwrap();
         }
-        let gas = 2;
-        let micro = GLOBAL_BATCH / (world * gas);
-        let mut losses = Vec::new();
-        for step in steps.clone() {
-            let mut step_loss = 0.0f32;
-            for j in 0..gas {
-                let start = (j * world + ctx.rank) * micro;
-                let (x, y) = engine_run::batch::<B>(step, start..start + micro, &device);
-                let loss: Tensor<B, 1> = engine_run::loss(engine.model(), x, y);
-                step_loss += loss.clone().into_scalar() / gas as f32;
-                engine.backward(loss).unwrap();
-                engine.step().unwrap();
-            }
-            let mut mean = [step_loss];
-            comm.all_reduce(mean.as_mut_slice().into(), ReduceOp::Avg)
-                .unwrap();
-            losses.push(mean[0]);
-        }
+        let losses: Vec<f32> = steps
+            .clone()
+            .map(|step| train_step(&mut engine, comm.as_ref(), step, ctx.rank, world))
+            .collect();
         if let Some(root) = save {
             engine.save_checkpoint(root, None, json!(null)).unwrap();
         }

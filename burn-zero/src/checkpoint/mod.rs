@@ -11,7 +11,10 @@ pub use manifest::{
 };
 pub use read::{MASTER, PartitionFiles, Span, consolidate, describe, partition_file};
 pub use safetensors::Dtype;
-pub use store::{LATEST, MANIFEST, Staging, StoreError, open_verified, resolve, sha256_file};
+pub use store::{
+    LATEST, MANIFEST, Staging, StoreError, open_manifest, open_verified, resolve, sha256_file,
+    verify,
+};
 
 #[cfg(test)]
 mod tests;

@@ -66,11 +66,6 @@ impl<'a> PartitionFiles<'a> {
         Ok(&self.open[&rank])
     }
 
-    /// Whether the partition files hold tensor `name` (rank 0's file is asked).
-    pub fn has(&mut self, name: &str) -> Result<bool, StoreError> {
-        Ok(self.reader(0)?.tensors().contains_key(name))
-    }
-
     /// Fills `out` with the spans of partition tensor `name` (`master`, `exp_avg`, ...).
     pub fn read_spans(
         &mut self,

@@ -163,7 +163,17 @@ impl Staging {
 
 /// Checks every file of `manifest` in `dir` against its recorded size and checksum.
 fn verify_files(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
-    for f in &manifest.files {
+    verify(dir, manifest, |_| true)
+}
+
+/// Checks the files of `manifest` in `dir` that `wanted` selects against their recorded size
+/// and checksum (a rank checks the files it reads).
+pub fn verify(
+    dir: &Path,
+    manifest: &Manifest,
+    wanted: impl Fn(&FileEntry) -> bool,
+) -> Result<(), StoreError> {
+    for f in manifest.files.iter().filter(|f| wanted(f)) {
         let path = dir.join(&f.path);
         let (sha256, bytes) = sha256_file(&path)?;
         if bytes != f.bytes {
@@ -197,12 +207,16 @@ pub fn resolve(root: &Path, tag: Option<&str>) -> Result<PathBuf, StoreError> {
     Ok(root.join(tag))
 }
 
-/// Reads and checks a checkpoint directory: its manifest, and every file's size and checksum.
-pub fn open_verified(dir: &Path) -> Result<Manifest, StoreError> {
+/// Reads and validates a checkpoint directory's manifest (its files unchecked: see [`verify`]).
+pub fn open_manifest(dir: &Path) -> Result<Manifest, StoreError> {
     let path = dir.join(MANIFEST);
     let bytes = fs::read(&path).map_err(io(&path))?;
-    let manifest =
-        Manifest::parse(&bytes).map_err(|source| StoreError::Manifest { path, source })?;
+    Manifest::parse(&bytes).map_err(|source| StoreError::Manifest { path, source })
+}
+
+/// Reads and checks a checkpoint directory: its manifest, and every file's size and checksum.
+pub fn open_verified(dir: &Path) -> Result<Manifest, StoreError> {
+    let manifest = open_manifest(dir)?;
     verify_files(dir, &manifest)?;
     Ok(manifest)
 }

@@ -16,7 +16,7 @@ use serde_json::json;
 use super::{Engine, EngineError, ZeroAutodiff};
 use crate::checkpoint::{
     Dtype, FORMAT, MASTER, Manifest, ParamEntry, PartitionFiles, Partitioning, Span, Staging,
-    StoreError, VERSION, open_verified, partition_file, resolve, safetensors::Writer,
+    StoreError, VERSION, open_manifest, partition_file, resolve, safetensors::Writer, verify,
 };
 use crate::comm::ReduceOp;
 use crate::precision::LossScaler;
@@ -353,7 +353,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             ));
         }
         let dir = resolve(root, tag)?;
-        let manifest = open_verified(&dir)?;
+        let manifest = open_manifest(&dir)?;
         let optimizer = serde_json::to_value(self.resolved.optimizer).unwrap_or_default();
         let saved = &manifest.engine["optimizer"]["kind"];
         if *saved != optimizer {
@@ -363,6 +363,22 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             )));
         }
         let (spans, len) = self.spans(&manifest, &dir)?;
+        // Only the files this rank reads: every rank hashing every file would read the whole
+        // checkpoint once per rank.
+        let ranks: std::collections::HashSet<usize> = spans
+            .iter()
+            .flat_map(|s| {
+                let wanted = s.elements.clone();
+                manifest
+                    .pieces(s.param)
+                    .into_iter()
+                    .filter(move |p| p.elements.start < wanted.end && wanted.start < p.elements.end)
+            })
+            .map(|p| p.rank)
+            .collect();
+        verify(&dir, &manifest, |f| {
+            f.rank.is_none_or(|r| ranks.contains(&r))
+        })?;
         let mut files = PartitionFiles::new(&dir, &manifest);
         let mut read = |name: &str| -> Result<Vec<f32>, StoreError> {
             let mut out = vec![0.0; len];
