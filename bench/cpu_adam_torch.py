@@ -1,6 +1,7 @@
 """torch.optim.AdamW(fused=True) on the CPU: median step time over N fp32 parameters with the
 given thread count, the peer of bench-cpu-adam (bench/run_cpu_adam.sh runs both)."""
 import json
+import os
 import sys
 import time
 
@@ -18,7 +19,8 @@ for _ in range(steps + 1):
     times.append(time.perf_counter() - start)
 times = sorted(times[1:])  # the first step allocates the moments
 median = times[len(times) // 2]
-print(json.dumps({"torch": torch.__version__, "optimizer": "AdamW(fused=True)", "params": n,
+print(json.dumps({"thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+                  "torch": torch.__version__, "optimizer": "AdamW(fused=True)", "params": n,
                   "threads": torch.get_num_threads(), "median_step_s": median,
                   "s_per_1b_params": median * 1e9 / n, "steps": len(times),
                   "effective_gb_per_s": 28 * n / median / 1e9}))

@@ -4,17 +4,18 @@
 #   1. CPU-Adam vs torch's fused CPU AdamW (bench/run_cpu_adam.sh)
 #   2. one GPU, bf16, ZeRO-2: a deep MLP with the optimizer on the device and offloaded (same
 #      size), then a larger one offloaded only; step time, breakdown and GPU memory peak.
-#   bash bench/run_offload.sh KIND "LAYERS:WIDTH:cpu|nvme|none ..."   (SKIP_CPU_ADAM=1: only these)
+#   bash bench/run_offload.sh KIND "LAYERS:WIDTH:cpu|nvme|none[:huge] ..."   (SKIP_CPU_ADAM=1: only these)
+# `huge` advises the host partitions for transparent huge pages.
 source bench/prelude.sh "$1"
 runs="${2:-24:8192:none 24:8192:cpu 60:8192:cpu}"
 [ -n "${SKIP_CPU_ADAM:-}" ] || bash bench/run_cpu_adam.sh "$1"
 results=()
 for spec in $runs; do
-  IFS=: read -r layers width where <<< "$spec"
+  IFS=: read -r layers width where huge <<< "$spec"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > /tmp/mem.log &
   smi=$!
   timeout "${RUN_TIMEOUT:-200}" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port 29711 -- \
-    .gpu/bin/bench-offload "$layers" "$width" "$where" 5 > /tmp/run.json 2> "$out/offload-$spec.log"
+    .gpu/bin/bench-offload "$layers" "$width" "$where" 5 "${huge:-}" > /tmp/run.json 2> "$out/offload-$spec.log"
   rc=$?
   kill $smi
   peak=$(sort -n /tmp/mem.log | tail -1)
@@ -35,8 +36,21 @@ python3 - "$kind" "$out/offload-$kind.json" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open("/tmp/offload-runs.jsonl")]
 mem = open("/proc/meminfo").read().split("\n")[0]
+# Parity: each offloaded run against the device-optimizer run of the same model (same seed, so
+# step 0 must agree exactly; later steps differ only by the optimizer's arithmetic).
+parity = []
+for r in runs:
+    base = next((b for b in runs if b.get("offload") == "none" and b.get("params") == r.get("params")), None)
+    if base is None or r is base or not r.get("losses") or not base.get("losses"):
+        continue
+    diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["losses"], base["losses"])]
+    parity.append({"spec": r["spec"], "against": base["spec"], "losses": r["losses"],
+                   "device_losses": base["losses"], "max_rel_diff": max(diffs),
+                   "step0_equal": r["losses"][0] == base["losses"][0]})
 json.dump({"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0], "host_memory": mem,
-           "runs": runs}, open(sys.argv[2], "w"), indent=1)
+           "runs": runs, "parity": parity}, open(sys.argv[2], "w"), indent=1)
+for p in parity:
+    print("parity", p["spec"], "max rel diff", p["max_rel_diff"], "step 0 equal", p["step0_equal"])
 for r in runs:
     print(r["spec"], r.get("exit"), r.get("median_step_s"), r.get("offload_breakdown"), r.get("peak_gpu_mib"))
 PY

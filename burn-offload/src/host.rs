@@ -5,10 +5,10 @@
 
 use core::ops::Range;
 
-use half::{bf16, f16};
-
-use crate::cpu_adam::{AdamStep, CpuAdam, Grad, Out, SgdStep};
+use crate::cpu_adam::{AdamStep, CpuAdam, Grad, SgdStep};
+use crate::memory::zeroed_f32;
 use crate::nvme::{NvmeStore, SwapConfig, SwapError};
+use crate::stream::{self, Download, OutSlot, StepBuffers, StreamError, StreamTimings, Upload};
 
 /// The optimizer's fixed settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -59,17 +59,6 @@ pub enum OutDtype {
     F16,
 }
 
-/// A sub-group's new weights.
-#[derive(Debug)]
-pub enum Staged {
-    /// fp32.
-    F32(Vec<f32>),
-    /// bf16.
-    Bf16(Vec<bf16>),
-    /// f16.
-    F16(Vec<f16>),
-}
-
 enum Storage {
     /// Master first, then the state tensors.
     Memory(Vec<Vec<f32>>),
@@ -99,39 +88,25 @@ impl std::fmt::Debug for HostOptimizer {
     }
 }
 
-/// One sub-group of the step: CPU-Adam or CPU-SGD over `w` (and the state slices).
+/// One sub-group of the step: CPU-Adam or CPU-SGD over `w` (and the state slices), the new
+/// weights written to `out`.
 fn step_slices(
     cpu: &CpuAdam,
     k: &StepConstants,
     w: &mut [f32],
     state: &mut [&mut [f32]],
     grad: &[f32],
-    out: OutDtype,
-) -> Staged {
+    out: &mut OutSlot<'_>,
+) {
     let n = w.len();
-    let (mut b, mut h) = (Vec::new(), Vec::new());
-    let target = match out {
-        OutDtype::F32 => Out::None,
-        OutDtype::Bf16 => {
-            b = vec![bf16::ZERO; n];
-            Out::Bf16(&mut b)
-        }
-        OutDtype::F16 => {
-            h = vec![f16::ZERO; n];
-            Out::F16(&mut h)
-        }
-    };
+    let target = out.target(n);
     match (k, state) {
         (StepConstants::Adam(k), [m, v]) => cpu.adam(k, w, Grad::F32(grad), m, v, target),
         (StepConstants::Sgd(k), [buf]) => cpu.sgd(k, w, Grad::F32(grad), buf, target),
         (StepConstants::Sgd(k), []) => cpu.sgd(k, w, Grad::F32(grad), &mut [], target),
         _ => unreachable!("the state matches the settings"),
     }
-    match out {
-        OutDtype::F32 => Staged::F32(w.to_vec()),
-        OutDtype::Bf16 => Staged::Bf16(b),
-        OutDtype::F16 => Staged::F16(h),
-    }
+    out.finish(w);
 }
 
 /// The constants of the step in progress, shared by its sub-groups.
@@ -149,7 +124,8 @@ impl HostOptimizer {
     pub fn new(master: Vec<f32>, settings: HostSettings, cpu: CpuAdam, sub_group: usize) -> Self {
         let len = master.len();
         let mut tensors = vec![master];
-        tensors.extend(settings.state_names().iter().map(|_| vec![0.0; len]));
+        let huge = cpu.huge_pages();
+        tensors.extend(settings.state_names().iter().map(|_| zeroed_f32(len, huge)));
         Self {
             len,
             settings,
@@ -259,50 +235,80 @@ impl HostOptimizer {
         }
     }
 
-    /// One optimizer step from `grad` (the partition's fp32 gradient) with learning rate
-    /// `lr` and `betas`: sub-group by sub-group, each one's new weights handed to `emit` in
-    /// `out` as soon as it is stepped.
+    /// The sub-groups' ranges, in the order a step visits them.
+    pub fn sub_groups(&self) -> Vec<Range<usize>> {
+        (0..self.len)
+            .step_by(self.sub_group)
+            .map(|start| start..(start + self.sub_group).min(self.len))
+            .collect()
+    }
+
+    /// Elements of the longest sub-group (what a step's buffers must hold).
+    pub fn sub_group_len(&self) -> usize {
+        self.sub_group.min(self.len)
+    }
+
+    /// One optimizer step with learning rate `lr` and `betas`, streamed sub-group by
+    /// sub-group: `download` fills a buffer with a sub-group's fp32 gradient (on a thread of
+    /// its own), CPU-Adam steps it, and `upload` takes its new weights (on this thread), the
+    /// three overlapping across sub-groups. The buffers' output dtype is the weights' dtype.
     pub fn step(
         &mut self,
         lr: f32,
         betas: (f32, f32),
-        grad: &[f32],
-        out: OutDtype,
-        emit: &mut dyn FnMut(Range<usize>, Staged),
-    ) -> Result<(), SwapError> {
-        assert_eq!(
-            grad.len(),
-            self.len,
-            "gradient and partition differ in length"
-        );
+        buffers: StepBuffers<'_>,
+        download: &Download<'_>,
+        upload: &mut Upload<'_>,
+    ) -> Result<StreamTimings, StreamError> {
         let k = self.constants(lr, betas);
+        let ranges = self.sub_groups();
         let cpu = &self.cpu;
-        match &mut self.storage {
-            Storage::Memory(tensors) => {
-                let (master, state) = tensors.split_first_mut().expect("the master");
-                for start in (0..self.len).step_by(self.sub_group) {
-                    let range = start..(start + self.sub_group).min(self.len);
-                    let mut slices: Vec<&mut [f32]> =
-                        state.iter_mut().map(|s| &mut s[range.clone()]).collect();
-                    let w = &mut master[range.clone()];
-                    let staged = step_slices(cpu, &k, w, &mut slices, &grad[range.clone()], out);
-                    emit(range, staged);
+        let storage = &mut self.storage;
+        stream::run(
+            ranges.clone(),
+            buffers,
+            download,
+            upload,
+            move |stage| match storage {
+                Storage::Memory(tensors) => {
+                    let (master, state) = tensors.split_first_mut().expect("the master");
+                    for range in ranges {
+                        let Some((grad, mut out)) = stage.next(&range) else {
+                            return Ok(false);
+                        };
+                        let mut slices: Vec<&mut [f32]> =
+                            state.iter_mut().map(|s| &mut s[range.clone()]).collect();
+                        let w = &mut master[range.clone()];
+                        step_slices(cpu, &k, w, &mut slices, &grad[..range.len()], &mut out);
+                        stage.done(range, grad, out);
+                    }
+                    Ok(true)
                 }
-                Ok(())
-            }
-            Storage::Nvme(store) => store.visit(true, true, &mut |_, range, bufs| {
-                let n = range.len();
-                let (master, state) = bufs.split_first_mut().expect("the master");
-                let mut slices: Vec<&mut [f32]> = state
-                    .iter_mut()
-                    .map(|s| &mut s.as_mut_slice()[..n])
-                    .collect();
-                let w = &mut master.as_mut_slice()[..n];
-                let staged = step_slices(cpu, &k, w, &mut slices, &grad[range.clone()], out);
-                emit(range, staged);
-                Ok(())
-            }),
-        }
+                Storage::Nvme(store) => {
+                    let mut gave_up = false;
+                    let visited = store.visit(true, true, &mut |_, range, bufs| {
+                        let Some((grad, mut out)) = stage.next(&range) else {
+                            gave_up = true;
+                            return Err(SwapError::Abandoned);
+                        };
+                        let n = range.len();
+                        let (master, state) = bufs.split_first_mut().expect("the master");
+                        let mut slices: Vec<&mut [f32]> = state
+                            .iter_mut()
+                            .map(|s| &mut s.as_mut_slice()[..n])
+                            .collect();
+                        let w = &mut master.as_mut_slice()[..n];
+                        step_slices(cpu, &k, w, &mut slices, &grad[..n], &mut out);
+                        stage.done(range, grad, out);
+                        Ok(())
+                    });
+                    match visited {
+                        Err(SwapError::Abandoned) if gave_up => Ok(false),
+                        other => other.map(|()| true),
+                    }
+                }
+            },
+        )
     }
 
     /// The master, step count and the state as named partitions (PyTorch's names).

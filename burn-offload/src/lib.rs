@@ -4,17 +4,24 @@
 //!   master weights and optimizer state (Adam/AdamW and SGD), which writes the compute-dtype
 //!   copy of the weights in the same pass.
 //! - [`host`]: a rank's partition and optimizer state off the device, stepped in sub-groups.
+//! - [`memory`]: large host buffers advised for transparent huge pages.
+//! - [`stream`]: a step as a pipeline over sub-groups (gradient down, CPU-Adam, weights up).
 //! - [`nvme`]: the swap files of ZeRO-Infinity (io_uring, O_DIRECT, checksummed regions).
 #![warn(missing_docs)]
 
 pub mod cpu_adam;
 pub mod host;
+pub mod memory;
 #[cfg(target_os = "linux")]
 pub mod nvme;
+pub mod stream;
 
 pub use cpu_adam::{AdamStep, CpuAdam, Decay, Grad, Out, SgdStep, SimdLevel};
-pub use host::{HostOptimizer, HostSettings, OutDtype, Staged, StepConstants};
+pub use host::{HostOptimizer, HostSettings, OutDtype, StepConstants};
 pub use nvme::{SwapConfig, SwapError};
+pub use stream::{
+    Download, OutSlot, OwnedBuffers, StepBuffers, StreamError, StreamTimings, Upload, Weights,
+};
 
 #[cfg(test)]
 mod tests;

@@ -43,6 +43,9 @@ pub enum SwapError {
         /// One past its last byte.
         end: u64,
     },
+    /// The step visiting the files stopped because another stage of it failed.
+    #[error("the step was abandoned: another stage of it failed")]
+    Abandoned,
 }
 
 fn io_err(path: &Path, what: impl std::fmt::Display) -> SwapError {

@@ -264,8 +264,9 @@ mod swap {
     use std::path::PathBuf;
 
     use crate::cpu_adam::CpuAdam;
-    use crate::host::{HostOptimizer, HostSettings, OutDtype, Staged};
+    use crate::host::{HostOptimizer, HostSettings, OutDtype};
     use crate::nvme::{NvmeStore, SwapConfig};
+    use crate::stream::{OwnedBuffers, StreamError, Weights};
 
     fn config(name: &str) -> SwapConfig {
         let dir = std::env::temp_dir().join(format!("bz-swap-{name}-{}", std::process::id()));
@@ -298,17 +299,8 @@ mod swap {
         assert_eq!(swapped.swap_files().len(), 3, "master, exp_avg, exp_avg_sq");
         for t in 1..=10 {
             let g: Vec<f32> = super::values(n, 50 + t).iter().map(|x| x * 0.1).collect();
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            memory
-                .step(1e-3, (0.9, 0.999), &g, OutDtype::Bf16, &mut |r, s| {
-                    a.push((r, bits(s)))
-                })
-                .unwrap();
-            swapped
-                .step(1e-3, (0.9, 0.999), &g, OutDtype::Bf16, &mut |r, s| {
-                    b.push((r, bits(s)))
-                })
-                .unwrap();
+            let a = stepped(&mut memory, &g, 2).unwrap();
+            let b = stepped(&mut swapped, &g, 2).unwrap();
             assert_eq!(a, b, "step {t}: the emitted sub-groups");
             assert_eq!(a.len(), 4, "10007 elements in sub-groups of 3001");
         }
@@ -321,11 +313,35 @@ mod swap {
         let _ = std::fs::remove_dir_all(&cfg.dir);
     }
 
-    fn bits(s: Staged) -> Vec<u16> {
-        match s {
-            Staged::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
-            other => panic!("{other:?}"),
-        }
+    /// A sub-group's range and the bf16 bits of its new weights.
+    pub(super) type Uploaded = (std::ops::Range<usize>, Vec<u16>);
+
+    /// One AdamW step streamed through `count` host buffers of each kind: the bf16 bits of
+    /// each sub-group's new weights, in the order they were uploaded.
+    pub(super) fn stepped(
+        opt: &mut HostOptimizer,
+        g: &[f32],
+        count: usize,
+    ) -> Result<Vec<Uploaded>, StreamError> {
+        let mut buffers = OwnedBuffers::new(count, opt.sub_group_len(), OutDtype::Bf16);
+        let mut got = Vec::new();
+        opt.step(
+            1e-3,
+            (0.9, 0.999),
+            buffers.lend(),
+            &|r, buf| {
+                buf.copy_from_slice(&g[r]);
+                Ok(())
+            },
+            &mut |r, w| {
+                let Weights::Bf16(w) = w else {
+                    return Err(format!("{w:?} is not bf16"));
+                };
+                got.push((r, w.iter().map(|x| x.to_bits()).collect()));
+                Ok(())
+            },
+        )?;
+        Ok(got)
     }
 
     #[test]
@@ -367,5 +383,134 @@ mod swap {
             .unwrap()
             .to_string();
         assert!(err.contains("does not exist"), "{err}");
+    }
+}
+
+/// The streamed step: the pipeline's buffers, counts and failures.
+mod streamed {
+    use half::bf16;
+
+    use super::swap::stepped;
+    use crate::cpu_adam::{AdamStep, CpuAdam, Grad, Out};
+    use crate::host::{HostOptimizer, HostSettings, OutDtype};
+    use crate::stream::{OwnedBuffers, StreamError, Weights};
+
+    const ADAM: HostSettings = HostSettings::Adam {
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: false,
+        bias_correction: true,
+    };
+
+    /// Any sub-group size and buffer count gives the bits of one CPU-Adam call over the whole
+    /// partition, every sub-group uploaded once, in order.
+    #[test]
+    fn sub_groups_and_buffer_counts_do_not_change_the_bits() {
+        let n = 7919;
+        let master = super::values(n, 3);
+        let (mut w, mut m, mut v) = (master.clone(), vec![0.0; n], vec![0.0; n]);
+        let mut expected = vec![bf16::ZERO; n];
+        let cpu = CpuAdam::new(Some(2));
+        for t in 1..=3 {
+            let g: Vec<f32> = super::values(n, 70 + t).iter().map(|x| x * 0.2).collect();
+            let k = AdamStep::at(t, 1e-3, (0.9, 0.999), 1e-8, 0.0, false, true);
+            cpu.adam(
+                &k,
+                &mut w,
+                Grad::F32(&g),
+                &mut m,
+                &mut v,
+                Out::Bf16(&mut expected),
+            );
+        }
+        let expected: Vec<u16> = expected.iter().map(|x| x.to_bits()).collect();
+        for (sub_group, count) in [(1000, 1), (1000, 3), (7919, 2), (1, 2), (4096, 5)] {
+            let mut opt = HostOptimizer::new(master.clone(), ADAM, cpu.clone(), sub_group);
+            let mut last = Vec::new();
+            for t in 1..=3 {
+                let g: Vec<f32> = super::values(n, 70 + t).iter().map(|x| x * 0.2).collect();
+                last = stepped(&mut opt, &g, count).unwrap();
+            }
+            let ranges: Vec<_> = last.iter().map(|(r, _)| r.clone()).collect();
+            assert_eq!(ranges, opt.sub_groups(), "({sub_group}, {count})");
+            let bits: Vec<u16> = last.into_iter().flat_map(|(_, b)| b).collect();
+            assert!(bits == expected, "sub-group {sub_group}, {count} buffers");
+            assert_eq!(
+                opt.export().unwrap().0,
+                w,
+                "the master ({sub_group}, {count})"
+            );
+        }
+    }
+
+    /// fp32 weights go up as a copy of the master.
+    #[test]
+    fn fp32_weights_are_the_master() {
+        let n = 1001;
+        let mut opt = HostOptimizer::new(super::values(n, 5), ADAM, CpuAdam::new(Some(1)), 300);
+        let g = super::values(n, 6);
+        let mut buffers = OwnedBuffers::new(2, 300, OutDtype::F32);
+        let mut up = vec![0.0f32; n];
+        opt.step(
+            1e-2,
+            (0.9, 0.99),
+            buffers.lend(),
+            &|r, buf| {
+                buf.copy_from_slice(&g[r]);
+                Ok(())
+            },
+            &mut |r, w| {
+                let Weights::F32(w) = w else { unreachable!() };
+                up[r].copy_from_slice(w);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(up, opt.export().unwrap().0);
+    }
+
+    /// A failing transfer stops the step with its sub-group named (no stage is left waiting).
+    #[test]
+    fn a_failed_transfer_is_named_and_stops_the_step() {
+        let n = 5000;
+        let g = super::values(n, 9);
+        for fail_down in [true, false] {
+            let mut opt =
+                HostOptimizer::new(super::values(n, 8), ADAM, CpuAdam::new(Some(1)), 1000);
+            let mut buffers = OwnedBuffers::new(2, 1000, OutDtype::Bf16);
+            let mut uploads = 0;
+            let err = opt
+                .step(
+                    1e-3,
+                    (0.9, 0.999),
+                    buffers.lend(),
+                    &|r, buf| {
+                        if fail_down && r.start == 2000 {
+                            return Err("device lost".into());
+                        }
+                        buf.copy_from_slice(&g[r]);
+                        Ok(())
+                    },
+                    &mut |r, _| {
+                        uploads += 1;
+                        if !fail_down && r.start == 3000 {
+                            return Err("out of memory".into());
+                        }
+                        Ok(())
+                    },
+                )
+                .unwrap_err();
+            let text = err.to_string();
+            match err {
+                StreamError::Download { range, .. } if fail_down => assert_eq!(range, 2000..3000),
+                StreamError::Upload { range, .. } if !fail_down => assert_eq!(range, 3000..4000),
+                other => panic!("{other:?}"),
+            }
+            assert!(
+                text.contains("device lost") || text.contains("out of memory"),
+                "{text}"
+            );
+            assert!(uploads <= 4, "the step stopped early ({uploads} uploads)");
+        }
     }
 }

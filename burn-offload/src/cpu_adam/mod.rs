@@ -175,6 +175,7 @@ pub struct SgdStep {
 pub struct CpuAdam {
     threads: usize,
     pin_cores: bool,
+    huge_pages: bool,
     level: SimdLevel,
 }
 
@@ -190,6 +191,7 @@ impl CpuAdam {
         Self {
             threads,
             pin_cores: false,
+            huge_pages: false,
             level: SimdLevel::detect(),
         }
     }
@@ -198,6 +200,17 @@ impl CpuAdam {
     pub fn with_pinned_cores(mut self, pin: bool) -> Self {
         self.pin_cores = pin;
         self
+    }
+
+    /// Allocates the partitions it steps advised for transparent huge pages (Linux).
+    pub fn with_huge_pages(mut self, huge: bool) -> Self {
+        self.huge_pages = huge;
+        self
+    }
+
+    /// Whether partitions are allocated advised for huge pages.
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
     }
 
     /// Runs at `level` instead of the detected one (tests compare the levels).

@@ -97,6 +97,9 @@ pub struct CpuAdamConfig {
     pub threads: Option<usize>,
     /// `pin_cores`: pin step thread `i` to core `i` (Linux).
     pub pin_cores: bool,
+    /// `huge_pages`: advise the host partitions for transparent huge pages (Linux; off by
+    /// default until measured faster on the machine at hand: `bench/run_cpu_adam.sh`).
+    pub huge_pages: bool,
 }
 
 /// `burn_zero.matmul`.

@@ -9,7 +9,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 
-use super::stage3::rebuild_params;
+use super::params::rebuild_params;
 use super::{Engine, EngineError, ParamSlot, ZeroAutodiff};
 use crate::ZeroTensor;
 use crate::comm::with_label;

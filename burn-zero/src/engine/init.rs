@@ -4,22 +4,25 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
 
 use super::collective::FlatComm;
 use super::grads::{EngineHook, GradState};
 use super::optim_state::Optim;
+use super::params::{params_to_host, rebuild_params};
 use super::precision::Precision;
-use super::stage3::{EngineGatherer, Stage3, rebuild_params, sharded_handles};
+use super::stage3::{EngineGatherer, Stage3, sharded_handles};
 use super::{
     Engine, EngineError, FlatLayout, PARTITION_ALIGN, Timings, ZeroAutodiff, flatten_params,
     owned_range, unflatten_params,
 };
+use crate::ZeroTensor;
 use crate::backend::hooks;
 use crate::backend::install_gatherer;
 use crate::backend::matmul::{MatmulPolicy, matmul_policy, set_matmul_policy};
-use crate::comm::Communicator;
+use crate::comm::{BufMut, Communicator};
 use crate::config::DeepSpeedConfig;
+use crate::config::OffloadDevice;
 use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
 
@@ -113,7 +116,31 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             s3.set_partitions(&mut flat, &working)?;
             let full = s3.gather_persistent(&mut flat, &working)?;
             let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));
-            (hooks::mark_distributed(model), master)
+            (hooks::mark_distributed(model), Initial::Device(master))
+        }
+        None if zero.optimizer_offload() != OffloadDevice::None => {
+            // ZeRO-Offload: the values go to the host one parameter at a time and come back
+            // in the compute format, so the device never holds a second fp32 copy.
+            let mut values = params_to_host(&model, &layout);
+            broadcast_on_host(comm.as_ref(), &mut values)?;
+            let compute = precision.compute;
+            let model = rebuild_params(model, &layout, |p| {
+                let slot = &layout.slots()[p];
+                let part = values[slot.offset..slot.offset + slot.numel()].to_vec();
+                let t = Tensor::<I, 1>::from_data(TensorData::new(part, [slot.numel()]), &device);
+                let shape = Shape::from(slot.shape.clone());
+                ZeroTensor::local(I::float_reshape(
+                    compute.convert(t).into_primitive().tensor(),
+                    shape,
+                ))
+            });
+            let owned = owned_range(&plan, stage, comm.rank());
+            let master = if owned == (0..values.len()) {
+                values
+            } else {
+                values[owned].to_vec()
+            };
+            (hooks::mark_distributed(model), Initial::Host(master))
         }
         None => {
             let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
@@ -122,11 +149,14 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             let owned = owned_range(&plan, stage, comm.rank());
             let master = params.clone().slice(owned);
             let model = unflatten_params(model, &layout, precision.compute.convert(params));
-            (hooks::mark_distributed(model), master)
+            (hooks::mark_distributed(model), Initial::Device(master))
         }
     };
 
-    let optim = Optim::new(&resolved, master, comm.rank())?;
+    let optim = match master {
+        Initial::Device(master) => Optim::new(&resolved, master, comm.rank())?,
+        Initial::Host(master) => Optim::on_host(&resolved, master, device.clone(), comm.rank())?,
+    };
     let with_gatherer = stage3.is_some();
     let grads = Arc::new(Mutex::new(GradState::new(
         layout.clone(),
@@ -163,6 +193,24 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         _hook: hook,
         _gatherer: gatherer,
     })
+}
+
+/// Where this rank's fp32 partition was made.
+enum Initial<I: Backend> {
+    Device(Tensor<I, 1>),
+    Host(Vec<f32>),
+}
+
+/// Rank 0's `values` on every rank, through host buffers in pieces (so a device path holds
+/// one piece at a time).
+fn broadcast_on_host(comm: &dyn Communicator, values: &mut [f32]) -> Result<(), EngineError> {
+    const PIECE: usize = 1 << 26;
+    if comm.world_size() > 1 {
+        for piece in values.chunks_mut(PIECE) {
+            comm.broadcast(BufMut::from(piece), 0)?;
+        }
+    }
+    Ok(())
 }
 
 /// The device of the model's parameters (of the first trainable one).

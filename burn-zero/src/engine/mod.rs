@@ -17,6 +17,9 @@ mod grads;
 mod init;
 mod load_module;
 mod memory;
+#[cfg(feature = "cuda")]
+mod offload_cuda;
+mod offload_io;
 mod optim_state;
 mod params;
 mod precision;
@@ -50,8 +53,8 @@ use collective::FlatComm;
 use grads::GradState;
 pub use optim_state::OffloadTimings;
 use optim_state::Optim;
+use params::rebuild_params;
 use precision::Precision;
-use stage3::rebuild_params;
 
 /// The autodiff backend the engine trains on.
 pub type ZeroAutodiff<I> = Autodiff<ZeroBackend<I>>;
@@ -74,6 +77,9 @@ pub enum EngineError {
     /// The NVMe swap of an offloaded optimizer failed.
     #[error(transparent)]
     Swap(#[from] burn_offload::SwapError),
+    /// An offloaded optimizer step failed (a transfer, or the swap).
+    #[error("offloaded optimizer step: {0}")]
+    Offload(#[from] burn_offload::StreamError),
     /// A checkpoint could not be written or read.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::StoreError),

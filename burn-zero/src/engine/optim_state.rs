@@ -1,16 +1,18 @@
 //! Where a rank's fp32 master partition and optimizer state live: on the device, stepped by
 //! tensor ops, or in host memory (`offload_optimizer {"device": "cpu"}`, ZeRO-Offload),
-//! stepped by burn-offload's CPU-Adam one sub-group at a time while the previous sub-group's
-//! new weights are uploaded. Both run the same arithmetic in the same order.
+//! stepped by burn-offload's CPU-Adam one sub-group at a time while the next sub-group's
+//! gradient comes down and the previous one's new weights go up (`offload_io`). Both run the
+//! same arithmetic in the same order.
 
-use std::sync::{Mutex, MutexGuard, mpsc};
-use std::time::{Duration, Instant};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
-use burn_offload::{CpuAdam, HostOptimizer, HostSettings, OutDtype, Staged, SwapConfig};
+use burn_offload::{CpuAdam, HostOptimizer, HostSettings, SwapConfig};
 
 use super::EngineError;
+use super::offload_io::{self, StepRing};
 use super::precision::Format;
 use crate::config::{OffloadDevice, ResolvedConfig};
 use crate::optim::{OptimizerSettings, StepParams, TensorOptimizer};
@@ -27,6 +29,8 @@ pub(crate) enum Optim<I: Backend> {
         /// Locked so the swap can be read through `&self` (export, checkpoints); boxed,
         /// as the device variant is small.
         opt: Box<Mutex<HostOptimizer>>,
+        /// The host buffers the steps stream through.
+        ring: Box<StepRing>,
         device: I::Device,
         timings: OffloadTimings,
     },
@@ -37,11 +41,11 @@ pub(crate) enum Optim<I: Backend> {
 pub struct OffloadTimings {
     /// Steps summed.
     pub steps: usize,
-    /// Gradient partition device → host.
+    /// Gradient sub-groups device → host (on the download thread, overlapped with the rest).
     pub d2h: std::time::Duration,
-    /// CPU-Adam over every sub-group (on the worker, overlapped with the uploads).
+    /// CPU-Adam over every sub-group (on its own thread, overlapped with the copies).
     pub cpu_step: std::time::Duration,
-    /// Uploading the new weights host → device (on the engine's thread).
+    /// New weights host → device (on the engine's thread, overlapped with the rest).
     pub h2d: std::time::Duration,
     /// The whole step, first byte down to last byte up.
     pub total: std::time::Duration,
@@ -98,6 +102,20 @@ impl<I: Backend> Optim<I> {
             );
             return Ok(Optim::Device { master, opt });
         }
+        let device = master.device();
+        Self::on_host(config, host_vec(master), device, rank)
+    }
+
+    /// The state for `master` (this rank's fp32 partition, in host memory) offloaded as
+    /// `config` says, the working copy on `device`.
+    pub(crate) fn on_host(
+        config: &ResolvedConfig,
+        values: Vec<f32>,
+        device: I::Device,
+        rank: usize,
+    ) -> Result<Self, EngineError> {
+        let zero = &config.config.zero_optimization;
+        let place = zero.optimizer_offload();
         let settings = match OptimizerSettings::new(config.optimizer, &config.optimizer_params) {
             OptimizerSettings::Adam(a) => HostSettings::Adam {
                 eps: a.eps as f32,
@@ -113,9 +131,10 @@ impl<I: Backend> Optim<I> {
             },
         };
         let cpu = &config.config.burn_zero.cpu_adam;
-        let cpu = CpuAdam::new(cpu.threads).with_pinned_cores(cpu.pin_cores);
-        let device = master.device();
-        let (values, sub_group) = (host_vec(master), zero.sub_group_size.get());
+        let cpu = CpuAdam::new(cpu.threads)
+            .with_pinned_cores(cpu.pin_cores)
+            .with_huge_pages(cpu.huge_pages);
+        let sub_group = zero.sub_group_size.get();
         let opt = if place == OffloadDevice::Nvme {
             let offload = zero.offload_optimizer.as_ref().expect("validated");
             let root = offload.nvme_path.as_deref().expect("validated");
@@ -138,6 +157,7 @@ impl<I: Backend> Optim<I> {
         };
         Ok(Optim::Host {
             opt: Box::new(Mutex::new(opt)),
+            ring: Box::default(),
             device,
             timings: OffloadTimings::default(),
         })
@@ -203,14 +223,17 @@ impl<I: Backend> Optim<I> {
             }
             Optim::Host {
                 opt,
+                ring,
                 device,
                 timings,
             } => {
                 let start = Instant::now();
-                let grad = host_vec(grad);
-                timings.d2h += start.elapsed();
                 let opt = opt.get_mut().unwrap_or_else(|e| e.into_inner());
-                let out = host_step(opt, device, grad, hp, compute, timings)?;
+                let (lr, betas) = hp.f32();
+                let (out, t) = offload_io::step(opt, ring, grad, lr, betas, device, compute)?;
+                timings.d2h += t.download;
+                timings.cpu_step += t.compute;
+                timings.h2d += t.upload;
                 timings.total += start.elapsed();
                 timings.steps += 1;
                 Ok(out)
@@ -267,72 +290,6 @@ impl<I: Backend> Optim<I> {
                 Ok(())
             }
             Optim::Host { opt, .. } => lock(opt).import(master, step, state),
-        }
-    }
-}
-
-/// ZeRO-Offload's step: sub-groups stepped on a worker (CPU-Adam's threads, and the swap's
-/// I/O on NVMe) while this thread uploads the sub-group before, in the compute dtype.
-fn host_step<I: Backend>(
-    opt: &mut HostOptimizer,
-    device: &I::Device,
-    grad: Vec<f32>,
-    hp: StepParams,
-    compute: Format,
-    timings: &mut OffloadTimings,
-) -> Result<Tensor<I, 1>, EngineError> {
-    let (lr, betas) = hp.f32();
-    let out = match compute.dtype {
-        FloatDType::BF16 => OutDtype::Bf16,
-        FloatDType::F16 => OutDtype::F16,
-        _ => OutDtype::F32,
-    };
-    let (tx, rx) = mpsc::channel::<(Staged, Duration)>();
-    let mut parts = Vec::new();
-    let stepped = std::thread::scope(|s| {
-        let grad = &grad;
-        let worker = s.spawn(move || {
-            let mut last = Instant::now();
-            opt.step(lr, betas, grad, out, &mut |_, staged| {
-                let _ = tx.send((staged, last.elapsed()));
-                last = Instant::now();
-            })
-        });
-        for (staged, cpu) in rx.iter() {
-            timings.cpu_step += cpu;
-            let start = Instant::now();
-            parts.push(stage_on_device::<I>(staged, device, compute));
-            timings.h2d += start.elapsed();
-        }
-        worker.join().expect("the CPU optimizer's worker")
-    });
-    stepped?;
-    Ok(match parts.len() {
-        0 => Tensor::zeros([0], (device, compute.storage())),
-        1 => parts.pop().expect("one part"),
-        _ => Tensor::cat(parts, 0),
-    })
-}
-
-/// A sub-group's weights on the device, stored as the compute format stores them.
-fn stage_on_device<I: Backend>(
-    staged: Staged,
-    device: &I::Device,
-    compute: Format,
-) -> Tensor<I, 1> {
-    let widened = |v: Vec<f32>| upload::<I>(v, device);
-    match staged {
-        Staged::F32(v) => widened(v),
-        // Emulated formats store the rounded values in f32.
-        Staged::Bf16(v) if compute.emulated => widened(v.iter().map(|x| x.to_f32()).collect()),
-        Staged::F16(v) if compute.emulated => widened(v.iter().map(|x| x.to_f32()).collect()),
-        Staged::Bf16(v) => {
-            let n = v.len();
-            Tensor::from_data(TensorData::new(v, [n]), (device, DType::BF16))
-        }
-        Staged::F16(v) => {
-            let n = v.len();
-            Tensor::from_data(TensorData::new(v, [n]), (device, DType::F16))
         }
     }
 }

@@ -161,37 +161,81 @@ pub fn flatten_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
     Tensor::cat(parts, 0)
 }
 
+/// The parameters of `module` in `layout`, copied to host memory as f32 one at a time, so the
+/// device never holds a second copy of the model (ZeRO-Offload's largest models fit only so).
+pub(crate) fn params_to_host<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    module: &M,
+    layout: &FlatLayout,
+) -> Vec<f32> {
+    struct Copy<'a> {
+        layout: &'a FlatLayout,
+        values: Vec<f32>,
+    }
+    impl<I: Backend> ModuleVisitor<ZeroAutodiff<I>> for Copy<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<ZeroAutodiff<I>, D>>) {
+            let Some(slot) = self.layout.slot(param.id.val()) else {
+                return;
+            };
+            let zero = param.val().inner().into_primitive().tensor();
+            let t = Tensor::<I, D>::from_primitive(TensorPrimitive::Float(zero.into_inner()));
+            let data = t.cast(burn::tensor::FloatDType::F32).into_data();
+            let values = data.as_slice::<f32>().expect("f32 after the cast");
+            self.values[slot.offset..slot.offset + slot.numel()].copy_from_slice(values);
+        }
+    }
+    let mut copy = Copy {
+        layout,
+        values: vec![0.0; layout.numel()],
+    };
+    module.visit(&mut copy);
+    copy.values
+}
+
 /// Rebuilds every parameter of `module` from `flat` (at least `layout.numel()` elements), as
-/// new leaves that keep their `require_grad` flag (what burn's own optimizer step does).
+/// new leaves that keep their `require_grad` flag (what burn's own optimizer step does), in
+/// the flat tensor's dtype (the engine's working copy: bf16 under mixed precision).
 pub fn unflatten_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
     module: M,
     layout: &FlatLayout,
     flat: Tensor<I, 1>,
 ) -> M {
-    struct Write<'a, I: Backend> {
+    rebuild_params(module, layout, |p| {
+        let slot = &layout.slots()[p];
+        let values = flat.clone().slice(slot.offset..slot.offset + slot.numel());
+        ZeroTensor::local(I::float_reshape(
+            values.into_primitive().tensor(),
+            Shape::from(slot.shape.clone()),
+        ))
+    })
+}
+
+/// Rebuilds every trainable parameter of `module` from `make(slot)`, as new leaves that keep
+/// their `require_grad` flag.
+pub(crate) fn rebuild_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    module: M,
+    layout: &FlatLayout,
+    make: impl FnMut(usize) -> ZeroTensor<I>,
+) -> M {
+    struct Rebuild<'a, F> {
         layout: &'a FlatLayout,
-        flat: Tensor<I, 1>,
+        make: F,
     }
-    impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Write<'_, I> {
+    impl<I: Backend, F: FnMut(usize) -> ZeroTensor<I>> ModuleMapper<ZeroAutodiff<I>>
+        for Rebuild<'_, F>
+    {
         fn map_float<const D: usize>(
             &mut self,
             param: Param<Tensor<ZeroAutodiff<I>, D>>,
         ) -> Param<Tensor<ZeroAutodiff<I>, D>> {
             let (id, tensor, mapper) = param.consume();
-            let Some(slot) = self.layout.slot(id.val()) else {
+            let Some(slot) = self.layout.index(id.val()) else {
                 return Param::from_mapped_value(id, tensor, mapper);
             };
-            // In the flat tensor's dtype: the engine's working copy (bf16 under mixed precision).
-            let values = self
-                .flat
-                .clone()
-                .slice(slot.offset..slot.offset + slot.numel())
-                .reshape::<D, _>(Shape::from(slot.shape.clone()));
-            let zero = ZeroTensor::local(values.into_primitive().tensor());
-            let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(zero));
+            let made = (self.make)(slot);
+            let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(made));
             let rebuilt = Tensor::from_inner(inner).set_require_grad(tensor.is_require_grad());
             Param::from_mapped_value(id, rebuilt, mapper)
         }
     }
-    module.map(&mut Write { layout, flat })
+    module.map(&mut Rebuild { layout, make })
 }

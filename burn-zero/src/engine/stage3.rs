@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Shape, Tensor, TensorData, TensorPrimitive};
 
@@ -18,11 +18,11 @@ use super::ZeroAutodiff;
 use super::collective::FlatComm;
 use super::grads::GradState;
 use super::params::FlatLayout;
+use crate::ZeroTensor;
 use crate::backend::{ParamGatherer, ShardedParam};
 use crate::comm::{CommError, with_label};
 use crate::partition::ShardPlan;
 use crate::trace::{GatherTracer, TraceConfig};
-use crate::{ZeroBackend, ZeroTensor};
 
 /// One event of the gathers of a pass (forward + backward), in order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -437,39 +437,6 @@ impl<I: Backend> ParamGatherer<I> for EngineGatherer<I> {
         // communicator has already stopped the other ranks (no one waits on this one).
         result.unwrap_or_else(|message| panic!("{message}"))
     }
-}
-
-/// Rebuilds every trainable parameter of `module` from `make(slot)`, as new leaves that keep
-/// their `require_grad` flag.
-pub(crate) fn rebuild_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
-    module: M,
-    layout: &FlatLayout,
-    make: impl FnMut(usize) -> ZeroTensor<I>,
-) -> M {
-    struct Rebuild<'a, F> {
-        layout: &'a FlatLayout,
-        make: F,
-    }
-    impl<I: Backend, F: FnMut(usize) -> ZeroTensor<I>> ModuleMapper<ZeroAutodiff<I>>
-        for Rebuild<'_, F>
-    {
-        fn map_float<const D: usize>(
-            &mut self,
-            param: Param<Tensor<ZeroAutodiff<I>, D>>,
-        ) -> Param<Tensor<ZeroAutodiff<I>, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let Some(slot) = self.layout.index(id.val()) else {
-                return Param::from_mapped_value(id, tensor, mapper);
-            };
-            let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float((self
-                .make)(
-                slot
-            )));
-            let rebuilt = Tensor::from_inner(inner).set_require_grad(tensor.is_require_grad());
-            Param::from_mapped_value(id, rebuilt, mapper)
-        }
-    }
-    module.map(&mut Rebuild { layout, make })
 }
 
 /// The sharded handles of `module`'s trainable parameters, by slot, when it was built sharded

@@ -2,10 +2,11 @@
 //! and bf16 gradients writing the bf16 weight copy (the offload path), at every SIMD level this
 //! CPU runs. Prints one JSON object; `bench/run_cpu_adam.sh` runs it beside
 //! `torch.optim.AdamW(fused=True)` on the same machine and thread count.
-//!   bench-cpu-adam [--params N] [--threads T] [--steps S] [--pin]
+//!   bench-cpu-adam [--params N] [--threads T] [--steps S] [--pin] [--huge-pages] [--best-only]
 
 use std::time::Instant;
 
+use burn_offload::memory::{advise_huge_pages, zeroed_f32};
 use burn_offload::{AdamStep, CpuAdam, Grad, Out, SimdLevel};
 use half::bf16;
 
@@ -23,14 +24,33 @@ fn main() {
     let threads = arg(&args, "--threads").map(|v| v.parse::<usize>().expect("--threads"));
     let steps = arg(&args, "--steps").map_or(5, |v| v.parse().expect("--steps"));
     let pin = args.iter().any(|a| a == "--pin");
+    let huge = args.iter().any(|a| a == "--huge-pages");
+    let best_only = args.iter().any(|a| a == "--best-only");
     eprintln!("allocating {n} parameters (fp32 master, m, v, gradient; bf16 gradient and copy)");
-    let mut w: Vec<f32> = (0..n).map(|i| ((i % 1013) as f32) * 1e-3 - 0.5).collect();
-    let g: Vec<f32> = (0..n).map(|i| ((i % 997) as f32) * 1e-4 - 0.05).collect();
+    // Zeroed and (with --huge-pages) advised before the first touch, as burn-offload's own
+    // partitions are.
+    let zeroed = |n: usize| zeroed_f32(n, huge);
+    let mut w = zeroed(n);
+    w.iter_mut()
+        .enumerate()
+        .for_each(|(i, x)| *x = ((i % 1013) as f32) * 1e-3 - 0.5);
+    let mut g = zeroed(n);
+    g.iter_mut()
+        .enumerate()
+        .for_each(|(i, x)| *x = ((i % 997) as f32) * 1e-4 - 0.05);
     let g16: Vec<bf16> = g.iter().map(|x| bf16::from_f32(*x)).collect();
-    let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let (mut m, mut v) = (zeroed(n), zeroed(n));
     let mut out = vec![bf16::ZERO; n];
+    if huge {
+        advise_huge_pages(&mut out);
+    }
     let mut results = Vec::new();
-    for level in SimdLevel::available() {
+    let levels = if best_only {
+        vec![SimdLevel::detect()]
+    } else {
+        SimdLevel::available()
+    };
+    for level in levels {
         let adam = CpuAdam::new(threads)
             .with_level(level)
             .with_pinned_cores(pin);
@@ -77,7 +97,7 @@ fn main() {
     let threads_used = CpuAdam::new(threads).threads();
     println!(
         "{}",
-        serde_json::json!({"params": n, "threads": threads_used, "pinned": pin,
+        serde_json::json!({"params": n, "threads": threads_used, "pinned": pin, "huge_pages": huge,
         "detected_level": format!("{:?}", SimdLevel::detect()), "results": results,
         "checksum": w.iter().take(1000).map(|x| *x as f64).sum::<f64>()})
     );

@@ -3,7 +3,7 @@
 //! (`offload_optimizer {"device": "cpu"}`, CPU-Adam) or to swap files (`"nvme"`, under
 //! `$BURN_ZERO_NVME_PATH`, default /tmp): median step time and, offloaded, its breakdown
 //! (gradient down, CPU step, weights up). Start it under the launcher:
-//!   burn-zero run --nproc-per-node 1 -- bench-offload LAYERS WIDTH cpu|nvme|none [STEPS]
+//!   burn-zero run --nproc-per-node 1 -- bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge]]
 
 use std::time::Instant;
 
@@ -12,7 +12,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Distribution, FloatDType, Tensor};
 use burn_zero::DeepSpeedConfig;
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::{ZeroAutodiff, initialize};
@@ -26,12 +26,14 @@ struct DeepMlp<B: Backend> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS]";
+    let usage = "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge]]";
     let layers: usize = args.get(1).and_then(|v| v.parse().ok()).expect(usage);
     let width: usize = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let place = args.get(3).cloned().expect(usage);
     let offload = place != "none";
     let steps: usize = args.get(4).and_then(|v| v.parse().ok()).unwrap_or(5);
+    // `huge`: the host partitions advised for transparent huge pages.
+    let huge_pages = args.get(5).is_some_and(|v| v == "huge");
     let (_env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let device = burn::backend::cuda::CudaDevice::new(0);
     let nvme_path = std::env::var("BURN_ZERO_NVME_PATH").unwrap_or_else(|_| "/tmp".into());
@@ -48,10 +50,13 @@ fn main() {
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
             "bf16": {{"enabled": true}},
             "zero_optimization": {{"stage": 2, "overlap_comm": true{offload_json}}},
-            "burn_zero": {{"matmul": {{"cublaslt": true}}}}}}"#
+            "burn_zero": {{"matmul": {{"cublaslt": true}}, "cpu_adam": {{"huge_pages": {huge_pages}}}}}}}"#
     );
     let config = DeepSpeedConfig::from_json(&json).expect("config").config;
     type B = ZeroAutodiff<Cuda>;
+    // Seeded: runs with and without offload start from the same weights and see the same
+    // inputs, so their losses can be compared.
+    <Cuda as Backend>::seed(&device, 42);
     let t0 = Instant::now();
     let model = DeepMlp::<B> {
         layers: (0..layers)
@@ -83,7 +88,8 @@ fn main() {
         let loss = h.powf_scalar(2.0).mean();
         engine.backward(loss.clone()).expect("backward");
         engine.step().expect("step");
-        losses.push(loss.into_scalar());
+        // The loss is bf16 on the device: widen it before reading it.
+        losses.push(loss.cast(FloatDType::F32).into_scalar());
         <Cuda as Backend>::sync(&device).expect("sync");
         let secs = start.elapsed().as_secs_f64();
         eprintln!("step {step}: {secs:.3} s");
@@ -105,7 +111,7 @@ fn main() {
     println!(
         "{}",
         serde_json::json!({"params": params, "layers": layers, "width": width, "batch": BATCH,
-            "offload": place, "init_s": init_s,
+            "offload": place, "huge_pages": huge_pages, "init_s": init_s,
             "median_step_s": sorted[sorted.len() / 2], "step_times_s": times,
             "engine_backward_s": per(timings.backward), "engine_step_s": per(timings.step),
             "offload_breakdown": offload_breakdown, "losses": losses,

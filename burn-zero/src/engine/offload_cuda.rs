@@ -1,0 +1,192 @@
+//! The offloaded step's transfers on CUDA: each sub-group's gradient is copied from burn's
+//! device buffer into a page-locked host buffer on a download stream, and its new weights
+//! from a page-locked buffer straight into the (preallocated) output tensor on an upload
+//! stream. Page-locked memory lets the copies run at PCIe speed, without the driver's bounce
+//! buffer; the buffers are allocated once and reused by every step.
+//!
+//! Ordering: burn's stream is synchronized once before the first copy (the gradient is
+//! complete, and nothing of burn's still uses the output's memory); each copy is synchronized
+//! on its stream before its buffer is reused or the step returns.
+
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
+use burn_offload::{HostOptimizer, OutDtype, OutSlot, StepBuffers, StreamTimings, Weights};
+use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice, result};
+use half::{bf16, f16};
+
+use super::EngineError;
+use super::offload_io::{RING_DEPTH, StepRing, out_dtype};
+use super::precision::Format;
+use crate::backend::cuda::cuda_buffer;
+
+/// Page-locked buffers and the two copy streams of one offloaded optimizer.
+pub(crate) struct PinnedRing {
+    ordinal: usize,
+    len: usize,
+    out: OutDtype,
+    context: Arc<CudaContext>,
+    down: Arc<CudaStream>,
+    up: Arc<CudaStream>,
+    grads: Vec<PinnedHostSlice<f32>>,
+    /// f32 weights; 16-bit weights are held as their bits.
+    outs32: Vec<PinnedHostSlice<f32>>,
+    outs16: Vec<PinnedHostSlice<u16>>,
+}
+
+impl PinnedRing {
+    fn new(ordinal: usize, len: usize, out: OutDtype) -> Result<Self, String> {
+        let context =
+            CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e:?}"))?;
+        let stream = || {
+            context
+                .new_stream()
+                .map_err(|e| format!("a copy stream: {e:?}"))
+        };
+        let (down, up) = (stream()?, stream()?);
+        // Flags 0: cached (not write-combined) memory, as the CPU reads gradients from it.
+        // SAFETY: the buffers are written (by a copy or the step) before they are read.
+        let pinned = |_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) };
+        let pinned16 = |_| unsafe { context.alloc_pinned_with_flags::<u16>(len, 0) };
+        let fail = |e| format!("{len} elements of page-locked host memory: {e:?}");
+        let grads = (0..RING_DEPTH)
+            .map(pinned)
+            .collect::<Result<_, _>>()
+            .map_err(fail)?;
+        let (outs32, outs16) = if out == OutDtype::F32 {
+            let outs = (0..RING_DEPTH)
+                .map(pinned)
+                .collect::<Result<_, _>>()
+                .map_err(fail)?;
+            (outs, Vec::new())
+        } else {
+            let outs = (0..RING_DEPTH)
+                .map(pinned16)
+                .collect::<Result<_, _>>()
+                .map_err(fail)?;
+            (Vec::new(), outs)
+        };
+        Ok(Self {
+            ordinal,
+            len,
+            out,
+            context,
+            down,
+            up,
+            grads,
+            outs32,
+            outs16,
+        })
+    }
+
+    fn lend(&mut self) -> Result<StepBuffers<'_>, String> {
+        let fail = |e| format!("a page-locked buffer: {e:?}");
+        let grads = self
+            .grads
+            .iter_mut()
+            .map(|b| b.as_mut_slice().map_err(fail))
+            .collect::<Result<_, _>>()?;
+        let mut outs = Vec::new();
+        for b in &mut self.outs32 {
+            outs.push(OutSlot::F32(b.as_mut_slice().map_err(fail)?));
+        }
+        for b in &mut self.outs16 {
+            let bits = b.as_mut_slice().map_err(fail)?;
+            let (ptr, n) = (bits.as_mut_ptr(), bits.len());
+            // SAFETY: bf16 and f16 are `repr(transparent)` over u16; the slice replaces `bits`.
+            outs.push(match self.out {
+                OutDtype::Bf16 => {
+                    OutSlot::Bf16(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<bf16>(), n) })
+                }
+                _ => OutSlot::F16(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<f16>(), n) }),
+            });
+        }
+        Ok(StepBuffers { grads, outs })
+    }
+}
+
+/// The step on CUDA memory, or `None` when this is not a contiguous CUDA tensor in a native
+/// format (the host-path fallback takes it).
+pub(crate) fn step<I: Backend>(
+    opt: &mut HostOptimizer,
+    ring: &mut StepRing,
+    grad: &Tensor<I, 1>,
+    lr: f32,
+    betas: (f32, f32),
+    device: &I::Device,
+    compute: Format,
+) -> Option<Result<(Tensor<I, 1>, StreamTimings), EngineError>> {
+    if compute.emulated || grad.dtype() != FloatDType::F32.into() {
+        return None;
+    }
+    let src = cuda_buffer::<I>(&grad.clone().into_primitive().tensor())?;
+    let weights = Tensor::<I, 1>::empty([opt.len()], (device, compute.storage()));
+    let dst = cuda_buffer::<I>(&weights.clone().into_primitive().tensor())?;
+    let ordinal = src._keep.device.index;
+    let out = out_dtype(compute);
+    let len = opt.sub_group_len();
+    let reuse =
+        matches!(ring, StepRing::Pinned(r) if r.ordinal == ordinal && r.len == len && r.out == out);
+    if !reuse {
+        match PinnedRing::new(ordinal, len, out) {
+            Ok(r) => *ring = StepRing::Pinned(r),
+            Err(e) => return Some(Err(EngineError::Usage(format!("offload buffers: {e}")))),
+        }
+    }
+    let StepRing::Pinned(ring) = ring else {
+        unreachable!("set above")
+    };
+    Some(run::<I>(opt, ring, src.buf.ptr, dst.buf.ptr, lr, betas, device).map(|t| (weights, t)))
+}
+
+fn run<I: Backend>(
+    opt: &mut HostOptimizer,
+    ring: &mut PinnedRing,
+    grad_ptr: u64,
+    weights_ptr: u64,
+    lr: f32,
+    betas: (f32, f32),
+    device: &I::Device,
+) -> Result<StreamTimings, EngineError> {
+    I::sync(device).map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+    let (context, down, up) = (ring.context.clone(), ring.down.clone(), ring.up.clone());
+    let buffers = ring.lend().map_err(EngineError::Usage)?;
+    let timings = opt.step(
+        lr,
+        betas,
+        buffers,
+        &|range, buf| {
+            context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+            let src = grad_ptr + (range.start * 4) as u64;
+            // SAFETY: `src` lies in the live, complete gradient buffer (held by the caller);
+            // `buf` is page-locked and not touched until the stream is synchronized below.
+            unsafe { result::memcpy_dtoh_async(buf, src, down.cu_stream()) }
+                .map_err(|e| format!("{e:?}"))?;
+            down.synchronize().map_err(|e| format!("{e:?}"))
+        },
+        &mut |range, weights| {
+            context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+            let stream = up.cu_stream();
+            // SAFETY: the destination lies in the output tensor, allocated for the whole
+            // partition and idle on burn's side (synchronized above); the source is
+            // page-locked and outlives the copy (synchronized before returning).
+            unsafe {
+                match weights {
+                    Weights::F32(w) => {
+                        result::memcpy_htod_async(weights_ptr + range.start as u64 * 4, w, stream)
+                    }
+                    Weights::Bf16(w) => {
+                        result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
+                    }
+                    Weights::F16(w) => {
+                        result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
+                    }
+                }
+            }
+            .map_err(|e| format!("{e:?}"))?;
+            up.synchronize().map_err(|e| format!("{e:?}"))
+        },
+    )?;
+    Ok(timings)
+}

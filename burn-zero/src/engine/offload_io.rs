@@ -1,0 +1,100 @@
+//! How an offloaded step's sub-groups travel between the device and the host buffers of
+//! burn-offload's pipeline. On CUDA (feature `cuda`) they are copied on side streams through
+//! pinned buffers kept across steps ([`super::offload_cuda`]); on any other backend through
+//! burn's `slice`/`into_data` and `from_data` into ordinary host buffers, also kept.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn_offload::{HostOptimizer, OutDtype, OwnedBuffers, StreamTimings, Weights};
+
+use super::EngineError;
+use super::precision::Format;
+
+/// Host buffers an offloaded optimizer reuses across steps (made at its first step).
+#[derive(Default)]
+pub(crate) enum StepRing {
+    /// None yet.
+    #[default]
+    Unset,
+    /// Ordinary host memory.
+    Owned(OwnedBuffers),
+    /// Page-locked memory and the copy streams.
+    #[cfg(feature = "cuda")]
+    Pinned(super::offload_cuda::PinnedRing),
+}
+
+/// Buffers of each kind: two let download, step and upload overlap; a third absorbs jitter.
+pub(crate) const RING_DEPTH: usize = 3;
+
+/// The dtype the new weights go up in.
+pub(crate) fn out_dtype(compute: Format) -> OutDtype {
+    match compute.dtype {
+        FloatDType::BF16 => OutDtype::Bf16,
+        FloatDType::F16 => OutDtype::F16,
+        _ => OutDtype::F32,
+    }
+}
+
+/// One offloaded step: `grad` (this rank's fp32 partition) in, the new weights in the compute
+/// format out, on `device`.
+pub(crate) fn step<I: Backend>(
+    opt: &mut HostOptimizer,
+    ring: &mut StepRing,
+    grad: Tensor<I, 1>,
+    lr: f32,
+    betas: (f32, f32),
+    device: &I::Device,
+    compute: Format,
+) -> Result<(Tensor<I, 1>, StreamTimings), EngineError> {
+    #[cfg(feature = "cuda")]
+    if let Some(done) = super::offload_cuda::step(opt, ring, &grad, lr, betas, device, compute) {
+        return done;
+    }
+    let out = out_dtype(compute);
+    if !matches!(ring, StepRing::Owned(_)) {
+        *ring = StepRing::Owned(OwnedBuffers::new(RING_DEPTH, opt.sub_group_len(), out));
+    }
+    let StepRing::Owned(buffers) = ring else {
+        unreachable!("set above")
+    };
+    let grad = grad.cast(FloatDType::F32);
+    let mut parts = Vec::new();
+    let timings = opt.step(
+        lr,
+        betas,
+        buffers.lend(),
+        &|range, buf| {
+            let part = grad.clone().slice(range).into_data();
+            let values = part.as_slice::<f32>().map_err(|e| format!("{e:?}"))?;
+            buf.copy_from_slice(values);
+            Ok(())
+        },
+        &mut |_, weights| {
+            parts.push(weights_on_device::<I>(weights, device, compute));
+            Ok(())
+        },
+    )?;
+    let weights = match parts.len() {
+        0 => Tensor::zeros([0], (device, compute.storage())),
+        1 => parts.pop().expect("one part"),
+        _ => Tensor::cat(parts, 0),
+    };
+    Ok((weights, timings))
+}
+
+/// A sub-group's weights on the device, stored as the compute format stores them (emulated
+/// formats hold the rounded values in f32).
+fn weights_on_device<I: Backend>(
+    weights: Weights<'_>,
+    device: &I::Device,
+    compute: Format,
+) -> Tensor<I, 1> {
+    let n = weights.len();
+    let data = match weights {
+        Weights::Bf16(w) if !compute.emulated => TensorData::new(w.to_vec(), [n]),
+        Weights::F16(w) if !compute.emulated => TensorData::new(w.to_vec(), [n]),
+        other => TensorData::new(other.to_f32(), [n]),
+    };
+    let dtype: DType = data.dtype;
+    Tensor::from_data(data, (device, dtype))
+}
