@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device side of the CPU-Adam benchmark (issue 9): our fused step and torch's fused CPU AdamW on
 # the same machine, the same thread count (every core), 1e9 fp32 parameters, in one run.
-# Ours runs as shipped (huge-page-advised buffers, as HostOptimizer allocates them) and in
-# variants (plain pages, pinned threads); torch runs as shipped and with its huge-page
+# Ours runs as shipped (plain pages, unpinned threads: burn_zero.cpu_adam's defaults) and in
+# variants (huge-page-advised buffers, pinned threads); torch runs as shipped and with its huge-page
 # allocation switched on (THP_MEM_ALLOC_ENABLE=1). The ratio compares the best of each.
 #   bash bench/run_cpu_adam.sh KIND     (carry [".gpu"], staged by scripts/gpu-stage.sh bench-cpu-adam)
 source bench/prelude.sh "$1"
@@ -11,7 +11,7 @@ lscpu | grep -E "Model name|^CPU\(s\)|Thread|Socket|NUMA node\(s\)" > "$out/cpu.
 echo "transparent_hugepage: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)" >> "$out/cpu.txt"
 cat "$out/cpu.txt"
 : > /tmp/ours.jsonl
-for variant in "--huge-pages" "" "--best-only --huge-pages --pin" ; do
+for variant in "" "--huge-pages" "--best-only --huge-pages --pin" ; do
   # shellcheck disable=SC2086
   .gpu/bin/bench-cpu-adam --params "$n" --threads "$threads" --steps "$steps" $variant >> /tmp/ours.jsonl
   echo "ours ($variant): exit $?"

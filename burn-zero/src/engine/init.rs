@@ -153,6 +153,11 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         }
     };
 
+    // The user's fp32 parameters are gone: hand their memory back to the device before the
+    // engine's own buffers are allocated (a caching allocator keeps freed pages otherwise,
+    // and a large model's gradient buffer would not fit beside them).
+    I::sync(&device).map_err(|e| EngineError::Usage(format!("the device failed: {e:?}")))?;
+    I::memory_cleanup(&device);
     let optim = match master {
         Initial::Device(master) => Optim::new(&resolved, master, comm.rank())?,
         Initial::Host(master) => Optim::on_host(&resolved, master, device.clone(), comm.rank())?,

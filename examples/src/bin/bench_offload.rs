@@ -117,4 +117,9 @@ fn main() {
             "offload_breakdown": offload_breakdown, "losses": losses,
             "memory_report": report, "memory_report_text": report.to_string()})
     );
+    // A failed allocation on burn's fusion thread does not stop this one: the losses show it.
+    if let Some(bad) = losses.iter().position(|l| !l.is_finite()) {
+        eprintln!("loss of step {bad} is not finite: the run is invalid");
+        std::process::exit(3);
+    }
 }
