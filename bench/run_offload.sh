@@ -4,18 +4,19 @@
 #   1. CPU-Adam vs torch's fused CPU AdamW (bench/run_cpu_adam.sh)
 #   2. one GPU, bf16, ZeRO-2: a deep MLP with the optimizer on the device and offloaded (same
 #      size), then a larger one offloaded only; step time, breakdown and GPU memory peak.
-#   bash bench/run_offload.sh KIND "LAYERS:WIDTH:cpu|nvme|none[:huge] ..."   (SKIP_CPU_ADAM=1: only these)
-# `huge` advises the host partitions for transparent huge pages.
+#   bash bench/run_offload.sh KIND "LAYERS:WIDTH:cpu|nvme|none[:OPTIONS] ..."   (SKIP_CPU_ADAM=1: only these)
+# OPTIONS, `+`-separated: `huge` advises the host partitions for transparent huge pages;
+# `bf16init` builds the weights in bf16 (bench-offload's doc says why).
 source bench/prelude.sh "$1"
 runs="${2:-24:8192:none 24:8192:cpu 60:8192:cpu}"
 [ -n "${SKIP_CPU_ADAM:-}" ] || bash bench/run_cpu_adam.sh "$1"
 results=()
 for spec in $runs; do
-  IFS=: read -r layers width where huge <<< "$spec"
+  IFS=: read -r layers width where options <<< "$spec"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > /tmp/mem.log &
   smi=$!
   timeout "${RUN_TIMEOUT:-200}" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port 29711 -- \
-    .gpu/bin/bench-offload "$layers" "$width" "$where" 5 "${huge:-}" > /tmp/run.json 2> "$out/offload-$spec.log"
+    .gpu/bin/bench-offload "$layers" "$width" "$where" 5 "${options:-}" > /tmp/run.json 2> "$out/offload-${spec//:/_}.log"
   rc=$?
   kill $smi
   peak=$(sort -n /tmp/mem.log | tail -1)

@@ -119,15 +119,24 @@ impl Drop for AlignedBuf {
     }
 }
 
-/// A 64-bit checksum of a region (multiply-rotate over 8-byte words; not cryptographic, fast).
+/// A 64-bit checksum of a region (multiply-rotate over 8-byte words in four independent lanes,
+/// so the multiplies overlap; not cryptographic, fast).
 fn checksum(bytes: &[u8]) -> u64 {
-    let mut h = 0x9e37_79b9_7f4a_7c15u64 ^ bytes.len() as u64;
-    for chunk in bytes.chunks(8) {
+    const K: u64 = 0xff51_afd7_ed55_8ccd;
+    let mix = |h: u64, word: u64| (h ^ word).wrapping_mul(K).rotate_left(29);
+    let seed = 0x9e37_79b9_7f4a_7c15u64 ^ bytes.len() as u64;
+    let mut lanes = [seed, seed ^ 1, seed ^ 2, seed ^ 3];
+    let mut blocks = bytes.chunks_exact(32);
+    for block in &mut blocks {
+        for (lane, word) in lanes.iter_mut().zip(block.chunks_exact(8)) {
+            *lane = mix(*lane, u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        }
+    }
+    let mut h = lanes.iter().fold(seed, |h, lane| mix(h, *lane));
+    for chunk in blocks.remainder().chunks(8) {
         let mut word = [0u8; 8];
         word[..chunk.len()].copy_from_slice(chunk);
-        h = (h ^ u64::from_le_bytes(word))
-            .wrapping_mul(0xff51_afd7_ed55_8ccd)
-            .rotate_left(29);
+        h = mix(h, u64::from_le_bytes(word));
     }
     h
 }

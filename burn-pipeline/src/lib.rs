@@ -5,17 +5,24 @@
 //! [`topology`]: the (pipe, data, model) process grid, its coordinates and its axis groups.
 //! [`split`](mod@split): layers into stages, uniformly or balanced by parameter count.
 //! [`executor`]: runs a stage's stream on a burn module, with gradients averaged over the
-//! data axis (pipe × data). Tensor-parallel layers come next.
+//! data axis (pipe × data).
+//! [`tensor_parallel`]: column/row-parallel linear layers, a vocab-parallel embedding and
+//! cross-entropy over the model axis, with the two model-parallel autodiff ops.
 #![warn(missing_docs)]
 
 pub mod executor;
 pub mod schedule;
 pub mod split;
+pub mod tensor_parallel;
 pub mod topology;
 
 pub use executor::{PipeStage, StageSpec, run_step};
 pub use schedule::{Instr, Schedule, peak_in_flight, simulate};
 pub use split::{SplitMethod, split};
+pub use tensor_parallel::{
+    ColumnParallelLinear, ModelGroup, ModelParallelBackend, RowParallelLinear,
+    VocabParallelEmbedding, copy_to_group, reduce_from_group, vocab_parallel_cross_entropy,
+};
 pub use topology::Topology;
 
 #[cfg(test)]

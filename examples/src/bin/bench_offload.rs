@@ -3,12 +3,12 @@
 //! (`offload_optimizer {"device": "cpu"}`, CPU-Adam) or to swap files (`"nvme"`, under
 //! `$BURN_ZERO_NVME_PATH`, default /tmp): median step time and, offloaded, its breakdown
 //! (gradient down, CPU step, weights up). Start it under the launcher:
-//!   burn-zero run --nproc-per-node 1 -- bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge]]
+//!   burn-zero run --nproc-per-node 1 -- bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init]]
 
 use std::time::Instant;
 
 use burn::backend::Cuda;
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
@@ -26,14 +26,18 @@ struct DeepMlp<B: Backend> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge]]";
+    let usage = "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init]]";
     let layers: usize = args.get(1).and_then(|v| v.parse().ok()).expect(usage);
     let width: usize = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let place = args.get(3).cloned().expect(usage);
     let offload = place != "none";
     let steps: usize = args.get(4).and_then(|v| v.parse().ok()).unwrap_or(5);
-    // `huge`: the host partitions advised for transparent huge pages.
-    let huge_pages = args.get(5).is_some_and(|v| v == "huge");
+    // Options, `+`-separated: `huge` advises the host partitions for transparent huge pages;
+    // `bf16init` builds the layers' weights in bf16 (what a user does for a model whose fp32
+    // weights would not fit beside the engine's buffers).
+    let options = args.get(5).cloned().unwrap_or_default();
+    let huge_pages = options.split('+').any(|o| o == "huge");
+    let bf16_init = options.split('+').any(|o| o == "bf16init");
     let (_env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let device = burn::backend::cuda::CudaDevice::new(0);
     let nvme_path = std::env::var("BURN_ZERO_NVME_PATH").unwrap_or_else(|_| "/tmp".into());
@@ -45,11 +49,14 @@ fn main() {
         "none" => String::new(),
         other => panic!("{usage}: not `{other}`"),
     };
+    // `aio`: deeper queue and larger requests than DeepSpeed's defaults (1 MiB, 8), as the
+    // device's disk is virtio, where more in flight pays (used by `nvme` only).
     let json = format!(
         r#"{{"train_micro_batch_size_per_gpu": {BATCH}, "gradient_accumulation_steps": 1,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
             "bf16": {{"enabled": true}},
             "zero_optimization": {{"stage": 2, "overlap_comm": true{offload_json}}},
+            "aio": {{"block_size": 4194304, "queue_depth": 32}},
             "burn_zero": {{"matmul": {{"cublaslt": true}}, "cpu_adam": {{"huge_pages": {huge_pages}}}}}}}"#
     );
     let config = DeepSpeedConfig::from_json(&json).expect("config").config;
@@ -61,9 +68,14 @@ fn main() {
     let model = DeepMlp::<B> {
         layers: (0..layers)
             .map(|_| {
-                LinearConfig::new(width, width)
+                let mut layer = LinearConfig::new(width, width)
                     .with_bias(false)
-                    .init(&device)
+                    .init(&device);
+                if bf16_init {
+                    let weight = layer.weight.val().cast(FloatDType::BF16);
+                    layer.weight = Param::from_tensor(weight.detach().require_grad());
+                }
+                layer
             })
             .collect(),
     };
@@ -111,7 +123,7 @@ fn main() {
     println!(
         "{}",
         serde_json::json!({"params": params, "layers": layers, "width": width, "batch": BATCH,
-            "offload": place, "huge_pages": huge_pages, "init_s": init_s,
+            "offload": place, "huge_pages": huge_pages, "bf16_init": bf16_init, "init_s": init_s,
             "median_step_s": sorted[sorted.len() / 2], "step_times_s": times,
             "engine_backward_s": per(timings.backward), "engine_step_s": per(timings.step),
             "offload_breakdown": offload_breakdown, "losses": losses,
