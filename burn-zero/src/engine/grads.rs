@@ -128,7 +128,7 @@ impl<I: Backend> GradState<I> {
             let sum = self
                 .accum
                 .settle(self.buffer.clone().slice(range.clone()) + grad);
-            self.buffer = self.buffer.clone().slice_assign(range, sum);
+            self.buffer = self.take_buffer().slice_assign(range, sum);
             return;
         }
         self.bucket_elems += n;
@@ -200,7 +200,7 @@ impl<I: Backend> GradState<I> {
                 let sum = self.accum.settle(
                     self.buffer.clone().slice(dst.clone()) + received.clone().slice(at..at + len),
                 );
-                self.buffer = self.buffer.clone().slice_assign(dst, sum);
+                self.buffer = self.take_buffer().slice_assign(dst, sum);
                 at += len;
             }
         }
@@ -238,7 +238,18 @@ impl<I: Backend> GradState<I> {
 
     /// Zeroes the gradients after an optimizer step.
     pub(crate) fn clear(&mut self) {
-        self.buffer = self.buffer.zeros_like();
+        let (len, device) = (self.buffer.dims()[0], self.buffer.device());
+        // The old buffer goes first, so the new one can take its memory.
+        drop(self.take_buffer());
+        self.buffer = Tensor::zeros([len], (&device, self.accum.storage()));
+    }
+
+    /// The gradient buffer, owned (an empty one left in its place): an update of the sole
+    /// reference can run in place, where one of a shared buffer copies all of it (a full
+    /// second gradient buffer on the device, which a large model does not have room for).
+    fn take_buffer(&mut self) -> Tensor<I, 1> {
+        let empty = Tensor::zeros([0], (&self.buffer.device(), self.accum.storage()));
+        std::mem::replace(&mut self.buffer, empty)
     }
 }
 
