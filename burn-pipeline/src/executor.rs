@@ -6,12 +6,13 @@
 
 use std::collections::HashMap;
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::module::{AutodiffModule, ModuleMapper, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
-use burn_zero::comm::{CommError, Communicator, ReduceOp};
+use burn_zero::comm::{CommError, Communicator};
 
+use crate::optimizer::StageOptimizer;
 use crate::schedule::Instr;
 
 /// What one stage computes, and what the pipeline feeds it.
@@ -75,52 +76,10 @@ fn values<B: AutodiffBackend>(t: Tensor<B, 2>) -> Vec<f32> {
         .expect("f32 values")
 }
 
-/// Averages every parameter gradient of `module` in `grads` across `data` (the ranks that
-/// hold the same stage for other samples), in place of each.
-fn average_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
-    module: &M,
-    grads: GradientsParams,
-    data: &dyn Communicator,
-) -> Result<GradientsParams, CommError> {
-    struct Average<'a> {
-        grads: GradientsParams,
-        data: &'a dyn Communicator,
-        failure: Option<CommError>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Average<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
-                return;
-            };
-            let (device, shape) = (g.device(), g.shape());
-            let mut values: Vec<f32> = g.into_data().convert::<f32>().into_vec().expect("f32");
-            if self.failure.is_none()
-                && let Err(e) = self
-                    .data
-                    .all_reduce(values.as_mut_slice().into(), ReduceOp::Avg)
-            {
-                self.failure = Some(e);
-            }
-            let averaged =
-                Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
-            self.grads.register(param.id, averaged);
-        }
-    }
-    let mut average = Average {
-        grads,
-        data,
-        failure: None,
-    };
-    module.visit(&mut average);
-    match average.failure {
-        Some(e) => Err(e),
-        None => Ok(average.grads),
-    }
-}
-
 /// Runs `stream` for one optimizer step of `module` with `optimizer` at learning rate `lr`,
 /// exchanging activations over `pipe` (neighbouring stages at ranks `stage ± 1`) and, at
-/// `ReduceGrads`, averaging gradients over `data` when given (pipe × data parallelism);
+/// `ReduceGrads` and `OptimizerStep`, reducing gradients over `data` when given as the
+/// optimizer does it ([`crate::Replicated`]: averaged; [`crate::Zero1`]: reduce-scattered);
 /// returns the new module and, on the last stage, the step's loss (mean over micro-batches).
 pub fn run_step<B, M, O>(
     module: M,
@@ -134,7 +93,7 @@ pub fn run_step<B, M, O>(
 where
     B: AutodiffBackend,
     M: PipeStage<B>,
-    O: Optimizer<M, B>,
+    O: StageOptimizer<B, M>,
 {
     let device = module.devices().into_iter().next().unwrap_or_default();
     let (prev, next) = (spec.stage.wrapping_sub(1), spec.stage + 1);
@@ -240,15 +199,14 @@ where
                 comm.send(values(g).as_slice().into(), prev)?;
             }
             Instr::ReduceGrads => {
-                let grads = accumulated.grads();
-                reduced = Some(match data {
-                    Some(data) if data.world_size() > 1 => average_grads(&module, grads, data)?,
-                    _ => grads,
-                });
+                reduced = Some(optimizer.reduce(&module, accumulated.grads(), data)?);
             }
             Instr::OptimizerStep => {
-                let grads = reduced.take().unwrap_or_else(|| accumulated.grads());
-                let module = optimizer.step(lr, module, grads);
+                let grads = match reduced.take() {
+                    Some(grads) => grads,
+                    None => optimizer.reduce(&module, accumulated.grads(), data)?,
+                };
+                let module = optimizer.step(lr, module, grads, data)?;
                 let last = spec.stage + 1 == spec.stages;
                 return Ok((module, last.then_some(loss_sum)));
             }

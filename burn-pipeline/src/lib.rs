@@ -6,17 +6,20 @@
 //! [`split`](mod@split): layers into stages, uniformly or balanced by parameter count.
 //! [`executor`]: runs a stage's stream on a burn module, with gradients averaged over the
 //! data axis (pipe × data).
+//! [`optimizer`]: a stage's optimizer step over the data axis: replicated, or ZeRO-1.
 //! [`tensor_parallel`]: column/row-parallel linear layers, a vocab-parallel embedding and
 //! cross-entropy over the model axis, with the two model-parallel autodiff ops.
 #![warn(missing_docs)]
 
 pub mod executor;
+pub mod optimizer;
 pub mod schedule;
 pub mod split;
 pub mod tensor_parallel;
 pub mod topology;
 
 pub use executor::{PipeStage, StageSpec, run_step};
+pub use optimizer::{Replicated, StageOptimizer, Zero1};
 pub use schedule::{Instr, Schedule, peak_in_flight, simulate};
 pub use split::{SplitMethod, split};
 pub use tensor_parallel::{

@@ -4,4 +4,5 @@
 
 pub mod cases;
 pub mod engine_loop;
+pub mod grid;
 pub mod reference;

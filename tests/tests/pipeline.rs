@@ -11,8 +11,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, activation};
-use burn_pipeline::{PipeStage, Schedule, StageSpec, run_step};
+use burn_pipeline::{PipeStage, Replicated, Schedule, StageOptimizer, StageSpec, Zero1, run_step};
 use burn_zero::comm::Communicator;
+use burn_zero::config::{OptimizerKind, OptimizerParams};
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
 use burn_zero_tests::cases::{batch_rows, param_data, tensor};
@@ -102,7 +103,7 @@ fn pipeline(schedule: Schedule) -> (Vec<f32>, Vec<Vec<f32>>) {
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
         let stage = ctx.rank;
         let mut layer = Layer::<B>::new(stage, &device);
-        let mut optim = AdamConfig::new().init::<B, Layer<B>>();
+        let mut optim = Replicated(AdamConfig::new().init::<B, Layer<B>>());
         let stream = schedule.stream(stages, MICRO, stage);
         let mut losses = Vec::new();
         for step in 0..STEPS {
@@ -180,20 +181,44 @@ impl<B: AutodiffBackend> PipeStage<B> for Pair<B> {
     }
 }
 
-/// Pipe 2 × data 2 on 4 thread ranks (the topology's groups as sub-communicators): each data
-/// rank runs its own 24 rows through both stages, gradients are averaged over the data axis
-/// at `ReduceGrads`; against one process on all 48 rows.
+/// Pipe 2 × data 2 with burn's Adam on every data rank (gradients averaged at `ReduceGrads`).
 #[test]
 fn pipe_by_data_matches_the_unpartitioned_model() {
+    pipe_by_data(|| Replicated(adam().init::<B, Pair<B>>()));
+}
+
+/// Pipe 2 × data 2 with ZeRO-1 over the data axis: each data rank holds the Adam state of half
+/// of its stage (gradients reduce-scattered, parameters all-gathered).
+#[test]
+fn pipe_by_data_with_zero1_matches_the_unpartitioned_model() {
+    pipe_by_data(|| {
+        Zero1::new(
+            OptimizerKind::Adam {
+                decoupled_weight_decay: false,
+            },
+            OptimizerParams::default(),
+        )
+    });
+}
+
+/// burn's Adam with PyTorch's ε (what burn-zero's Adam uses).
+fn adam() -> AdamConfig {
+    AdamConfig::new().with_epsilon(1e-8)
+}
+
+/// Pipe 2 × data 2 on 4 thread ranks (the topology's groups as sub-communicators): each data
+/// rank runs its own 24 rows through both stages with the optimizer `make` builds; against one
+/// process on all 48 rows.
+fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(make: impl Fn() -> O + Sync) {
     use burn_pipeline::Topology;
-    use burn_zero::comm::LocalGroup;
+    use burn_zero_tests::grid::GridComms;
     let rows = MICRO * ROWS;
     // Reference: the four layers on both data shards' rows at once.
     let device = Default::default();
     let mut model = Whole::<B> {
         layers: (0..4).map(|i| Layer::new(i, &device)).collect(),
     };
-    let mut optim = AdamConfig::new().init::<B, Whole<B>>();
+    let mut optim = adam().init::<B, Whole<B>>();
     let mut ref_losses = Vec::new();
     for step in 0..STEPS {
         let (x, y) = batch_rows::<B>(2 * rows, 900 + step, 0..2 * rows, &device);
@@ -207,33 +232,22 @@ fn pipe_by_data_matches_the_unpartitioned_model() {
         .map(|d| d.to_vec::<f32>().unwrap())
         .collect();
 
-    let topo = Topology::pipe_data_model(2, 2, 1);
-    let groups = |axis: &str| -> Vec<LocalGroup> {
-        topo.groups(axis)
-            .iter()
-            .map(|g| LocalGroup::new(g.len()))
-            .collect()
-    };
-    let (pipe_groups, data_groups) = (groups("pipe"), groups("data"));
-    let comm_of = |groups: &[LocalGroup], axis: &str, rank: usize| {
-        let (group, place) = topo.group_of(rank, axis);
-        let index = topo.groups(axis).iter().position(|g| *g == group).unwrap();
-        groups[index].comm(place)
-    };
+    let grid = GridComms::new(Topology::pipe_data_model(2, 2, 1), &["pipe", "data"]);
+    let topo = grid.topology();
     let results = run_ranks(4, |ctx| {
         let device = Default::default();
         let (stage, shard) = (
             topo.coord_along(ctx.rank, "pipe"),
             topo.coord_along(ctx.rank, "data"),
         );
-        let pipe = comm_of(&pipe_groups, "pipe", ctx.rank);
-        let data = comm_of(&data_groups, "data", ctx.rank);
+        let pipe = grid.comm(ctx.rank, "pipe");
+        let data = grid.comm(ctx.rank, "data");
         let mut pair = Pair::<B> {
             layers: (2 * stage..2 * stage + 2)
                 .map(|i| Layer::new(i, &device))
                 .collect(),
         };
-        let mut optim = AdamConfig::new().init::<B, Pair<B>>();
+        let mut optim = make();
         let stream = Schedule::OneFOneB.stream(2, MICRO, stage);
         let mut losses = Vec::new();
         for step in 0..STEPS {

@@ -417,7 +417,15 @@ fn global_norm<I: Backend>(
     grad: Tensor<I, 1>,
     stage: u8,
 ) -> Result<f64, CommError> {
-    let squares = grad.clone().mul(grad).sum();
+    // In pieces: `grad · grad` of a whole partition is a second partition-sized buffer, which
+    // a large model has no room for.
+    const PIECE: usize = 1 << 26;
+    let n = grad.dims()[0];
+    let mut squares = Tensor::<I, 1>::zeros([1], (&grad.device(), grad.dtype()));
+    for start in (0..n).step_by(PIECE) {
+        let piece = grad.clone().slice(start..(start + PIECE).min(n));
+        squares = squares + piece.clone().mul(piece).sum();
+    }
     let total = if stage == 0 {
         squares
     } else {

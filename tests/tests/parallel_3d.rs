@@ -1,0 +1,214 @@
+//! 3D parallelism on 8 thread ranks: pipe 2 × data 2 × model 2. Each pipeline stage is a
+//! residual MLP block sliced over its model group (column- then row-parallel); activations and
+//! their gradients travel between stages per (data, model) coordinate, gradients are averaged
+//! over the data axis, and 1F1B runs 4 micro-batches per step. Against the unpartitioned two
+//! blocks trained in one process on both data shards' rows: losses and every parameter slice
+//! of 10 Adam steps within fp32 tolerance.
+
+use std::sync::Arc;
+
+use burn::backend::NdArray;
+use burn::module::{Module, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, activation};
+use burn_pipeline::tensor_parallel::slice_of;
+use burn_pipeline::{
+    ColumnParallelLinear, ModelGroup, PipeStage, Replicated, RowParallelLinear, Schedule,
+    StageSpec, Topology, run_step,
+};
+use burn_zero::comm::Communicator;
+use burn_zero::engine::ZeroAutodiff;
+use burn_zero::testing::run_ranks;
+use burn_zero_tests::cases::tensor;
+use burn_zero_tests::grid::GridComms;
+
+type B = ZeroAutodiff<NdArray>;
+
+const WIDTH: usize = 6;
+const HIDDEN: usize = 8;
+const MICRO: usize = 4;
+const ROWS: usize = 3;
+const STEPS: usize = 10;
+const LR: f64 = 0.01;
+
+fn linear(d_in: usize, d_out: usize, salt: usize, device: &burn::tensor::Device<B>) -> Linear<B> {
+    let mut l = LinearConfig::new(d_in, d_out).init::<B>(device);
+    l.weight = Param::from_tensor(tensor::<B, 2>([d_in, d_out], salt, device).mul_scalar(0.5));
+    l.bias = Some(Param::from_tensor(
+        tensor::<B, 1>([d_out], salt + 1, device).mul_scalar(0.1),
+    ));
+    l
+}
+
+/// One residual MLP block, unsliced.
+#[derive(Module, Debug)]
+struct Block<B: Backend> {
+    up: Linear<B>,
+    down: Linear<B>,
+}
+
+impl Block<B> {
+    fn new(i: usize, device: &burn::tensor::Device<B>) -> Self {
+        Self {
+            up: linear(WIDTH, HIDDEN, 10 + 10 * i, device),
+            down: linear(HIDDEN, WIDTH, 15 + 10 * i, device),
+        }
+    }
+
+    fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        x.clone() + self.down.forward(activation::tanh(self.up.forward(x)))
+    }
+}
+
+/// The same block sliced over a model group: one pipeline stage.
+#[derive(Module, Debug)]
+struct SlicedBlock<B: Backend> {
+    up: ColumnParallelLinear<B>,
+    down: RowParallelLinear<B>,
+    #[module(skip)]
+    group: ModelGroup,
+}
+
+impl PipeStage<B> for SlicedBlock<B> {
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let inner = activation::tanh(self.up.forward(x.clone(), &self.group));
+        x + self.down.forward(inner, &self.group)
+    }
+}
+
+/// Step `step`'s rows `rows` of the whole batch (both data shards): inputs and targets.
+fn rows(
+    step: usize,
+    rows: std::ops::Range<usize>,
+    device: &burn::tensor::Device<B>,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let total = 2 * MICRO * ROWS;
+    let x = tensor::<B, 2>([total, WIDTH], 300 + step, device);
+    let y = tensor::<B, 2>([total, WIDTH], 400 + step, device);
+    (x.slice([rows.clone(), 0..WIDTH]), y.slice([rows, 0..WIDTH]))
+}
+
+fn mse(out: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+    (out - y).powf_scalar(2.0).mean()
+}
+
+fn values<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec().unwrap()
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()) + 1e-6,
+            "{what}[{i}]: {a} vs {b}"
+        );
+    }
+}
+
+#[test]
+fn pipe_by_data_by_model_matches_the_unpartitioned_model() {
+    let device = Default::default();
+    let mut reference = vec![Block::new(0, &device), Block::new(1, &device)];
+    let mut optim = AdamConfig::new().init::<B, Vec<Block<B>>>();
+    let mut ref_losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = rows(step, 0..2 * MICRO * ROWS, &device);
+        let loss = mse(reference.iter().fold(x, |h, b| b.apply(h)), y);
+        ref_losses.push(loss.clone().into_scalar());
+        let grads = GradientsParams::from_grads(loss.backward(), &reference);
+        reference = optim.step(LR, reference, grads);
+    }
+
+    let grid = GridComms::new(
+        Topology::pipe_data_model(2, 2, 2),
+        &["pipe", "data", "model"],
+    );
+    let topo = grid.topology();
+    let results = run_ranks(8, |ctx| {
+        let device = Default::default();
+        let at = |axis| topo.coord_along(ctx.rank, axis);
+        let (stage, shard, part) = (at("pipe"), at("data"), at("model"));
+        let (pipe, data) = (grid.comm(ctx.rank, "pipe"), grid.comm(ctx.rank, "data"));
+        let model: Arc<dyn Communicator> = Arc::new(grid.comm(ctx.rank, "model"));
+        let group = ModelGroup::new(model);
+        let full = Block::new(stage, &device);
+        let mut block = SlicedBlock::<B> {
+            up: ColumnParallelLinear::from_linear(&full.up, &group),
+            down: RowParallelLinear::from_linear(&full.down, &group),
+            group,
+        };
+        let mut optim = Replicated(AdamConfig::new().init::<B, SlicedBlock<B>>());
+        let stream = Schedule::OneFOneB.stream(2, MICRO, stage);
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let shard_rows = |mb: usize| {
+                let start = (shard * MICRO + mb) * ROWS;
+                rows(step, start..start + ROWS, &device)
+            };
+            let inputs = |mb: usize| shard_rows(mb).0;
+            let loss = |mb: usize, out: Tensor<B, 2>| mse(out, shard_rows(mb).1);
+            let spec = StageSpec {
+                stage,
+                stages: 2,
+                micro_batches: MICRO,
+                rows: ROWS,
+                in_features: WIDTH,
+                inputs: &inputs,
+                loss: &loss,
+            };
+            let (next, l) =
+                run_step(block, &mut optim, LR, &stream, &spec, &pipe, Some(&data)).unwrap();
+            block = next;
+            losses.extend(l);
+        }
+        (stage, shard, part, losses, block)
+    });
+    // The last stage's data shards each report the mean over their half of the rows: their
+    // mean is the whole batch's loss, on either model rank.
+    for part in 0..2 {
+        let shard_losses: Vec<&Vec<f32>> = results
+            .iter()
+            .filter(|r| r.0 == 1 && r.2 == part)
+            .map(|r| &r.3)
+            .collect();
+        let mean: Vec<f32> = (0..STEPS)
+            .map(|s| (shard_losses[0][s] + shard_losses[1][s]) / 2.0)
+            .collect();
+        assert_close(&format!("losses, model rank {part}"), &mean, &ref_losses);
+    }
+    for (stage, shard, part, _, block) in results {
+        let at = format!("stage {stage}, data {shard}, model {part}");
+        let r = &reference[stage];
+        let hidden = slice_of(HIDDEN, part, 2);
+        let checks = [
+            (
+                "up.weight",
+                block.up.weight.val(),
+                r.up.weight.val().slice([0..WIDTH, hidden.clone()]),
+            ),
+            (
+                "down.weight",
+                block.down.weight.val(),
+                r.down.weight.val().slice([hidden.clone(), 0..WIDTH]),
+            ),
+        ];
+        for (name, got, want) in checks {
+            assert_close(&format!("{at} {name}"), &values(got), &values(want));
+        }
+        let bias = |b: &Option<Param<Tensor<B, 1>>>| values(b.as_ref().unwrap().val());
+        assert_close(
+            &format!("{at} up.bias"),
+            &bias(&block.up.bias),
+            &values(r.up.bias.as_ref().unwrap().val().slice([hidden])),
+        );
+        assert_close(
+            &format!("{at} down.bias"),
+            &bias(&block.down.bias),
+            &bias(&r.down.bias),
+        );
+    }
+    assert!(ref_losses[STEPS - 1] < ref_losses[0], "{ref_losses:?}");
+}
