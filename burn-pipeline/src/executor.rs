@@ -12,6 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use burn_zero::comm::{CommError, Communicator};
 
+use crate::checkpoint::{Checkpointing, Saved};
 use crate::optimizer::StageOptimizer;
 use crate::schedule::Instr;
 
@@ -37,6 +38,8 @@ pub struct StageSpec<'a, B: AutodiffBackend> {
     pub inputs: &'a dyn Fn(usize) -> Tensor<B, 2>,
     /// Last stage: micro-batch `mb`'s loss from its output.
     pub loss: &'a dyn Fn(usize, Tensor<B, 2>) -> Tensor<B, 1>,
+    /// Activation checkpointing (`None`: every micro-batch keeps its graph until backward).
+    pub checkpoint: Option<&'a Checkpointing>,
 }
 
 /// `module` with every float parameter a new autodiff leaf over the same values and id.
@@ -63,6 +66,8 @@ struct Live<B: AutodiffBackend, M> {
     /// The stage's parameters as this micro-batch's own leaves.
     module: Option<M>,
     input: Tensor<B, 2>,
+    /// The checkpointed input, while the forward's graph is gone (`input` is then detached).
+    saved: Option<Saved<B>>,
     output: Tensor<B, 2>,
     loss: Option<Tensor<B, 1>>,
     grad_out: Option<Tensor<B, 2>>,
@@ -74,6 +79,18 @@ fn values<B: AutodiffBackend>(t: Tensor<B, 2>) -> Vec<f32> {
         .convert::<f32>()
         .into_vec()
         .expect("f32 values")
+}
+
+/// The last stage's loss of micro-batch `mb` (its share of the step's mean); `None` elsewhere.
+fn stage_loss<B: AutodiffBackend>(
+    spec: &StageSpec<'_, B>,
+    mb: usize,
+    output: &Tensor<B, 2>,
+) -> Option<Tensor<B, 1>> {
+    (spec.stage + 1 == spec.stages).then(|| {
+        let loss = (spec.loss)(mb, output.clone());
+        loss.div_scalar(spec.micro_batches as f32)
+    })
 }
 
 /// Runs `stream` for one optimizer step of `module` with `optimizer` at learning rate `lr`,
@@ -119,6 +136,7 @@ where
                     Live {
                         module: None,
                         input: x.clone(),
+                        saved: None,
                         output: x,
                         loss: None,
                         grad_out: None,
@@ -134,21 +152,31 @@ where
                 let leaves = fresh_leaves(&module);
                 let output = leaves.forward(input.clone());
                 out_features = output.dims()[1];
-                let loss = (spec.stage + 1 == spec.stages).then(|| {
-                    let loss = (spec.loss)(mb, output.clone());
-                    loss.div_scalar(spec.micro_batches as f32)
-                });
-                live.insert(
-                    mb,
-                    Live {
-                        module: Some(leaves),
-                        input,
-                        output,
-                        loss,
+                let l = match spec.checkpoint {
+                    // Only the input is kept; the graph of the activations goes with `leaves`.
+                    Some(ckpt) => Live {
+                        module: None,
+                        saved: Some(ckpt.save(input.clone())),
+                        input: input.detach(),
+                        output: output.detach(),
+                        loss: None,
                         grad_out: None,
                         grad_in: None,
                     },
-                );
+                    None => {
+                        let loss = stage_loss(spec, mb, &output);
+                        Live {
+                            module: Some(leaves),
+                            input,
+                            saved: None,
+                            output,
+                            loss,
+                            grad_out: None,
+                            grad_in: None,
+                        }
+                    }
+                };
+                live.insert(mb, l);
             }
             Instr::SendActivation { mb } => {
                 let out = live[&mb].output.clone().detach();
@@ -165,6 +193,20 @@ where
             }
             Instr::Backward { mb } => {
                 let l = live.get_mut(&mb).expect("forwarded before");
+                if let (Some(saved), Some(ckpt)) = (l.saved.take(), spec.checkpoint) {
+                    // The forward again, from the checkpoint, with its graph this time.
+                    let input = ckpt.restore(saved, &device)?;
+                    let input = if spec.stage > 0 {
+                        input.require_grad()
+                    } else {
+                        input
+                    };
+                    let leaves = fresh_leaves(&module);
+                    l.output = leaves.forward(input.clone());
+                    l.loss = stage_loss(spec, mb, &l.output);
+                    l.input = input;
+                    l.module = Some(leaves);
+                }
                 let seed = match (&l.loss, &l.grad_out) {
                     (Some(loss), _) => {
                         loss_sum += loss.clone().into_scalar().elem::<f32>();

@@ -6,11 +6,14 @@
 //! [`split`](mod@split): layers into stages, uniformly or balanced by parameter count.
 //! [`executor`]: runs a stage's stream on a burn module, with gradients averaged over the
 //! data axis (pipe × data).
+//! [`checkpoint`]: activation checkpointing of a stage's micro-batches (partitioned over the
+//! model axis, or in host memory, as the config says).
 //! [`optimizer`]: a stage's optimizer step over the data axis: replicated, or ZeRO-1.
 //! [`tensor_parallel`]: column/row-parallel linear layers, a vocab-parallel embedding and
 //! cross-entropy over the model axis, with the two model-parallel autodiff ops.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod executor;
 pub mod optimizer;
 pub mod schedule;
@@ -18,6 +21,7 @@ pub mod split;
 pub mod tensor_parallel;
 pub mod topology;
 
+pub use checkpoint::Checkpointing;
 pub use executor::{PipeStage, StageSpec, run_step};
 pub use optimizer::{Replicated, StageOptimizer, Zero1};
 pub use schedule::{Instr, Schedule, peak_in_flight, simulate};

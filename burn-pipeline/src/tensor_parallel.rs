@@ -44,6 +44,11 @@ impl ModelGroup {
         Self(comm)
     }
 
+    /// The group's communicator.
+    pub fn comm(&self) -> &dyn Communicator {
+        self.0.as_ref()
+    }
+
     /// This rank's place in the group.
     pub fn rank(&self) -> usize {
         self.0.rank()

@@ -3,7 +3,7 @@
 //! their gradients travel between stages per (data, model) coordinate, gradients are averaged
 //! over the data axis, and 1F1B runs 4 micro-batches per step. Against the unpartitioned two
 //! blocks trained in one process on both data shards' rows: losses and every parameter slice
-//! of 10 Adam steps within fp32 tolerance.
+//! of 10 Adam steps within fp32 tolerance, with and without activation checkpointing.
 
 use std::sync::Arc;
 
@@ -15,9 +15,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, activation};
 use burn_pipeline::tensor_parallel::slice_of;
 use burn_pipeline::{
-    ColumnParallelLinear, ModelGroup, PipeStage, Replicated, RowParallelLinear, Schedule,
-    StageSpec, Topology, run_step,
+    Checkpointing, ColumnParallelLinear, ModelGroup, PipeStage, Replicated, RowParallelLinear,
+    Schedule, StageSpec, Topology, run_step,
 };
+use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::Communicator;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
@@ -110,6 +111,41 @@ fn assert_close(what: &str, got: &[f32], want: &[f32]) {
 
 #[test]
 fn pipe_by_data_by_model_matches_the_unpartitioned_model() {
+    three_d(|_| None);
+}
+
+/// The same with activation checkpointing from the config: each model rank keeps its slice of
+/// a stage input (`partition_activations`) in host memory (`cpu_checkpointing`), all-gathered
+/// before the forward is recomputed in backward.
+#[test]
+fn partitioned_checkpoints_in_host_memory_change_nothing() {
+    let config = DeepSpeedConfig::from_json(
+        r#"{"train_batch_size": 1, "activation_checkpointing":
+            {"partition_activations": true, "cpu_checkpointing": true}}"#,
+    )
+    .unwrap()
+    .config;
+    let section = config.activation_checkpointing.expect("the section");
+    three_d(|group| {
+        let c = Checkpointing::from_config(&section, Some(group));
+        assert!(c.partition.is_some() && c.on_host);
+        Some(c)
+    });
+}
+
+/// Partitioned checkpoints kept on the device.
+#[test]
+fn partitioned_checkpoints_on_the_device_change_nothing() {
+    three_d(|group| {
+        Some(Checkpointing {
+            partition: Some(group.clone()),
+            on_host: false,
+        })
+    });
+}
+
+/// 2 × 2 × 2 with the checkpointing `checkpoint` makes from a rank's model group.
+fn three_d(checkpoint: impl Fn(&ModelGroup) -> Option<Checkpointing> + Sync) {
     let device = Default::default();
     let mut reference = vec![Block::new(0, &device), Block::new(1, &device)];
     let mut optim = AdamConfig::new().init::<B, Vec<Block<B>>>();
@@ -134,6 +170,7 @@ fn pipe_by_data_by_model_matches_the_unpartitioned_model() {
         let (pipe, data) = (grid.comm(ctx.rank, "pipe"), grid.comm(ctx.rank, "data"));
         let model: Arc<dyn Communicator> = Arc::new(grid.comm(ctx.rank, "model"));
         let group = ModelGroup::new(model);
+        let ckpt = checkpoint(&group);
         let full = Block::new(stage, &device);
         let mut block = SlicedBlock::<B> {
             up: ColumnParallelLinear::from_linear(&full.up, &group),
@@ -158,6 +195,7 @@ fn pipe_by_data_by_model_matches_the_unpartitioned_model() {
                 in_features: WIDTH,
                 inputs: &inputs,
                 loss: &loss,
+                checkpoint: ckpt.as_ref(),
             };
             let (next, l) =
                 run_step(block, &mut optim, LR, &stream, &spec, &pipe, Some(&data)).unwrap();

@@ -11,7 +11,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, activation};
-use burn_pipeline::{PipeStage, Replicated, Schedule, StageOptimizer, StageSpec, Zero1, run_step};
+use burn_pipeline::{
+    Checkpointing, PipeStage, Replicated, Schedule, StageOptimizer, StageSpec, Zero1, run_step,
+};
 use burn_zero::comm::Communicator;
 use burn_zero::config::{OptimizerKind, OptimizerParams};
 use burn_zero::engine::ZeroAutodiff;
@@ -97,6 +99,13 @@ fn reference() -> (Vec<f32>, Vec<Vec<f32>>) {
 }
 
 fn pipeline(schedule: Schedule) -> (Vec<f32>, Vec<Vec<f32>>) {
+    pipeline_with(schedule, None)
+}
+
+fn pipeline_with(
+    schedule: Schedule,
+    checkpoint: Option<&Checkpointing>,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
     let stages = 4;
     let results = run_ranks(stages, |ctx| {
         let device = Default::default();
@@ -117,6 +126,7 @@ fn pipeline(schedule: Schedule) -> (Vec<f32>, Vec<Vec<f32>>) {
                 in_features: DIMS[stage],
                 inputs: &inputs,
                 loss: &loss,
+                checkpoint,
             };
             let (next, step_loss) = run_step(
                 layer,
@@ -166,6 +176,21 @@ fn four_stages_match_the_unpartitioned_model() {
         for (i, (a, b)) in p_params.iter().zip(&params).enumerate() {
             assert!(close(a, b), "{schedule:?}: parameter {i}");
         }
+    }
+}
+
+/// Activation checkpointing (whole inputs on the device, then in host memory) recomputes each
+/// stage's forward in backward: the same bits as keeping the graphs.
+#[test]
+fn checkpointed_stages_give_the_same_bits() {
+    let kept = pipeline(Schedule::GPipe);
+    for on_host in [false, true] {
+        let ckpt = Checkpointing {
+            partition: None,
+            on_host,
+        };
+        let checkpointed = pipeline_with(Schedule::GPipe, Some(&ckpt));
+        assert!(checkpointed == kept, "on host: {on_host}");
     }
 }
 
@@ -265,6 +290,7 @@ fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(make: impl Fn() -> O + Sync) {
                 in_features: DIMS[2 * stage],
                 inputs: &inputs,
                 loss: &loss,
+                checkpoint: None,
             };
             let (next, l) = run_step(
                 pair,
