@@ -197,12 +197,17 @@ impl<B: ModelParallelBackend> ColumnParallelLinear<B> {
     pub fn from_linear(full: &Linear<B>, group: &ModelGroup) -> Self {
         let [d_in, d_out] = full.weight.dims();
         let cols = group.slice_of(d_out);
+        Self::from_parts(
+            full.weight.val().slice([0..d_in, cols.clone()]),
+            full.bias.as_ref().map(|b| b.val().slice([cols.clone()])),
+        )
+    }
+
+    /// A layer holding `weight` (`[d_in, d_out slice]`) and `bias` as new trainable leaves.
+    pub fn from_parts(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
         Self {
-            weight: leaf(full.weight.val().slice([0..d_in, cols.clone()])),
-            bias: full
-                .bias
-                .as_ref()
-                .map(|b| leaf(b.val().slice([cols.clone()]))),
+            weight: leaf(weight),
+            bias: bias.map(leaf),
         }
     }
 
@@ -229,9 +234,17 @@ impl<B: ModelParallelBackend> RowParallelLinear<B> {
     pub fn from_linear(full: &Linear<B>, group: &ModelGroup) -> Self {
         let [d_in, d_out] = full.weight.dims();
         let rows = group.slice_of(d_in);
+        Self::from_parts(
+            full.weight.val().slice([rows, 0..d_out]),
+            full.bias.as_ref().map(|b| b.val()),
+        )
+    }
+
+    /// A layer holding `weight` (`[d_in slice, d_out]`) and `bias` as new trainable leaves.
+    pub fn from_parts(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
         Self {
-            weight: leaf(full.weight.val().slice([rows, 0..d_out])),
-            bias: full.bias.as_ref().map(|b| leaf(b.val())),
+            weight: leaf(weight),
+            bias: bias.map(leaf),
         }
     }
 

@@ -229,6 +229,21 @@ impl<B: Backend> Llama<B> {
     pub fn num_layers(&self) -> usize {
         self.blocks.len()
     }
+
+    /// Query heads per layer.
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// Key/value heads per layer.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
+    }
+
+    /// RoPE's base.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_theta
+    }
 }
 
 /// Mean cross-entropy of `logits` `[batch, seq, vocab]` against `targets` `[batch, seq]`,
@@ -297,14 +312,20 @@ impl<B: Backend> Block<B> {
 /// Rotary position embedding on interleaved pairs `(x[2i], x[2i+1])` — the layout of the q/k
 /// weights in GGUF files (llama.cpp permutes them); Hugging Face weights are permuted to it on
 /// load.
-struct Rope<B: Backend> {
+pub(crate) struct Rope<B: Backend> {
     /// `[1, 1, seq, hd/2, 1]` each.
     cos: Tensor<B, 5>,
     sin: Tensor<B, 5>,
 }
 
 impl<B: Backend> Rope<B> {
-    fn new(seq: usize, head_dim: usize, theta: f64, device: &B::Device, dtype: DType) -> Self {
+    pub(crate) fn new(
+        seq: usize,
+        head_dim: usize,
+        theta: f64,
+        device: &B::Device,
+        dtype: DType,
+    ) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(seq * half);
         let mut sin = Vec::with_capacity(seq * half);
@@ -328,7 +349,7 @@ impl<B: Backend> Rope<B> {
     }
 
     /// `x`: `[batch, heads, seq, head_dim]`.
-    fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub(crate) fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [b, h, s, d] = x.dims();
         let x = x.reshape([b, h, s, d / 2, 2]);
         let x0 = x.clone().slice_dim(4, 0..1);

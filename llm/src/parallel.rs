@@ -1,0 +1,192 @@
+//! The Llama sliced over a model-parallel group (Megatron-style, burn-pipeline's
+//! [`tensor_parallel`](burn_pipeline::tensor_parallel) layers): each rank holds a slice of the
+//! attention heads (whole key/value groups, so grouped-query attention stays local), of the MLP's
+//! intermediate features, and of the vocabulary (embedding rows and output columns); norms are
+//! replicated. Attention and the MLP each end in one all-reduce; the loss is the vocab-parallel
+//! cross-entropy, so no rank holds full logits.
+
+use burn::module::{Module, Param};
+use burn::nn::RmsNorm;
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, FloatDType, Int, Tensor};
+use burn_pipeline::tensor_parallel::{
+    ColumnParallelLinear, ModelGroup, ModelParallelBackend, RowParallelLinear,
+    VocabParallelEmbedding, copy_to_group, slice_of, vocab_parallel_cross_entropy,
+};
+
+use crate::model::{Block, Llama, Rope};
+
+/// One decoder layer's slice.
+#[derive(Module, Debug)]
+pub struct ParallelBlock<B: Backend> {
+    attn_norm: RmsNorm<B>,
+    q: ColumnParallelLinear<B>,
+    k: ColumnParallelLinear<B>,
+    v: ColumnParallelLinear<B>,
+    o: RowParallelLinear<B>,
+    mlp_norm: RmsNorm<B>,
+    gate: ColumnParallelLinear<B>,
+    up: ColumnParallelLinear<B>,
+    down: RowParallelLinear<B>,
+    /// This rank's query heads and key/value heads.
+    heads: usize,
+    kv_heads: usize,
+}
+
+/// This rank's slice of a [`Llama`].
+#[derive(Module, Debug)]
+pub struct ParallelLlama<B: Backend> {
+    embed: VocabParallelEmbedding<B>,
+    blocks: Vec<ParallelBlock<B>>,
+    norm: RmsNorm<B>,
+    /// An untied output projection's vocabulary columns (`None`: tied to the embedding's rows).
+    head: Option<ColumnParallelLinear<B>>,
+    rope_theta: f64,
+    #[module(skip)]
+    group: ModelGroup,
+}
+
+/// Why a model cannot be sliced over a group.
+fn check<B: Backend>(model: &Llama<B>, ranks: usize) -> Result<(), String> {
+    if model.num_kv_heads() < ranks {
+        return Err(format!(
+            "{} key/value heads cannot be sliced over {ranks} model-parallel ranks (each needs a \
+             whole key/value group)",
+            model.num_kv_heads()
+        ));
+    }
+    if model.blocks.iter().any(|b| b.lora.is_some()) {
+        return Err("a model with LoRA adapters cannot be sliced yet".into());
+    }
+    Ok(())
+}
+
+/// `t` with only the rows or columns of `range` kept along `dim`, as a new trainable leaf.
+fn part<B: Backend>(
+    t: &Param<Tensor<B, 2>>,
+    dim: usize,
+    range: std::ops::Range<usize>,
+) -> Tensor<B, 2> {
+    t.val().slice_dim(dim, range)
+}
+
+impl<B: ModelParallelBackend> ParallelBlock<B> {
+    fn slice(block: &Block<B>, heads: usize, kv_heads: usize, group: &ModelGroup) -> Self {
+        let hd = block.q.weight.dims()[1] / heads;
+        let kv = slice_of(kv_heads, group.rank(), group.size());
+        let per_group = heads / kv_heads;
+        let q = kv.start * per_group * hd..kv.end * per_group * hd;
+        let kv_cols = kv.start * hd..kv.end * hd;
+        let ffn = group.slice_of(block.gate.weight.dims()[1]);
+        Self {
+            attn_norm: block.attn_norm.clone(),
+            q: ColumnParallelLinear::from_parts(part(&block.q.weight, 1, q.clone()), None),
+            k: ColumnParallelLinear::from_parts(part(&block.k.weight, 1, kv_cols.clone()), None),
+            v: ColumnParallelLinear::from_parts(part(&block.v.weight, 1, kv_cols), None),
+            o: RowParallelLinear::from_parts(part(&block.o.weight, 0, q), None),
+            mlp_norm: block.mlp_norm.clone(),
+            gate: ColumnParallelLinear::from_parts(part(&block.gate.weight, 1, ffn.clone()), None),
+            up: ColumnParallelLinear::from_parts(part(&block.up.weight, 1, ffn.clone()), None),
+            down: RowParallelLinear::from_parts(part(&block.down.weight, 0, ffn), None),
+            heads: kv.len() * per_group,
+            kv_heads: kv.len(),
+        }
+    }
+
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        mask: &Tensor<B, 2, Bool>,
+        group: &ModelGroup,
+    ) -> Tensor<B, 3> {
+        let [batch, seq, _] = x.dims();
+        let (heads, kv_heads) = (self.heads, self.kv_heads);
+        let hd = self.q.weight.dims()[1] / heads;
+        // One `f` for the three projections of the same input.
+        let h = copy_to_group(self.attn_norm.forward(x.clone()), group);
+        let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
+        let local = |l: &ColumnParallelLinear<B>, h: Tensor<B, 3>| {
+            burn::tensor::module::linear(h, l.weight.val(), None)
+        };
+        let q = rope.apply(split(local(&self.q, h.clone()), heads));
+        let k = rope.apply(split(local(&self.k, h.clone()), kv_heads));
+        let v = split(local(&self.v, h), kv_heads);
+        let repeat = |t: Tensor<B, 4>| {
+            let per_group = heads / kv_heads;
+            t.unsqueeze_dim::<5>(2)
+                .expand([batch, kv_heads, per_group, seq, hd])
+                .reshape([batch, heads, seq, hd])
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
+        let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
+        let dtype = scores.dtype();
+        let attn = softmax(scores.cast(FloatDType::F32), 3)
+            .cast(dtype)
+            .matmul(v);
+        let attn = attn.swap_dims(1, 2).reshape([batch, seq, heads * hd]);
+        let x = x + self.o.forward(attn, group);
+        let h = copy_to_group(self.mlp_norm.forward(x.clone()), group);
+        let gate = silu(local(&self.gate, h.clone()));
+        x + self.down.forward(gate * local(&self.up, h), group)
+    }
+}
+
+impl<B: ModelParallelBackend> ParallelLlama<B> {
+    /// This rank's slice of `model` over `group`; an error says why it cannot be sliced.
+    pub fn slice(model: &Llama<B>, group: ModelGroup) -> Result<Self, String> {
+        check(model, group.size())?;
+        let (heads, kv_heads) = (model.num_heads(), model.num_kv_heads());
+        Ok(Self {
+            embed: VocabParallelEmbedding::from_embedding(&model.embed, &group),
+            blocks: model
+                .blocks
+                .iter()
+                .map(|b| ParallelBlock::slice(b, heads, kv_heads, &group))
+                .collect(),
+            norm: model.norm.clone(),
+            head: model
+                .lm_head
+                .as_ref()
+                .map(|head| ColumnParallelLinear::from_linear(head, &group)),
+            rope_theta: model.rope_theta(),
+            group,
+        })
+    }
+
+    /// Mean next-token cross-entropy of `tokens` (`[batch, seq + 1]`), the same on every rank
+    /// of the group ([`Llama::loss`] on the unsliced model).
+    pub fn loss(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [batch, len] = tokens.dims();
+        let seq = len - 1;
+        let inputs = tokens.clone().slice([0..batch, 0..seq]);
+        let targets = tokens.slice([0..batch, 1..len]).reshape([batch * seq]);
+        let device = inputs.device();
+        let group = &self.group;
+        let mut x = self.embed.forward(inputs, group);
+        let head_dim = {
+            let b = &self.blocks[0];
+            b.q.weight.dims()[1] / b.heads
+        };
+        let rope = Rope::new(seq, head_dim, self.rope_theta, &device, x.dtype());
+        let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
+        for block in &self.blocks {
+            x = block.forward(x, &rope, &mask, group);
+        }
+        let x = self.norm.forward(x);
+        let logits = match &self.head {
+            Some(head) => head.forward(x, group),
+            None => {
+                let w = self.embed.weight.val().transpose().unsqueeze::<3>();
+                copy_to_group(x, group).matmul(w)
+            }
+        };
+        let local_vocab = logits.dims()[2];
+        let logits = logits
+            .cast(FloatDType::F32)
+            .reshape([batch * seq, local_vocab]);
+        vocab_parallel_cross_entropy(logits, targets, self.embed.vocab_start, group)
+    }
+}
