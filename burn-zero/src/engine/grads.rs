@@ -58,6 +58,10 @@ pub(crate) struct GradState<I: Backend> {
     accum: Format,
 }
 
+/// Reduce-scatters in flight before the older ones are waited for and added in (DeepSpeed
+/// double-buffers its buckets the same way).
+const MAX_PENDING_BUCKETS: usize = 2;
+
 impl<I: Backend> GradState<I> {
     pub(crate) fn new(
         layout: Arc<FlatLayout>,
@@ -105,11 +109,13 @@ impl<I: Backend> GradState<I> {
         self.accum.storage().size() * self.buffer.dims()[0]
     }
 
-    /// Bytes of communication buffers at their peak: one bucket, and its send/receive copies.
+    /// Bytes of communication buffers at their peak: the bucket being filled and, at stage 2
+    /// and up, the send/receive copies of the buckets in flight.
     pub(crate) fn comm_buffer_bytes(&self) -> usize {
         let bucket = self.bucket_size.min(self.layout.numel());
         if self.stage >= 2 {
-            4 * 2 * bucket
+            let in_flight = MAX_PENDING_BUCKETS.min(self.layout.numel().div_ceil(bucket));
+            4 * bucket * (1 + 2 * in_flight)
         } else {
             4 * bucket
         }
@@ -144,6 +150,12 @@ impl<I: Backend> GradState<I> {
         self.bucket_elems = 0;
         if items.is_empty() || self.failure.is_some() {
             return;
+        }
+        // Each bucket in flight holds its send and receive buffers until it is settled: with
+        // no bound, a large model's whole gradient would sit there twice by the end of
+        // backward. The earlier buckets have had this bucket's backward to finish.
+        if self.pending.len() >= MAX_PENDING_BUCKETS {
+            self.settle();
         }
         let layout = match &self.stage3 {
             Some(s3) => {
