@@ -171,6 +171,46 @@ fn offloaded_training_equals_training_on_the_device() {
     }
 }
 
+/// The gradient buffer held in pieces of 7 elements (`burn_zero.max_buffer_elements`; a large
+/// model's partition exceeds what one CUDA buffer may hold) trains as one buffer does, with the
+/// optimizer on the device and offloaded, at every stage: within fp32 rounding, as the global
+/// norm (which the clipping uses) is summed piece by piece.
+#[test]
+fn gradient_buffers_in_pieces_change_nothing() {
+    for (stage, world) in [(0, 2), (1, 3), (2, 3), (3, 2)] {
+        let whole = train(
+            world,
+            &config(stage, Place::Device, ADAMW, ""),
+            0..STEPS,
+            None,
+            None,
+        );
+        for place in [Place::Device, Place::Host] {
+            let mut cfg = config(stage, place, ADAMW, "");
+            cfg.burn_zero.max_buffer_elements = 7;
+            let pieces = train(world, &cfg, 0..STEPS, None, None);
+            let close = |a: &[f32], b: &[f32]| {
+                a.len() == b.len()
+                    && a.iter()
+                        .zip(b)
+                        .all(|(x, y)| (x - y).abs() <= 1e-6 * x.abs().max(y.abs()) + 1e-7)
+            };
+            for (a, b) in whole.iter().zip(&pieces) {
+                let what = format!("stage {stage}, {place:?}");
+                assert!(
+                    close(&a.losses, &b.losses),
+                    "{what}: {:?} vs {:?}",
+                    a.losses,
+                    b.losses
+                );
+                for (i, (x, y)) in a.params.iter().zip(&b.params).enumerate() {
+                    assert!(close(x, y), "{what}: parameter {i}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn checkpoints_move_between_device_and_host_optimizers() {
     let root = std::env::temp_dir().join(format!("bz-offload-ckpt-{}", std::process::id()));

@@ -101,13 +101,27 @@ impl Default for AioConfig {
 }
 
 /// `burn_zero`: settings DeepSpeed does not have.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BurnZeroConfig {
     /// `matmul`: how `ZeroBackend` multiplies matrices.
     pub matmul: MatmulConfig,
     /// `cpu_adam`: the CPU optimizer of `offload_optimizer {"device": "cpu"}`.
     pub cpu_adam: CpuAdamConfig,
+    /// `max_buffer_elements`: the gradient buffer is held in pieces of at most this many
+    /// elements. cubecl-cuda refuses a single buffer over a quarter of the device's memory;
+    /// the default (2^30, 4 GiB in fp32) stays below that on any GPU of 16 GiB or more.
+    pub max_buffer_elements: usize,
+}
+
+impl Default for BurnZeroConfig {
+    fn default() -> Self {
+        Self {
+            matmul: MatmulConfig::default(),
+            cpu_adam: CpuAdamConfig::default(),
+            max_buffer_elements: 1 << 30,
+        }
+    }
 }
 
 /// `burn_zero.cpu_adam`.

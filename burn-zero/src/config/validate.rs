@@ -116,6 +116,12 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         ),
         "block_size of at least 4096 bytes and queue_depth of at least 1",
     )?;
+    check(
+        c.burn_zero.max_buffer_elements >= 1,
+        "burn_zero.max_buffer_elements",
+        c.burn_zero.max_buffer_elements,
+        "at least 1",
+    )?;
     match z.param_offload() {
         OffloadDevice::None => {}
         OffloadDevice::Cpu => check(

@@ -45,7 +45,13 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         mut f: impl FnMut(&ParamSlot, Tensor<I, 1>),
     ) -> Result<(), EngineError> {
         let stage = self.resolved.config.zero_optimization.stage;
-        let buffer = self.state().buffer.clone().cast(FloatDType::F32);
+        let buffer = {
+            let state = self.state();
+            state
+                .buffer
+                .slice(0..state.buffer.len())
+                .cast(FloatDType::F32)
+        };
         let buffer = if self.precision.scales() {
             buffer.div_scalar(self.precision.scaler.scale())
         } else {

@@ -14,6 +14,7 @@ use burn_backend::distributed::DistributedParamId;
 use burn_backend::{Backend, TensorMetadata};
 
 use super::collective::FlatComm;
+use super::grad_buffer::GradBuffer;
 use super::params::FlatLayout;
 use super::precision::Format;
 use super::stage3::Stage3;
@@ -38,8 +39,9 @@ pub(crate) struct GradState<I: Backend> {
     stage: u8,
     bucket_size: usize,
     /// Stage 0/1: the full flat gradient. Stage 2: this rank's chunk. Stage 3: this rank's
-    /// partition of the [`ShardPlan`](crate::partition::ShardPlan).
-    pub(crate) buffer: Tensor<I, 1>,
+    /// partition of the [`ShardPlan`](crate::partition::ShardPlan). In pieces (see
+    /// [`GradBuffer`]).
+    pub(crate) buffer: GradBuffer<I>,
     /// Gradients waiting for a reduce-scatter: (slot, flattened gradient).
     bucket: Vec<(usize, Tensor<I, 1>)>,
     bucket_elems: usize,
@@ -71,6 +73,7 @@ impl<I: Backend> GradState<I> {
         bucket_size: usize,
         stage3: Option<Stage3<I>>,
         (compute, accum): (Format, Format),
+        max_piece: usize,
     ) -> Self {
         let len = match &stage3 {
             Some(s3) => s3.plan().len(),
@@ -83,7 +86,7 @@ impl<I: Backend> GradState<I> {
             .enumerate()
             .map(|(i, s)| (DistributedParamId::from(s.id.val()), i))
             .collect();
-        let buffer = Tensor::zeros([len], (flat.device(), accum.storage()));
+        let buffer = GradBuffer::zeros(len, max_piece, flat.device(), accum.storage());
         Self {
             layout,
             slots,
@@ -106,7 +109,7 @@ impl<I: Backend> GradState<I> {
 
     /// Bytes of gradient storage held.
     pub(crate) fn gradient_bytes(&self) -> usize {
-        self.accum.storage().size() * self.buffer.dims()[0]
+        self.accum.storage().size() * self.buffer.len()
     }
 
     /// Bytes of communication buffers at their peak: the bucket being filled and, at stage 2
@@ -130,11 +133,9 @@ impl<I: Backend> GradState<I> {
         let n = grad.dims()[0];
         if self.stage < 2 {
             let offset = self.layout.slots()[slot].offset;
-            let range = offset..offset + n;
-            let sum = self
-                .accum
-                .settle(self.buffer.clone().slice(range.clone()) + grad);
-            self.buffer = self.take_buffer().slice_assign(range, sum);
+            let accum = self.accum;
+            self.buffer
+                .add(offset..offset + n, grad, |t| accum.settle::<I>(t));
             return;
         }
         self.bucket_elems += n;
@@ -208,11 +209,10 @@ impl<I: Backend> GradState<I> {
             let mut at = 0;
             for piece in pieces {
                 let len = piece.range.len();
-                let dst = piece.dst..piece.dst + len;
-                let sum = self.accum.settle(
-                    self.buffer.clone().slice(dst.clone()) + received.clone().slice(at..at + len),
-                );
-                self.buffer = self.take_buffer().slice_assign(dst, sum);
+                let accum = self.accum;
+                let part = received.clone().slice(at..at + len);
+                self.buffer
+                    .add(piece.dst..piece.dst + len, part, |t| accum.settle::<I>(t));
                 at += len;
             }
         }
@@ -223,45 +223,30 @@ impl<I: Backend> GradState<I> {
             self.flush();
             self.settle();
         } else if self.boundary && self.failure.is_none() {
-            let numel = self.buffer.dims()[0];
-            let mut reduced = Vec::new();
-            for start in (0..numel).step_by(self.bucket_size) {
-                let piece = self
-                    .buffer
-                    .clone()
-                    .slice(start..(start + self.bucket_size).min(numel));
-                match self.flat.all_reduce(piece, ReduceOp::Avg) {
-                    Ok(r) => reduced.push(r),
-                    Err(e) => {
-                        self.failure = Some(e);
-                        return;
-                    }
+            let (flat, bucket) = (&mut self.flat, self.bucket_size);
+            let reduced = self.buffer.try_map(|piece| {
+                let n = piece.dims()[0];
+                let mut parts = Vec::new();
+                for start in (0..n).step_by(bucket) {
+                    let part = piece.clone().slice(start..(start + bucket).min(n));
+                    parts.push(flat.all_reduce(part, ReduceOp::Avg)?);
                 }
-            }
-            if let Err(e) = self.flat.wait() {
+                flat.wait()?;
+                Ok(match parts.len() {
+                    0 => piece,
+                    1 => parts.pop().expect("one part"),
+                    _ => Tensor::cat(parts, 0),
+                })
+            });
+            if let Err(e) = reduced {
                 self.failure = Some(e);
-                return;
-            }
-            if !reduced.is_empty() {
-                self.buffer = Tensor::cat(reduced, 0);
             }
         }
     }
 
     /// Zeroes the gradients after an optimizer step.
     pub(crate) fn clear(&mut self) {
-        let (len, device) = (self.buffer.dims()[0], self.buffer.device());
-        // The old buffer goes first, so the new one can take its memory.
-        drop(self.take_buffer());
-        self.buffer = Tensor::zeros([len], (&device, self.accum.storage()));
-    }
-
-    /// The gradient buffer, owned (an empty one left in its place): an update of the sole
-    /// reference can run in place, where one of a shared buffer copies all of it (a full
-    /// second gradient buffer on the device, which a large model does not have room for).
-    fn take_buffer(&mut self) -> Tensor<I, 1> {
-        let empty = Tensor::zeros([0], (&self.buffer.device(), self.accum.storage()));
-        std::mem::replace(&mut self.buffer, empty)
+        self.buffer.clear();
     }
 }
 

@@ -171,6 +171,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         zero.reduce_bucket_size.get(),
         stage3,
         (precision.compute, precision.accum),
+        resolved.config.burn_zero.max_buffer_elements,
     )));
     let hook = hooks::install::<I>(Box::new(EngineHook {
         state: grads.clone(),

@@ -13,6 +13,7 @@ mod checkpoint;
 mod collective;
 mod construct;
 mod export;
+mod grad_buffer;
 mod grads;
 mod init;
 mod load_module;
@@ -279,16 +280,29 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let owned = owned_range(&self.plan, stage, self.comm.rank());
         let grads = self.grads.clone();
         let mut state = grads.lock().expect("gradient state");
-        let grad = match stage {
-            0 | 2 => state.buffer.clone().slice(0..owned.len()),
-            3 => state.buffer.clone(),
-            _ => state.buffer.clone().slice(owned.clone()),
+        let range = match stage {
+            0 | 2 => 0..owned.len(),
+            3 => 0..state.buffer.len(),
+            _ => owned.clone(),
         };
-        let mut grad = grad.cast(FloatDType::F32);
-        if self.precision.scales() {
-            grad = grad.div_scalar(self.precision.scaler.scale());
-        }
-        let norm = global_norm(&mut state.flat, grad.clone(), stage)?;
+        // In the buffer's pieces: a large partition is more than one device buffer may hold.
+        let scale = self
+            .precision
+            .scales()
+            .then(|| self.precision.scaler.scale());
+        let grad: Vec<Tensor<I, 1>> = state
+            .buffer
+            .pieces(range)
+            .into_iter()
+            .map(|g| {
+                let g = g.cast(FloatDType::F32);
+                match scale {
+                    Some(s) => g.div_scalar(s),
+                    None => g,
+                }
+            })
+            .collect();
+        let norm = global_norm(&mut state.flat, &grad, stage)?;
         self.last_grad_norm = Some(norm);
         // The norm is reduced across ranks: inf or NaN anywhere overflows everywhere.
         let update = self.precision.scaler.update(!norm.is_finite())?;
@@ -313,7 +327,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         }
         let clip = self.resolved.config.gradient_clipping;
         let grad = if clip > 0.0 && norm + 1e-6 > clip {
-            grad.mul_scalar((clip / (norm + 1e-6)) as f32)
+            let factor = (clip / (norm + 1e-6)) as f32;
+            grad.into_iter().map(|g| g.mul_scalar(factor)).collect()
         } else {
             grad
         };
@@ -414,17 +429,20 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
 /// partition (equal to the unsharded norm; padding is zero).
 fn global_norm<I: Backend>(
     flat: &mut FlatComm<I>,
-    grad: Tensor<I, 1>,
+    grad: &[Tensor<I, 1>],
     stage: u8,
 ) -> Result<f64, CommError> {
     // In pieces: `grad · grad` of a whole partition is a second partition-sized buffer, which
     // a large model has no room for.
     const PIECE: usize = 1 << 26;
-    let n = grad.dims()[0];
-    let mut squares = Tensor::<I, 1>::zeros([1], (&grad.device(), grad.dtype()));
-    for start in (0..n).step_by(PIECE) {
-        let piece = grad.clone().slice(start..(start + PIECE).min(n));
-        squares = squares + piece.clone().mul(piece).sum();
+    let device = flat.device().clone();
+    let mut squares = Tensor::<I, 1>::zeros([1], (&device, burn::tensor::DType::F32));
+    for g in grad {
+        let n = g.dims()[0];
+        for start in (0..n).step_by(PIECE) {
+            let piece = g.clone().slice(start..(start + PIECE).min(n));
+            squares = squares + piece.clone().mul(piece).sum();
+        }
     }
     let total = if stage == 0 {
         squares

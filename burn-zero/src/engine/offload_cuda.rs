@@ -8,6 +8,7 @@
 //! complete, and nothing of burn's still uses the output's memory); each copy is synchronized
 //! on its stream before its buffer is reused or the step returns.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
@@ -17,9 +18,10 @@ use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice, result};
 use half::{bf16, f16};
 
 use super::EngineError;
+use super::grad_buffer::{overlaps, piece_ranges};
 use super::offload_io::{RING_DEPTH, StepRing, out_dtype};
 use super::precision::Format;
-use crate::backend::cuda::cuda_buffer;
+use crate::backend::cuda::{CudaBuffer, cuda_buffer};
 
 /// Page-locked buffers and the two copy streams of one offloaded optimizer.
 pub(crate) struct PinnedRing {
@@ -111,19 +113,22 @@ impl PinnedRing {
 pub(crate) fn step<I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut StepRing,
-    grad: &Tensor<I, 1>,
+    grad: &[Tensor<I, 1>],
     lr: f32,
     betas: (f32, f32),
     device: &I::Device,
     compute: Format,
 ) -> Option<Result<(Tensor<I, 1>, StreamTimings), EngineError>> {
-    if compute.emulated || grad.dtype() != FloatDType::F32.into() {
+    if compute.emulated || grad.iter().any(|g| g.dtype() != FloatDType::F32.into()) {
         return None;
     }
-    let src = cuda_buffer::<I>(&grad.clone().into_primitive().tensor())?;
+    let src: Vec<CudaBuffer> = grad
+        .iter()
+        .map(|g| cuda_buffer::<I>(&g.clone().into_primitive().tensor()))
+        .collect::<Option<_>>()?;
     let weights = Tensor::<I, 1>::empty([opt.len()], (device, compute.storage()));
     let dst = cuda_buffer::<I>(&weights.clone().into_primitive().tensor())?;
-    let ordinal = src._keep.device.index;
+    let ordinal = dst._keep.device.index;
     let out = out_dtype(compute);
     let len = opt.sub_group_len();
     let reuse =
@@ -137,13 +142,18 @@ pub(crate) fn step<I: Backend>(
     let StepRing::Pinned(ring) = ring else {
         unreachable!("set above")
     };
-    Some(run::<I>(opt, ring, src.buf.ptr, dst.buf.ptr, lr, betas, device).map(|t| (weights, t)))
+    let pieces: Vec<(Range<usize>, u64)> = piece_ranges(grad)
+        .into_iter()
+        .zip(src.iter().map(|b| b.buf.ptr))
+        .collect();
+    Some(run::<I>(opt, ring, &pieces, dst.buf.ptr, lr, betas, device).map(|t| (weights, t)))
 }
 
+/// The step, the gradient read from `pieces` (element range and device address of each).
 fn run<I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut PinnedRing,
-    grad_ptr: u64,
+    pieces: &[(Range<usize>, u64)],
     weights_ptr: u64,
     lr: f32,
     betas: (f32, f32),
@@ -158,11 +168,15 @@ fn run<I: Backend>(
         buffers,
         &|range, buf| {
             context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-            let src = grad_ptr + (range.start * 4) as u64;
-            // SAFETY: `src` lies in the live, complete gradient buffer (held by the caller);
-            // `buf` is page-locked and not touched until the stream is synchronized below.
-            unsafe { result::memcpy_dtoh_async(buf, src, down.cu_stream()) }
-                .map_err(|e| format!("{e:?}"))?;
+            let ranges = pieces.iter().map(|(r, _)| r.clone());
+            for (i, local, at) in overlaps(ranges, &range) {
+                let src = pieces[i].1 + (local.start * 4) as u64;
+                let dst = &mut buf[at..at + local.len()];
+                // SAFETY: `src` lies in a live, complete gradient piece (held by the caller);
+                // `dst` is page-locked and not touched until the stream is synchronized below.
+                unsafe { result::memcpy_dtoh_async(dst, src, down.cu_stream()) }
+                    .map_err(|e| format!("{e:?}"))?;
+            }
             down.synchronize().map_err(|e| format!("{e:?}"))
         },
         &mut |range, weights| {

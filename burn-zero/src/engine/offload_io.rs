@@ -8,6 +8,7 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_offload::{HostOptimizer, OutDtype, OwnedBuffers, StreamTimings, Weights};
 
 use super::EngineError;
+use super::grad_buffer::{overlaps, piece_ranges};
 use super::precision::Format;
 
 /// Host buffers an offloaded optimizer reuses across steps (made at its first step).
@@ -35,12 +36,12 @@ pub(crate) fn out_dtype(compute: Format) -> OutDtype {
     }
 }
 
-/// One offloaded step: `grad` (this rank's fp32 partition) in, the new weights in the compute
-/// format out, on `device`.
+/// One offloaded step: `grad` (this rank's fp32 partition, in consecutive pieces) in, the new
+/// weights in the compute format out, on `device`.
 pub(crate) fn step<I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut StepRing,
-    grad: Tensor<I, 1>,
+    grad: Vec<Tensor<I, 1>>,
     lr: f32,
     betas: (f32, f32),
     device: &I::Device,
@@ -57,16 +58,20 @@ pub(crate) fn step<I: Backend>(
     let StepRing::Owned(buffers) = ring else {
         unreachable!("set above")
     };
-    let grad = grad.cast(FloatDType::F32);
+    let grad: Vec<Tensor<I, 1>> = grad.into_iter().map(|g| g.cast(FloatDType::F32)).collect();
+    let ranges = piece_ranges(&grad);
     let mut parts = Vec::new();
     let timings = opt.step(
         lr,
         betas,
         buffers.lend(),
         &|range, buf| {
-            let part = grad.clone().slice(range).into_data();
-            let values = part.as_slice::<f32>().map_err(|e| format!("{e:?}"))?;
-            buf.copy_from_slice(values);
+            for (i, local, at) in overlaps(ranges.iter().cloned(), &range) {
+                let n = local.len();
+                let part = grad[i].clone().slice(local).into_data();
+                let values = part.as_slice::<f32>().map_err(|e| format!("{e:?}"))?;
+                buf[at..at + n].copy_from_slice(values);
+            }
             Ok(())
         },
         &mut |_, weights| {

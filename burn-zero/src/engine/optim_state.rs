@@ -208,16 +208,20 @@ impl<I: Backend> Optim<I> {
         }
     }
 
-    /// Applies `grad` (fp32, this rank's partition) and returns the new weights in the
-    /// compute format, on the device.
+    /// Applies `grad` (fp32, this rank's partition in consecutive pieces) and returns the new
+    /// weights in the compute format, on the device.
     pub(crate) fn step(
         &mut self,
-        grad: Tensor<I, 1>,
+        mut grad: Vec<Tensor<I, 1>>,
         hp: StepParams,
         compute: Format,
     ) -> Result<Tensor<I, 1>, EngineError> {
         match self {
             Optim::Device { master, opt } => {
+                let grad = match grad.len() {
+                    1 => grad.pop().expect("one piece"),
+                    _ => Tensor::cat(grad, 0),
+                };
                 *master = opt.step(master.clone(), grad, hp);
                 Ok(compute.convert(master.clone()))
             }
