@@ -18,7 +18,7 @@ pub mod stream;
 
 pub use cpu_adam::{AdamStep, CpuAdam, Decay, Grad, Out, SgdStep, SimdLevel};
 pub use host::{HostOptimizer, HostSettings, OutDtype, StepConstants};
-pub use nvme::{SwapConfig, SwapError};
+pub use nvme::{NvmeStore, SwapConfig, SwapError};
 pub use stream::{
     Download, OutSlot, OwnedBuffers, StepBuffers, StreamError, StreamTimings, Upload, Weights,
 };

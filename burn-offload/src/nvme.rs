@@ -412,8 +412,32 @@ impl NvmeStore {
         write: bool,
         f: &mut GroupVisitor<'_>,
     ) -> Result<(), SwapError> {
-        let n = self.groups.len();
-        let mut next_read = 0;
+        self.visit_groups(read, write, 0..self.groups.len(), f)
+    }
+
+    /// Elements `range` of tensor `t`, read from the sub-groups that hold them (checked).
+    pub fn read_range(&mut self, t: usize, range: Range<usize>) -> Result<Vec<f32>, SwapError> {
+        let first = self.groups.partition_point(|g| g.end <= range.start);
+        let last = self.groups.partition_point(|g| g.start < range.end);
+        let mut out = Vec::with_capacity(range.len());
+        self.visit_groups(true, false, first..last, &mut |_, group, bufs| {
+            let (start, end) = (range.start.max(group.start), range.end.min(group.end));
+            out.extend_from_slice(&bufs[t].as_slice()[start - group.start..end - group.start]);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// [`NvmeStore::visit`] over the sub-groups `groups` only.
+    fn visit_groups(
+        &mut self,
+        read: bool,
+        write: bool,
+        groups: Range<usize>,
+        f: &mut GroupVisitor<'_>,
+    ) -> Result<(), SwapError> {
+        let n = groups.end.min(self.groups.len());
+        let mut next_read = groups.start;
         let mut ready: VecDeque<Group> = VecDeque::new();
         let mut writes_out = 0;
         let mut reads_out = 0;
@@ -435,7 +459,7 @@ impl NvmeStore {
                 }
             }
         };
-        for index in 0..n {
+        for index in groups.start..n {
             start_reads(self, &mut next_read, &mut reads_out, &mut ready);
             // Wait for this group's read (completions arrive in request order).
             while ready.front().is_none_or(|g| g.index != index) {

@@ -373,6 +373,31 @@ mod swap {
         let _ = std::fs::remove_dir_all(&cfg.dir);
     }
 
+    /// Any range of a tensor reads back what was written, across sub-group boundaries.
+    #[test]
+    fn ranges_read_back_across_sub_groups() {
+        let cfg = config("ranges");
+        let n = 5000;
+        let mut store = NvmeStore::create(&cfg, &["params"], n, 1024, &|_, r| {
+            Some(r.map(|i| i as f32 * 0.25).collect())
+        })
+        .unwrap();
+        for range in [
+            0..1,
+            0..5000,
+            1023..1025,
+            1000..3100,
+            4999..5000,
+            2048..3072,
+        ] {
+            let got = store.read_range(0, range.clone()).unwrap();
+            let want: Vec<f32> = range.clone().map(|i| i as f32 * 0.25).collect();
+            assert_eq!(got, want, "{range:?}");
+        }
+        drop(store);
+        let _ = std::fs::remove_dir_all(&cfg.dir);
+    }
+
     #[test]
     fn a_missing_path_is_refused_before_training() {
         let mut cfg = config("missing");

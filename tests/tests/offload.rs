@@ -303,50 +303,66 @@ fn nvme_offload_without_a_path_is_refused_naming_the_key() {
     assert!(err.contains("nvme_path"), "{err}");
 }
 
-/// `offload_param {"device": "cpu"}` at stage 3: the sharded parameters' partitions live in
-/// host memory and are uploaded at each gather; training is bit for bit the same, with the
-/// optimizer on the device or offloaded too, and the partitions leave the device's count.
+/// `offload_param` at stage 3: the sharded parameters' partitions live in host memory
+/// (`"cpu"`) or in a swap file (`"nvme"`, read back per partition at each gather); training is
+/// bit for bit the same, with the optimizer on the device or offloaded too, and the partitions
+/// leave the device's count.
 #[test]
 fn offloaded_parameters_train_the_same_at_stage_3() {
-    let params = r#", "zero_optimization": {"stage": 3, "reduce_bucket_size": 50,
-        "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 150,
-        "offload_param": {"device": "cpu"}}"#;
     let bf16 = r#", "bf16": {"enabled": true}"#;
-    for (place, extra) in [
-        (Place::Device, ""),
-        (Place::Host, ""),
-        (Place::Device, bf16),
-    ] {
-        let what = format!("optimizer {place:?}{extra}");
-        let plain = train(3, &config(3, place, ADAMW, extra), 0..STEPS, None, None);
-        // A later key replaces the earlier one: the same config with parameters offloaded.
-        let mut cfg = config(3, place, ADAMW, extra);
-        let offloaded_zero =
-            DeepSpeedConfig::from_json(&format!("{{\"train_batch_size\": 36{params}}}"))
-                .unwrap()
-                .config
-                .zero_optimization;
-        cfg.zero_optimization.offload_param = offloaded_zero.offload_param;
-        let offloaded = train(3, &cfg, 0..STEPS, None, None);
-        for (a, b) in plain.iter().zip(&offloaded) {
-            assert_eq!(a.losses, b.losses, "{what}: losses");
-            assert!(a.params == b.params, "{what}: parameters");
-            assert!(
-                b.host_params > 0 && b.device_params < a.device_params,
-                "{what}: {b:?}"
-            );
-            assert_eq!(a.host_params, 0, "{what}");
+    let nvme = format!(
+        r#"{{"device": "nvme", "nvme_path": "{}"}}"#,
+        nvme_dir().display()
+    );
+    for param_place in [r#"{"device": "cpu"}"#, nvme.as_str()] {
+        let params = format!(
+            r#", "zero_optimization": {{"stage": 3, "reduce_bucket_size": 50,
+            "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 150,
+            "offload_param": {param_place}}}"#
+        );
+        let on_host = param_place.contains("cpu");
+        for (place, extra) in [
+            (Place::Device, ""),
+            (Place::Host, ""),
+            (Place::Device, bf16),
+        ] {
+            let what = format!("parameters {param_place}, optimizer {place:?}{extra}");
+            let plain = train(3, &config(3, place, ADAMW, extra), 0..STEPS, None, None);
+            // The same config with parameters offloaded.
+            let mut cfg = config(3, place, ADAMW, extra);
+            let offloaded_zero =
+                DeepSpeedConfig::from_json(&format!("{{\"train_batch_size\": 36{params}}}"))
+                    .unwrap()
+                    .config
+                    .zero_optimization;
+            cfg.zero_optimization.offload_param = offloaded_zero.offload_param;
+            let offloaded = train(3, &cfg, 0..STEPS, None, None);
+            for (a, b) in plain.iter().zip(&offloaded) {
+                assert_eq!(a.losses, b.losses, "{what}: losses");
+                assert!(a.params == b.params, "{what}: parameters");
+                assert!(b.device_params < a.device_params, "{what}: {b:?}");
+                assert_eq!(b.host_params > 0, on_host, "{what}: {b:?}");
+                assert_eq!(a.host_params, 0, "{what}");
+            }
         }
     }
 }
 
 #[test]
-fn parameter_offload_needs_stage_3() {
+fn parameter_offload_needs_stage_3_and_nvme_a_path() {
+    for device in ["cpu", "nvme\", \"nvme_path\": \"/tmp"] {
+        let json = format!(
+            r#"{{"train_batch_size": 4, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}},
+            "zero_optimization": {{"stage": 2, "offload_param": {{"device": "{device}"}}}}}}"#
+        );
+        let err = DeepSpeedConfig::from_json(&json).unwrap_err().to_string();
+        assert!(
+            err.contains("offload_param") && err.contains("stage 3"),
+            "{err}"
+        );
+    }
     let json = r#"{"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-        "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}"#;
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}"#;
     let err = DeepSpeedConfig::from_json(json).unwrap_err().to_string();
-    assert!(
-        err.contains("offload_param") && err.contains("stage 3"),
-        "{err}"
-    );
+    assert!(err.contains("offload_param.nvme_path"), "{err}");
 }

@@ -20,5 +20,5 @@ mod stream_order;
 mod tensor;
 
 pub use base::ZeroBackend;
-pub use sharded::{GathererGuard, ParamGatherer, ShardedParam, install_gatherer};
+pub use sharded::{GathererGuard, ParamGatherer, PartitionSource, ShardedParam, install_gatherer};
 pub use tensor::ZeroTensor;

@@ -29,19 +29,39 @@ pub struct ShardedParam<B: Backend> {
     /// padded past the end of the parameter. With `offloaded`, a one-element tensor of the
     /// same device and dtype that answers metadata queries only.
     pub partition: B::FloatTensorPrimitive,
-    /// The partition in host memory (`offload_param {"device": "cpu"}`), uploaded when the
-    /// parameter is gathered.
-    pub offloaded: Option<Arc<TensorData>>,
+    /// Where the partition waits off the device (`offload_param`: host memory or swap
+    /// files), fetched and uploaded when the parameter is gathered.
+    pub offloaded: Option<Arc<dyn PartitionSource>>,
+}
+
+/// Where an offloaded partition waits between gathers.
+pub trait PartitionSource: Send + Sync + std::fmt::Debug {
+    /// The partition's values, in their dtype; an error names what could not be read.
+    fn fetch(&self) -> Result<TensorData, String>;
+}
+
+/// A partition in host memory (`offload_param {"device": "cpu"}`).
+impl PartitionSource for TensorData {
+    fn fetch(&self) -> Result<TensorData, String> {
+        Ok(self.clone())
+    }
 }
 
 impl<B: Backend> ShardedParam<B> {
-    /// The partition on the device: itself, or uploaded from host memory.
+    /// The partition on the device: itself, or fetched and uploaded.
+    ///
+    /// # Panics
+    /// If an offloaded partition cannot be read (a damaged swap file): a backend op has no
+    /// error channel, and training on wrong values would be worse.
     pub fn partition_on_device(&self) -> B::FloatTensorPrimitive {
         match &self.offloaded {
             None => self.partition.clone(),
-            Some(data) => {
+            Some(source) => {
+                let data = source.fetch().unwrap_or_else(|e| {
+                    panic!("parameter {}: its offloaded partition: {e}", self.slot)
+                });
                 let device = B::float_device(&self.partition);
-                B::float_from_data((**data).clone(), &device)
+                B::float_from_data(data, &device)
             }
         }
     }

@@ -131,10 +131,22 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
             "stage 3 (parameters are partitioned only there)",
         )?,
         OffloadDevice::Nvme => {
-            return Err(unsupported(
+            check(
+                z.stage == 3,
                 "zero_optimization.offload_param",
-                "parameter offload to NVMe is not implemented yet (\"device\": \"cpu\" is)",
-            ));
+                format!("\"device\": \"nvme\" at stage {}", z.stage),
+                "stage 3 (parameters are partitioned only there)",
+            )?;
+            let path = z
+                .offload_param
+                .as_ref()
+                .and_then(|o| o.nvme_path.as_deref());
+            check(
+                path.is_some_and(|p| !p.is_empty()),
+                "zero_optimization.offload_param.nvme_path",
+                "missing",
+                "a directory on the NVMe drive (required with \"device\": \"nvme\")",
+            )?;
         }
     }
 

@@ -9,9 +9,10 @@ use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
 use super::collective::FlatComm;
 use super::grads::{EngineHook, GradState};
 use super::optim_state::Optim;
+use super::optim_state::swap_config;
 use super::params::{params_to_host, rebuild_params};
 use super::precision::Precision;
-use super::stage3::{EngineGatherer, Stage3, sharded_handles};
+use super::stage3::{EngineGatherer, ParamPlace, Stage3, sharded_handles};
 use super::{
     Engine, EngineError, FlatLayout, PARTITION_ALIGN, Timings, ZeroAutodiff, flatten_params,
     owned_range, unflatten_params,
@@ -70,7 +71,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     } else {
         PartitionPlan::aligned(layout.numel(), world, PARTITION_ALIGN)
     };
-    let mut stage3 = (stage == 3).then(|| {
+    let stage3 = (stage == 3).then(|| {
         let trace = crate::trace::TraceConfig {
             prefetch_bucket_size: zero.prefetch_bucket_size.get(),
             max_live_parameters: zero.max_live_parameters.get(),
@@ -82,9 +83,10 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             PARTITION_ALIGN,
             zero.param_persistence_threshold.get(),
             trace,
-            zero.param_offload() == crate::config::OffloadDevice::Cpu,
+            param_place(&resolved, comm.rank()),
         )
     });
+    let mut stage3 = stage3.transpose()?;
 
     let device = model_device(&model);
     let precision = Precision::new::<I>(&resolved.config, &device);
@@ -199,6 +201,25 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         _hook: hook,
         _gatherer: gatherer,
     })
+}
+
+/// Where `offload_param` keeps the sharded parameters' partitions of rank `rank`.
+fn param_place(config: &crate::config::ResolvedConfig, rank: usize) -> ParamPlace {
+    let zero = &config.config.zero_optimization;
+    match (zero.param_offload(), &zero.offload_param) {
+        (OffloadDevice::Cpu, _) => ParamPlace::Host,
+        (OffloadDevice::Nvme, Some(o)) => {
+            let root = o.nvme_path.as_deref().expect("validated");
+            ParamPlace::Nvme(swap_config(
+                config,
+                root,
+                o.buffer_count.get(),
+                rank,
+                "params",
+            ))
+        }
+        _ => ParamPlace::Device,
+    }
 }
 
 /// Where this rank's fp32 partition was made.

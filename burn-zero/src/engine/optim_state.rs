@@ -60,6 +60,29 @@ pub(crate) struct Exported {
     pub(crate) state: Vec<(&'static str, Vec<f32>)>,
 }
 
+/// The swap files of rank `rank`'s `what` (optimizer state, parameters) under `root`, in a
+/// directory of their own (several engines of one process may swap at once).
+pub(crate) fn swap_config(
+    config: &ResolvedConfig,
+    root: &str,
+    buffer_count: usize,
+    rank: usize,
+    what: &str,
+) -> SwapConfig {
+    let name = format!(
+        "pid{}-{}-rank{rank}-{what}",
+        std::process::id(),
+        next_swap_id()
+    );
+    SwapConfig {
+        root: root.into(),
+        dir: std::path::Path::new(root).join("burn-zero-swap").join(name),
+        block_size: config.config.aio.block_size,
+        queue_depth: config.config.aio.queue_depth,
+        buffer_count,
+    }
+}
+
 /// A number no other engine of this process used (several engines may swap at once).
 fn next_swap_id() -> usize {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -138,19 +161,7 @@ impl<I: Backend> Optim<I> {
         let opt = if place == OffloadDevice::Nvme {
             let offload = zero.offload_optimizer.as_ref().expect("validated");
             let root = offload.nvme_path.as_deref().expect("validated");
-            let swap = SwapConfig {
-                root: root.into(),
-                dir: std::path::Path::new(root)
-                    .join("burn-zero-swap")
-                    .join(format!(
-                        "pid{}-{}-rank{rank}",
-                        std::process::id(),
-                        next_swap_id()
-                    )),
-                block_size: config.config.aio.block_size,
-                queue_depth: config.config.aio.queue_depth,
-                buffer_count: offload.buffer_count.get(),
-            };
+            let swap = swap_config(config, root, offload.buffer_count.get(), rank, "optimizer");
             HostOptimizer::on_nvme(values, settings, cpu, sub_group, &swap)?
         } else {
             HostOptimizer::new(values, settings, cpu, sub_group)

@@ -12,14 +12,15 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Shape, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive};
+use burn_offload::{NvmeStore, SwapConfig, SwapError};
 
-use super::ZeroAutodiff;
 use super::collective::FlatComm;
 use super::grads::GradState;
 use super::params::FlatLayout;
+use super::{EngineError, ZeroAutodiff};
 use crate::ZeroTensor;
-use crate::backend::{ParamGatherer, ShardedParam};
+use crate::backend::{ParamGatherer, PartitionSource, ShardedParam};
 use crate::comm::{CommError, with_label};
 use crate::partition::ShardPlan;
 use crate::trace::{GatherTracer, TraceConfig};
@@ -63,18 +64,55 @@ pub struct GatherStats {
 enum Partition<I: Backend> {
     /// On the device.
     Device(Tensor<I, 1>),
-    /// In host memory (`offload_param`), uploaded at each gather.
-    Host(Arc<TensorData>, I::Device),
+    /// Off the device (`offload_param`: host memory or swap files), uploaded at each gather.
+    Off(Arc<dyn PartitionSource>, I::Device, DType),
 }
 
 impl<I: Backend> Partition<I> {
     fn on_device(&self) -> Tensor<I, 1> {
         match self {
             Partition::Device(t) => t.clone(),
-            Partition::Host(data, device) => {
-                Tensor::from_data((**data).clone(), (device, data.dtype))
+            Partition::Off(source, device, dtype) => {
+                let data = source.fetch().unwrap_or_else(|e| {
+                    panic!("an offloaded parameter partition could not be read: {e}")
+                });
+                Tensor::from_data(data, (device, *dtype))
             }
         }
+    }
+}
+
+/// Where the sharded parameters' partitions live between gathers (`offload_param`).
+pub(crate) enum ParamPlace {
+    /// On the device.
+    Device,
+    /// In host memory.
+    Host,
+    /// In a swap file under this configuration (ZeRO-Infinity).
+    Nvme(SwapConfig),
+}
+
+/// A partition's elements in the rank's parameter swap file.
+struct SwappedPartition {
+    store: Arc<Mutex<NvmeStore>>,
+    range: core::ops::Range<usize>,
+    dtype: DType,
+}
+
+impl std::fmt::Debug for SwappedPartition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SwappedPartition({:?}, {:?})", self.range, self.dtype)
+    }
+}
+
+impl PartitionSource for SwappedPartition {
+    fn fetch(&self) -> Result<TensorData, String> {
+        let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        let values = store
+            .read_range(0, self.range.clone())
+            .map_err(|e| e.to_string())?;
+        let n = values.len();
+        Ok(TensorData::new(values, [n]).convert_dtype(self.dtype))
     }
 }
 
@@ -99,8 +137,10 @@ pub(crate) struct Stage3<I: Backend> {
     /// The current partitions of the sharded parameters (what prefetches gather), on the
     /// device or, with `offload_param`, in host memory.
     partitions: Vec<Option<Partition<I>>>,
-    /// `offload_param {"device": "cpu"}`: partitions live in host memory.
-    offload: bool,
+    /// Where the partitions live (`offload_param`).
+    place: ParamPlace,
+    /// `offload_param {"device": "nvme"}`: the swap file of this rank's partitions.
+    swap: Option<Arc<Mutex<NvmeStore>>>,
     /// Bumped at each parameter update.
     version: u64,
     events: Vec<GatherEvent>,
@@ -114,26 +154,42 @@ impl<I: Backend> Stage3<I> {
         align: usize,
         persistence_threshold: usize,
         trace: TraceConfig,
-        offload: bool,
-    ) -> Self {
+        place: ParamPlace,
+    ) -> Result<Self, SwapError> {
         let numels: Vec<usize> = layout.slots().iter().map(|s| s.numel()).collect();
-        Self {
-            plan: ShardPlan::new(&numels, world, align),
+        let plan = ShardPlan::new(&numels, world, align);
+        let persistent: Vec<bool> = numels.iter().map(|n| *n < persistence_threshold).collect();
+        let swap = match &place {
+            ParamPlace::Nvme(cfg) => {
+                let len = (0..plan.params())
+                    .filter(|p| !persistent[*p])
+                    .map(|p| plan.chunk(p))
+                    .sum::<usize>();
+                // Sub-groups of one request each: a gather reads only its partition's regions.
+                let sub_group = (cfg.block_size / 4).max(1024);
+                let store = NvmeStore::create(cfg, &["params"], len, sub_group, &|_, _| None)?;
+                Some(Arc::new(Mutex::new(store)))
+            }
+            _ => None,
+        };
+        Ok(Self {
+            plan,
             names: layout.slots().iter().map(|s| s.name.clone()).collect(),
             shapes: layout
                 .slots()
                 .iter()
                 .map(|s| Shape::from(s.shape.clone()))
                 .collect(),
-            persistent: numels.iter().map(|n| *n < persistence_threshold).collect(),
+            persistent,
             tracer: GatherTracer::new(trace),
             live: HashMap::new(),
             partitions: (0..numels.len()).map(|_| None).collect(),
-            offload,
+            place,
+            swap,
             version: 0,
             events: Vec::new(),
             stats: GatherStats::default(),
-        }
+        })
     }
 
     pub(crate) fn plan(&self) -> &ShardPlan {
@@ -149,14 +205,16 @@ impl<I: Backend> Stage3<I> {
     }
 
     /// Elements of the parameters held on the device, and in host memory: the sharded
-    /// parameters' partitions (on the host with `offload_param`) and the persistent ones (full).
+    /// parameters' partitions (on the host with `offload_param {"device": "cpu"}`, in neither
+    /// with `"nvme"`) and the persistent ones (full).
     pub(crate) fn param_numel(&self) -> (usize, usize) {
         let (mut device, mut host) = (0, 0);
         for p in 0..self.plan.params() {
-            match (self.persistent[p], self.offload) {
+            match (self.persistent[p], &self.place) {
                 (true, _) => device += self.plan.numel(p),
-                (false, false) => device += self.plan.chunk(p),
-                (false, true) => host += self.plan.chunk(p),
+                (false, ParamPlace::Device) => device += self.plan.chunk(p),
+                (false, ParamPlace::Host) => host += self.plan.chunk(p),
+                (false, ParamPlace::Nvme(_)) => {}
             }
         }
         (device, host)
@@ -182,19 +240,40 @@ impl<I: Backend> Stage3<I> {
         &mut self,
         flat: &mut FlatComm<I>,
         master: &Tensor<I, 1>,
-    ) -> Result<(), CommError> {
+    ) -> Result<(), EngineError> {
         self.version += 1;
         self.tracer.drop_live();
         self.drop_live(flat)?;
+        let (device, dtype) = (master.device(), master.dtype());
+        // The swap file holds the sharded partitions end to end, widened to f32.
+        let mut swapped = Vec::new();
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
             self.partitions[p] = (!self.persistent[p]).then(|| {
                 let chunk = master.clone().slice(start..start + self.plan.chunk(p));
-                match self.offload {
-                    true => Partition::Host(Arc::new(chunk.into_data()), master.device()),
-                    false => Partition::Device(chunk),
+                match (&self.place, &self.swap) {
+                    (ParamPlace::Device, _) => Partition::Device(chunk),
+                    (ParamPlace::Host, _) => {
+                        Partition::Off(Arc::new(chunk.into_data()), device.clone(), dtype)
+                    }
+                    (ParamPlace::Nvme(_), Some(store)) => {
+                        let at = swapped.len();
+                        let values = chunk.into_data().convert::<f32>();
+                        swapped.extend(values.iter::<f32>());
+                        let source = SwappedPartition {
+                            store: store.clone(),
+                            range: at..swapped.len(),
+                            dtype,
+                        };
+                        Partition::Off(Arc::new(source), device.clone(), dtype)
+                    }
+                    (ParamPlace::Nvme(_), None) => unreachable!("made with the swap file"),
                 }
             });
+        }
+        if let Some(store) = &self.swap {
+            let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
+            store.write_all(&[swapped])?;
         }
         Ok(())
     }
@@ -273,10 +352,10 @@ impl<I: Backend> Stage3<I> {
         }
         let (partition, offloaded) = match &self.partitions[p] {
             Some(Partition::Device(t)) => (t.clone().into_primitive().tensor(), None),
-            Some(Partition::Host(data, device)) => {
+            Some(Partition::Off(source, device, dtype)) => {
                 // One element of the dtype, on the device: for metadata queries only.
-                let stub = Tensor::<I, 1>::zeros([1], (device, data.dtype));
-                (stub.into_primitive().tensor(), Some(data.clone()))
+                let stub = Tensor::<I, 1>::zeros([1], (device, *dtype));
+                (stub.into_primitive().tensor(), Some(source.clone()))
             }
             None => panic!("sharded parameters have a partition"),
         };
