@@ -195,13 +195,17 @@ fn bad_values_name_the_key_and_the_allowed_range() {
 }
 
 #[test]
-fn features_not_built_yet_are_refused_clearly() {
-    let json = r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}"#;
+fn unsupported_features_are_refused_clearly() {
+    let json = r#"{"zero_optimization": {"stage": 1, "legacy_stage1": true}}"#;
     let e = error(json);
     assert!(
-        e.contains("`zero_optimization.offload_param` is not supported yet"),
+        e.contains("`zero_optimization.legacy_stage1`") && e.contains("not supported"),
         "{json}: {e}"
     );
+    // Parameter offload to NVMe is accepted at stage 3 with a path.
+    let json = r#"{"train_batch_size": 4, "zero_optimization": {"stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}"#;
+    load(json);
 }
 
 #[test]
