@@ -118,7 +118,9 @@ where
     let mut accumulated = GradientsAccumulator::<M>::new();
     let mut reduced: Option<GradientsParams> = None;
     let mut loss_sum = 0.0f32;
-    let mut out_features = 0;
+    // The output's shape: a stage may change the rows too (the Llama's first stage turns
+    // `[batch, seq]` token ids into `[batch·seq, hidden]`).
+    let mut out_dims = [0usize; 2];
     for instr in stream {
         match *instr {
             // Inputs are produced at the forward (first stage), labels inside the loss.
@@ -151,7 +153,7 @@ where
                 };
                 let leaves = fresh_leaves(&module);
                 let output = leaves.forward(input.clone());
-                out_features = output.dims()[1];
+                out_dims = output.dims();
                 let l = match spec.checkpoint {
                     // Only the input is kept; the graph of the activations goes with `leaves`.
                     Some(ckpt) => Live {
@@ -183,12 +185,9 @@ where
                 comm.send(values(out).as_slice().into(), next)?;
             }
             Instr::RecvGrad { mb } => {
-                let mut buf = vec![0.0f32; spec.rows * out_features];
+                let mut buf = vec![0.0f32; out_dims[0] * out_dims[1]];
                 comm.recv(buf.as_mut_slice().into(), next)?;
-                let g = Tensor::<B, 2>::from_data(
-                    TensorData::new(buf, [spec.rows, out_features]),
-                    &device,
-                );
+                let g = Tensor::<B, 2>::from_data(TensorData::new(buf, out_dims), &device);
                 live.get_mut(&mb).expect("forwarded before").grad_out = Some(g);
             }
             Instr::Backward { mb } => {

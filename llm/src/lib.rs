@@ -1,7 +1,8 @@
 //! What the fine-tuning recipe trains: a Llama-architecture decoder in burn 0.21 ([`model`]),
 //! its weights from GGUF ([`gguf`], dequantized) or a Hugging Face directory ([`hf`]), its
 //! tokenizer ([`tokenizer`]), and text as packed, distributed training data ([`data`]);
-//! [`parallel`] slices the model over a model-parallel group.
+//! [`parallel`] slices the model over a model-parallel group; [`pipeline`] splits it into
+//! pipeline stages.
 //!
 //! The readers, the data pipeline and the sampler are free of burn types; only [`model`] and
 //! [`weights`] touch burn.
@@ -15,6 +16,7 @@ pub mod hf;
 pub mod lora;
 pub mod model;
 pub mod parallel;
+pub mod pipeline;
 pub mod tokenizer;
 pub mod weights;
 

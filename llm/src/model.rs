@@ -260,7 +260,7 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int
 }
 
 impl<B: Backend> Block<B> {
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,

@@ -1,0 +1,106 @@
+//! The Llama as pipeline stages (burn-pipeline's [`PipeStage`]): a contiguous run of decoder
+//! layers per stage, the embedding on the first and the final norm and output projection on
+//! the last. Activations travel between stages as `[batch·seq, hidden]`; the first stage takes
+//! the token ids as floats `[batch, seq]` (exact below 2^24) and the last returns the logits
+//! `[batch·seq, vocab]`.
+
+use burn::module::Module;
+use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Int, Tensor};
+use burn_pipeline::PipeStage;
+
+use crate::model::{Block, Llama, Rope};
+
+/// Layers `layers` of a [`Llama`] as one pipeline stage.
+#[derive(Module, Debug)]
+pub struct LlamaStage<B: Backend> {
+    embed: Option<Embedding<B>>,
+    blocks: Vec<Block<B>>,
+    norm: Option<RmsNorm<B>>,
+    head: Option<Linear<B>>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    rope_theta: f64,
+    /// Positions per sequence (activations are `[batch·seq, hidden]` between stages).
+    seq: usize,
+}
+
+impl<B: Backend> LlamaStage<B> {
+    /// Stage `stage` of `stages` of `model`, with `bounds[stage]..bounds[stage + 1]` of its
+    /// decoder layers (`bounds` from burn-pipeline's `split`), for sequences of `seq` tokens.
+    /// A tied output projection spans the first and last stages, which needs its gradients
+    /// summed across them: refused until that lands.
+    pub fn new(
+        model: &Llama<B>,
+        bounds: &[usize],
+        stage: usize,
+        seq: usize,
+    ) -> Result<Self, String> {
+        let stages = bounds.len() - 1;
+        let (first, last) = (stage == 0, stage + 1 == stages);
+        if stages > 1 && model.lm_head.is_none() {
+            return Err(
+                "a model with tied embeddings cannot be split into pipeline stages yet (the \
+                 embedding and the output projection would live on different stages)"
+                    .into(),
+            );
+        }
+        if bounds.last() != Some(&model.blocks.len()) || bounds.windows(2).any(|w| w[0] > w[1]) {
+            return Err(format!(
+                "stage bounds {bounds:?} do not split {} layers",
+                model.blocks.len()
+            ));
+        }
+        Ok(Self {
+            embed: first.then(|| model.embed.clone()),
+            blocks: model.blocks[bounds[stage]..bounds[stage + 1]].to_vec(),
+            norm: last.then(|| model.norm.clone()),
+            head: if last { model.lm_head.clone() } else { None },
+            num_heads: model.num_heads(),
+            num_kv_heads: model.num_kv_heads(),
+            rope_theta: model.rope_theta(),
+            seq,
+        })
+    }
+
+    /// This stage's layers on `x` (see the module doc for the shapes).
+    pub fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let device = x.device();
+        let h = match &self.embed {
+            Some(embed) => embed.forward(x.int()),
+            None => {
+                let [rows, hidden] = x.dims();
+                x.reshape([rows / self.seq, self.seq, hidden])
+            }
+        };
+        let [batch, seq, hidden] = h.dims();
+        let head_dim = hidden / self.num_heads;
+        let rope = Rope::new(seq, head_dim, self.rope_theta, &device, h.dtype());
+        let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
+        let mut h = h;
+        for block in &self.blocks {
+            h = block.forward(h, &rope, &mask, self.num_heads, self.num_kv_heads);
+        }
+        if let Some(norm) = &self.norm {
+            h = norm.forward(h);
+        }
+        let h = match &self.head {
+            Some(head) => head.forward(h),
+            None => h,
+        };
+        let width = h.dims()[2];
+        h.reshape([batch * seq, width])
+    }
+}
+
+impl<B: AutodiffBackend> PipeStage<B> for LlamaStage<B> {
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.apply(x)
+    }
+}
+
+/// Token ids `[batch, seq]` as the first stage's float input.
+pub fn ids_as_input<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+    ids.float()
+}
