@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use burn::module::{AutodiffModule, ModuleMapper, Param};
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
@@ -20,6 +20,57 @@ use crate::schedule::Instr;
 pub trait PipeStage<B: AutodiffBackend>: AutodiffModule<B> {
     /// This stage's layers on a `[rows, features]` activation.
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2>;
+
+    /// The matrix this stage shares with the other end of the pipeline (a tied embedding: the
+    /// first stage's input table, the last stage's output projection), if any. The executor
+    /// sums its gradient across the first and last stages before the optimizer step, so both
+    /// copies take the same steps.
+    fn tied(&self) -> Option<ParamId> {
+        None
+    }
+}
+
+/// Sums the gradient of the tied matrix `id` in `grads` with the other end's (the first and
+/// the last stage exchange theirs; the first sends first).
+fn sum_tied<B: AutodiffBackend>(
+    mut grads: GradientsParams,
+    id: ParamId,
+    spec: &StageSpec<'_, B>,
+    comm: &dyn Communicator,
+    device: &B::Device,
+) -> Result<GradientsParams, CommError> {
+    let last = spec.stages - 1;
+    let peer = match spec.stage {
+        0 => last,
+        s if s == last => 0,
+        s => panic!(
+            "stage {s} of {} holds a tied matrix: only the first and last may",
+            spec.stages
+        ),
+    };
+    let grad = grads
+        .remove::<B::InnerBackend, 2>(id)
+        .unwrap_or_else(|| panic!("stage {}: no gradient for its tied matrix", spec.stage));
+    let dims = grad.dims();
+    let mine: Vec<f32> = grad.into_data().convert::<f32>().into_vec().expect("f32");
+    let mut theirs = vec![0.0f32; mine.len()];
+    if spec.stage == 0 {
+        comm.send(mine.as_slice().into(), peer)?;
+        comm.recv(theirs.as_mut_slice().into(), peer)?;
+    } else {
+        comm.recv(theirs.as_mut_slice().into(), peer)?;
+        comm.send(mine.as_slice().into(), peer)?;
+    }
+    // The same order of addition on both ends: first stage's + last stage's.
+    let (a, b) = if spec.stage == 0 {
+        (&mine, &theirs)
+    } else {
+        (&theirs, &mine)
+    };
+    let sum: Vec<f32> = a.iter().zip(b).map(|(x, y)| x + y).collect();
+    let summed = Tensor::<B::InnerBackend, 2>::from_data(TensorData::new(sum, dims), device);
+    grads.register(id, summed);
+    Ok(grads)
 }
 
 /// Where a stage sits and what its data looks like.
@@ -240,7 +291,11 @@ where
                 comm.send(values(g).as_slice().into(), prev)?;
             }
             Instr::ReduceGrads => {
-                reduced = Some(optimizer.reduce(&module, accumulated.grads(), data)?);
+                let mut grads = accumulated.grads();
+                if let Some(id) = module.tied().filter(|_| spec.stages > 1) {
+                    grads = sum_tied(grads, id, spec, comm, &device)?;
+                }
+                reduced = Some(optimizer.reduce(&module, grads, data)?);
             }
             Instr::OptimizerStep => {
                 let grads = match reduced.take() {

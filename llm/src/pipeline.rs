@@ -4,7 +4,7 @@
 //! the token ids as floats `[batch, seq]` (exact below 2^24) and the last returns the logits
 //! `[batch·seq, vocab]`.
 
-use burn::module::Module;
+use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor};
@@ -19,6 +19,13 @@ pub struct LlamaStage<B: Backend> {
     blocks: Vec<Block<B>>,
     norm: Option<RmsNorm<B>>,
     head: Option<Linear<B>>,
+    /// The last stage's copy of a tied embedding (the output projection's weight, transposed);
+    /// the executor sums its gradient with the first stage's embedding's.
+    tied_head: Option<Param<Tensor<B, 2>>>,
+    /// Tied, and one stage only: the output projection is the embedding's own weight.
+    tied_here: bool,
+    /// Tied, and this is the first of several stages: the embedding is shared with the last.
+    shares_embedding: bool,
     num_heads: usize,
     num_kv_heads: usize,
     rope_theta: f64,
@@ -29,24 +36,22 @@ pub struct LlamaStage<B: Backend> {
 impl<B: Backend> LlamaStage<B> {
     /// Stage `stage` of `stages` of `model`, with `bounds[stage]..bounds[stage + 1]` of its
     /// decoder layers (`bounds` from burn-pipeline's `split`), for sequences of `seq` tokens.
-    /// A tied output projection spans the first and last stages, which needs its gradients
-    /// summed across them: refused until that lands.
+    /// A tied output projection becomes a copy of the embedding on the last stage, kept equal
+    /// to the first stage's through [`PipeStage::tied`].
     pub fn new(
         model: &Llama<B>,
         bounds: &[usize],
         stage: usize,
         seq: usize,
     ) -> Result<Self, String> {
-        let stages = bounds.len() - 1;
+        let stages = bounds.len().saturating_sub(1);
         let (first, last) = (stage == 0, stage + 1 == stages);
-        if stages > 1 && model.lm_head.is_none() {
-            return Err(
-                "a model with tied embeddings cannot be split into pipeline stages yet (the \
-                 embedding and the output projection would live on different stages)"
-                    .into(),
-            );
-        }
-        if bounds.last() != Some(&model.blocks.len()) || bounds.windows(2).any(|w| w[0] > w[1]) {
+        let tied = model.lm_head.is_none();
+        if bounds.first() != Some(&0)
+            || bounds.last() != Some(&model.blocks.len())
+            || bounds.windows(2).any(|w| w[0] > w[1])
+            || stage >= stages
+        {
             return Err(format!(
                 "stage bounds {bounds:?} do not split {} layers",
                 model.blocks.len()
@@ -57,6 +62,13 @@ impl<B: Backend> LlamaStage<B> {
             blocks: model.blocks[bounds[stage]..bounds[stage + 1]].to_vec(),
             norm: last.then(|| model.norm.clone()),
             head: if last { model.lm_head.clone() } else { None },
+            tied_head: (tied && last && stages > 1).then(|| {
+                let w = model.embed.weight.val();
+                let require_grad = w.is_require_grad();
+                Param::from_tensor(w.detach().set_require_grad(require_grad))
+            }),
+            tied_here: tied && stages == 1,
+            shares_embedding: tied && first && stages > 1,
             num_heads: model.num_heads(),
             num_kv_heads: model.num_kv_heads(),
             rope_theta: model.rope_theta(),
@@ -85,9 +97,12 @@ impl<B: Backend> LlamaStage<B> {
         if let Some(norm) = &self.norm {
             h = norm.forward(h);
         }
-        let h = match &self.head {
-            Some(head) => head.forward(h),
-            None => h,
+        let transposed = |w: Tensor<B, 2>| w.transpose().unsqueeze::<3>();
+        let h = match (&self.head, &self.tied_head, &self.embed) {
+            (Some(head), _, _) => head.forward(h),
+            (None, Some(w), _) => h.matmul(transposed(w.val())),
+            (None, None, Some(embed)) if self.tied_here => h.matmul(transposed(embed.weight.val())),
+            _ => h,
         };
         let width = h.dims()[2];
         h.reshape([batch * seq, width])
@@ -97,6 +112,14 @@ impl<B: Backend> LlamaStage<B> {
 impl<B: AutodiffBackend> PipeStage<B> for LlamaStage<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.apply(x)
+    }
+
+    fn tied(&self) -> Option<ParamId> {
+        match (&self.embed, &self.tied_head) {
+            (Some(embed), _) if self.shares_embedding => Some(embed.weight.id),
+            (_, Some(w)) => Some(w.id),
+            _ => None,
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! The recipe's Llama split into pipeline stages (embedding first, norm and output projection
 //! last, decoder layers by `split` bounds) on thread ranks, 1F1B over 4 micro-batches, against
 //! the unsplit model on the whole batch: the loss of 5 Adam steps within fp32 tolerance, for 2
-//! and 3 stages; a tied model is refused by name.
+//! and 3 stages, with untied and tied embeddings (the tied table's two copies summing their
+//! gradients across the first and last stages).
 
 use std::sync::Arc;
 
@@ -25,8 +26,8 @@ const BATCH: usize = 2;
 const SEQ: usize = 6;
 const LR: f64 = 3e-3;
 
-fn config() -> LlamaConfig {
-    LlamaConfig::new(24, 16, 20, 4, 4, 2).with_tie_embeddings(false)
+fn config(tied: bool) -> LlamaConfig {
+    LlamaConfig::new(24, 16, 20, 4, 4, 2).with_tie_embeddings(tied)
 }
 
 /// Step `step`'s tokens `[MICRO·BATCH, SEQ + 1]`.
@@ -68,9 +69,9 @@ fn initialized<M: Module<B>>(model: M) -> M {
     model.map(&mut Draw)
 }
 
-fn pipeline_matches(bounds: &[usize]) {
+fn pipeline_matches(bounds: &[usize], tied: bool) {
     let device = Default::default();
-    let full = initialized(config().init::<B>(&device));
+    let full = initialized(config(tied).init::<B>(&device));
     let mut reference = full.clone();
     let mut optim = AdamConfig::new().init();
     let mut want = Vec::new();
@@ -120,7 +121,7 @@ fn pipeline_matches(bounds: &[usize]) {
     for (step, (a, b)) in got.iter().zip(&want).enumerate() {
         assert!(
             (a - b).abs() <= 2e-5 * b.abs().max(1.0),
-            "{stages} stages, step {step}: {got:?} vs {want:?}"
+            "{stages} stages (tied: {tied}), step {step}: {got:?} vs {want:?}"
         );
     }
     assert!(want[STEPS - 1] < want[0], "the reference trains: {want:?}");
@@ -128,18 +129,29 @@ fn pipeline_matches(bounds: &[usize]) {
 
 #[test]
 fn two_stages_match_the_unsplit_llama() {
-    pipeline_matches(&[0, 2, 4]);
+    pipeline_matches(&[0, 2, 4], false);
 }
 
 #[test]
 fn three_uneven_stages_match_the_unsplit_llama() {
-    pipeline_matches(&[0, 1, 3, 4]);
+    pipeline_matches(&[0, 1, 3, 4], false);
+}
+
+/// Tied embeddings: the last stage's copy and the first stage's table take the summed
+/// gradient, so they stay equal and the loss follows the unsplit model's.
+#[test]
+fn tied_embeddings_across_stages_match_the_unsplit_llama() {
+    pipeline_matches(&[0, 2, 4], true);
+    pipeline_matches(&[0, 1, 3, 4], true);
+    pipeline_matches(&[0, 4], true);
 }
 
 #[test]
-fn a_tied_llama_is_refused_by_name() {
+fn bad_bounds_are_refused() {
     let device = Default::default();
-    let tied = LlamaConfig::new(24, 16, 20, 2, 4, 2).init::<B>(&device);
-    let err = LlamaStage::new(&tied, &[0, 1, 2], 0, SEQ).unwrap_err();
-    assert!(err.contains("tied embeddings"), "{err}");
+    let model = config(false).init::<B>(&device);
+    for bounds in [&[0, 3][..], &[1, 4], &[0, 3, 2, 4]] {
+        let err = LlamaStage::new(&model, bounds, 0, SEQ).unwrap_err();
+        assert!(err.contains("do not split 4 layers"), "{err}");
+    }
 }
