@@ -4,6 +4,8 @@
 //! the token ids as floats `[batch, seq]` (exact below 2^24) and the last returns the logits
 //! `[batch·seq, vocab]`.
 
+use core::ops::Range;
+
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -34,32 +36,34 @@ pub struct LlamaStage<B: Backend> {
 }
 
 impl<B: Backend> LlamaStage<B> {
-    /// Stage `stage` of `stages` of `model`, with `bounds[stage]..bounds[stage + 1]` of its
-    /// decoder layers (`bounds` from burn-pipeline's `split`), for sequences of `seq` tokens.
+    /// Stage `stage` of `model` split into `stages` (each stage's decoder layers, contiguous
+    /// and in order, as burn-pipeline's `split` returns them), for sequences of `seq` tokens.
     /// A tied output projection becomes a copy of the embedding on the last stage, kept equal
     /// to the first stage's through [`PipeStage::tied`].
     pub fn new(
         model: &Llama<B>,
-        bounds: &[usize],
+        stages: &[Range<usize>],
         stage: usize,
         seq: usize,
     ) -> Result<Self, String> {
-        let stages = bounds.len().saturating_sub(1);
-        let (first, last) = (stage == 0, stage + 1 == stages);
+        let n = stages.len();
+        let (first, last) = (stage == 0, stage + 1 == n);
         let tied = model.lm_head.is_none();
-        if bounds.first() != Some(&0)
-            || bounds.last() != Some(&model.blocks.len())
-            || bounds.windows(2).any(|w| w[0] > w[1])
-            || stage >= stages
-        {
+        let contiguous = stages.first().is_some_and(|r| r.start == 0)
+            && stages.last().is_some_and(|r| r.end == model.blocks.len())
+            && stages.windows(2).all(|w| w[0].end == w[1].start)
+            && stages.iter().all(|r| r.start <= r.end);
+        if !contiguous || stage >= n {
             return Err(format!(
-                "stage bounds {bounds:?} do not split {} layers",
+                "stages {stages:?} do not split {} layers (or have no stage {stage})",
                 model.blocks.len()
             ));
         }
+        let layers = stages[stage].clone();
+        let stages = n;
         Ok(Self {
             embed: first.then(|| model.embed.clone()),
-            blocks: model.blocks[bounds[stage]..bounds[stage + 1]].to_vec(),
+            blocks: model.blocks[layers].to_vec(),
             norm: last.then(|| model.norm.clone()),
             head: if last { model.lm_head.clone() } else { None },
             tied_head: (tied && last && stages > 1).then(|| {

@@ -69,6 +69,11 @@ fn initialized<M: Module<B>>(model: M) -> M {
     model.map(&mut Draw)
 }
 
+/// `bounds` as stage layer ranges.
+fn ranges(bounds: &[usize]) -> Vec<std::ops::Range<usize>> {
+    bounds.windows(2).map(|w| w[0]..w[1]).collect()
+}
+
 fn pipeline_matches(bounds: &[usize], tied: bool) {
     let device = Default::default();
     let full = initialized(config(tied).init::<B>(&device));
@@ -82,11 +87,12 @@ fn pipeline_matches(bounds: &[usize], tied: bool) {
         reference = optim.step(LR, reference, grads);
     }
     let stages = bounds.len() - 1;
+    let layers = ranges(bounds);
     let results = run_ranks(stages, |ctx| {
         let device = Default::default();
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
         let stage = ctx.rank;
-        let mut part = LlamaStage::new(&full, bounds, stage, SEQ).unwrap();
+        let mut part = LlamaStage::new(&full, &layers, stage, SEQ).unwrap();
         let mut optim = Replicated(AdamConfig::new().init::<B, LlamaStage<B>>());
         let stream = Schedule::OneFOneB.stream(stages, MICRO, stage);
         let mut losses = Vec::new();
@@ -150,8 +156,10 @@ fn tied_embeddings_across_stages_match_the_unsplit_llama() {
 fn bad_bounds_are_refused() {
     let device = Default::default();
     let model = config(false).init::<B>(&device);
-    for bounds in [&[0, 3][..], &[1, 4], &[0, 3, 2, 4]] {
-        let err = LlamaStage::new(&model, bounds, 0, SEQ).unwrap_err();
+    for stages in [vec![0..3], vec![1..4], vec![0..3, 2..4], vec![0..2, 3..4]] {
+        let err = LlamaStage::new(&model, &stages, 0, SEQ).unwrap_err();
         assert!(err.contains("do not split 4 layers"), "{err}");
     }
+    let err = LlamaStage::new(&model, &[0..4], 1, SEQ).unwrap_err();
+    assert!(err.contains("no stage 1"), "{err}");
 }
