@@ -156,10 +156,15 @@ fn tied_embeddings_across_stages_match_the_unsplit_llama() {
 fn bad_bounds_are_refused() {
     let device = Default::default();
     let model = config(false).init::<B>(&device);
-    for stages in [vec![0..3], vec![1..4], vec![0..3, 2..4], vec![0..2, 3..4]] {
+    for stages in [
+        ranges(&[0, 3]),
+        ranges(&[1, 4]),
+        vec![0..3, 2..4],
+        vec![0..2, 3..4],
+    ] {
         let err = LlamaStage::new(&model, &stages, 0, SEQ).unwrap_err();
         assert!(err.contains("do not split 4 layers"), "{err}");
     }
-    let err = LlamaStage::new(&model, &[0..4], 1, SEQ).unwrap_err();
+    let err = LlamaStage::new(&model, &ranges(&[0, 4]), 1, SEQ).unwrap_err();
     assert!(err.contains("no stage 1"), "{err}");
 }
