@@ -1,0 +1,149 @@
+//! End-to-end training throughput of a Llama-style model under the engine (issue 12), the peer
+//! of `bench/e2e_fsdp2.py`: the same sizes, sequence length, micro-batch, bf16 with fp32
+//! master weights, AdamW (β = 0.9/0.95, weight decay 0.1), clipping at 1.0, seeded random
+//! weights and tokens. One process per GPU:
+//!   burn-zero run --nproc-per-node N -- bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ]
+//! SIZE is `125m`, `1b` or `3b` (Llama-3.2 shapes for 1b and 3b). Rank 0 prints one JSON line:
+//! tokens/s per GPU, MFU, the step-time breakdown and the losses.
+
+use std::time::Instant;
+
+use burn::backend::Cuda;
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_zero::DeepSpeedConfig;
+use burn_zero::dist::init_nccl;
+use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero_llm::{Llama, LlamaConfig};
+
+type B = ZeroAutodiff<Cuda>;
+
+/// The model of `size`: SmolLM2-like 125M, Llama-3.2-1B and -3B shapes (tied embeddings).
+fn preset(size: &str) -> LlamaConfig {
+    let config = match size {
+        "125m" => LlamaConfig::new(49152, 768, 2048, 12, 12, 4),
+        "1b" => LlamaConfig::new(128256, 2048, 8192, 16, 32, 8),
+        "3b" => LlamaConfig::new(128256, 3072, 8192, 28, 24, 8),
+        other => panic!("SIZE is 125m, 1b or 3b, not `{other}`"),
+    };
+    config.with_rope_theta(500000.0).with_max_seq_len(8192)
+}
+
+/// Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
+/// `QKᵀ` and `AV`, 12·layers·hidden·seq (counted whole, not halved for the causal mask, as
+/// PaLM's MFU does and torchtitan reports).
+pub fn flops_per_token(params: usize, config: &LlamaConfig, seq: usize) -> f64 {
+    6.0 * params as f64 + 12.0 * (config.num_layers * config.hidden_size * seq) as f64
+}
+
+/// Dense bf16 peak of the GPU in FLOP/s: `BURN_ZERO_PEAK_TFLOPS`, else an H100/H200 SXM's
+/// 989.4 TFLOP/s.
+fn peak_flops() -> f64 {
+    std::env::var("BURN_ZERO_PEAK_TFLOPS")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(989.4)
+        * 1e12
+}
+
+/// Rank `rank`'s tokens `[micro, seq + 1]` of step `step` (a fixed LCG, the Python peer's too).
+fn tokens(
+    step: usize,
+    rank: usize,
+    (micro, seq, vocab): (usize, usize, usize),
+    device: &burn::tensor::Device<B>,
+) -> Tensor<B, 2, Int> {
+    let mut s = ((step * 1000 + rank) as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let ids: Vec<i64> = (0..micro * (seq + 1))
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as i64
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [micro, seq + 1]), device)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ]";
+    let size = args.get(1).cloned().expect(usage);
+    let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
+    let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
+    let micro: usize = args.get(4).and_then(|v| v.parse().ok()).unwrap_or(2);
+    let seq: usize = args.get(5).and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let (env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
+    let (rank, world) = (env.rank, env.world_size);
+    let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
+    let config = preset(&size);
+    let json = format!(
+        r#"{{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": 1,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "betas": [0.9, 0.95],
+                "weight_decay": 0.1}}}},
+            "gradient_clipping": 1.0,
+            "bf16": {{"enabled": true}},
+            "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
+                "reduce_bucket_size": 200000000, "allgather_bucket_size": 200000000}},
+            "burn_zero": {{"matmul": {{"cublaslt": true}}}}}}"#
+    );
+    let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
+    <Cuda as Backend>::seed(&device, 42);
+    let model: Llama<B> = config.init(&device);
+    let params = model.num_params();
+    let mut engine = initialize::<Cuda, _>(model, &ds, std::sync::Arc::new(nccl))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let report = engine.memory_report();
+    let shape = (micro, seq, config.vocab_size);
+    let (mut times, mut forward, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+    engine.take_timings();
+    for step in 0..steps {
+        let batch = tokens(step, rank, shape, &device);
+        <Cuda as Backend>::sync(&device).expect("sync");
+        let start = Instant::now();
+        let loss = engine.model().loss(batch);
+        <Cuda as Backend>::sync(&device).expect("sync");
+        let forward_s = start.elapsed().as_secs_f64();
+        engine.backward(loss.clone()).expect("backward");
+        engine.step().expect("step");
+        <Cuda as Backend>::sync(&device).expect("sync");
+        let secs = start.elapsed().as_secs_f64();
+        let l = loss.cast(burn::tensor::FloatDType::F32).into_scalar();
+        if rank == 0 {
+            eprintln!("step {step}: loss {l:.4}, {secs:.3} s (forward {forward_s:.3} s)");
+        }
+        losses.push(l);
+        // The first two steps compile kernels and tune matmuls.
+        if step >= 2 {
+            times.push(secs);
+            forward.push(forward_s);
+        }
+        if step == 1 {
+            engine.take_timings();
+        }
+    }
+    let timings = engine.take_timings();
+    let timed = times.len().max(1) as f64;
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    let tokens_per_gpu = (micro * seq) as f64 / median;
+    let per_token = flops_per_token(params, &config, seq);
+    if rank == 0 {
+        println!(
+            "{}",
+            serde_json::json!({"system": "burn-zero", "size": size, "params": params,
+                "stage": stage, "world": world, "micro_batch": micro, "seq": seq,
+                "global_batch_tokens": micro * seq * world, "steps": steps,
+                "median_step_s": median, "step_times_s": times,
+                "tokens_per_s_per_gpu": tokens_per_gpu,
+                "flops_per_token": per_token, "peak_flops": peak_flops(),
+                "mfu": tokens_per_gpu * per_token / peak_flops(),
+                "breakdown_s": {"forward": forward.iter().sum::<f64>() / timed,
+                    "backward": timings.backward.as_secs_f64() / timed,
+                    "step": timings.step.as_secs_f64() / timed},
+                "losses": losses, "memory_report": report.to_string()})
+        );
+    }
+}
