@@ -196,6 +196,13 @@ pub struct Llama<B: Backend> {
 impl<B: Backend> Llama<B> {
     /// Logits for every position of `tokens` (`[batch, seq]`), causal attention.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.forward_kept(tokens, None)
+    }
+
+    /// [`Llama::forward`] with only the decoder layers `keep` marks (all when `None`): a
+    /// dropped layer passes its input through (progressive layer dropping), so neither its
+    /// forward nor its backward runs.
+    pub fn forward_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 3> {
         let [_, seq] = tokens.dims();
         let device = tokens.device();
         let mut x = self.embed.forward(tokens);
@@ -203,8 +210,10 @@ impl<B: Backend> Llama<B> {
         // Activations follow the parameters' dtype (bf16 under mixed precision).
         let rope = Rope::new(seq, head_dim, self.rope_theta, &device, x.dtype());
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
-        for block in &self.blocks {
-            x = block.forward(x, &rope, &mask, self.num_heads, self.num_kv_heads);
+        for (i, block) in self.blocks.iter().enumerate() {
+            if keep.is_none_or(|k| k[i]) {
+                x = block.forward(x, &rope, &mask, self.num_heads, self.num_kv_heads);
+            }
         }
         let x = self.norm.forward(x);
         match &self.lm_head {
@@ -219,10 +228,15 @@ impl<B: Backend> Llama<B> {
     /// Mean next-token cross-entropy of `tokens` (`[batch, seq + 1]`: inputs and shifted
     /// targets), in nats.
     pub fn loss(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.loss_kept(tokens, None)
+    }
+
+    /// [`Llama::loss`] with only the decoder layers `keep` marks ([`Llama::forward_kept`]).
+    pub fn loss_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 1> {
         let [batch, len] = tokens.dims();
         let inputs = tokens.clone().slice([0..batch, 0..len - 1]);
         let targets = tokens.slice([0..batch, 1..len]);
-        cross_entropy(self.forward(inputs), targets)
+        cross_entropy(self.forward_kept(inputs, keep), targets)
     }
 
     /// Number of decoder layers.

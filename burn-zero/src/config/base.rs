@@ -47,6 +47,9 @@ pub struct DeepSpeedConfig {
     pub communication_data_type: Option<String>,
     /// `aio`: the NVMe swap's I/O (`offload_optimizer {"device": "nvme"}`).
     pub aio: AioConfig,
+    /// `progressive_layer_drop`: DeepSpeed's θ(t) schedule of layers kept
+    /// ([`crate::schedule::ProgressiveLayerDrop`]).
+    pub progressive_layer_drop: crate::schedule::PldConfig,
     /// `activation_checkpointing`: present, burn-pipeline's stages checkpoint their inputs
     /// and recompute the forward in backward.
     pub activation_checkpointing: Option<ActivationCheckpointingConfig>,
@@ -180,6 +183,7 @@ impl Default for DeepSpeedConfig {
             zero_allow_untested_optimizer: false,
             communication_data_type: None,
             aio: AioConfig::default(),
+            progressive_layer_drop: Default::default(),
             activation_checkpointing: None,
             burn_zero: BurnZeroConfig::default(),
         }
@@ -339,7 +343,6 @@ pub(crate) const SECTIONS_NOT_YET_IMPLEMENTED: &[&str] = &[
     "flops_profiler",
     "monitor_config",
     "pipeline",
-    "progressive_layer_drop",
     "sparse_attention",
     "tensorboard",
     "wandb",

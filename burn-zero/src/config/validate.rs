@@ -116,6 +116,19 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         ),
         "block_size of at least 4096 bytes and queue_depth of at least 1",
     )?;
+    let pld = &c.progressive_layer_drop;
+    check(
+        (0.0..=1.0).contains(&pld.theta),
+        "progressive_layer_drop.theta",
+        pld.theta,
+        "0 to 1",
+    )?;
+    check(
+        pld.gamma.is_finite() && pld.gamma >= 0.0,
+        "progressive_layer_drop.gamma",
+        pld.gamma,
+        ">= 0",
+    )?;
     check(
         c.burn_zero.max_buffer_elements >= 1,
         "burn_zero.max_buffer_elements",

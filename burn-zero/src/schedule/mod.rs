@@ -1,4 +1,5 @@
-//! DeepSpeed's learning-rate schedules (0.19 semantics), free of burn types.
+//! DeepSpeed's learning-rate schedules (0.19 semantics) and progressive layer dropping's,
+//! free of burn types.
 //!
 //! DeepSpeed counts `last_batch_iteration` (here `iteration`) from −1 at construction; the
 //! engine steps the scheduler once per optimizer step, after that step. So optimizer step 1
@@ -318,6 +319,8 @@ impl Scheduler {
 }
 
 mod params;
+mod pld;
+pub use pld::{PldConfig, ProgressiveLayerDrop};
 
 #[cfg(test)]
 mod tests;

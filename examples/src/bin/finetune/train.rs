@@ -13,6 +13,7 @@ use burn_zero::ZeroBackend;
 use burn_zero::comm::{Communicator, ReduceOp};
 use burn_zero::config::DeepSpeedConfig;
 use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero::schedule::ProgressiveLayerDrop;
 use burn_zero_llm::data::{DistributedSampler, SamplerState};
 use burn_zero_llm::generate::Sampling;
 use burn_zero_llm::tokenizer::TextTokenizer;
@@ -124,8 +125,12 @@ pub fn train<I: Backend>(
     let checkpoints = args.out.join("engine");
     // Checkpoint writing is not training: kept out of tokens/s.
     let mut save_secs = 0.0;
+    // Progressive layer dropping: the layers each step keeps, the same on every rank.
+    let pld = ProgressiveLayerDrop::from_config(&job.config.progressive_layer_drop);
+    let layers = engine.model().num_layers();
     for step in first..=args.steps {
         let lr = engine.lr();
+        let keep = pld.map(|p| p.keep_mask(layers, step as u64, args.seed));
         let mut step_loss = 0.0;
         for _ in 0..batch.gradient_accumulation_steps {
             let (ids, next) = sampler.next(state);
@@ -138,7 +143,7 @@ pub fn train<I: Backend>(
                 TensorData::new(flat, [ids.len(), args.seq + 1]),
                 device,
             );
-            let loss = engine.model().loss(tokens);
+            let loss = engine.model().loss_kept(tokens, keep.as_deref());
             step_loss +=
                 loss.clone().into_scalar().elem::<f64>() / batch.gradient_accumulation_steps as f64;
             engine.backward(loss).map_err(|e| e.to_string())?;
