@@ -3,7 +3,9 @@
 
 use serde::Serialize;
 
+mod onebit;
 mod tensor;
+pub use onebit::{CommVolume, OneBitCompressor, pack_signs, unpack_signs};
 pub use tensor::TensorOptimizer;
 
 use crate::config::{OptimizerKind, OptimizerParams};
