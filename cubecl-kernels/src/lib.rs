@@ -4,7 +4,7 @@
 //! moments). Tested on the CPU through wgpu on Mesa's lavapipe (`--features wgpu`, with the
 //! environment `scripts/lavapipe.sh` prints); multi-tensor launches, LAMB and flash attention
 //! with its own backward come next.
-//! [`sparse_layout`]: DeepSpeed's block-sparse attention layouts (dense, fixed), what a
+//! [`sparse_layout`]: DeepSpeed's block-sparse attention layouts (dense, fixed, bslongformer), what a
 //! block-sparse kernel will read.
 #![warn(missing_docs)]
 

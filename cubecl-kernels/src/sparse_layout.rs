@@ -1,5 +1,6 @@
 //! Block-sparse attention layouts as DeepSpeed's `sparse_attention` defines them: which
 //! `block × block` tiles of the attention matrix each head computes. `Dense` keeps every tile;
+//! `BsLongformer` a sliding window plus global blocks in both directions;
 //! `Fixed` (Sparse Transformers, as DeepSpeed customizes it) keeps local windows of
 //! `num_local_blocks` blocks plus, per window, `num_global_blocks` representative blocks that
 //! every row attends to (and that attend to every column, with horizontal global attention).
@@ -74,6 +75,32 @@ impl Default for FixedConfig {
     }
 }
 
+/// `sparse_attention {"mode": "bslongformer", ...}`: a sliding window plus global blocks that
+/// attend to and are attended by every block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BsLongformerConfig {
+    /// `num_sliding_window_blocks`: the window's width (centred on the row's block).
+    pub num_sliding_window_blocks: usize,
+    /// `global_block_indices`: global blocks, or the starts of global ranges.
+    pub global_block_indices: Vec<usize>,
+    /// `global_block_end_indices`: the ends (exclusive) of the global ranges, if ranges.
+    pub global_block_end_indices: Option<Vec<usize>>,
+    /// `attention`.
+    pub attention: Direction,
+}
+
+impl Default for BsLongformerConfig {
+    /// DeepSpeed's defaults.
+    fn default() -> Self {
+        Self {
+            num_sliding_window_blocks: 3,
+            global_block_indices: vec![0],
+            global_block_end_indices: None,
+            attention: Direction::Bidirectional,
+        }
+    }
+}
+
 /// A layout mode (`sparse_attention.mode`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum SparsityMode {
@@ -81,6 +108,8 @@ pub enum SparsityMode {
     Dense,
     /// `fixed`.
     Fixed(FixedConfig),
+    /// `bslongformer`.
+    BsLongformer(BsLongformerConfig),
 }
 
 /// The settings every mode shares.
@@ -120,6 +149,7 @@ impl SparsityConfig {
                     tiles: vec![true; blocks * blocks],
                 },
                 SparsityMode::Fixed(f) => self.fixed(f, h, blocks)?,
+                SparsityMode::BsLongformer(c) => bs_longformer(c, blocks)?,
             });
         }
         // One layout for every head unless each has its own.
@@ -193,9 +223,66 @@ impl SparsityConfig {
     }
 }
 
+/// The `bslongformer` layout of `blocks` blocks.
+fn bs_longformer(c: &BsLongformerConfig, blocks: usize) -> Result<BlockLayout, String> {
+    if c.num_sliding_window_blocks > blocks {
+        return Err(format!(
+            "num_sliding_window_blocks {} exceeds the {blocks} blocks of a row",
+            c.num_sliding_window_blocks
+        ));
+    }
+    let ranges: Vec<(usize, usize)> = match &c.global_block_end_indices {
+        None => c.global_block_indices.iter().map(|i| (*i, i + 1)).collect(),
+        Some(ends) => {
+            if ends.len() != c.global_block_indices.len() {
+                return Err(format!(
+                    "global_block_indices has {} entries, global_block_end_indices {}",
+                    c.global_block_indices.len(),
+                    ends.len()
+                ));
+            }
+            let pairs: Vec<(usize, usize)> = c
+                .global_block_indices
+                .iter()
+                .copied()
+                .zip(ends.iter().copied())
+                .collect();
+            if let Some((s, e)) = pairs.iter().find(|(s, e)| s >= e) {
+                return Err(format!("global block range {s}..{e} is empty"));
+            }
+            pairs
+        }
+    };
+    let mut layout = BlockLayout::empty(blocks);
+    let w = c.num_sliding_window_blocks / 2;
+    for row in 0..blocks {
+        for col in row.saturating_sub(w)..(row + w + 1).min(blocks) {
+            layout.set(row, col);
+        }
+    }
+    for (start, end) in ranges.into_iter().filter(|(s, _)| *s < blocks) {
+        for g in start..end.min(blocks) {
+            for other in 0..blocks {
+                layout.set(g, other);
+                layout.set(other, g);
+            }
+        }
+    }
+    if c.attention == Direction::Unidirectional {
+        for row in 0..blocks {
+            for col in row + 1..blocks {
+                layout.tiles[row * blocks + col] = false;
+            }
+        }
+    }
+    Ok(layout)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{BlockLayout, Direction, FixedConfig, SparsityConfig, SparsityMode};
+    use super::{
+        BlockLayout, BsLongformerConfig, Direction, FixedConfig, SparsityConfig, SparsityMode,
+    };
 
     /// A layout written as rows of `#` (computed) and `.`.
     fn drawn(rows: &[&str]) -> BlockLayout {
@@ -300,6 +387,58 @@ mod tests {
         ]);
         assert_eq!(l[0], head0);
         assert_eq!(l[1], head1);
+    }
+
+    fn longformer(c: BsLongformerConfig) -> BlockLayout {
+        let config = SparsityConfig {
+            num_heads: 1,
+            block: 16,
+            different_layout_per_head: false,
+            mode: SparsityMode::BsLongformer(c),
+        };
+        config.make_layout(96).unwrap().remove(0)
+    }
+
+    /// 6 blocks, a window of 3, block 0 global; then causal; then a global range 1..3.
+    #[test]
+    fn bslongformer_written_out() {
+        let both = longformer(BsLongformerConfig::default());
+        let want = drawn(&[
+            "######", //
+            "###...", //
+            "####..", //
+            "#.###.", //
+            "#..###", //
+            "#...##",
+        ]);
+        assert_eq!(both, want);
+        let causal = longformer(BsLongformerConfig {
+            attention: Direction::Unidirectional,
+            ..BsLongformerConfig::default()
+        });
+        let want = drawn(&[
+            "#.....", //
+            "##....", //
+            "###...", //
+            "#.##..", //
+            "#..##.", //
+            "#...##",
+        ]);
+        assert_eq!(causal, want);
+        let ranged = longformer(BsLongformerConfig {
+            global_block_indices: vec![1],
+            global_block_end_indices: Some(vec![3]),
+            ..BsLongformerConfig::default()
+        });
+        let want = drawn(&[
+            "###...", //
+            "######", //
+            "######", //
+            ".####.", //
+            ".#####", //
+            ".##.##",
+        ]);
+        assert_eq!(ranged, want);
     }
 
     #[test]
