@@ -144,6 +144,19 @@ pub fn read_text_files(paths: &[PathBuf]) -> Result<Vec<Book>, DataError> {
         .collect()
 }
 
+/// `count` token ids below `vocab` from a 64-bit LCG started at `state`: seeded synthetic
+/// data for benchmarks and tests (bench/e2e_fsdp2.py draws the same ids).
+pub fn synthetic_ids(mut state: u64, count: usize, vocab: usize) -> Vec<i64> {
+    (0..count)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab as u64) as i64
+        })
+        .collect()
+}
+
 /// Token streams (one per document, each followed by `separator`) packed into windows of
 /// `len + 1` tokens (inputs and shifted targets), consecutive windows sharing one token; the
 /// tail shorter than a window is dropped.

@@ -3,7 +3,7 @@
 //! (GGUF or Hugging Face safetensors) under Hugging Face names.
 
 use burn::config::Config;
-use burn::module::Module;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
@@ -282,35 +282,11 @@ impl<B: Backend> Block<B> {
         heads: usize,
         kv_heads: usize,
     ) -> Tensor<B, 3> {
-        let [batch, seq, hidden] = x.dims();
-        let hd = hidden / heads;
         let h = self.attn_norm.forward(x.clone());
-        let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
-        let q = rope.apply(split(
-            project(&self.q, self.adapter(|l| &l.q), h.clone()),
-            heads,
-        ));
-        let k = rope.apply(split(
-            project(&self.k, self.adapter(|l| &l.k), h.clone()),
-            kv_heads,
-        ));
-        let v = split(project(&self.v, self.adapter(|l| &l.v), h), kv_heads);
-        // Grouped-query attention: each K/V head serves `heads / kv_heads` query heads.
-        let repeat = |t: Tensor<B, 4>| {
-            let group = heads / kv_heads;
-            t.unsqueeze_dim::<5>(2)
-                .expand([batch, kv_heads, group, seq, hd])
-                .reshape([batch, heads, seq, hd])
-        };
-        let (k, v) = (repeat(k), repeat(v));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
-        let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
-        // Softmax in f32 (as transformers does), back to the activations' dtype.
-        let dtype = scores.dtype();
-        let attn = softmax(scores.cast(FloatDType::F32), 3)
-            .cast(dtype)
-            .matmul(v);
-        let attn = attn.swap_dims(1, 2).reshape([batch, seq, hidden]);
+        let q = project(&self.q, self.adapter(|l| &l.q), h.clone());
+        let k = project(&self.k, self.adapter(|l| &l.k), h.clone());
+        let v = project(&self.v, self.adapter(|l| &l.v), h);
+        let attn = causal_attention(q, k, v, rope, mask, heads, kv_heads);
         let x = x + project(&self.o, self.adapter(|l| &l.o), attn);
         let h = self.mlp_norm.forward(x.clone());
         let gate = silu(project(&self.gate, self.adapter(|l| &l.gate), h.clone()));
@@ -321,6 +297,53 @@ impl<B: Backend> Block<B> {
         );
         x + mlp
     }
+}
+
+/// `module` with every lazily initialized parameter drawn now (burn draws a parameter at its
+/// first use), so clones, slices and stages of it share its values.
+pub fn draw_parameters<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Draw;
+    impl<B: Backend> ModuleMapper<B> for Draw {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Draw)
+}
+
+/// Causal grouped-query attention of projected `q` (`[batch, seq, heads·hd]`), `k` and `v`
+/// (`[batch, seq, kv_heads·hd]`): RoPE on q and k, each K/V head serving `heads / kv_heads`
+/// query heads, softmax in f32 (as transformers does); `[batch, seq, heads·hd]` out.
+pub(crate) fn causal_attention<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    rope: &Rope<B>,
+    mask: &Tensor<B, 2, Bool>,
+    heads: usize,
+    kv_heads: usize,
+) -> Tensor<B, 3> {
+    let [batch, seq, width] = q.dims();
+    let hd = width / heads;
+    let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
+    let q = rope.apply(split(q, heads));
+    let k = rope.apply(split(k, kv_heads));
+    let v = split(v, kv_heads);
+    let repeat = |t: Tensor<B, 4>| {
+        let group = heads / kv_heads;
+        t.unsqueeze_dim::<5>(2)
+            .expand([batch, kv_heads, group, seq, hd])
+            .reshape([batch, heads, seq, hd])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
+    let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
+    let dtype = scores.dtype();
+    let attn = softmax(scores.cast(FloatDType::F32), 3)
+        .cast(dtype)
+        .matmul(v);
+    attn.swap_dims(1, 2).reshape([batch, seq, width])
 }
 
 /// Rotary position embedding on interleaved pairs `(x[2i], x[2i+1])` — the layout of the q/k

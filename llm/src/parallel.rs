@@ -7,7 +7,7 @@
 
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 use burn_pipeline::tensor_parallel::{
@@ -15,7 +15,7 @@ use burn_pipeline::tensor_parallel::{
     VocabParallelEmbedding, copy_to_group, slice_of, vocab_parallel_cross_entropy,
 };
 
-use crate::model::{Block, Llama, Rope};
+use crate::model::{Block, Llama, Rope, causal_attention};
 
 /// One decoder layer's slice.
 #[derive(Module, Debug)]
@@ -101,32 +101,14 @@ impl<B: ModelParallelBackend> ParallelBlock<B> {
         mask: &Tensor<B, 2, Bool>,
         group: &ModelGroup,
     ) -> Tensor<B, 3> {
-        let [batch, seq, _] = x.dims();
-        let (heads, kv_heads) = (self.heads, self.kv_heads);
-        let hd = self.q.weight.dims()[1] / heads;
         // One `f` for the three projections of the same input.
         let h = copy_to_group(self.attn_norm.forward(x.clone()), group);
-        let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
         let local = |l: &ColumnParallelLinear<B>, h: Tensor<B, 3>| {
             burn::tensor::module::linear(h, l.weight.val(), None)
         };
-        let q = rope.apply(split(local(&self.q, h.clone()), heads));
-        let k = rope.apply(split(local(&self.k, h.clone()), kv_heads));
-        let v = split(local(&self.v, h), kv_heads);
-        let repeat = |t: Tensor<B, 4>| {
-            let per_group = heads / kv_heads;
-            t.unsqueeze_dim::<5>(2)
-                .expand([batch, kv_heads, per_group, seq, hd])
-                .reshape([batch, heads, seq, hd])
-        };
-        let (k, v) = (repeat(k), repeat(v));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
-        let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
-        let dtype = scores.dtype();
-        let attn = softmax(scores.cast(FloatDType::F32), 3)
-            .cast(dtype)
-            .matmul(v);
-        let attn = attn.swap_dims(1, 2).reshape([batch, seq, heads * hd]);
+        let (q, k) = (local(&self.q, h.clone()), local(&self.k, h.clone()));
+        let v = local(&self.v, h);
+        let attn = causal_attention(q, k, v, rope, mask, self.heads, self.kv_heads);
         let x = x + self.o.forward(attn, group);
         let h = copy_to_group(self.mlp_norm.forward(x.clone()), group);
         let gate = silu(local(&self.gate, h.clone()));

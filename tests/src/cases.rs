@@ -36,6 +36,39 @@ pub fn tensor<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(values(n, salt), shape), device)
 }
 
+/// A linear layer with deterministic weights (scaled by 0.5) and bias (by 0.1) from `salt`.
+pub fn seeded_linear<B: Backend>(
+    d_in: usize,
+    d_out: usize,
+    salt: usize,
+    device: &B::Device,
+) -> Linear<B> {
+    let mut l = LinearConfig::new(d_in, d_out).init::<B>(device);
+    l.weight = Param::from_tensor(tensor::<B, 2>([d_in, d_out], salt, device).mul_scalar(0.5));
+    l.bias = Some(Param::from_tensor(
+        tensor::<B, 1>([d_out], salt + 1, device).mul_scalar(0.1),
+    ));
+    l
+}
+
+/// `t`'s values as f32.
+pub fn f32_values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec().unwrap()
+}
+
+/// `got` equals `want` element by element within fp32 tolerance (1e-5 relative, 1e-6
+/// absolute); a failure names `what` and the element.
+pub fn assert_close(what: &str, got: impl AsRef<[f32]>, want: impl AsRef<[f32]>) {
+    let (got, want) = (got.as_ref(), want.as_ref());
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()) + 1e-6,
+            "{what}[{i}]: {a} vs {b}"
+        );
+    }
+}
+
 /// Float, int and bool ops through burn's tensor API, on odd shapes.
 pub fn op_suite<B: Backend>(device: &B::Device) -> Vec<Outcome> {
     let a = tensor::<B, 2>([7, 15], 1, device);

@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use burn::backend::NdArray;
-use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_pipeline::ModelGroup;
@@ -15,6 +14,8 @@ use burn_zero::comm::Communicator;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
 use burn_zero_llm::LlamaConfig;
+use burn_zero_llm::data::synthetic_ids;
+use burn_zero_llm::model::draw_parameters;
 use burn_zero_llm::parallel::ParallelLlama;
 
 type B = ZeroAutodiff<NdArray>;
@@ -23,34 +24,13 @@ const STEPS: usize = 5;
 const LR: f64 = 3e-3;
 
 fn tokens(step: usize, vocab: usize, device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
-    let mut s = 0x9e37_79b9u64.wrapping_mul(step as u64 + 3);
-    let ids: Vec<i64> = (0..2 * 7)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as i64
-        })
-        .collect();
+    let ids = synthetic_ids(0x9e37_79b9u64.wrapping_mul(step as u64 + 3), 2 * 7, vocab);
     Tensor::from_data(TensorData::new(ids, [2, 7]), device)
-}
-
-/// `model` with every lazily initialized parameter drawn now, so clones and slices share
-/// its values.
-fn initialized<M: Module<B>>(model: M) -> M {
-    struct Draw;
-    impl ModuleMapper<B> for Draw {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
-    model.map(&mut Draw)
 }
 
 fn sliced_llama_matches(config: LlamaConfig, ranks: usize) {
     let device = Default::default();
-    let full = initialized(config.init::<B>(&device));
+    let full = draw_parameters(config.init::<B>(&device));
     let vocab = config.vocab_size;
     let mut reference = full.clone();
     let mut optim = AdamConfig::new().init();

@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use burn::backend::NdArray;
-use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_pipeline::{Replicated, Schedule, StageSpec, run_step};
@@ -15,7 +14,8 @@ use burn_zero::comm::Communicator;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
 use burn_zero_llm::LlamaConfig;
-use burn_zero_llm::model::cross_entropy;
+use burn_zero_llm::data::synthetic_ids;
+use burn_zero_llm::model::{cross_entropy, draw_parameters};
 use burn_zero_llm::pipeline::{LlamaStage, ids_as_input};
 
 type B = ZeroAutodiff<NdArray>;
@@ -32,15 +32,8 @@ fn config(tied: bool) -> LlamaConfig {
 
 /// Step `step`'s tokens `[MICRO·BATCH, SEQ + 1]`.
 fn tokens(step: usize, device: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
-    let mut s = 0x51_7cc1u64.wrapping_mul(step as u64 % 2 + 5);
-    let ids: Vec<i64> = (0..MICRO * BATCH * (SEQ + 1))
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % 24) as i64
-        })
-        .collect();
+    let state = 0x51_7cc1u64.wrapping_mul(step as u64 % 2 + 5);
+    let ids = synthetic_ids(state, MICRO * BATCH * (SEQ + 1), 24);
     Tensor::from_data(TensorData::new(ids, [MICRO * BATCH, SEQ + 1]), device)
 }
 
@@ -57,18 +50,6 @@ fn micro(
     )
 }
 
-/// `model` with every lazily initialized parameter drawn now, so stages share its values.
-fn initialized<M: Module<B>>(model: M) -> M {
-    struct Draw;
-    impl ModuleMapper<B> for Draw {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
-    model.map(&mut Draw)
-}
-
 /// `bounds` as stage layer ranges.
 fn ranges(bounds: &[usize]) -> Vec<std::ops::Range<usize>> {
     bounds.windows(2).map(|w| w[0]..w[1]).collect()
@@ -76,7 +57,7 @@ fn ranges(bounds: &[usize]) -> Vec<std::ops::Range<usize>> {
 
 fn pipeline_matches(bounds: &[usize], tied: bool) {
     let device = Default::default();
-    let full = initialized(config(tied).init::<B>(&device));
+    let full = draw_parameters(config(tied).init::<B>(&device));
     let mut reference = full.clone();
     let mut optim = AdamConfig::new().init();
     let mut want = Vec::new();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use burn::backend::NdArray;
 use burn::module::{Module, Param};
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::Linear;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, activation};
@@ -22,7 +22,7 @@ use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::Communicator;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
-use burn_zero_tests::cases::tensor;
+use burn_zero_tests::cases::{assert_close, f32_values, seeded_linear, tensor};
 use burn_zero_tests::grid::GridComms;
 
 type B = ZeroAutodiff<NdArray>;
@@ -34,15 +34,6 @@ const ROWS: usize = 3;
 const STEPS: usize = 10;
 const LR: f64 = 0.01;
 
-fn linear(d_in: usize, d_out: usize, salt: usize, device: &burn::tensor::Device<B>) -> Linear<B> {
-    let mut l = LinearConfig::new(d_in, d_out).init::<B>(device);
-    l.weight = Param::from_tensor(tensor::<B, 2>([d_in, d_out], salt, device).mul_scalar(0.5));
-    l.bias = Some(Param::from_tensor(
-        tensor::<B, 1>([d_out], salt + 1, device).mul_scalar(0.1),
-    ));
-    l
-}
-
 /// One residual MLP block, unsliced.
 #[derive(Module, Debug)]
 struct Block<B: Backend> {
@@ -53,8 +44,8 @@ struct Block<B: Backend> {
 impl Block<B> {
     fn new(i: usize, device: &burn::tensor::Device<B>) -> Self {
         Self {
-            up: linear(WIDTH, HIDDEN, 10 + 10 * i, device),
-            down: linear(HIDDEN, WIDTH, 15 + 10 * i, device),
+            up: seeded_linear(WIDTH, HIDDEN, 10 + 10 * i, device),
+            down: seeded_linear(HIDDEN, WIDTH, 15 + 10 * i, device),
         }
     }
 
@@ -93,20 +84,6 @@ fn rows(
 
 fn mse(out: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
     (out - y).powf_scalar(2.0).mean()
-}
-
-fn values<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec().unwrap()
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()) + 1e-6,
-            "{what}[{i}]: {a} vs {b}"
-        );
-    }
 }
 
 #[test]
@@ -234,18 +211,18 @@ fn three_d(checkpoint: impl Fn(&ModelGroup) -> Option<Checkpointing> + Sync) {
             ),
         ];
         for (name, got, want) in checks {
-            assert_close(&format!("{at} {name}"), &values(got), &values(want));
+            assert_close(&format!("{at} {name}"), f32_values(got), f32_values(want));
         }
-        let bias = |b: &Option<Param<Tensor<B, 1>>>| values(b.as_ref().unwrap().val());
+        let bias = |b: &Option<Param<Tensor<B, 1>>>| f32_values(b.as_ref().unwrap().val());
         assert_close(
             &format!("{at} up.bias"),
-            &bias(&block.up.bias),
-            &values(r.up.bias.as_ref().unwrap().val().slice([hidden])),
+            bias(&block.up.bias),
+            f32_values(r.up.bias.as_ref().unwrap().val().slice([hidden])),
         );
         assert_close(
             &format!("{at} down.bias"),
-            &bias(&block.down.bias),
-            &bias(&r.down.bias),
+            bias(&block.down.bias),
+            bias(&r.down.bias),
         );
     }
     assert!(ref_losses[STEPS - 1] < ref_losses[0], "{ref_losses:?}");

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use burn::backend::NdArray;
 use burn::module::{Module, Param};
-use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::nn::{Embedding, EmbeddingConfig, Linear};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData, activation};
@@ -21,7 +21,7 @@ use burn_pipeline::{
 use burn_zero::comm::Communicator;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
-use burn_zero_tests::cases::tensor;
+use burn_zero_tests::cases::{assert_close, f32_values, seeded_linear, tensor};
 
 type B = ZeroAutodiff<NdArray>;
 
@@ -41,23 +41,14 @@ struct Full<B: Backend> {
     head: Linear<B>,
 }
 
-fn linear(d_in: usize, d_out: usize, salt: usize, device: &burn::tensor::Device<B>) -> Linear<B> {
-    let mut l = LinearConfig::new(d_in, d_out).init::<B>(device);
-    l.weight = Param::from_tensor(tensor::<B, 2>([d_in, d_out], salt, device).mul_scalar(0.5));
-    l.bias = Some(Param::from_tensor(
-        tensor::<B, 1>([d_out], salt + 1, device).mul_scalar(0.1),
-    ));
-    l
-}
-
 fn full_model(device: &burn::tensor::Device<B>) -> Full<B> {
     let mut embed = EmbeddingConfig::new(VOCAB, MODEL).init::<B>(device);
     embed.weight = Param::from_tensor(tensor::<B, 2>([VOCAB, MODEL], 3, device));
     Full {
         embed,
-        up: linear(MODEL, HIDDEN, 10, device),
-        down: linear(HIDDEN, MODEL, 20, device),
-        head: linear(MODEL, VOCAB, 30, device),
+        up: seeded_linear(MODEL, HIDDEN, 10, device),
+        down: seeded_linear(HIDDEN, MODEL, 20, device),
+        head: seeded_linear(MODEL, VOCAB, 30, device),
     }
 }
 
@@ -105,20 +96,6 @@ struct Sliced<B: Backend> {
     up: ColumnParallelLinear<B>,
     down: RowParallelLinear<B>,
     head: ColumnParallelLinear<B>,
-}
-
-fn values<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec().unwrap()
-}
-
-fn assert_close(what: &str, got: Vec<f32>, want: Vec<f32>) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * a.abs().max(b.abs()) + 1e-6,
-            "{what}[{i}]: {a} vs {b}"
-        );
-    }
 }
 
 fn sliced_matches_the_reference(ranks: usize) {
@@ -184,13 +161,17 @@ fn sliced_matches_the_reference(ranks: usize) {
             ),
         ];
         for (name, got, want) in checks {
-            assert_close(&format!("rank {rank} {name}"), values(got), values(want));
+            assert_close(
+                &format!("rank {rank} {name}"),
+                f32_values(got),
+                f32_values(want),
+            );
         }
-        let bias = |l: &Option<Param<Tensor<B, 1>>>| values(l.as_ref().unwrap().val());
+        let bias = |l: &Option<Param<Tensor<B, 1>>>| f32_values(l.as_ref().unwrap().val());
         assert_close(
             &format!("rank {rank} up.bias"),
             bias(&model.up.bias),
-            values(r.up.bias.as_ref().unwrap().val().slice([hidden])),
+            f32_values(r.up.bias.as_ref().unwrap().val().slice([hidden])),
         );
         assert_close(
             &format!("rank {rank} down.bias"),
@@ -200,7 +181,7 @@ fn sliced_matches_the_reference(ranks: usize) {
         assert_close(
             &format!("rank {rank} head.bias"),
             bias(&model.head.bias),
-            values(r.head.bias.as_ref().unwrap().val().slice([vocab])),
+            f32_values(r.head.bias.as_ref().unwrap().val().slice([vocab])),
         );
     }
 }

@@ -15,6 +15,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_zero::DeepSpeedConfig;
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero_llm::data::synthetic_ids;
 use burn_zero_llm::{Llama, LlamaConfig};
 
 type B = ZeroAutodiff<Cuda>;
@@ -54,15 +55,8 @@ fn tokens(
     (micro, seq, vocab): (usize, usize, usize),
     device: &burn::tensor::Device<B>,
 ) -> Tensor<B, 2, Int> {
-    let mut s = ((step * 1000 + rank) as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let ids: Vec<i64> = (0..micro * (seq + 1))
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as i64
-        })
-        .collect();
+    let state = ((step * 1000 + rank) as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let ids = synthetic_ids(state, micro * (seq + 1), vocab);
     Tensor::from_data(TensorData::new(ids, [micro, seq + 1]), device)
 }
 

@@ -10,7 +10,6 @@
 use std::time::Instant;
 
 use burn::backend::Cuda;
-use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -19,7 +18,8 @@ use burn_zero::comm::Communicator;
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero_llm::LlamaConfig;
-use burn_zero_llm::model::cross_entropy;
+use burn_zero_llm::data::synthetic_ids;
+use burn_zero_llm::model::{cross_entropy, draw_parameters};
 use burn_zero_llm::pipeline::{LlamaStage, ids_as_input};
 
 type B = ZeroAutodiff<Cuda>;
@@ -35,18 +35,6 @@ fn smollm2() -> LlamaConfig {
         .with_tie_embeddings(true)
 }
 
-/// `model` with every lazily initialized parameter drawn now.
-fn initialized<M: Module<B>>(model: M) -> M {
-    struct Draw;
-    impl ModuleMapper<B> for Draw {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
-    model.map(&mut Draw)
-}
-
 /// Step `step`'s micro-batch `mb`: token ids `[BATCH, SEQ + 1]` from a fixed LCG.
 fn tokens(
     step: usize,
@@ -54,15 +42,8 @@ fn tokens(
     vocab: usize,
     device: &burn::tensor::Device<B>,
 ) -> Tensor<B, 2, Int> {
-    let mut s = (step as u64 * 1000 + mb as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let ids: Vec<i64> = (0..BATCH * (SEQ + 1))
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as i64
-        })
-        .collect();
+    let state = (step as u64 * 1000 + mb as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let ids = synthetic_ids(state, BATCH * (SEQ + 1), vocab);
     Tensor::from_data(TensorData::new(ids, [BATCH, SEQ + 1]), device)
 }
 
@@ -75,7 +56,7 @@ fn main() {
     let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
     let config = smollm2();
     <Cuda as Backend>::seed(&device, 1234);
-    let full = initialized(config.init::<B>(&device));
+    let full = draw_parameters(config.init::<B>(&device));
     // Each layer weighs its parameters; the embedding and head ride on the ends.
     let weights: Vec<usize> = (0..config.num_layers)
         .map(|_| {
