@@ -3,6 +3,7 @@
 //! - [`cpu_adam`]: the fused, multithreaded, vectorized optimizer step over offloaded fp32
 //!   master weights and optimizer state (Adam/AdamW and SGD), which writes the compute-dtype
 //!   copy of the weights in the same pass.
+//! - [`grads`]: a rank's fp32 gradient partition in host memory, written as buckets arrive.
 //! - [`host`]: a rank's partition and optimizer state off the device, stepped in sub-groups.
 //! - [`memory`]: large host buffers advised for transparent huge pages.
 //! - [`stream`]: a step as a pipeline over sub-groups (gradient down, CPU-Adam, weights up).
@@ -10,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod cpu_adam;
+pub mod grads;
 pub mod host;
 pub mod memory;
 #[cfg(target_os = "linux")]
@@ -17,6 +19,7 @@ pub mod nvme;
 pub mod stream;
 
 pub use cpu_adam::{AdamStep, CpuAdam, Decay, Grad, Out, SgdStep, SimdLevel};
+pub use grads::{HostGrads, HostGradsError};
 pub use host::{HostOptimizer, HostSettings, OutDtype, StepConstants};
 pub use nvme::{NvmeStore, SwapConfig, SwapError};
 pub use stream::{

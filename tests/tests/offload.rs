@@ -1,8 +1,10 @@
 //! ZeRO-Offload on CPU thread ranks: `offload_optimizer {"device": "cpu"}` keeps the fp32
-//! master and Adam's moments in host memory and steps them with CPU-Adam in sub-groups; the
-//! losses and parameters must equal the run whose optimizer state stays on the device, bit for
-//! bit (the same arithmetic in the same order), at stages 0–3, in fp32 and bf16, with Adam and
-//! SGD; and checkpoints move between the two.
+//! master and Adam's moments in host memory and steps them with CPU-Adam in sub-groups (at
+//! stages 2 and 3 the gradient partition too, written as buckets arrive); the losses and
+//! parameters must equal the run whose optimizer state stays on the device, bit for bit where
+//! the arithmetic is the same, within fp32 rounding where the clipping norm is summed on the
+//! host instead, at stages 0–3, in fp32 and bf16, with Adam and SGD; and checkpoints move
+//! between the two.
 
 use std::sync::Arc;
 
@@ -80,6 +82,21 @@ struct Run {
     device_optimizer_bytes: usize,
     host_params: usize,
     device_params: usize,
+    host_grads: usize,
+    device_grads: usize,
+}
+
+/// Equal within fp32 rounding.
+fn close(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-6 * x.abs().max(y.abs()) + 1e-7)
+}
+
+/// Losses and parameters within fp32 rounding.
+fn runs_close(a: &Run, b: &Run) -> bool {
+    close(&a.losses, &b.losses) && a.params.iter().zip(&b.params).all(|(x, y)| close(x, y))
 }
 
 /// Trains `steps` on `world` ranks with `cfg`, optionally loading from / saving to `ckpt`.
@@ -116,6 +133,8 @@ fn train(
             device_optimizer_bytes: report.optimizer_state,
             host_params: report.host_parameters,
             device_params: report.parameters,
+            host_grads: report.host_gradients,
+            device_grads: report.gradients,
         }
     })
 }
@@ -145,10 +164,24 @@ fn offloaded_training_equals_training_on_the_device() {
         };
         let (device, host, nvme) = (run(Place::Device), run(Place::Host), run(Place::Nvme));
         for ((d, h), v) in device.iter().zip(&host).zip(&nvme) {
-            assert_eq!(d.losses, h.losses, "{what}: losses (host)");
-            assert!(d.params == h.params, "{what}: parameters (host)");
-            assert_eq!(d.losses, v.losses, "{what}: losses (NVMe)");
-            assert!(d.params == v.params, "{what}: parameters (NVMe)");
+            if stage < 2 {
+                assert_eq!(d.losses, h.losses, "{what}: losses (host)");
+                assert!(d.params == h.params, "{what}: parameters (host)");
+                assert_eq!(d.losses, v.losses, "{what}: losses (NVMe)");
+                assert!(d.params == v.params, "{what}: parameters (NVMe)");
+            } else {
+                // The gradient partition is in host memory; the clipping norm is summed there.
+                assert!(runs_close(d, h), "{what}: host\n{d:?}\n{h:?}");
+                assert!(runs_close(d, v), "{what}: NVMe\n{d:?}\n{v:?}");
+                assert!(d.host_grads == 0 && d.device_grads > 0, "{what}: {d:?}");
+                for offloaded in [h, v] {
+                    let (host, device) = (offloaded.host_grads, offloaded.device_grads);
+                    assert!(
+                        host > 0 && device == 0,
+                        "{what}: gradients {host} / {device}"
+                    );
+                }
+            }
             assert!(
                 d.host_bytes == 0 && d.device_optimizer_bytes > 0,
                 "{what}: {d:?}"
@@ -189,12 +222,6 @@ fn gradient_buffers_in_pieces_change_nothing() {
             let mut cfg = config(stage, place, ADAMW, "");
             cfg.burn_zero.max_buffer_elements = 7;
             let pieces = train(world, &cfg, 0..STEPS, None, None);
-            let close = |a: &[f32], b: &[f32]| {
-                a.len() == b.len()
-                    && a.iter()
-                        .zip(b)
-                        .all(|(x, y)| (x - y).abs() <= 1e-6 * x.abs().max(y.abs()) + 1e-7)
-            };
             for (a, b) in whole.iter().zip(&pieces) {
                 let what = format!("stage {stage}, {place:?}");
                 assert!(
@@ -207,6 +234,28 @@ fn gradient_buffers_in_pieces_change_nothing() {
                     assert!(close(x, y), "{what}: parameter {i}");
                 }
             }
+        }
+    }
+}
+
+/// Without clipping, the gradient partition written into host memory bucket by bucket (copied
+/// by the first micro-step, added by the next) is the device's buffer bit for bit, and so is
+/// training, at stages 2 and 3, in fp32 and bf16.
+#[test]
+fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
+    let bf16 = r#", "bf16": {"enabled": true}"#;
+    for (stage, world, extra) in [(2, 3, ""), (3, 2, ""), (2, 2, bf16), (3, 3, bf16)] {
+        let what = format!("stage {stage}, world {world}{extra}");
+        let run = |place| {
+            let mut cfg = config(stage, place, ADAMW, extra);
+            cfg.gradient_clipping = 0.0;
+            train(world, &cfg, 0..STEPS, None, None)
+        };
+        let (device, host) = (run(Place::Device), run(Place::Host));
+        for (d, h) in device.iter().zip(&host) {
+            assert_eq!(d.losses, h.losses, "{what}: losses");
+            assert!(d.params == h.params, "{what}: parameters");
+            assert!(h.host_grads > 0 && h.device_grads == 0, "{what}: {h:?}");
         }
     }
 }

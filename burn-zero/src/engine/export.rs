@@ -47,10 +47,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let stage = self.resolved.config.zero_optimization.stage;
         let buffer = {
             let state = self.state();
-            state
-                .buffer
-                .slice(0..state.buffer.len())
-                .cast(FloatDType::F32)
+            state.partition().cast(FloatDType::F32)
         };
         let buffer = if self.precision.scales() {
             buffer.div_scalar(self.precision.scaler.scale())

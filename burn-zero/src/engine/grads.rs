@@ -15,6 +15,7 @@ use burn_backend::{Backend, TensorMetadata};
 
 use super::collective::FlatComm;
 use super::grad_buffer::GradBuffer;
+use super::host_grads::{HostGradStream, spans};
 use super::params::FlatLayout;
 use super::precision::Format;
 use super::stage3::Stage3;
@@ -42,6 +43,9 @@ pub(crate) struct GradState<I: Backend> {
     /// partition of the [`ShardPlan`](crate::partition::ShardPlan). In pieces (see
     /// [`GradBuffer`]).
     pub(crate) buffer: GradBuffer<I>,
+    /// ZeRO-Offload at stage 2 and up: the partition lives in host memory instead of
+    /// `buffer` (empty then), each bucket sent down as it arrives.
+    pub(crate) host: Option<HostGradStream<I>>,
     /// Gradients waiting for a reduce-scatter: (slot, flattened gradient).
     bucket: Vec<(usize, Tensor<I, 1>)>,
     bucket_elems: usize,
@@ -50,6 +54,8 @@ pub(crate) struct GradState<I: Backend> {
     pub(crate) boundary: bool,
     /// The first communication failure; the engine reports it after backward.
     pub(crate) failure: Option<CommError>,
+    /// A failure moving gradients to the host; reported likewise.
+    pub(crate) host_failure: Option<String>,
     /// Parameters reported final during the running backward.
     pub(crate) seen: usize,
     /// Stage 3: the sharded parameters and their gathers.
@@ -74,19 +80,24 @@ impl<I: Backend> GradState<I> {
         stage3: Option<Stage3<I>>,
         (compute, accum): (Format, Format),
         max_piece: usize,
+        host_threads: Option<usize>,
     ) -> Self {
         let len = match &stage3 {
             Some(s3) => s3.plan().len(),
             None if stage >= 2 => plan.chunk(),
             None => layout.numel(),
         };
+        let host = host_threads
+            .filter(|_| stage >= 2)
+            .map(|threads| HostGradStream::new(len, threads));
+        let device_len = if host.is_some() { 0 } else { len };
         let slots = layout
             .slots()
             .iter()
             .enumerate()
             .map(|(i, s)| (DistributedParamId::from(s.id.val()), i))
             .collect();
-        let buffer = GradBuffer::zeros(len, max_piece, flat.device(), accum.storage());
+        let buffer = GradBuffer::zeros(device_len, max_piece, flat.device(), accum.storage());
         Self {
             layout,
             slots,
@@ -95,11 +106,13 @@ impl<I: Backend> GradState<I> {
             stage,
             bucket_size: bucket_size.max(1),
             buffer,
+            host,
             bucket: Vec::new(),
             bucket_elems: 0,
             pending: Vec::new(),
             boundary: true,
             failure: None,
+            host_failure: None,
             seen: 0,
             stage3,
             compute,
@@ -110,6 +123,19 @@ impl<I: Backend> GradState<I> {
     /// Bytes of gradient storage held.
     pub(crate) fn gradient_bytes(&self) -> usize {
         self.accum.storage().size() * self.buffer.len()
+    }
+
+    /// Bytes of gradient storage in host memory (ZeRO-Offload at stage 2 and up).
+    pub(crate) fn host_gradient_bytes(&self) -> usize {
+        self.host.as_ref().map_or(0, |h| h.bytes())
+    }
+
+    /// This rank's accumulated gradient partition, as stored, on the device.
+    pub(crate) fn partition(&self) -> Tensor<I, 1> {
+        match &self.host {
+            Some(host) => host.upload(0..host.grads().len(), self.flat.device()),
+            None => self.buffer.slice(0..self.buffer.len()),
+        }
     }
 
     /// Bytes of communication buffers at their peak: the bucket being filled and, at stage 2
@@ -206,6 +232,10 @@ impl<I: Backend> GradState<I> {
             self.failure.get_or_insert(e);
         }
         for Pending { received, pieces } in std::mem::take(&mut self.pending) {
+            if let Some(host) = self.host.as_mut() {
+                host.push(received, spans(&pieces), self.boundary);
+                continue;
+            }
             let mut at = 0;
             for piece in pieces {
                 let len = piece.range.len();
@@ -222,6 +252,11 @@ impl<I: Backend> GradState<I> {
         if self.stage >= 2 {
             self.flush();
             self.settle();
+            if let Some(host) = self.host.as_mut()
+                && let Err(e) = host.end_pass(self.boundary)
+            {
+                self.host_failure = Some(e);
+            }
         } else if self.boundary && self.failure.is_none() {
             let (flat, bucket) = (&mut self.flat, self.bucket_size);
             let reduced = self.buffer.try_map(|piece| {
@@ -247,6 +282,9 @@ impl<I: Backend> GradState<I> {
     /// Zeroes the gradients after an optimizer step.
     pub(crate) fn clear(&mut self) {
         self.buffer.clear();
+        if let Some(host) = self.host.as_mut() {
+            host.clear();
+        }
     }
 }
 

@@ -174,6 +174,10 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         stage3,
         (precision.compute, precision.accum),
         resolved.config.burn_zero.max_buffer_elements,
+        optim.offloaded().then(|| {
+            let threads = resolved.config.burn_zero.cpu_adam.threads;
+            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        }),
     )));
     let hook = hooks::install::<I>(Box::new(EngineHook {
         state: grads.clone(),

@@ -21,6 +21,9 @@ pub struct MemoryReport {
     /// Host memory of offloaded parameter partitions (`offload_param`, ZeRO-3), counted here
     /// instead of in `parameters`.
     pub host_parameters: usize,
+    /// Host memory of the gradient partition (ZeRO-Offload at stages 2 and 3), counted here
+    /// instead of in `gradients`.
+    pub host_gradients: usize,
 }
 
 impl MemoryReport {
@@ -58,12 +61,18 @@ impl fmt::Display for MemoryReport {
             human(self.communication_buffers),
             human(self.total())
         )?;
-        if self.host_optimizer_state > 0 {
-            write!(
-                f,
-                " | offloaded to host {}",
-                human(self.host_optimizer_state)
-            )?;
+        let host = [
+            ("optimizer state", self.host_optimizer_state),
+            ("gradients", self.host_gradients),
+            ("parameters", self.host_parameters),
+        ];
+        let host: Vec<String> = host
+            .iter()
+            .filter(|(_, bytes)| *bytes > 0)
+            .map(|(what, bytes)| format!("{what} {}", human(*bytes)))
+            .collect();
+        if !host.is_empty() {
+            write!(f, " | in host memory: {}", host.join(", "))?;
         }
         Ok(())
     }

@@ -15,6 +15,9 @@ mod construct;
 mod export;
 mod grad_buffer;
 mod grads;
+mod host_grads;
+#[cfg(feature = "cuda")]
+mod host_grads_cuda;
 mod init;
 mod load_module;
 mod memory;
@@ -52,6 +55,7 @@ use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
 use collective::FlatComm;
 use grads::GradState;
+use offload_io::GradSource;
 pub use optim_state::OffloadTimings;
 use optim_state::Optim;
 use params::rebuild_params;
@@ -81,6 +85,9 @@ pub enum EngineError {
     /// An offloaded optimizer step failed (a transfer, or the swap).
     #[error("offloaded optimizer step: {0}")]
     Offload(#[from] burn_offload::StreamError),
+    /// Moving reduced gradients to the host (ZeRO-Offload) failed.
+    #[error("{0}")]
+    HostGradients(String),
     /// A checkpoint could not be written or read.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::StoreError),
@@ -189,6 +196,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             optimizer_state: self.optim.device_bytes(),
             host_optimizer_state: self.optim.host_bytes(),
             host_parameters: self.precision.compute.storage().size() * host_params,
+            host_gradients: state.host_gradient_bytes(),
             communication_buffers: state.comm_buffer_bytes(),
         }
     }
@@ -211,7 +219,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Where offloaded optimizer steps spent their time since the last call (`None` unless
     /// `offload_optimizer` is on).
     pub fn take_offload_timings(&mut self) -> Option<OffloadTimings> {
-        self.optim.take_timings()
+        let mut timings = self.optim.take_timings()?;
+        if let Some(host) = &self.state().host {
+            timings.backward_d2h = host.take_busy();
+        }
+        Some(timings)
     }
 
     /// The swap files of `offload_optimizer {"device": "nvme"}`, one per tensor (master,
@@ -252,6 +264,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         if let Some(failure) = state.failure.take() {
             return Err(failure.into());
         }
+        if let Some(failure) = state.host_failure.take() {
+            return Err(EngineError::HostGradients(failure));
+        }
         if state.seen == 0 {
             return Err(EngineError::Usage(
                 "no parameter gradient reached the engine: compute the loss from `engine.model()` \
@@ -290,19 +305,30 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             .precision
             .scales()
             .then(|| self.precision.scaler.scale());
-        let grad: Vec<Tensor<I, 1>> = state
-            .buffer
-            .pieces(range)
-            .into_iter()
-            .map(|g| {
-                let g = g.cast(FloatDType::F32);
-                match scale {
-                    Some(s) => g.div_scalar(s),
-                    None => g,
-                }
-            })
-            .collect();
-        let norm = global_norm(&mut state.flat, &grad, stage)?;
+        // Offloaded at stage 2 and up, the gradient is in host memory (`None` here).
+        let grad: Option<Vec<Tensor<I, 1>>> = state.host.is_none().then(|| {
+            state
+                .buffer
+                .pieces(range)
+                .into_iter()
+                .map(|g| {
+                    let g = g.cast(FloatDType::F32);
+                    match scale {
+                        Some(s) => g.div_scalar(s),
+                        None => g,
+                    }
+                })
+                .collect()
+        });
+        let norm = match (&grad, &state.host) {
+            (Some(grad), _) => global_norm(&mut state.flat, grad, stage)?,
+            (None, Some(host)) => {
+                let squares = host.grads().sum_of_squares();
+                let unscale = scale.map_or(1.0, |s| s * s);
+                host_norm(state.flat.comm(), squares / unscale)?
+            }
+            (None, None) => unreachable!("gradients are on the device or in host memory"),
+        };
         self.last_grad_norm = Some(norm);
         // The norm is reduced across ranks: inf or NaN anywhere overflows everywhere.
         let update = self.precision.scaler.update(!norm.is_finite())?;
@@ -326,12 +352,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             return Ok(());
         }
         let clip = self.resolved.config.gradient_clipping;
-        let grad = if clip > 0.0 && norm + 1e-6 > clip {
-            let factor = (clip / (norm + 1e-6)) as f32;
-            grad.into_iter().map(|g| g.mul_scalar(factor)).collect()
-        } else {
-            grad
-        };
+        let factor = (clip > 0.0 && norm + 1e-6 > clip).then(|| (clip / (norm + 1e-6)) as f32);
         let hp = StepParams {
             lr: self.scheduler.lr(),
             betas: self.scheduler.betas().unwrap_or({
@@ -339,7 +360,25 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 (b1, b2)
             }),
         };
-        let working = self.optim.step(grad, hp, self.precision.compute);
+        let working = match grad {
+            Some(grad) => {
+                let grad = match factor {
+                    Some(f) => grad.into_iter().map(|g| g.mul_scalar(f)).collect(),
+                    None => grad,
+                };
+                self.optim
+                    .step(GradSource::Device(grad), hp, self.precision.compute)
+            }
+            None => {
+                let host = state.host.as_ref().expect("checked above").grads();
+                let source = GradSource::Host {
+                    grads: &host,
+                    unscale: scale.map(|s| s as f32),
+                    clip: factor,
+                };
+                self.optim.step(source, hp, self.precision.compute)
+            }
+        };
         // A failing swap on one rank must not leave the others waiting in the gathers below.
         let working = match self.optim.offloaded() {
             true => self.agree("step its offloaded optimizer", working)?,
@@ -452,6 +491,14 @@ fn global_norm<I: Backend>(
         total
     };
     Ok(f64::from(total.into_scalar().elem::<f32>()).sqrt())
+}
+
+/// The L2 norm of the whole gradient from this rank's Σ g² of its partition in host memory
+/// (partitions are disjoint, so the sums add up).
+fn host_norm(comm: &dyn Communicator, squares: f64) -> Result<f64, CommError> {
+    let mut total = [squares as f32];
+    comm.all_reduce((&mut total[..]).into(), ReduceOp::Sum)?;
+    Ok(f64::from(total[0]).sqrt())
 }
 
 /// `t` followed by zeros (of its dtype) up to `len` elements.

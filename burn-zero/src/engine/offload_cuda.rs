@@ -13,13 +13,15 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
-use burn_offload::{HostOptimizer, OutDtype, OutSlot, StepBuffers, StreamTimings, Weights};
+use burn_offload::{
+    Download, HostOptimizer, OutDtype, OutSlot, StepBuffers, StreamTimings, Weights,
+};
 use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice, result};
 use half::{bf16, f16};
 
 use super::EngineError;
 use super::grad_buffer::{overlaps, piece_ranges};
-use super::offload_io::{RING_DEPTH, StepRing, out_dtype};
+use super::offload_io::{GradSource, RING_DEPTH, StepRing, host_download, out_dtype};
 use super::precision::Format;
 use crate::backend::cuda::{CudaBuffer, cuda_buffer};
 
@@ -108,17 +110,21 @@ impl PinnedRing {
     }
 }
 
-/// The step on CUDA memory, or `None` when this is not a contiguous CUDA tensor in a native
-/// format (the host-path fallback takes it).
+/// The step on CUDA memory, or `None` when the gradient or the weights are not contiguous
+/// CUDA tensors in a native format (the host-path fallback takes it).
 pub(crate) fn step<I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut StepRing,
-    grad: &[Tensor<I, 1>],
+    source: &GradSource<'_, I>,
     lr: f32,
     betas: (f32, f32),
     device: &I::Device,
     compute: Format,
 ) -> Option<Result<(Tensor<I, 1>, StreamTimings), EngineError>> {
+    let grad: &[Tensor<I, 1>] = match source {
+        GradSource::Device(grad) => grad,
+        GradSource::Host { .. } => &[],
+    };
     if compute.emulated || grad.iter().any(|g| g.dtype() != FloatDType::F32.into()) {
         return None;
     }
@@ -146,61 +152,69 @@ pub(crate) fn step<I: Backend>(
         .into_iter()
         .zip(src.iter().map(|b| b.buf.ptr))
         .collect();
-    Some(run::<I>(opt, ring, &pieces, dst.buf.ptr, lr, betas, device).map(|t| (weights, t)))
+    let (context, down) = (ring.context.clone(), ring.down.clone());
+    let from_device = |range: Range<usize>, buf: &mut [f32]| {
+        context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        let ranges = pieces.iter().map(|(r, _)| r.clone());
+        for (i, local, at) in overlaps(ranges, &range) {
+            let src = pieces[i].1 + (local.start * 4) as u64;
+            let dst = &mut buf[at..at + local.len()];
+            // SAFETY: `src` lies in a live, complete gradient piece (held in `src` above);
+            // `dst` is page-locked and not touched until the stream is synchronized below.
+            unsafe { result::memcpy_dtoh_async(dst, src, down.cu_stream()) }
+                .map_err(|e| format!("{e:?}"))?;
+        }
+        down.synchronize().map_err(|e| format!("{e:?}"))
+    };
+    let from_host;
+    let download: &Download<'_> = match source {
+        GradSource::Device(_) => &from_device,
+        GradSource::Host {
+            grads,
+            unscale,
+            clip,
+        } => {
+            from_host = host_download(grads, *unscale, *clip);
+            &from_host
+        }
+    };
+    Some(run::<I>(opt, ring, download, dst.buf.ptr, lr, betas, device).map(|t| (weights, t)))
 }
 
-/// The step, the gradient read from `pieces` (element range and device address of each).
+/// The step, the gradient read by `download`.
 fn run<I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut PinnedRing,
-    pieces: &[(Range<usize>, u64)],
+    download: &Download<'_>,
     weights_ptr: u64,
     lr: f32,
     betas: (f32, f32),
     device: &I::Device,
 ) -> Result<StreamTimings, EngineError> {
     I::sync(device).map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
-    let (context, down, up) = (ring.context.clone(), ring.down.clone(), ring.up.clone());
+    let (context, up) = (ring.context.clone(), ring.up.clone());
     let buffers = ring.lend().map_err(EngineError::Usage)?;
-    let timings = opt.step(
-        lr,
-        betas,
-        buffers,
-        &|range, buf| {
-            context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-            let ranges = pieces.iter().map(|(r, _)| r.clone());
-            for (i, local, at) in overlaps(ranges, &range) {
-                let src = pieces[i].1 + (local.start * 4) as u64;
-                let dst = &mut buf[at..at + local.len()];
-                // SAFETY: `src` lies in a live, complete gradient piece (held by the caller);
-                // `dst` is page-locked and not touched until the stream is synchronized below.
-                unsafe { result::memcpy_dtoh_async(dst, src, down.cu_stream()) }
-                    .map_err(|e| format!("{e:?}"))?;
-            }
-            down.synchronize().map_err(|e| format!("{e:?}"))
-        },
-        &mut |range, weights| {
-            context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-            let stream = up.cu_stream();
-            // SAFETY: the destination lies in the output tensor, allocated for the whole
-            // partition and idle on burn's side (synchronized above); the source is
-            // page-locked and outlives the copy (synchronized before returning).
-            unsafe {
-                match weights {
-                    Weights::F32(w) => {
-                        result::memcpy_htod_async(weights_ptr + range.start as u64 * 4, w, stream)
-                    }
-                    Weights::Bf16(w) => {
-                        result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
-                    }
-                    Weights::F16(w) => {
-                        result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
-                    }
+    let timings = opt.step(lr, betas, buffers, download, &mut |range, weights| {
+        context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        let stream = up.cu_stream();
+        // SAFETY: the destination lies in the output tensor, allocated for the whole
+        // partition and idle on burn's side (synchronized above); the source is
+        // page-locked and outlives the copy (synchronized before returning).
+        unsafe {
+            match weights {
+                Weights::F32(w) => {
+                    result::memcpy_htod_async(weights_ptr + range.start as u64 * 4, w, stream)
+                }
+                Weights::Bf16(w) => {
+                    result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
+                }
+                Weights::F16(w) => {
+                    result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
                 }
             }
-            .map_err(|e| format!("{e:?}"))?;
-            up.synchronize().map_err(|e| format!("{e:?}"))
-        },
-    )?;
+        }
+        .map_err(|e| format!("{e:?}"))?;
+        up.synchronize().map_err(|e| format!("{e:?}"))
+    })?;
     Ok(timings)
 }

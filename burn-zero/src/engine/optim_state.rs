@@ -12,7 +12,7 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_offload::{CpuAdam, HostOptimizer, HostSettings, SwapConfig};
 
 use super::EngineError;
-use super::offload_io::{self, StepRing};
+use super::offload_io::{self, GradSource, StepRing};
 use super::precision::Format;
 use crate::config::{OffloadDevice, ResolvedConfig};
 use crate::optim::{OptimizerSettings, StepParams, TensorOptimizer};
@@ -41,8 +41,12 @@ pub(crate) enum Optim<I: Backend> {
 pub struct OffloadTimings {
     /// Steps summed.
     pub steps: usize,
-    /// Gradient sub-groups device → host (on the download thread, overlapped with the rest).
+    /// Gradient sub-groups device → host (on the download thread, overlapped with the rest);
+    /// at stages 2 and 3 they are in host memory already, and this is their scaled copy.
     pub d2h: std::time::Duration,
+    /// Stages 2 and 3: reduced gradient buckets device → host during backward (busy time of
+    /// the copy thread, overlapped with backward).
+    pub backward_d2h: std::time::Duration,
     /// CPU-Adam over every sub-group (on its own thread, overlapped with the copies).
     pub cpu_step: std::time::Duration,
     /// New weights host → device (on the engine's thread, overlapped with the rest).
@@ -219,16 +223,19 @@ impl<I: Backend> Optim<I> {
         }
     }
 
-    /// Applies `grad` (fp32, this rank's partition in consecutive pieces) and returns the new
-    /// weights in the compute format, on the device.
+    /// Applies the gradient of this rank's partition and returns the new weights in the
+    /// compute format, on the device.
     pub(crate) fn step(
         &mut self,
-        mut grad: Vec<Tensor<I, 1>>,
+        source: GradSource<'_, I>,
         hp: StepParams,
         compute: Format,
     ) -> Result<Tensor<I, 1>, EngineError> {
         match self {
             Optim::Device { master, opt } => {
+                let GradSource::Device(mut grad) = source else {
+                    unreachable!("gradients live in host memory only beside an offloaded optimizer")
+                };
                 let grad = match grad.len() {
                     1 => grad.pop().expect("one piece"),
                     _ => Tensor::cat(grad, 0),
@@ -245,7 +252,7 @@ impl<I: Backend> Optim<I> {
                 let start = Instant::now();
                 let opt = opt.get_mut().unwrap_or_else(|e| e.into_inner());
                 let (lr, betas) = hp.f32();
-                let (out, t) = offload_io::step(opt, ring, grad, lr, betas, device, compute)?;
+                let (out, t) = offload_io::step(opt, ring, source, lr, betas, device, compute)?;
                 timings.d2h += t.download;
                 timings.cpu_step += t.compute;
                 timings.h2d += t.upload;

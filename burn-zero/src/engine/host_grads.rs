@@ -1,0 +1,151 @@
+//! ZeRO-Offload's gradient path at stages 2 and 3: each reduced bucket goes down into this
+//! rank's host partition ([`HostGrads`]) as soon as it has arrived, while backward goes on, so
+//! the device never holds the fp32 gradient partition. On CUDA a copy thread moves it through
+//! page-locked staging buffers on side streams ([`super::host_grads_cuda`]); elsewhere it goes
+//! through burn's `into_data` on the calling thread.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_offload::HostGrads;
+
+use crate::partition::Piece;
+
+/// Where a received bucket's elements go: (offset in the bucket, range in the partition).
+pub(crate) type Span = (usize, Range<usize>);
+
+/// The spans of `pieces`, laid end to end in a received bucket.
+pub(crate) fn spans(pieces: &[Piece]) -> Vec<Span> {
+    let mut at = 0;
+    pieces
+        .iter()
+        .map(|p| {
+            let len = p.range.len();
+            at += len;
+            (at - len, p.dst..p.dst + len)
+        })
+        .collect()
+}
+
+/// Adds the time since `start` to `busy`.
+pub(crate) fn add_busy(busy: &AtomicU64, start: Instant) {
+    let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    busy.fetch_add(nanos, Ordering::Relaxed);
+}
+
+/// The host partition and what moves buckets into it.
+pub(crate) struct HostGradStream<I: Backend> {
+    grads: Arc<Mutex<HostGrads>>,
+    #[cfg(feature = "cuda")]
+    copier: Option<super::host_grads_cuda::Copier>,
+    /// The first failure since the last `end_pass`.
+    failure: Option<String>,
+    /// Nanoseconds spent moving buckets down since the last take.
+    busy: Arc<AtomicU64>,
+    _backend: PhantomData<I>,
+}
+
+impl<I: Backend> HostGradStream<I> {
+    /// A partition of `len` elements, written by up to `threads` threads.
+    pub(crate) fn new(len: usize, threads: usize) -> Self {
+        Self {
+            grads: Arc::new(Mutex::new(HostGrads::new(len, threads))),
+            #[cfg(feature = "cuda")]
+            copier: None,
+            failure: None,
+            busy: Arc::new(AtomicU64::new(0)),
+            _backend: PhantomData,
+        }
+    }
+
+    /// The partition (complete after [`Self::end_pass`]).
+    pub(crate) fn grads(&self) -> MutexGuard<'_, HostGrads> {
+        self.grads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes of host memory held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.grads().bytes()
+    }
+
+    /// Sends `received` (a bucket's reduced elements for this rank) down into `spans`; the
+    /// sum of squares is taken when `boundary`.
+    pub(crate) fn push(&mut self, received: Tensor<I, 1>, spans: Vec<Span>, boundary: bool) {
+        if self.failure.is_some() || spans.is_empty() {
+            return;
+        }
+        let received = received.cast(FloatDType::F32);
+        #[cfg(feature = "cuda")]
+        {
+            let primitive = received.clone().into_primitive().tensor();
+            if let Some(buf) = crate::backend::cuda::cuda_buffer::<I>(&primitive) {
+                // The bucket is complete before the copy stream reads it.
+                if let Err(e) = I::sync(&received.device()) {
+                    self.failure = Some(format!("the compute stream failed: {e:?}"));
+                    return;
+                }
+                let (grads, busy) = (self.grads.clone(), self.busy.clone());
+                let copier = self
+                    .copier
+                    .get_or_insert_with(|| super::host_grads_cuda::Copier::new(grads, busy));
+                copier.copy(buf, spans, boundary);
+                return;
+            }
+        }
+        let start = Instant::now();
+        let data: TensorData = received.into_data();
+        let done = data
+            .as_slice::<f32>()
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|values| {
+                let mut grads = self.grads();
+                spans.into_iter().try_for_each(|(at, dst)| {
+                    let n = dst.len();
+                    grads
+                        .write(dst, &values[at..at + n], boundary)
+                        .map_err(|e| e.to_string())
+                })
+            });
+        add_busy(&self.busy, start);
+        if let Err(e) = done {
+            self.failure = Some(e);
+        }
+    }
+
+    /// Time spent moving buckets down since the last call.
+    pub(crate) fn take_busy(&self) -> Duration {
+        Duration::from_nanos(self.busy.swap(0, Ordering::Relaxed))
+    }
+
+    /// Ends a backward once every bucket is in (see [`HostGrads::end_pass`]).
+    pub(crate) fn end_pass(&mut self, boundary: bool) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(copier) = &self.copier
+            && let Err(e) = copier.flush()
+        {
+            self.failure.get_or_insert(e);
+        }
+        if let Some(e) = self.failure.take() {
+            return Err(format!("moving gradients to the host: {e}"));
+        }
+        self.grads().end_pass(boundary);
+        Ok(())
+    }
+
+    /// Starts a new accumulation window.
+    pub(crate) fn clear(&mut self) {
+        self.grads().clear();
+    }
+
+    /// Elements `range` of the partition on `device` (for reading gradients back).
+    pub(crate) fn upload(&self, range: Range<usize>, device: &I::Device) -> Tensor<I, 1> {
+        let values = self.grads().values()[range].to_vec();
+        let n = values.len();
+        Tensor::from_data(TensorData::new(values, [n]), device)
+    }
+}
