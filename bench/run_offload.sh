@@ -20,7 +20,7 @@ for spec in $runs; do
   rc=$?
   kill $smi
   peak=$(sort -n /tmp/mem.log | tail -1)
-  echo "$spec: exit $rc, peak GPU memory ${peak} MiB"; tail -n 3 "$out/offload-$spec.log"
+  echo "$spec: exit $rc, peak GPU memory ${peak} MiB"; tail -n 3 "$out/offload-${spec//:/_}.log"
   python3 - "$spec" "$rc" "$peak" <<'PY' >> /tmp/offload-runs.jsonl
 import json, sys
 spec, rc, peak = sys.argv[1], int(sys.argv[2]), sys.argv[3]
