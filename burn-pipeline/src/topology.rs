@@ -2,7 +2,11 @@
 //! named axes (`pipe`, `data`, `model` by default), the last axis varying fastest, so the
 //! ranks of one tensor-parallel group are neighbours (one node's fast links). Maps ranks to
 //! coordinates and back, and lists the groups of ranks that differ along one axis only (each
-//! becomes a sub-communicator). Free of burn types.
+//! becomes a sub-communicator, [`Topology::axis_comm`]). Free of burn types.
+
+use std::sync::Arc;
+
+use burn_zero::comm::{Communicator, SubComm};
 
 /// A grid of ranks over named axes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,6 +118,22 @@ impl Topology {
             .collect();
         groups.sort();
         groups
+    }
+
+    /// This rank's communicator along `axis`: a [`SubComm`] of `world` (the whole grid's
+    /// communicator) over this rank's group of [`Topology::groups`], ranked by the axis.
+    pub fn axis_comm(&self, world: Arc<dyn Communicator>, axis: &str) -> Result<SubComm, String> {
+        if world.world_size() != self.world_size() {
+            return Err(format!(
+                "a grid of {} ranks ({:?} = {:?}) over a communicator of {}",
+                self.world_size(),
+                self.axes,
+                self.dims,
+                world.world_size()
+            ));
+        }
+        let (group, _) = self.group_of(world.rank(), axis);
+        SubComm::new(world, group)
     }
 
     /// The group along `axis` that holds `rank`, and `rank`'s place in it.

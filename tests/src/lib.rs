@@ -4,5 +4,4 @@
 
 pub mod cases;
 pub mod engine_loop;
-pub mod grid;
 pub mod reference;

@@ -23,7 +23,6 @@ use burn_zero::comm::Communicator;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
 use burn_zero_tests::cases::{assert_close, f32_values, seeded_linear, tensor};
-use burn_zero_tests::grid::GridComms;
 
 type B = ZeroAutodiff<NdArray>;
 
@@ -135,17 +134,16 @@ fn three_d(checkpoint: impl Fn(&ModelGroup) -> Option<Checkpointing> + Sync) {
         reference = optim.step(LR, reference, grads);
     }
 
-    let grid = GridComms::new(
-        Topology::pipe_data_model(2, 2, 2),
-        &["pipe", "data", "model"],
-    );
-    let topo = grid.topology();
+    let topo = Topology::pipe_data_model(2, 2, 2);
     let results = run_ranks(8, |ctx| {
         let device = Default::default();
         let at = |axis| topo.coord_along(ctx.rank, axis);
         let (stage, shard, part) = (at("pipe"), at("data"), at("model"));
-        let (pipe, data) = (grid.comm(ctx.rank, "pipe"), grid.comm(ctx.rank, "data"));
-        let model: Arc<dyn Communicator> = Arc::new(grid.comm(ctx.rank, "model"));
+        // Every axis's communicator is a sub-group of the one world communicator.
+        let world: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let axis = |name| topo.axis_comm(world.clone(), name).unwrap();
+        let (pipe, data) = (axis("pipe"), axis("data"));
+        let model: Arc<dyn Communicator> = Arc::new(axis("model"));
         let group = ModelGroup::new(model);
         let ckpt = checkpoint(&group);
         let full = Block::new(stage, &device);

@@ -236,7 +236,6 @@ fn adam() -> AdamConfig {
 /// process on all 48 rows.
 fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(make: impl Fn() -> O + Sync) {
     use burn_pipeline::Topology;
-    use burn_zero_tests::grid::GridComms;
     let rows = MICRO * ROWS;
     // Reference: the four layers on both data shards' rows at once.
     let device = Default::default();
@@ -257,16 +256,16 @@ fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(make: impl Fn() -> O + Sync) {
         .map(|d| d.to_vec::<f32>().unwrap())
         .collect();
 
-    let grid = GridComms::new(Topology::pipe_data_model(2, 2, 1), &["pipe", "data"]);
-    let topo = grid.topology();
+    let topo = Topology::pipe_data_model(2, 2, 1);
     let results = run_ranks(4, |ctx| {
         let device = Default::default();
         let (stage, shard) = (
             topo.coord_along(ctx.rank, "pipe"),
             topo.coord_along(ctx.rank, "data"),
         );
-        let pipe = grid.comm(ctx.rank, "pipe");
-        let data = grid.comm(ctx.rank, "data");
+        let world: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let pipe = topo.axis_comm(world.clone(), "pipe").unwrap();
+        let data = topo.axis_comm(world, "data").unwrap();
         let mut pair = Pair::<B> {
             layers: (2 * stage..2 * stage + 2)
                 .map(|i| Layer::new(i, &device))

@@ -10,6 +10,7 @@ mod local;
 mod nccl;
 mod padded;
 mod reduce;
+mod sub;
 mod tcp;
 
 pub use base::*;
@@ -17,6 +18,7 @@ pub use local::{LocalComm, LocalGroup};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, nccl_unique_id, nccl_version};
 pub use padded::PaddedCollectives;
+pub use sub::SubComm;
 pub use tcp::TcpComm;
 
 #[cfg(test)]
