@@ -19,6 +19,7 @@ for spec in $runs; do
     .gpu/bin/bench-offload "$layers" "$width" "$where" 5 "${options:-}" > /tmp/run.json 2> "$out/offload-${spec//:/_}.log"
   rc=$?
   kill $smi
+  cat /tmp/run.json >> "$out/offload-${spec//:/_}.log"
   peak=$(sort -n /tmp/mem.log | tail -1)
   echo "$spec: exit $rc, peak GPU memory ${peak} MiB"; tail -n 3 "$out/offload-${spec//:/_}.log"
   python3 - "$spec" "$rc" "$peak" <<'PY' >> /tmp/offload-runs.jsonl
@@ -32,6 +33,7 @@ except Exception as e:
 run.update({"spec": spec, "exit": rc, "peak_gpu_mib": int(peak) if peak.isdigit() else None})
 print(json.dumps(run))
 PY
+  cp /tmp/offload-runs.jsonl "$out/offload-runs.jsonl"
 done
 python3 - "$kind" "$out/offload-$kind.json" <<'PY'
 import json, sys
@@ -44,7 +46,11 @@ for r in runs:
     base = next((b for b in runs if b.get("offload") == "none" and b.get("params") == r.get("params")), None)
     if base is None or r is base or not r.get("losses") or not base.get("losses"):
         continue
-    diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["losses"], base["losses"])]
+    # A non-finite loss is written as null: no parity then.
+    pairs = list(zip(r["losses"], base["losses"]))
+    if any(a is None or b is None for a, b in pairs):
+        continue
+    diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in pairs]
     parity.append({"spec": r["spec"], "against": base["spec"], "losses": r["losses"],
                    "device_losses": base["losses"], "max_rel_diff": max(diffs),
                    "step0_equal": r["losses"][0] == base["losses"][0]})

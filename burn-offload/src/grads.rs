@@ -1,6 +1,6 @@
 //! A rank's fp32 gradient partition in host memory (ZeRO-Offload at stages 2 and 3): reduced
 //! gradient buckets are written into it while backward still runs, so the device never holds
-//! the fp32 partition, and the CPU optimizer reads it at the step.
+//! the fp32 partition, and the CPU optimizer reads it where it lies at the step.
 //!
 //! No zeroing pass: after [`HostGrads::clear`], the next backward's writes copy instead of add,
 //! and only the elements it never wrote are zeroed when it ends. The sum of squares the
@@ -162,28 +162,14 @@ impl HostGrads {
         self.squares = 0.0;
     }
 
-    /// Elements `range`, divided by `unscale` and then multiplied by `clip` where given (the
-    /// order and roundings of the device path), into `dst`.
-    pub fn read(
-        &self,
-        range: Range<usize>,
-        dst: &mut [f32],
-        unscale: Option<f32>,
-        clip: Option<f32>,
-    ) {
-        let src = &self.values[range];
-        let dst = &mut dst[..src.len()];
-        match (unscale, clip) {
-            (None, None) => dst.copy_from_slice(src),
-            (Some(s), None) => dst.iter_mut().zip(src).for_each(|(d, g)| *d = g / s),
-            (None, Some(c)) => dst.iter_mut().zip(src).for_each(|(d, g)| *d = g * c),
-            (Some(s), Some(c)) => dst.iter_mut().zip(src).for_each(|(d, g)| *d = g / s * c),
-        }
-    }
-
     /// The partition as it stands.
     pub fn values(&self) -> &[f32] {
         &self.values
+    }
+
+    /// The partition, for a step that reads it in place; [`Self::clear`] follows.
+    pub fn values_mut(&mut self) -> &mut [f32] {
+        &mut self.values
     }
 }
 
@@ -273,10 +259,6 @@ mod tests {
         assert_eq!(grads.values(), &expected[..]);
         let squares: f64 = expected.iter().map(|v| f64::from(*v).powi(2)).sum();
         assert!((grads.sum_of_squares() - squares).abs() <= 1e-9 * squares);
-        let mut out = vec![0.0; 10];
-        grads.read(len - 10..len, &mut out, Some(4.0), Some(0.5));
-        let want: Vec<f32> = expected[len - 10..].iter().map(|g| g / 4.0 * 0.5).collect();
-        assert_eq!(out, want);
     }
 
     #[test]

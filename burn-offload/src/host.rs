@@ -5,7 +5,7 @@
 
 use core::ops::Range;
 
-use crate::cpu_adam::{AdamStep, CpuAdam, Grad, SgdStep};
+use crate::cpu_adam::{AdamStep, CpuAdam, Grad, GradScale, SgdStep};
 use crate::memory::zeroed_f32;
 use crate::nvme::{NvmeStore, SwapConfig, SwapError};
 use crate::stream::{self, Download, OutSlot, StepBuffers, StreamError, StreamTimings, Upload};
@@ -202,7 +202,7 @@ impl HostOptimizer {
         }
     }
 
-    fn constants(&mut self, lr: f32, betas: (f32, f32)) -> StepConstants {
+    fn constants(&mut self, lr: f32, betas: (f32, f32), grad_scale: GradScale) -> StepConstants {
         self.step += 1;
         match self.settings {
             HostSettings::Adam {
@@ -210,15 +210,18 @@ impl HostOptimizer {
                 weight_decay,
                 decoupled,
                 bias_correction,
-            } => StepConstants::Adam(AdamStep::at(
-                self.step,
-                lr,
-                betas,
-                eps,
-                weight_decay,
-                decoupled,
-                bias_correction,
-            )),
+            } => StepConstants::Adam(
+                AdamStep::at(
+                    self.step,
+                    lr,
+                    betas,
+                    eps,
+                    weight_decay,
+                    decoupled,
+                    bias_correction,
+                )
+                .with_grad_scale(grad_scale),
+            ),
             HostSettings::Sgd {
                 momentum,
                 dampening,
@@ -231,6 +234,7 @@ impl HostOptimizer {
                 nesterov,
                 weight_decay,
                 started: self.step > 1,
+                grad_scale,
             }),
         }
     }
@@ -250,17 +254,19 @@ impl HostOptimizer {
 
     /// One optimizer step with learning rate `lr` and `betas`, streamed sub-group by
     /// sub-group: `download` fills a buffer with a sub-group's fp32 gradient (on a thread of
-    /// its own), CPU-Adam steps it, and `upload` takes its new weights (on this thread), the
-    /// three overlapping across sub-groups. The buffers' output dtype is the weights' dtype.
+    /// its own), CPU-Adam steps it (multiplied by `grad_scale` first), and `upload` takes its
+    /// new weights (on this thread), the three overlapping across sub-groups. The buffers'
+    /// output dtype is the weights' dtype.
     pub fn step(
         &mut self,
         lr: f32,
         betas: (f32, f32),
+        grad_scale: GradScale,
         buffers: StepBuffers<'_>,
         download: &Download<'_>,
         upload: &mut Upload<'_>,
     ) -> Result<StreamTimings, StreamError> {
-        let k = self.constants(lr, betas);
+        let k = self.constants(lr, betas, grad_scale);
         let ranges = self.sub_groups();
         let cpu = &self.cpu;
         let storage = &mut self.storage;

@@ -18,7 +18,7 @@ pub mod memory;
 pub mod nvme;
 pub mod stream;
 
-pub use cpu_adam::{AdamStep, CpuAdam, Decay, Grad, Out, SgdStep, SimdLevel};
+pub use cpu_adam::{AdamStep, CpuAdam, Decay, Grad, GradScale, Out, SgdStep, SimdLevel};
 pub use grads::{HostGrads, HostGradsError};
 pub use host::{HostOptimizer, HostSettings, OutDtype, StepConstants};
 pub use nvme::{NvmeStore, SwapConfig, SwapError};

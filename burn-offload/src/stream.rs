@@ -113,7 +113,9 @@ impl<'a> OutSlot<'a> {
 }
 
 /// The buffers a step cycles through: each at least a sub-group long. One of each runs the
-/// stages in turn; two or more let them overlap.
+/// stages in turn; two or more let them overlap. Gradient buffers are taken in the order
+/// given, so one per sub-group, in order, can be the gradient itself (already in host memory:
+/// `download` then has nothing to move).
 #[derive(Debug)]
 pub struct StepBuffers<'a> {
     /// For gradients coming down.
@@ -254,9 +256,8 @@ pub(crate) fn run<'a>(
     );
     let longest = ranges.iter().map(Range::len).max().unwrap_or(0);
     assert!(
-        buffers.grads.iter().all(|b| b.len() >= longest)
-            && buffers.outs.iter().all(|b| b.len() >= longest),
-        "every buffer must hold a sub-group ({longest} elements)"
+        buffers.outs.iter().all(|b| b.len() >= longest),
+        "every output buffer must hold a sub-group ({longest} elements)"
     );
     let start = Instant::now();
     let (grads_free, grads_free_rx) = channel();
@@ -283,6 +284,12 @@ pub(crate) fn run<'a>(
             let mut busy = Duration::ZERO;
             for range in down_ranges {
                 let Ok(buf) = grads_free_rx.recv() else { break };
+                if buf.len() < range.len() {
+                    return Err(StreamError::Download {
+                        what: format!("a gradient buffer of {} elements", buf.len()),
+                        range,
+                    });
+                }
                 let t = Instant::now();
                 download(range.clone(), &mut buf[..range.len()]).map_err(|what| {
                     StreamError::Download {

@@ -197,6 +197,7 @@ fn sgd_equals_the_scalar_reference() {
                 nesterov,
                 weight_decay: wd,
                 started: t > 0,
+                grad_scale: [1.0, 1.0],
             };
             let (g, _, h) = gradient(n, t, GradType::F16);
             for i in 0..n {
@@ -246,6 +247,43 @@ fn bf16_rounding_matches_half_on_every_class_of_value() {
         let theirs = bf16::from_f32(v).to_bits();
         assert_eq!(ours, theirs, "{v:e} ({:#x})", v.to_bits());
     }
+}
+
+/// The gradient scale (inverse loss scale, clipping factor) applied inside the step equals
+/// scaling the gradient first, `g · s0 · s1` in that order, for Adam and SGD, and factors of 1
+/// leave the step bit for bit as without them.
+#[test]
+fn a_gradient_scale_equals_scaling_the_gradient_first() {
+    let n = 1003;
+    let adam = CpuAdam::new(Some(2));
+    let (s0, s1) = (1.0 / 1024.0, 0.37f32);
+    let g = gradient(n, 3, GradType::F32).0;
+    let scaled: Vec<f32> = g.iter().map(|x| x * s0 * s1).collect();
+    for decoupled in [true, false] {
+        let k = AdamStep::at(2, 1e-3, (0.9, 0.999), 1e-8, 0.01, decoupled, true);
+        let run = |k: &AdamStep, g: &[f32]| {
+            let (mut w, mut m, mut v) = (values(n, 1), values(n, 2), vec![0.01f32; n]);
+            adam.adam(k, &mut w, Grad::F32(g), &mut m, &mut v, Out::None);
+            (w, m, v)
+        };
+        assert!(run(&k.with_grad_scale([s0, s1]), &g) == run(&k, &scaled));
+        assert!(run(&k.with_grad_scale([1.0, 1.0]), &g) == run(&k, &g));
+    }
+    let sgd = |scale: [f32; 2], g: &[f32]| {
+        let k = SgdStep {
+            lr: 0.01,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: true,
+            weight_decay: 0.01,
+            started: true,
+            grad_scale: scale,
+        };
+        let (mut w, mut buf) = (values(n, 1), values(n, 2));
+        adam.sgd(&k, &mut w, Grad::F32(g), &mut buf, Out::None);
+        (w, buf)
+    };
+    assert!(sgd([s0, s1], &g) == sgd([1.0, 1.0], &scaled));
 }
 
 #[test]
@@ -328,6 +366,7 @@ mod swap {
         opt.step(
             1e-3,
             (0.9, 0.999),
+            [1.0, 1.0],
             buffers.lend(),
             &|r, buf| {
                 buf.copy_from_slice(&g[r]);
@@ -479,6 +518,7 @@ mod streamed {
         opt.step(
             1e-2,
             (0.9, 0.99),
+            [1.0, 1.0],
             buffers.lend(),
             &|r, buf| {
                 buf.copy_from_slice(&g[r]);
@@ -508,6 +548,7 @@ mod streamed {
                 .step(
                     1e-3,
                     (0.9, 0.999),
+                    [1.0, 1.0],
                     buffers.lend(),
                     &|r, buf| {
                         if fail_down && r.start == 2000 {

@@ -26,7 +26,7 @@ use burn::nn::{Embedding, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
-use burn_zero::comm::{Communicator, ReduceOp};
+use burn_zero::comm::{CommError, Communicator, ReduceOp};
 
 /// The ranks of one model-parallel group (the model axis of a [`crate::Topology`]).
 #[derive(Clone)]
@@ -71,6 +71,47 @@ pub fn slice_of(n: usize, rank: usize, size: usize) -> Range<usize> {
     let (base, extra) = (n / size, n % size);
     let start = rank * base + rank.min(extra);
     start..start + base + usize::from(rank < extra)
+}
+
+/// The whole of a matrix whose consecutive pieces along `dim` the ranks of `group` hold (any
+/// lengths, in rank order): what slicing took apart, put back, for evaluation and export.
+/// Every rank of the group must call it; it travels through f32 host buffers.
+pub fn gather_along<B: Backend>(
+    t: Tensor<B, 2>,
+    dim: usize,
+    group: &ModelGroup,
+) -> Result<Tensor<B, 2>, CommError> {
+    let (dtype, device) = (t.dtype(), t.device());
+    let rows = if dim == 0 { t } else { t.transpose() };
+    let [n, width] = rows.dims();
+    let size = group.size();
+    let mut lens = vec![0.0f32; size];
+    let mine = [n as f32];
+    group
+        .comm()
+        .all_gather(mine.as_slice().into(), lens.as_mut_slice().into())?;
+    let lens: Vec<usize> = lens.iter().map(|l| *l as usize).collect();
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let mut values: Vec<f32> = rows
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 values");
+    values.resize(longest * width, 0.0);
+    let mut all = vec![0.0f32; longest * width * size];
+    group
+        .comm()
+        .all_gather(values.as_slice().into(), all.as_mut_slice().into())?;
+    let whole: Vec<f32> = lens
+        .iter()
+        .enumerate()
+        .flat_map(|(r, len)| &all[r * longest * width..(r * longest + len) * width])
+        .copied()
+        .collect();
+    let total = lens.iter().sum::<usize>();
+    let data = TensorData::new(whole, [total, width]).convert_dtype(dtype);
+    let full = Tensor::<B, 2>::from_data(data, (&device, dtype));
+    Ok(if dim == 0 { full } else { full.transpose() })
 }
 
 /// `x` reduced element-wise over the group through f32 host buffers, in its own dtype.

@@ -12,7 +12,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 use burn_pipeline::tensor_parallel::{
     ColumnParallelLinear, ModelGroup, ModelParallelBackend, RowParallelLinear,
-    VocabParallelEmbedding, copy_to_group, slice_of, vocab_parallel_cross_entropy,
+    VocabParallelEmbedding, copy_to_group, gather_along, slice_of, vocab_parallel_cross_entropy,
 };
 
 use crate::model::{Block, Llama, Rope, causal_attention};
@@ -113,6 +113,49 @@ impl<B: ModelParallelBackend> ParallelBlock<B> {
         let h = copy_to_group(self.mlp_norm.forward(x.clone()), group);
         let gate = silu(local(&self.gate, h.clone()));
         x + self.down.forward(gate * local(&self.up, h), group)
+    }
+}
+
+impl<B: Backend> ParallelLlama<B> {
+    /// The whole model, put back together from every rank's slice into `into` (a model of the
+    /// same configuration, such as the one sliced; its weights are replaced). Every rank of the
+    /// group must call it.
+    pub fn gather(&self, mut into: Llama<B>) -> Result<Llama<B>, String> {
+        let group = &self.group;
+        let whole = |t: &Param<Tensor<B, 2>>, dim: usize| {
+            gather_along(t.val(), dim, group)
+                .map(Param::from_tensor)
+                .map_err(|e| format!("gathering the model-parallel slices: {e}"))
+        };
+        if into.blocks.len() != self.blocks.len() {
+            return Err(format!(
+                "a model of {} layers cannot take the {} of the sliced one",
+                into.blocks.len(),
+                self.blocks.len()
+            ));
+        }
+        into.embed.weight = whole(&self.embed.weight, 0)?;
+        for (full, part) in into.blocks.iter_mut().zip(&self.blocks) {
+            full.attn_norm = part.attn_norm.clone();
+            full.mlp_norm = part.mlp_norm.clone();
+            full.q.weight = whole(&part.q.weight, 1)?;
+            full.k.weight = whole(&part.k.weight, 1)?;
+            full.v.weight = whole(&part.v.weight, 1)?;
+            full.o.weight = whole(&part.o.weight, 0)?;
+            full.gate.weight = whole(&part.gate.weight, 1)?;
+            full.up.weight = whole(&part.up.weight, 1)?;
+            full.down.weight = whole(&part.down.weight, 0)?;
+        }
+        into.norm = self.norm.clone();
+        if let (Some(full), Some(part)) = (into.lm_head.as_mut(), &self.head) {
+            full.weight = whole(&part.weight, 1)?;
+        }
+        Ok(into)
+    }
+
+    /// Decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.blocks.len()
     }
 }
 

@@ -2,7 +2,8 @@
 //! key/value groups, the MLP's features and the vocabulary, uneven where the sizes are) against
 //! the unsliced model: the loss of 5 Adam steps on every rank within fp32 tolerance of the
 //! unsliced model's, tied and untied output projections. Adam's per-element steps make any
-//! wrong gradient element show in the later losses.
+//! wrong gradient element show in the later losses. Gathering the slices back gives the
+//! unsliced model exactly before training, and one whose loss matches the reference after.
 
 use std::sync::Arc;
 
@@ -17,6 +18,7 @@ use burn_zero_llm::LlamaConfig;
 use burn_zero_llm::data::synthetic_ids;
 use burn_zero_llm::model::draw_parameters;
 use burn_zero_llm::parallel::ParallelLlama;
+use burn_zero_tests::cases::param_data;
 
 type B = ZeroAutodiff<NdArray>;
 
@@ -42,10 +44,17 @@ fn sliced_llama_matches(config: LlamaConfig, ranks: usize) {
         reference = optim.step(LR, reference, grads);
     }
     assert!(want[STEPS - 1] < want[0], "the reference trains: {want:?}");
+    let probe = tokens(7, vocab, &device);
+    let want_after = reference.loss(probe.clone()).into_scalar();
     let results = run_ranks(ranks, |ctx| {
         let device = Default::default();
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
         let mut model = ParallelLlama::slice(&full, ModelGroup::new(comm)).unwrap();
+        let untrained = model.gather(full.clone()).unwrap();
+        assert!(
+            param_data(&untrained) == param_data(&full),
+            "slicing and gathering gives the model back"
+        );
         let mut optim = AdamConfig::new().init();
         let mut losses = Vec::new();
         for step in 0..STEPS {
@@ -54,9 +63,14 @@ fn sliced_llama_matches(config: LlamaConfig, ranks: usize) {
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(LR, model, grads);
         }
-        losses
+        let gathered = model.gather(full.clone()).unwrap();
+        (losses, gathered.loss(probe.clone()).into_scalar())
     });
-    for (rank, got) in results.into_iter().enumerate() {
+    for (rank, (got, after)) in results.into_iter().enumerate() {
+        assert!(
+            (after - want_after).abs() <= 2e-5 * want_after.abs().max(1.0),
+            "{ranks} ranks, rank {rank}: the gathered model's loss {after} vs {want_after}"
+        );
         for (step, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!(
                 (a - b).abs() <= 2e-5 * b.abs().max(1.0),

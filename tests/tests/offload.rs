@@ -240,11 +240,21 @@ fn gradient_buffers_in_pieces_change_nothing() {
 
 /// Without clipping, the gradient partition written into host memory bucket by bucket (copied
 /// by the first micro-step, added by the next) is the device's buffer bit for bit, and so is
-/// training, at stages 2 and 3, in fp32 and bf16.
+/// training, at stages 2 and 3, in fp32, bf16 and fp16 (whose loss scale CPU-Adam divides out
+/// as it reads the gradient).
 #[test]
 fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
     let bf16 = r#", "bf16": {"enabled": true}"#;
-    for (stage, world, extra) in [(2, 3, ""), (3, 2, ""), (2, 2, bf16), (3, 3, bf16)] {
+    let fp16 = r#", "fp16": {"enabled": true, "initial_scale_power": 12}"#;
+    let cases = [
+        (2, 3, ""),
+        (3, 2, ""),
+        (2, 2, bf16),
+        (3, 3, bf16),
+        (2, 3, fp16),
+        (3, 2, fp16),
+    ];
+    for (stage, world, extra) in cases {
         let what = format!("stage {stage}, world {world}{extra}");
         let run = |place| {
             let mut cfg = config(stage, place, ADAMW, extra);

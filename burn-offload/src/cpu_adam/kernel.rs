@@ -72,8 +72,9 @@ fn adam_chunk<G: GradElem, O: OutElem, const DECAY: u8>(
     let shrink = 1.0 - k.lr * wd;
     let bc2_sqrt = k.bias_correction2.sqrt();
     let step_size = k.lr / k.bias_correction1;
+    let [s0, s1] = k.grad_scale;
     let update = |i: usize, w: &mut [f32], m: &mut [f32], v: &mut [f32]| {
-        let mut gi = g[i].get();
+        let mut gi = g[i].get() * s0 * s1;
         if DECAY == 1 {
             gi += w[i] * wd;
         }
@@ -109,8 +110,9 @@ fn sgd_chunk<G: GradElem, O: OutElem>(
     let n = w.len();
     let g = &g[..n];
     let (lr, mu, damp, wd) = (k.lr, k.momentum, 1.0 - k.dampening, k.weight_decay);
+    let [s0, s1] = k.grad_scale;
     let mut update = |i: usize, w: &mut [f32]| {
-        let mut gi = g[i].get();
+        let mut gi = g[i].get() * s0 * s1;
         if wd != 0.0 {
             gi += w[i] * wd;
         }

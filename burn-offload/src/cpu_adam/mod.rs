@@ -117,7 +117,15 @@ pub struct AdamStep {
     pub bias_correction1: f32,
     /// `1 − β2ᵗ` (1 without bias correction).
     pub bias_correction2: f32,
+    /// See [`GradScale`].
+    pub grad_scale: GradScale,
 }
+
+/// Two factors each gradient element is multiplied by, in order, before the update: the
+/// inverse loss scale and the clipping factor, so an offloaded step needs no pass of its own
+/// over the gradient. Factors of 1 leave it bit for bit; a power-of-two loss scale's inverse
+/// gives the bits of dividing by it.
+pub type GradScale = [f32; 2];
 
 impl AdamStep {
     /// The constants of step `t` (1-based).
@@ -149,7 +157,13 @@ impl AdamStep {
             decay,
             bias_correction1,
             bias_correction2,
+            grad_scale: [1.0, 1.0],
         }
+    }
+
+    /// These constants with gradients multiplied by `scale` first.
+    pub fn with_grad_scale(self, grad_scale: GradScale) -> Self {
+        Self { grad_scale, ..self }
     }
 }
 
@@ -168,6 +182,8 @@ pub struct SgdStep {
     pub weight_decay: f32,
     /// Whether the momentum buffer holds a value (false on the first step: it takes `g`).
     pub started: bool,
+    /// See [`GradScale`].
+    pub grad_scale: GradScale,
 }
 
 /// The multithreaded, vectorized optimizer step of offloaded partitions.

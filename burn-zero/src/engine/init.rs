@@ -115,6 +115,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             };
             let master = master.cast(FloatDType::F32);
             let working = precision.compute.convert(master.clone());
+            let working = [working];
             s3.set_partitions(&mut flat, &working)?;
             let full = s3.gather_persistent(&mut flat, &working)?;
             let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));

@@ -13,6 +13,7 @@ mod checkpoint;
 mod collective;
 mod construct;
 mod export;
+mod flat_pieces;
 mod grad_buffer;
 mod grads;
 mod host_grads;
@@ -35,7 +36,7 @@ use std::time::{Duration, Instant};
 use burn::backend::Autodiff;
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, FloatDType, Tensor};
+use burn::tensor::{ElementConversion, FloatDType, Shape, Tensor};
 
 pub use checkpoint::{LoadedCheckpoint, inject_save_failure};
 pub use construct::{construct_full, construct_sharded};
@@ -45,7 +46,6 @@ pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates
 pub use params::{FlatLayout, ParamSlot, flatten_params, unflatten_params};
 pub use stage3::{GatherEvent, GatherStats};
 
-use crate::ZeroBackend;
 use crate::backend::GathererGuard;
 use crate::backend::hooks::{self, HookGuard};
 use crate::comm::{CommError, Communicator, ReduceOp};
@@ -53,7 +53,9 @@ use crate::config::{ConfigError, ResolvedConfig};
 use crate::optim::StepParams;
 use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
+use crate::{ZeroBackend, ZeroTensor};
 use collective::FlatComm;
+use flat_pieces::{Gathered, slice_pieces};
 use grads::GradState;
 use offload_io::GradSource;
 pub use optim_state::OffloadTimings;
@@ -370,11 +372,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     .step(GradSource::Device(grad), hp, self.precision.compute)
             }
             None => {
-                let host = state.host.as_ref().expect("checked above").grads();
+                let mut host = state.host.as_ref().expect("checked above").grads();
+                // Multiplying by a power-of-two loss scale's inverse divides exactly.
+                let unscale = scale.map_or(1.0, |s| 1.0 / s as f32);
                 let source = GradSource::Host {
-                    grads: &host,
-                    unscale: scale.map(|s| s as f32),
-                    clip: factor,
+                    grads: &mut host,
+                    scale: [unscale, factor.unwrap_or(1.0)],
                 };
                 self.optim.step(source, hp, self.precision.compute)
             }
@@ -406,22 +409,38 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     fn publish(
         &mut self,
         state: &mut GradState<I>,
-        working: Tensor<I, 1>,
+        working: Vec<Tensor<I, 1>>,
     ) -> Result<(), EngineError> {
         let model = self.model.take().expect("model");
-        let model = if self.resolved.config.zero_optimization.stage == 3 {
-            // No all-gather: the new partitions are the new handles.
-            let s3 = state.stage3.as_mut().expect("stage 3 state");
-            s3.set_partitions(&mut state.flat, &working)?;
-            let full = s3.gather_persistent(&mut state.flat, &working)?;
-            rebuild_params(model, &self.layout, |p| s3.handle(p, full.get(&p)))
-        } else {
-            let flat = if self.resolved.config.zero_optimization.stage == 0 {
-                working
-            } else {
-                self.gather_chunks(&mut state.flat, working)?
-            };
-            unflatten_params(model, &self.layout, flat)
+        let stage = self.resolved.config.zero_optimization.stage;
+        let layout = &self.layout;
+        // Each parameter from the flat buffer's `range`, in its shape.
+        let param = |p: usize, values: Tensor<I, 1>| {
+            let shape = Shape::from(layout.slots()[p].shape.clone());
+            ZeroTensor::local(I::float_reshape(values.into_primitive().tensor(), shape))
+        };
+        let range = |p: usize| {
+            let slot = &layout.slots()[p];
+            slot.offset..slot.offset + slot.numel()
+        };
+        let model = match stage {
+            3 => {
+                // No all-gather: the new partitions are the new handles.
+                let s3 = state.stage3.as_mut().expect("stage 3 state");
+                s3.set_partitions(&mut state.flat, &working)?;
+                let full = s3.gather_persistent(&mut state.flat, &working)?;
+                rebuild_params(model, layout, |p| s3.handle(p, full.get(&p)))
+            }
+            0 => rebuild_params(model, layout, |p| {
+                param(p, slice_pieces(&working, range(p)))
+            }),
+            _ => {
+                let zero = &self.resolved.config.zero_optimization;
+                let piece = zero.allgather_bucket_size.get() / self.comm.world_size();
+                let chunk = self.plan.chunk();
+                let full = Gathered::gather(&mut state.flat, &working, chunk, piece)?;
+                rebuild_params(model, layout, |p| param(p, full.slice(range(p))))
+            }
         };
         self.model = Some(hooks::mark_distributed(model));
         Ok(())
@@ -436,7 +455,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     ) -> Result<Tensor<I, 1>, CommError> {
         let zero = &self.resolved.config.zero_optimization;
         let piece = zero.allgather_bucket_size.get() / self.comm.world_size();
-        all_gather_in_pieces(flat, zero_padded(owned, self.plan.chunk()), piece)
+        let chunk = self.plan.chunk();
+        let full = Gathered::gather(flat, &[owned], chunk, piece)?;
+        Ok(full.slice(0..chunk * self.comm.world_size()))
     }
 
     fn report_progress(&mut self) {
@@ -509,23 +530,4 @@ fn zero_padded<I: Backend>(t: Tensor<I, 1>, len: usize) -> Tensor<I, 1> {
     }
     let zeros = Tensor::zeros([padding], (&t.device(), t.dtype()));
     Tensor::cat(vec![t, zeros], 0)
-}
-
-/// All-gathers every rank's `chunk` into the full padded flat buffer (rank-major), in pieces of
-/// at most `piece` elements per rank (DeepSpeed's `allgather_bucket_size`).
-fn all_gather_in_pieces<I: Backend>(
-    flat: &mut FlatComm<I>,
-    chunk: Tensor<I, 1>,
-    piece: usize,
-) -> Result<Tensor<I, 1>, CommError> {
-    let (world, len) = (flat.comm().world_size(), chunk.dims()[0]);
-    let piece = piece.max(1);
-    let mut columns = Vec::new();
-    for start in (0..len).step_by(piece) {
-        let end = (start + piece).min(len);
-        let gathered = flat.all_gather(chunk.clone().slice(start..end))?;
-        columns.push(gathered.reshape([world, end - start]));
-    }
-    flat.wait()?;
-    Ok(Tensor::cat(columns, 1).reshape([world * len]))
 }

@@ -14,14 +14,14 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 use burn_offload::{
-    Download, HostOptimizer, OutDtype, OutSlot, StepBuffers, StreamTimings, Weights,
+    Download, GradScale, HostOptimizer, OutDtype, OutSlot, StepBuffers, StreamTimings, Weights,
 };
 use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice, result};
 use half::{bf16, f16};
 
 use super::EngineError;
 use super::grad_buffer::{overlaps, piece_ranges};
-use super::offload_io::{GradSource, RING_DEPTH, StepRing, host_download, out_dtype};
+use super::offload_io::{GradSource, RING_DEPTH, StepRing, Stepped, in_place, out_dtype};
 use super::precision::Format;
 use crate::backend::cuda::{CudaBuffer, cuda_buffer};
 
@@ -110,31 +110,48 @@ impl PinnedRing {
     }
 }
 
-/// The step on CUDA memory, or `None` when the gradient or the weights are not contiguous
-/// CUDA tensors in a native format (the host-path fallback takes it).
-pub(crate) fn step<I: Backend>(
+/// The step on CUDA memory, or `Err(source)` back when the gradient or the weights are not
+/// contiguous CUDA tensors in a native format (the host-path fallback takes it).
+pub(crate) fn step<'a, I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut StepRing,
-    source: &GradSource<'_, I>,
+    source: GradSource<'a, I>,
     lr: f32,
     betas: (f32, f32),
     device: &I::Device,
     compute: Format,
-) -> Option<Result<(Tensor<I, 1>, StreamTimings), EngineError>> {
-    let grad: &[Tensor<I, 1>] = match source {
+) -> Result<Stepped<I>, GradSource<'a, I>> {
+    let grad: &[Tensor<I, 1>] = match &source {
         GradSource::Device(grad) => grad,
         GradSource::Host { .. } => &[],
     };
     if compute.emulated || grad.iter().any(|g| g.dtype() != FloatDType::F32.into()) {
-        return None;
+        return Err(source);
     }
-    let src: Vec<CudaBuffer> = grad
+    let Some(src) = grad
         .iter()
         .map(|g| cuda_buffer::<I>(&g.clone().into_primitive().tensor()))
-        .collect::<Option<_>>()?;
-    let weights = Tensor::<I, 1>::empty([opt.len()], (device, compute.storage()));
-    let dst = cuda_buffer::<I>(&weights.clone().into_primitive().tensor())?;
-    let ordinal = dst._keep.device.index;
+        .collect::<Option<Vec<CudaBuffer>>>()
+    else {
+        return Err(source);
+    };
+    // One output tensor per sub-group: a large partition is more than one buffer may hold.
+    let weights: Vec<Tensor<I, 1>> = opt
+        .sub_groups()
+        .iter()
+        .map(|r| Tensor::empty([r.len()], (device, compute.storage())))
+        .collect();
+    let Some(dst) = weights
+        .iter()
+        .map(|w| cuda_buffer::<I>(&w.clone().into_primitive().tensor()))
+        .collect::<Option<Vec<CudaBuffer>>>()
+    else {
+        return Err(source);
+    };
+    let Some(ordinal) = dst.first().map(|d| d._keep.device.index) else {
+        return Err(source);
+    };
+    let dst: Vec<u64> = dst.iter().map(|d| d.buf.ptr).collect();
     let out = out_dtype(compute);
     let len = opt.sub_group_len();
     let reuse =
@@ -142,7 +159,7 @@ pub(crate) fn step<I: Backend>(
     if !reuse {
         match PinnedRing::new(ordinal, len, out) {
             Ok(r) => *ring = StepRing::Pinned(r),
-            Err(e) => return Some(Err(EngineError::Usage(format!("offload buffers: {e}")))),
+            Err(e) => return Ok(Err(EngineError::Usage(format!("offload buffers: {e}")))),
         }
     }
     let StepRing::Pinned(ring) = ring else {
@@ -166,55 +183,65 @@ pub(crate) fn step<I: Backend>(
         }
         down.synchronize().map_err(|e| format!("{e:?}"))
     };
-    let from_host;
-    let download: &Download<'_> = match source {
-        GradSource::Device(_) => &from_device,
-        GradSource::Host {
-            grads,
-            unscale,
-            clip,
-        } => {
-            from_host = host_download(grads, *unscale, *clip);
-            &from_host
-        }
-    };
-    Some(run::<I>(opt, ring, download, dst.buf.ptr, lr, betas, device).map(|t| (weights, t)))
+    let (context, up) = (ring.context.clone(), ring.up.clone());
+    let done = (|| {
+        I::sync(device)
+            .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+        let mut lent = ring.lend().map_err(EngineError::Usage)?;
+        let mut scale = [1.0, 1.0];
+        let check = match source {
+            GradSource::Host { grads, scale: s } => {
+                let (bufs, check) = in_place(grads, opt.len(), opt.sub_group_len());
+                (lent.grads, scale) = (bufs, s);
+                Some(check)
+            }
+            GradSource::Device(_) => None,
+        };
+        let download: &Download<'_> = match &check {
+            Some(check) => check,
+            None => &from_device,
+        };
+        let hp = (lr, betas, scale);
+        upload_weights(opt, &context, &up, lent, download, &dst, hp)
+    })();
+    Ok(done.map(|t| (weights, t)))
 }
 
-/// The step, the gradient read by `download`.
-fn run<I: Backend>(
+/// The step over `buffers`, the gradient read by `download`, sub-group `k`'s new weights
+/// copied into the output tensor at `weights_ptrs[k]` on the `up` stream.
+fn upload_weights(
     opt: &mut HostOptimizer,
-    ring: &mut PinnedRing,
+    context: &Arc<CudaContext>,
+    up: &Arc<CudaStream>,
+    buffers: StepBuffers<'_>,
     download: &Download<'_>,
-    weights_ptr: u64,
-    lr: f32,
-    betas: (f32, f32),
-    device: &I::Device,
+    weights_ptrs: &[u64],
+    (lr, betas, scale): (f32, (f32, f32), GradScale),
 ) -> Result<StreamTimings, EngineError> {
-    I::sync(device).map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
-    let (context, up) = (ring.context.clone(), ring.up.clone());
-    let buffers = ring.lend().map_err(EngineError::Usage)?;
-    let timings = opt.step(lr, betas, buffers, download, &mut |range, weights| {
-        context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-        let stream = up.cu_stream();
-        // SAFETY: the destination lies in the output tensor, allocated for the whole
-        // partition and idle on burn's side (synchronized above); the source is
-        // page-locked and outlives the copy (synchronized before returning).
-        unsafe {
-            match weights {
-                Weights::F32(w) => {
-                    result::memcpy_htod_async(weights_ptr + range.start as u64 * 4, w, stream)
-                }
-                Weights::Bf16(w) => {
-                    result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
-                }
-                Weights::F16(w) => {
-                    result::memcpy_htod_async(weights_ptr + range.start as u64 * 2, w, stream)
+    let sub_group = opt.sub_group_len().max(1);
+    let timings = opt.step(
+        lr,
+        betas,
+        scale,
+        buffers,
+        download,
+        &mut |range, weights| {
+            context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+            let stream = up.cu_stream();
+            let ptr = weights_ptrs[range.start / sub_group];
+            // SAFETY: the destination is the sub-group's output tensor, allocated for it and
+            // idle on burn's side (synchronized above); the source is page-locked and outlives
+            // the copy (synchronized before returning).
+            unsafe {
+                match weights {
+                    Weights::F32(w) => result::memcpy_htod_async(ptr, w, stream),
+                    Weights::Bf16(w) => result::memcpy_htod_async(ptr, w, stream),
+                    Weights::F16(w) => result::memcpy_htod_async(ptr, w, stream),
                 }
             }
-        }
-        .map_err(|e| format!("{e:?}"))?;
-        up.synchronize().map_err(|e| format!("{e:?}"))
-    })?;
+            .map_err(|e| format!("{e:?}"))?;
+            up.synchronize().map_err(|e| format!("{e:?}"))
+        },
+    )?;
     Ok(timings)
 }

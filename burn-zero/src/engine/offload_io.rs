@@ -7,7 +7,9 @@ use std::ops::Range;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
-use burn_offload::{HostGrads, HostOptimizer, OutDtype, OwnedBuffers, StreamTimings, Weights};
+use burn_offload::{
+    Download, GradScale, HostGrads, HostOptimizer, OutDtype, OwnedBuffers, StreamTimings, Weights,
+};
 
 use super::EngineError;
 use super::grad_buffer::{overlaps, piece_ranges};
@@ -42,28 +44,43 @@ pub(crate) fn out_dtype(compute: Format) -> OutDtype {
 pub(crate) enum GradSource<'a, I: Backend> {
     /// On the device, in consecutive pieces, unscaled and clipped.
     Device(Vec<Tensor<I, 1>>),
-    /// In host memory, still to be divided by `unscale` and then multiplied by `clip`.
+    /// In host memory: CPU-Adam reads each sub-group where it lies, multiplied by `scale`
+    /// (inverse loss scale, clipping factor) as it goes.
     Host {
-        grads: &'a HostGrads,
-        unscale: Option<f32>,
-        clip: Option<f32>,
+        grads: &'a mut HostGrads,
+        scale: GradScale,
     },
 }
 
-/// The download stage of a step whose gradient is in host memory: a scaled copy.
-pub(crate) fn host_download(
-    grads: &HostGrads,
-    unscale: Option<f32>,
-    clip: Option<f32>,
-) -> impl Fn(Range<usize>, &mut [f32]) -> Result<(), String> + Sync + '_ {
-    move |range, buf| {
-        grads.read(range, buf, unscale, clip);
-        Ok(())
-    }
+/// The gradient buffers of a step over `len` elements in sub-groups of `sub_group` when the
+/// gradient is in host memory: the partition's own sub-groups, in order (nothing to copy), and
+/// the download stage, which only checks that each sub-group is handed where it lies.
+#[allow(clippy::type_complexity)]
+pub(crate) fn in_place(
+    grads: &mut HostGrads,
+    len: usize,
+    sub_group: usize,
+) -> (
+    Vec<&mut [f32]>,
+    impl Fn(Range<usize>, &mut [f32]) -> Result<(), String> + Sync + use<>,
+) {
+    let values = &mut grads.values_mut()[..len];
+    let base = values.as_ptr() as usize;
+    let check = move |range: Range<usize>, buf: &mut [f32]| {
+        if buf.as_ptr() as usize == base + 4 * range.start {
+            Ok(())
+        } else {
+            Err("the host gradient's sub-groups arrived out of order".into())
+        }
+    };
+    (values.chunks_mut(sub_group.max(1)).collect(), check)
 }
 
+/// An offloaded step's new weights (one piece per sub-group) and where its time went.
+pub(crate) type Stepped<I> = Result<(Vec<Tensor<I, 1>>, StreamTimings), EngineError>;
+
 /// One offloaded step: the gradient of this rank's partition in, the new weights in the
-/// compute format out, on `device`.
+/// compute format out, on `device`, one piece per sub-group.
 pub(crate) fn step<I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut StepRing,
@@ -72,11 +89,12 @@ pub(crate) fn step<I: Backend>(
     betas: (f32, f32),
     device: &I::Device,
     compute: Format,
-) -> Result<(Tensor<I, 1>, StreamTimings), EngineError> {
+) -> Stepped<I> {
     #[cfg(feature = "cuda")]
-    if let Some(done) = super::offload_cuda::step(opt, ring, &source, lr, betas, device, compute) {
-        return done;
-    }
+    let source = match super::offload_cuda::step(opt, ring, source, lr, betas, device, compute) {
+        Ok(done) => return done,
+        Err(not_cuda) => not_cuda,
+    };
     let out = out_dtype(compute);
     if !matches!(ring, StepRing::Owned(_)) {
         *ring = StepRing::Owned(OwnedBuffers::new(RING_DEPTH, opt.sub_group_len(), out));
@@ -84,12 +102,12 @@ pub(crate) fn step<I: Backend>(
     let StepRing::Owned(buffers) = ring else {
         unreachable!("set above")
     };
-    let grad: Vec<Tensor<I, 1>> = match &source {
-        GradSource::Device(grad) => grad
-            .iter()
-            .map(|g| g.clone().cast(FloatDType::F32))
-            .collect(),
-        GradSource::Host { .. } => Vec::new(),
+    let (grad, host) = match source {
+        GradSource::Device(grad) => {
+            let grad: Vec<_> = grad.into_iter().map(|g| g.cast(FloatDType::F32)).collect();
+            (grad, None)
+        }
+        GradSource::Host { grads, scale } => (Vec::new(), Some((grads, scale))),
     };
     let ranges = piece_ranges(&grad);
     let from_device = |range: Range<usize>, buf: &mut [f32]| {
@@ -101,29 +119,26 @@ pub(crate) fn step<I: Backend>(
         }
         Ok(())
     };
-    let from_host;
-    let download: &burn_offload::Download<'_> = match source {
-        GradSource::Device(_) => &from_device,
-        GradSource::Host {
-            grads,
-            unscale,
-            clip,
-        } => {
-            from_host = host_download(grads, unscale, clip);
-            &from_host
-        }
+    let mut lent = buffers.lend();
+    let mut scale = [1.0, 1.0];
+    let check = host.map(|(grads, s)| {
+        let (bufs, check) = in_place(grads, opt.len(), opt.sub_group_len());
+        (lent.grads, scale) = (bufs, s);
+        check
+    });
+    let download: &Download<'_> = match &check {
+        Some(check) => check,
+        None => &from_device,
     };
     let mut parts = Vec::new();
-    let timings = opt.step(lr, betas, buffers.lend(), download, &mut |_, weights| {
+    let timings = opt.step(lr, betas, scale, lent, download, &mut |_, weights| {
         parts.push(weights_on_device::<I>(weights, device, compute));
         Ok(())
     })?;
-    let weights = match parts.len() {
-        0 => Tensor::zeros([0], (device, compute.storage())),
-        1 => parts.pop().expect("one part"),
-        _ => Tensor::cat(parts, 0),
-    };
-    Ok((weights, timings))
+    if parts.is_empty() {
+        parts.push(Tensor::zeros([0], (device, compute.storage())));
+    }
+    Ok((parts, timings))
 }
 
 /// A sub-group's weights on the device, stored as the compute format stores them (emulated

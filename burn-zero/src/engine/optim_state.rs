@@ -224,13 +224,13 @@ impl<I: Backend> Optim<I> {
     }
 
     /// Applies the gradient of this rank's partition and returns the new weights in the
-    /// compute format, on the device.
+    /// compute format, on the device, in consecutive pieces.
     pub(crate) fn step(
         &mut self,
         source: GradSource<'_, I>,
         hp: StepParams,
         compute: Format,
-    ) -> Result<Tensor<I, 1>, EngineError> {
+    ) -> Result<Vec<Tensor<I, 1>>, EngineError> {
         match self {
             Optim::Device { master, opt } => {
                 let GradSource::Device(mut grad) = source else {
@@ -241,7 +241,7 @@ impl<I: Backend> Optim<I> {
                     _ => Tensor::cat(grad, 0),
                 };
                 *master = opt.step(master.clone(), grad, hp);
-                Ok(compute.convert(master.clone()))
+                Ok(vec![compute.convert(master.clone())])
             }
             Optim::Host {
                 opt,

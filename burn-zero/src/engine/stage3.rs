@@ -16,6 +16,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive};
 use burn_offload::{NvmeStore, SwapConfig, SwapError};
 
 use super::collective::FlatComm;
+use super::flat_pieces::slice_pieces;
 use super::grads::GradState;
 use super::params::FlatLayout;
 use super::{EngineError, ZeroAutodiff};
@@ -239,18 +240,18 @@ impl<I: Backend> Stage3<I> {
     pub(crate) fn set_partitions(
         &mut self,
         flat: &mut FlatComm<I>,
-        master: &Tensor<I, 1>,
+        master: &[Tensor<I, 1>],
     ) -> Result<(), EngineError> {
         self.version += 1;
         self.tracer.drop_live();
         self.drop_live(flat)?;
-        let (device, dtype) = (master.device(), master.dtype());
+        let (device, dtype) = (master[0].device(), master[0].dtype());
         // The swap file holds the sharded partitions end to end, widened to f32.
         let mut swapped = Vec::new();
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
             self.partitions[p] = (!self.persistent[p]).then(|| {
-                let chunk = master.clone().slice(start..start + self.plan.chunk(p));
+                let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
                 match (&self.place, &self.swap) {
                     (ParamPlace::Device, _) => Partition::Device(chunk),
                     (ParamPlace::Host, _) => {
@@ -306,7 +307,7 @@ impl<I: Backend> Stage3<I> {
     pub(crate) fn gather_persistent(
         &self,
         flat: &mut FlatComm<I>,
-        master: &Tensor<I, 1>,
+        master: &[Tensor<I, 1>],
     ) -> Result<HashMap<usize, Tensor<I, 1>>, CommError> {
         let slots: Vec<usize> = (0..self.plan.params())
             .filter(|p| self.persistent[*p])
@@ -318,7 +319,7 @@ impl<I: Backend> Stage3<I> {
             .iter()
             .map(|&p| {
                 let start = self.plan.offset(p);
-                master.clone().slice(start..start + self.plan.chunk(p))
+                slice_pieces(master, start..start + self.plan.chunk(p))
             })
             .collect();
         let mine = Tensor::cat(pieces, 0);

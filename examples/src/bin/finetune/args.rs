@@ -33,6 +33,9 @@ pub struct Args {
     pub seq: usize,
     pub steps: usize,
     pub world: usize,
+    /// `--model-parallel M`: each model sliced over M ranks (Megatron-style tensor slicing),
+    /// data parallel over the rest.
+    pub model_parallel: usize,
     pub train_tokens: Option<usize>,
     pub eval_len: usize,
     pub out: PathBuf,
@@ -74,7 +77,7 @@ fn cache_dir() -> PathBuf {
 const USAGE: &str =
     "finetune [--device cpu|cuda] [--config ds_config.json] [--gguf FILE | --hf DIR]
   [--austen Rdata.rdb | --text FILE ... [--held-out TITLE]] [--layers N|all] [--seq LEN]
-  [--steps N] [--world RANKS] [--train-tokens N] [--eval-len LEN] [--out DIR] [--seed N]
+  [--steps N] [--world RANKS] [--model-parallel M] [--train-tokens N] [--eval-len LEN] [--out DIR] [--seed N]
   [--lora RANK [--lora-alpha A] [--lora-targets q_proj,v_proj,...]]
   [--save-every N] [--resume CHECKPOINTS]
   finetune --plot METRICS.jsonl [--out DIR]     (only draw DIR/loss.png)
@@ -83,7 +86,9 @@ Held out for evaluation: Persuasion, or with --text the file named by --held-out
 last). Writes OUT/metrics.jsonl, OUT/summary.json, OUT/loss.png, OUT/engine (engine
 checkpoints: every --save-every steps and after the last; --resume OUT/engine continues from
 the latest, data order included) and OUT/checkpoint (a Hugging Face directory, LoRA adapters
-merged; --export-hf writes it from an engine checkpoint, with the same model options). --device cuda runs one process per GPU under the launcher:
+merged; --export-hf writes it from an engine checkpoint, with the same model options).
+--model-parallel M slices the model over groups of M ranks (heads, MLP features, vocabulary)
+and trains data parallel over the rest; each slice saves under OUT/engine/mp_rank_XX. --device cuda runs one process per GPU under the launcher:
   burn-zero run --nproc-per-node N -- finetune --device cuda --layers all";
 
 /// Parses `std::env::args`; `Err` carries the message to print (usage included).
@@ -101,6 +106,7 @@ pub fn parse_args() -> Result<Args, String> {
         seq: 64,
         steps: 30,
         world: 2,
+        model_parallel: 1,
         train_tokens: None,
         eval_len: 128,
         out: PathBuf::from("runs/finetune"),
@@ -144,6 +150,7 @@ pub fn parse_args() -> Result<Args, String> {
             "--seq" => args.seq = num(&value)?,
             "--steps" => args.steps = num(&value)?,
             "--world" => args.world = num(&value)?,
+            "--model-parallel" => args.model_parallel = num(&value)?,
             "--train-tokens" => args.train_tokens = Some(num(&value)?),
             "--eval-len" => args.eval_len = num(&value)?,
             "--out" => args.out = value.into(),
@@ -190,6 +197,7 @@ pub fn parse_args() -> Result<Args, String> {
         ("--seq", args.seq),
         ("--steps", args.steps),
         ("--world", args.world),
+        ("--model-parallel", args.model_parallel),
     ] {
         if value == 0 {
             return Err(format!("{flag} must be at least 1"));

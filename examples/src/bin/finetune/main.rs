@@ -19,15 +19,18 @@ use std::time::Instant;
 use burn::backend::NdArray;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
+use burn_pipeline::Topology;
+use burn_pipeline::tensor_parallel::ModelGroup;
 use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::Communicator;
 use burn_zero::engine::{ZeroAutodiff, load_params};
 use burn_zero::testing::run_ranks;
+use burn_zero_llm::parallel::ParallelLlama;
 use burn_zero_llm::tokenizer::TextTokenizer;
 use burn_zero_llm::{Llama, LlamaConfig};
 
 use args::{Args, Data, Device, load_source, parse_args, prepare_data};
-use train::{Job, draw_curve, evaluate, report, train};
+use train::{Comms, Job, Trained, draw_curve, evaluate, report, train};
 
 /// The model config after `--layers`.
 fn cut(full: &LlamaConfig, layers: Option<usize>) -> LlamaConfig {
@@ -87,6 +90,69 @@ fn load<I: Backend>(args: &Args, quiet: bool, device: &I::Device) -> Result<Load
     })
 }
 
+/// Why `--model-parallel` cannot split `world` ranks (or run with this config); the data-parallel
+/// size otherwise.
+fn data_parallel(args: &Args, config: &DeepSpeedConfig, world: usize) -> Result<usize, String> {
+    let mp = args.model_parallel;
+    if !world.is_multiple_of(mp) {
+        return Err(format!(
+            "--model-parallel {mp} does not divide the {world} ranks of this run"
+        ));
+    }
+    if mp > 1 && config.progressive_layer_drop.enabled {
+        return Err("progressive_layer_drop cannot be combined with --model-parallel yet".into());
+    }
+    Ok(world / mp)
+}
+
+/// Trains on this rank of `world`: the whole model, or with `--model-parallel M` its slice over
+/// a group of M neighbouring ranks (the grid's model axis), data parallel over the rest.
+fn train_rank<I: Backend>(
+    model: Llama<ZeroAutodiff<I>>,
+    world: Arc<dyn Communicator>,
+    (args, config, windows): (&Args, &DeepSpeedConfig, &[Vec<u32>]),
+    device: &I::Device,
+) -> Result<Option<Trained<I>>, String> {
+    let lead = world.rank() == 0;
+    let mp = args.model_parallel;
+    if mp == 1 {
+        let (rank, size) = (world.rank(), world.world_size());
+        let job = Job {
+            args,
+            config,
+            windows,
+            rank,
+            world: size,
+            lead,
+            model_dir: None,
+        };
+        let comms = Comms {
+            data: world.clone(),
+            world,
+        };
+        return train::<I, _>(model, comms, &job, device, Ok);
+    }
+    let topo = Topology::pipe_data_model(1, world.world_size() / mp, mp);
+    let data: Arc<dyn Communicator> = Arc::new(topo.axis_comm(world.clone(), "data")?);
+    let group = ModelGroup::new(Arc::new(topo.axis_comm(world.clone(), "model")?));
+    let model_dir = Some(format!("mp_rank_{:02}", group.rank()));
+    let sliced = ParallelLlama::slice(&model, group)?;
+    // The whole model's shape, which the trained slices are put back into.
+    let template = model.valid();
+    let (rank, size) = (data.rank(), data.world_size());
+    let job = Job {
+        args,
+        config,
+        windows,
+        rank,
+        world: size,
+        lead,
+        model_dir,
+    };
+    let comms = Comms { data, world };
+    train::<I, _>(sliced, comms, &job, device, |m| m.gather(template))
+}
+
 fn check_windows(data: &Data, world: usize) -> Result<(), String> {
     if data.windows.len() < world {
         return Err(format!(
@@ -106,18 +172,12 @@ fn run_cpu(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(), 
         tok,
         data,
     } = load::<NdArray>(args, false, &device)?;
-    check_windows(&data, args.world)?;
+    check_windows(&data, data_parallel(args, config, args.world)?)?;
     let before = evaluate(&model.valid(), &data.eval, "before", &device);
     let results = run_ranks(args.world, |ctx| {
-        let job = Job {
-            args,
-            config,
-            windows: &data.windows,
-            rank: ctx.rank,
-            world: args.world,
-        };
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
-        train::<NdArray>(model.clone(), comm, &job, &device)
+        let job = (args, config, data.windows.as_slice());
+        train_rank::<NdArray>(model.clone(), comm, job, &device)
     });
     let mut trained = None;
     for r in results {
@@ -145,16 +205,10 @@ fn run_cuda(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(),
         tok,
         data,
     } = load::<Cuda>(args, !lead, &device)?;
-    check_windows(&data, env.world_size)?;
+    check_windows(&data, data_parallel(args, config, env.world_size)?)?;
     let before = lead.then(|| evaluate(&model.valid(), &data.eval, "before", &device));
-    let job = Job {
-        args,
-        config,
-        windows: &data.windows,
-        rank: env.rank,
-        world: env.world_size,
-    };
-    let trained = train::<Cuda>(model, Arc::new(nccl), &job, &device)?;
+    let job = (args, config, data.windows.as_slice());
+    let trained = train_rank::<Cuda>(model, Arc::new(nccl), job, &device)?;
     match (trained, before) {
         (Some(t), Some(b)) => report(
             t,

@@ -1,5 +1,6 @@
-//! One rank's training loop and rank 0's report, generic over the backend under the engine:
-//! `NdArray` on CPU thread ranks, `Cuda` in one process per GPU.
+//! One rank's training loop and rank 0's report, generic over the backend under the engine
+//! (`NdArray` on CPU thread ranks, `Cuda` in one process per GPU) and over what a rank trains:
+//! the whole Llama, or its slice over a model-parallel group (`--model-parallel`).
 
 use std::io::{IsTerminal, Write};
 use std::path::Path;
@@ -9,6 +10,7 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn_pipeline::tensor_parallel::ModelParallelBackend;
 use burn_zero::ZeroBackend;
 use burn_zero::comm::{Communicator, ReduceOp};
 use burn_zero::config::DeepSpeedConfig;
@@ -16,6 +18,7 @@ use burn_zero::engine::{ZeroAutodiff, initialize};
 use burn_zero::schedule::ProgressiveLayerDrop;
 use burn_zero_llm::data::{DistributedSampler, SamplerState};
 use burn_zero_llm::generate::Sampling;
+use burn_zero_llm::parallel::ParallelLlama;
 use burn_zero_llm::tokenizer::TextTokenizer;
 use burn_zero_llm::{Llama, LlamaConfig};
 
@@ -26,8 +29,52 @@ pub struct Job<'a> {
     pub args: &'a Args,
     pub config: &'a DeepSpeedConfig,
     pub windows: &'a [Vec<u32>],
+    /// This rank's place along the data axis and its size: the sampler's shard.
     pub rank: usize,
     pub world: usize,
+    /// Rank 0 of the whole run: it prints, writes the metrics and reports.
+    pub lead: bool,
+    /// With `--model-parallel`: this rank's directory under each checkpoint root
+    /// (`mp_rank_XX`, DeepSpeed's name), since every model-parallel rank saves its own slice.
+    pub model_dir: Option<String>,
+}
+
+/// The engine's communicator (the data axis) and the whole run's (for the logged loss).
+pub struct Comms {
+    pub data: Arc<dyn Communicator>,
+    pub world: Arc<dyn Communicator>,
+}
+
+/// What one rank trains: the Llama, or its slice over a model-parallel group.
+pub trait Trainable<B: Backend> {
+    /// The mean next-token loss of `tokens`, with only the layers `keep` marks (all: `None`).
+    fn loss_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 1>;
+    /// Decoder layers.
+    fn num_layers(&self) -> usize;
+}
+
+impl<B: Backend> Trainable<B> for Llama<B> {
+    fn loss_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 1> {
+        Llama::loss_kept(self, tokens, keep)
+    }
+
+    fn num_layers(&self) -> usize {
+        Llama::num_layers(self)
+    }
+}
+
+impl<B: ModelParallelBackend> Trainable<B> for ParallelLlama<B> {
+    fn loss_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 1> {
+        assert!(
+            keep.is_none(),
+            "layer dropping is refused with --model-parallel"
+        );
+        self.loss(tokens)
+    }
+
+    fn num_layers(&self) -> usize {
+        ParallelLlama::num_layers(self)
+    }
 }
 
 /// Rank 0's result: the trained model (without autodiff) and its speed.
@@ -41,16 +88,22 @@ pub struct Trained<I: Backend> {
 }
 
 /// Trains `model` for `--steps` optimizer steps on this rank's share of the windows; rank 0
-/// prints progress, writes `metrics.jsonl` and returns the model.
-pub fn train<I: Backend>(
-    model: Llama<ZeroAutodiff<I>>,
-    comm: Arc<dyn Communicator>,
+/// prints progress, writes `metrics.jsonl` and returns the whole model, which `whole` makes of
+/// what this rank trained (every rank calls it: putting slices together is a collective).
+pub fn train<I: Backend, M>(
+    model: M,
+    comms: Comms,
     job: &Job,
     device: &I::Device,
-) -> Result<Option<Trained<I>>, String> {
+    whole: impl FnOnce(M::InnerModule) -> Result<Llama<ZeroBackend<I>>, String>,
+) -> Result<Option<Trained<I>>, String>
+where
+    M: AutodiffModule<ZeroAutodiff<I>> + Trainable<ZeroAutodiff<I>>,
+{
     let args = job.args;
+    let comm = comms.world;
     let mut engine =
-        initialize::<I, _>(model, job.config, comm.clone()).map_err(|e| e.to_string())?;
+        initialize::<I, _>(model, job.config, comms.data).map_err(|e| e.to_string())?;
     let batch = engine.config().batch;
     let sampler = DistributedSampler {
         len: job.windows.len(),
@@ -60,7 +113,12 @@ pub fn train<I: Backend>(
         seed: args.seed,
     };
     let mut state = SamplerState::default();
+    let in_model_dir = |root: &Path| match &job.model_dir {
+        Some(dir) => root.join(dir),
+        None => root.to_path_buf(),
+    };
     if let Some(root) = &args.resume {
+        let root = &in_model_dir(root);
         // The latest checkpoint under a root, or one checkpoint's own directory.
         let (root, tag) = match (
             root.join(burn_zero::checkpoint::MANIFEST).exists(),
@@ -83,7 +141,7 @@ pub fn train<I: Backend>(
                 client["seq"]
             ));
         }
-        if job.rank == 0 {
+        if job.lead {
             println!(
                 "resumed from {} at step {} (epoch {}, {} samples in)",
                 loaded.dir.display(),
@@ -102,7 +160,8 @@ pub fn train<I: Backend>(
         ));
     }
     let metrics_path = args.out.join("metrics.jsonl");
-    let mut metrics = (job.rank == 0)
+    let mut metrics = job
+        .lead
         .then(|| {
             std::fs::OpenOptions::new()
                 .create(true)
@@ -122,7 +181,7 @@ pub fn train<I: Backend>(
     let half = first - 1 + steps / 2;
     let mut half_time = 0.0;
     let mut last_loss = f32::NAN;
-    let checkpoints = args.out.join("engine");
+    let checkpoints = in_model_dir(&args.out.join("engine"));
     // Checkpoint writing is not training: kept out of tokens/s.
     let mut save_secs = 0.0;
     // Progressive layer dropping: the layers each step keeps, the same on every rank.
@@ -188,9 +247,10 @@ pub fn train<I: Backend>(
         writeln!(file, "{record}").map_err(|e| e.to_string())?;
     }
     let total = t0.elapsed().as_secs_f64() - save_secs;
-    // Every rank takes part: under ZeRO-3 the full model is gathered.
-    let model = engine.into_model().map_err(|e| e.to_string())?.valid();
-    if job.rank != 0 {
+    // Every rank takes part: under ZeRO-3 the full model is gathered, and model-parallel
+    // slices are put together.
+    let model = whole(engine.into_model().map_err(|e| e.to_string())?.valid())?;
+    if !job.lead {
         return Ok(None);
     }
     if redraw {
