@@ -53,6 +53,10 @@ step cargo run --locked -q -p burn-zero --bin burn-zero -- inspect "$recipe_out/
 step cargo run --locked -q -p burn-zero --bin burn-zero -- consolidate "$recipe_out/a/engine" "$recipe_out/a/model.safetensors"
 step cargo run --locked -q -p burn-zero-examples --bin finetune -- --export-hf "$recipe_out/a/engine" --out "$recipe_out/c"
 step cmp "$recipe_out/a/checkpoint/model.safetensors" "$recipe_out/c/checkpoint/model.safetensors"
+# Tensor slicing in the recipe: 2 thread ranks, one model sliced over both (it fails unless the
+# held-out NLL falls), each slice checkpointed on its own.
+step finetune --model-parallel 2 --out "$recipe_out/mp"
+step test -f "$recipe_out/mp/engine/mp_rank_01/latest"
 rm -rf "$recipe_out"
 
 read -r passed failed < <(awk '/^test result:/ { for (i = 1; i <= NF; i++) {

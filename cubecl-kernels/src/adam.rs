@@ -80,8 +80,92 @@ mod kernel {
         v[i] = v_new;
         master[i] = w * Vector::new(shrink) - m_new / denom * Vector::new(step_size);
     }
+
+    /// The same update into new buffers (`*_out`), the inputs left as they are: what the
+    /// engine wants of burn tensors, which are values shared by reference.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch_unchecked)]
+    pub fn adamw_out_kernel<N: Size>(
+        master: &Array<Vector<f32, N>>,
+        grad: &Array<Vector<f32, N>>,
+        m: &Array<Vector<f32, N>>,
+        v: &Array<Vector<f32, N>>,
+        master_out: &mut Array<Vector<f32, N>>,
+        m_out: &mut Array<Vector<f32, N>>,
+        v_out: &mut Array<Vector<f32, N>>,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        shrink: f32,
+        l2: f32,
+        bias_correction2_sqrt: f32,
+        step_size: f32,
+    ) {
+        if ABSOLUTE_POS >= master.len() {
+            terminate!();
+        }
+        let i = ABSOLUTE_POS;
+        let w = master[i];
+        let g = grad[i] + w * Vector::new(l2);
+        let one = Vector::<f32, N>::new(1.0);
+        let m_new = m[i] * Vector::new(beta1) + g * (one - Vector::new(beta1));
+        let v_new = v[i] * Vector::new(beta2) + g * (one - Vector::new(beta2)) * g;
+        let denom = Vector::sqrt(v_new) / Vector::new(bias_correction2_sqrt) + Vector::new(eps);
+        m_out[i] = m_new;
+        v_out[i] = v_new;
+        master_out[i] = w * Vector::new(shrink) - m_new / denom * Vector::new(step_size);
+    }
 }
-pub use kernel::adamw_kernel;
+pub use kernel::{adamw_kernel, adamw_out_kernel};
+
+/// Lanes per unit: four when the length allows (every buffer starts 16-byte aligned), one
+/// otherwise (any length is correct).
+fn vector_size(len: usize) -> usize {
+    if len.is_multiple_of(4) { 4 } else { 1 }
+}
+
+/// Cubes of 256 units for `len` elements in vectors of `vector`.
+fn cubes(len: usize, vector: usize) -> CubeCount {
+    let cubes = (len / vector).div_ceil(256) as u32;
+    CubeCount::Static(cubes.max(1), 1, 1)
+}
+
+/// One fused AdamW step on `client` from `master`, `grad`, `m`, `v` into `out` (new master,
+/// m, v), each a device buffer of `len` f32; the inputs are only read.
+pub fn adamw_into<R: Runtime>(
+    client: &ComputeClient<R>,
+    k: &AdamConstants,
+    len: usize,
+    [master, grad, m, v]: [&cubecl::server::Handle; 4],
+    [master_out, m_out, v_out]: [&cubecl::server::Handle; 3],
+) {
+    let vector = vector_size(len);
+    let arg = |h: &cubecl::server::Handle| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+    // SAFETY: the seven handles hold `len` f32 each, the outputs distinct from the inputs,
+    // and the kernel checks its bounds.
+    unsafe {
+        adamw_out_kernel::launch_unchecked::<R>(
+            client,
+            cubes(len, vector),
+            CubeDim::new_1d(256),
+            vector,
+            arg(master),
+            arg(grad),
+            arg(m),
+            arg(v),
+            arg(master_out),
+            arg(m_out),
+            arg(v_out),
+            k.beta1,
+            k.beta2,
+            k.eps,
+            k.shrink,
+            k.l2,
+            k.bias_correction2_sqrt,
+            k.step_size,
+        )
+    }
+}
 
 /// Runs one fused AdamW step on `client` over the partitions in `master`, `grad`, `m`, `v`
 /// (device buffers of `len` f32 each).
@@ -94,17 +178,13 @@ pub fn adamw<R: Runtime>(
     m: &cubecl::server::Handle,
     v: &cubecl::server::Handle,
 ) {
-    // Four lanes when the length allows; one otherwise (any length is correct).
-    let vector = if len.is_multiple_of(4) { 4 } else { 1 };
-    let units = len / vector;
-    let cube_dim = CubeDim::new_1d(256);
-    let cubes = units.div_ceil(256) as u32;
+    let vector = vector_size(len);
     // SAFETY: the four handles hold `len` f32 each and the kernel checks its bounds.
     unsafe {
         adamw_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(cubes.max(1), 1, 1),
-            cube_dim,
+            cubes(len, vector),
+            CubeDim::new_1d(256),
             vector,
             ArrayArg::from_raw_parts(master.clone(), len),
             ArrayArg::from_raw_parts(grad.clone(), len),

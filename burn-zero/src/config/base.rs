@@ -115,6 +115,9 @@ pub struct BurnZeroConfig {
     /// elements. cubecl-cuda refuses a single buffer over a quarter of the device's memory;
     /// the default (2^30, 4 GiB in fp32) stays below that on any GPU of 16 GiB or more.
     pub max_buffer_elements: usize,
+    /// `fused_adam`: the device optimizer runs Adam/AdamW as one fused CubeCL kernel on CUDA
+    /// (default true; false keeps burn's tensor ops, the reference).
+    pub fused_adam: bool,
 }
 
 impl Default for BurnZeroConfig {
@@ -123,6 +126,7 @@ impl Default for BurnZeroConfig {
             matmul: MatmulConfig::default(),
             cpu_adam: CpuAdamConfig::default(),
             max_buffer_elements: 1 << 30,
+            fused_adam: true,
         }
     }
 }

@@ -70,6 +70,11 @@ pub(crate) struct GradState<I: Backend> {
 /// double-buffers its buckets the same way).
 const MAX_PENDING_BUCKETS: usize = 2;
 
+/// With gradients streaming to host memory, buckets hold at most this many elements and each
+/// goes down as soon as the next is reduced: a bucket the size of the model would reach the
+/// host only after backward, with nothing left to overlap its copy.
+const HOST_BUCKET: usize = 1 << 27;
+
 impl<I: Backend> GradState<I> {
     pub(crate) fn new(
         layout: Arc<FlatLayout>,
@@ -91,6 +96,10 @@ impl<I: Backend> GradState<I> {
             .filter(|_| stage >= 2)
             .map(|threads| HostGradStream::new(len, threads));
         let device_len = if host.is_some() { 0 } else { len };
+        let bucket_size = match host {
+            Some(_) => bucket_size.min(HOST_BUCKET),
+            None => bucket_size,
+        };
         let slots = layout
             .slots()
             .iter()
@@ -138,12 +147,20 @@ impl<I: Backend> GradState<I> {
         }
     }
 
+    /// Reduce-scatters in flight at most.
+    fn in_flight(&self) -> usize {
+        match self.host {
+            Some(_) => 1,
+            None => MAX_PENDING_BUCKETS,
+        }
+    }
+
     /// Bytes of communication buffers at their peak: the bucket being filled and, at stage 2
     /// and up, the send/receive copies of the buckets in flight.
     pub(crate) fn comm_buffer_bytes(&self) -> usize {
         let bucket = self.bucket_size.min(self.layout.numel());
         if self.stage >= 2 {
-            let in_flight = MAX_PENDING_BUCKETS.min(self.layout.numel().div_ceil(bucket));
+            let in_flight = self.in_flight().min(self.layout.numel().div_ceil(bucket));
             4 * bucket * (1 + 2 * in_flight)
         } else {
             4 * bucket
@@ -181,7 +198,7 @@ impl<I: Backend> GradState<I> {
         // Each bucket in flight holds its send and receive buffers until it is settled: with
         // no bound, a large model's whole gradient would sit there twice by the end of
         // backward. The earlier buckets have had this bucket's backward to finish.
-        if self.pending.len() >= MAX_PENDING_BUCKETS {
+        if self.pending.len() >= self.in_flight() {
             self.settle();
         }
         let layout = match &self.stage3 {

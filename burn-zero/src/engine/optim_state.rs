@@ -126,7 +126,8 @@ impl<I: Backend> Optim<I> {
                 &config.optimizer_params,
                 len,
                 &master.device(),
-            );
+            )
+            .with_fused(config.config.burn_zero.fused_adam);
             return Ok(Optim::Device { master, opt });
         }
         let device = master.device();

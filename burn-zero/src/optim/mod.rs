@@ -3,6 +3,8 @@
 
 use serde::Serialize;
 
+#[cfg(feature = "cuda")]
+mod fused_cuda;
 mod onebit;
 mod tensor;
 pub use onebit::{CommVolume, OneBitCompressor, pack_signs, unpack_signs};

@@ -11,6 +11,8 @@ use crate::config::{OptimizerKind, OptimizerParams};
 pub struct TensorOptimizer<B: Backend> {
     state: State<B>,
     len: usize,
+    /// Adam as one fused kernel where the tensors allow (CUDA, feature `cuda`).
+    fused: bool,
 }
 
 enum State<B: Backend> {
@@ -47,7 +49,18 @@ impl<B: Backend> TensorOptimizer<B> {
                 settings,
             },
         };
-        Self { state, len }
+        Self {
+            state,
+            len,
+            fused: false,
+        }
+    }
+
+    /// Runs Adam/AdamW as one fused CubeCL kernel on CUDA tensors (`burn_zero.fused_adam`);
+    /// other tensors, and builds without feature `cuda`, keep the tensor ops.
+    pub fn with_fused(mut self, fused: bool) -> Self {
+        self.fused = fused;
+        self
     }
 
     /// Bytes of state held (f32), counting SGD's momentum buffer from the start as PyTorch's
@@ -140,6 +153,28 @@ impl<B: Backend> TensorOptimizer<B> {
                 *step += 1;
                 let (bc1, bc2) = settings.corrections(*step, (b1, b2));
                 let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
+                #[cfg(feature = "cuda")]
+                if self.fused {
+                    let k = cubecl_kernels::adam::AdamConstants {
+                        beta1: b1,
+                        beta2: b2,
+                        eps,
+                        shrink: if settings.decoupled {
+                            1.0 - lr * wd
+                        } else {
+                            1.0
+                        },
+                        l2: if settings.decoupled { 0.0 } else { wd },
+                        bias_correction2_sqrt: bc2.sqrt(),
+                        step_size: lr / bc1,
+                    };
+                    if let Some([w, m_new, v_new]) =
+                        super::fused_cuda::adamw(&param, &grad, m, v, &k)
+                    {
+                        (*m, *v) = (m_new, v_new);
+                        return w;
+                    }
+                }
                 let g = if settings.decoupled || wd == 0.0 {
                     grad
                 } else {
