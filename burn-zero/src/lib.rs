@@ -20,6 +20,7 @@ mod log;
 pub mod optim;
 pub mod partition;
 pub mod precision;
+pub mod profile;
 #[cfg(unix)]
 pub mod report;
 pub mod schedule;

@@ -8,6 +8,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNor
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData};
+use burn_zero::profile::scope;
 
 use crate::lora::{Adapters, project};
 use crate::weights::{LoadError, WeightSource, linear_weight, matrix, vector};
@@ -205,24 +206,28 @@ impl<B: Backend> Llama<B> {
     pub fn forward_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 3> {
         let [_, seq] = tokens.dims();
         let device = tokens.device();
-        let mut x = self.embed.forward(tokens);
+        // Module scopes for the FLOPs profiler, named as the parameters' paths are.
+        let mut x = scope("embed", || self.embed.forward(tokens));
         let head_dim = x.dims()[2] / self.num_heads;
         // Activations follow the parameters' dtype (bf16 under mixed precision).
         let rope = Rope::new(seq, head_dim, self.rope_theta, &device, x.dtype());
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         for (i, block) in self.blocks.iter().enumerate() {
             if keep.is_none_or(|k| k[i]) {
-                x = block.forward(x, &rope, &mask, self.num_heads, self.num_kv_heads);
+                let (heads, kv) = (self.num_heads, self.num_kv_heads);
+                x = scope(&format!("blocks.{i}"), || {
+                    block.forward(x, &rope, &mask, heads, kv)
+                });
             }
         }
-        let x = self.norm.forward(x);
-        match &self.lm_head {
+        let x = scope("norm", || self.norm.forward(x));
+        scope("lm_head", || match &self.lm_head {
             Some(head) => head.forward(x),
             None => {
                 let w = self.embed.weight.val().transpose().unsqueeze::<3>();
                 x.matmul(w)
             }
-        }
+        })
     }
 
     /// Mean next-token cross-entropy of `tokens` (`[batch, seq + 1]`: inputs and shifted
@@ -282,20 +287,21 @@ impl<B: Backend> Block<B> {
         heads: usize,
         kv_heads: usize,
     ) -> Tensor<B, 3> {
-        let h = self.attn_norm.forward(x.clone());
-        let q = project(&self.q, self.adapter(|l| &l.q), h.clone());
-        let k = project(&self.k, self.adapter(|l| &l.k), h.clone());
-        let v = project(&self.v, self.adapter(|l| &l.v), h);
+        let h = scope("attn_norm", || self.attn_norm.forward(x.clone()));
+        let q = scope("q", || project(&self.q, self.adapter(|l| &l.q), h.clone()));
+        let k = scope("k", || project(&self.k, self.adapter(|l| &l.k), h.clone()));
+        let v = scope("v", || project(&self.v, self.adapter(|l| &l.v), h));
         let attn = causal_attention(q, k, v, rope, mask, heads, kv_heads);
-        let x = x + project(&self.o, self.adapter(|l| &l.o), attn);
-        let h = self.mlp_norm.forward(x.clone());
-        let gate = silu(project(&self.gate, self.adapter(|l| &l.gate), h.clone()));
-        let mlp = project(
-            &self.down,
-            self.adapter(|l| &l.down),
-            gate * project(&self.up, self.adapter(|l| &l.up), h),
-        );
-        x + mlp
+        let x = x + scope("o", || project(&self.o, self.adapter(|l| &l.o), attn));
+        let h = scope("mlp_norm", || self.mlp_norm.forward(x.clone()));
+        let gate = scope("gate", || {
+            project(&self.gate, self.adapter(|l| &l.gate), h.clone())
+        });
+        let up = scope("up", || project(&self.up, self.adapter(|l| &l.up), h));
+        let act = silu(gate) * up;
+        x + scope("down", || {
+            project(&self.down, self.adapter(|l| &l.down), act)
+        })
     }
 }
 

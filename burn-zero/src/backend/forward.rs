@@ -14,8 +14,9 @@ macro_rules! forward_ops {
         impl<B: burn_backend::Backend> $trait<Self> for $crate::backend::ZeroBackend<B> {
             $(
                 fn $name($($arg: $($arg_ty)*),*) -> $($ret)* {
-                    forward_ops!(@body [$($($raw)?)?] [$($ret)*] [$($route)?]
-                        [<B as $trait<B>>::$name] ($($arg [$($arg_ty)*]),*))
+                    let out = forward_ops!(@body [$($($raw)?)?] [$($ret)*] [$($route)?]
+                        [<B as $trait<B>>::$name] ($($arg [$($arg_ty)*]),*));
+                    forward_ops!(@count $name [$($ret)*] out)
                 }
             )*
         }
@@ -30,6 +31,16 @@ macro_rules! forward_ops {
             (forward_ops!(@callee [$($route)?] [$($default)*]))
                 ($(forward_ops!(@arg $arg [$($ty)*])),*))
     };
+
+    // The FLOPs profiler (`crate::profile`): a float result of a counted op, while recording.
+    (@count $name:ident [FloatTensor<Self>] $out:ident) => {{
+        if $crate::profile::recording() && $crate::profile::counted(stringify!($name)) {
+            let n = burn_backend::TensorMetadata::shape(&$out).num_elements();
+            $crate::profile::record_elements(n as u64);
+        }
+        $out
+    }};
+    (@count $name:ident [$($other:tt)*] $out:ident) => { $out };
 
     // The function called: `B`'s own, or the `=> route` given for it.
     (@callee [] [$($default:tt)*]) => { $($default)* };

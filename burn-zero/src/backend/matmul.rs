@@ -103,8 +103,17 @@ pub fn take_matmul_profile(ordinal: usize) -> MatmulProfile {
     profile
 }
 
-/// `ZeroBackend::float_matmul`, on the inner backend's primitives.
+/// `ZeroBackend::float_matmul`, on the inner backend's primitives: [`matmul`], counted by the
+/// FLOPs profiler.
 pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+    let k = *lhs.shape().last().unwrap_or(&0);
+    let out = matmul::<B>(lhs, rhs);
+    crate::profile::record_macs((out.shape().num_elements() * k) as u64);
+    out
+}
+
+/// A matrix product through cuBLASLt where it takes it, else the inner backend's.
+fn matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     #[cfg(feature = "cuda")]
     if let Some(out) = crate::backend::matmul_cuda::try_cublaslt::<B>(&lhs, &rhs, matmul_policy()) {
         CUBLASLT_CALLS.fetch_add(1, Ordering::Relaxed);
@@ -124,13 +133,27 @@ fn unsqueeze_leading<B: Backend>(tensor: FloatTensor<B>, rank: usize) -> FloatTe
     B::float_reshape(tensor, dims.into())
 }
 
-/// `ZeroBackend::linear`: `x·W (+ b)` through [`float_matmul`], so burn's `Linear` layers
+/// `rows × inner × outer` MACs of a linear layer's product whose operands are `a` (`[.., inner]`)
+/// and `b` (`[.., outer]`, or the weight), for the FLOPs profiler; `extra` FLOPs besides.
+fn record_linear<B: Backend>(a: &FloatTensor<B>, outer: usize, extra: usize) {
+    if crate::profile::recording() {
+        let shape = a.shape();
+        crate::profile::record_macs((shape.num_elements() * outer) as u64);
+        crate::profile::record_elements(extra as u64);
+    }
+}
+
+/// `ZeroBackend::linear`: `x·W (+ b)` through [`matmul`], so burn's `Linear` layers
 /// reach cuBLASLt (the inner backend's `linear` would call its own matmul).
 pub(crate) fn linear<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
+    let (xs, ws) = (x.shape(), weight.shape());
+    let d_out = ws[ws.num_dims() - 1];
+    let rows = xs.num_elements() / xs[xs.num_dims() - 1].max(1);
+    record_linear::<B>(&x, d_out, bias.as_ref().map_or(0, |_| rows * d_out));
     if !matmul_policy().cublaslt {
         return B::linear(x, weight, bias);
     }
@@ -143,18 +166,19 @@ fn linear_on_matmul<B: Backend>(
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
     let rank = x.shape().num_dims();
-    let out = float_matmul::<B>(x, unsqueeze_leading::<B>(weight, rank));
+    let out = matmul::<B>(x, unsqueeze_leading::<B>(weight, rank));
     match bias {
         Some(bias) => B::float_add(out, unsqueeze_leading::<B>(bias, rank)),
         None => out,
     }
 }
 
-/// `ZeroBackend::linear_x_backward`: `dY·Wᵀ` through [`float_matmul`] (`Wᵀ` a strided view).
+/// `ZeroBackend::linear_x_backward`: `dY·Wᵀ` through [`matmul`] (`Wᵀ` a strided view).
 pub(crate) fn linear_x_backward<B: Backend>(
     weight: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
+    record_linear::<B>(&output_grad, weight.shape()[0], 0);
     if !matmul_policy().cublaslt {
         return B::linear_x_backward(weight, output_grad);
     }
@@ -167,7 +191,7 @@ fn linear_x_backward_on_matmul<B: Backend>(
 ) -> FloatTensor<B> {
     let rank = output_grad.shape().num_dims();
     let weight_t = unsqueeze_leading::<B>(B::float_swap_dims(weight, 0, 1), rank);
-    float_matmul::<B>(output_grad, weight_t)
+    matmul::<B>(output_grad, weight_t)
 }
 
 /// `ZeroBackend::linear_weight_backward`: `Σ_batch xᵀ·dY` as one GEMM over the stacked rows
@@ -176,6 +200,8 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     x: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
+    let gs = output_grad.shape();
+    record_linear::<B>(&x, gs[gs.num_dims() - 1], 0);
     if !matmul_policy().cublaslt {
         return B::linear_weight_backward(x, output_grad);
     }
@@ -191,7 +217,7 @@ fn linear_weight_backward_on_matmul<B: Backend>(
     let rows = xs.num_elements() / d_in.max(1);
     let x = B::float_reshape(x, [rows, d_in].into());
     let output_grad = B::float_reshape(output_grad, [rows, d_out].into());
-    float_matmul::<B>(B::float_swap_dims(x, 0, 1), output_grad)
+    matmul::<B>(B::float_swap_dims(x, 0, 1), output_grad)
 }
 
 #[cfg(all(test, feature = "ndarray"))]

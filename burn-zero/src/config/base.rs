@@ -53,8 +53,42 @@ pub struct DeepSpeedConfig {
     /// `activation_checkpointing`: present, burn-pipeline's stages checkpoint their inputs
     /// and recompute the forward in backward.
     pub activation_checkpointing: Option<ActivationCheckpointingConfig>,
+    /// `flops_profiler`: count and time one step ([`crate::profile`]).
+    pub flops_profiler: FlopsProfilerConfig,
     /// `burn_zero`: settings of burn-zero's own (not DeepSpeed keys).
     pub burn_zero: BurnZeroConfig,
+}
+
+/// `flops_profiler` (DeepSpeed's keys and defaults).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FlopsProfilerConfig {
+    /// `enabled`.
+    pub enabled: bool,
+    /// `profile_step`: the step profiled, counted in completed steps (DeepSpeed's: 1 is the
+    /// second step, after the first has compiled and tuned).
+    pub profile_step: u64,
+    /// `module_depth`: the deepest module level listed (-1: all).
+    pub module_depth: i64,
+    /// `top_modules`: modules listed per depth in the aggregated profile.
+    pub top_modules: usize,
+    /// `detailed`: list every module with its shares.
+    pub detailed: bool,
+    /// `output_file`: write the report there instead of printing it (rank 0).
+    pub output_file: Option<std::path::PathBuf>,
+}
+
+impl Default for FlopsProfilerConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            profile_step: 1,
+            module_depth: -1,
+            top_modules: 1,
+            detailed: true,
+            output_file: None,
+        }
+    }
 }
 
 /// `activation_checkpointing` (DeepSpeed's keys).
@@ -189,6 +223,7 @@ impl Default for DeepSpeedConfig {
             aio: AioConfig::default(),
             progressive_layer_drop: Default::default(),
             activation_checkpointing: None,
+            flops_profiler: FlopsProfilerConfig::default(),
             burn_zero: BurnZeroConfig::default(),
         }
     }
@@ -344,7 +379,6 @@ pub(crate) const SECTIONS_NOT_YET_IMPLEMENTED: &[&str] = &[
     "csv_monitor",
     "data_efficiency",
     "elasticity",
-    "flops_profiler",
     "monitor_config",
     "pipeline",
     "sparse_attention",

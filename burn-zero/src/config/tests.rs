@@ -109,7 +109,7 @@ fn a_real_hugging_face_config_with_auto_values_loads() {
 #[test]
 fn unknown_keys_are_warned_by_name() {
     let loaded = load(
-        r#"{"train_batch_size": 8, "tran_batch_size": 8, "flops_profiler": {"enabled": true},
+        r#"{"train_batch_size": 8, "tran_batch_size": 8, "tensorboard": {"enabled": true},
         "zero_optimization": {"stage": 1, "reduce_bucket": 5},
         "optimizer": {"type": "Adam", "params": {"lr": 0.1, "beta": [0.9, 0.9]}}}"#,
     );
@@ -127,8 +127,9 @@ fn unknown_keys_are_warned_by_name() {
         "{w:?}"
     );
     assert!(
-        w.iter().any(|m| m
-            .contains("`flops_profiler` is a DeepSpeed section burn-zero does not implement yet")),
+        w.iter()
+            .any(|m| m
+                .contains("`tensorboard` is a DeepSpeed section burn-zero does not implement yet")),
         "{w:?}"
     );
     assert_eq!(w.len(), 4, "{w:?}");

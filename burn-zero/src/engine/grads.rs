@@ -56,6 +56,8 @@ pub(crate) struct GradState<I: Backend> {
     pub(crate) failure: Option<CommError>,
     /// A failure moving gradients to the host; reported likewise.
     pub(crate) host_failure: Option<String>,
+    /// Host time in collectives and their waits since the engine last took it.
+    pub(crate) comm_time: std::time::Duration,
     /// Parameters reported final during the running backward.
     pub(crate) seen: usize,
     /// Stage 3: the sharded parameters and their gathers.
@@ -122,6 +124,7 @@ impl<I: Backend> GradState<I> {
             boundary: true,
             failure: None,
             host_failure: None,
+            comm_time: std::time::Duration::ZERO,
             seen: 0,
             stage3,
             compute,
@@ -231,7 +234,10 @@ impl<I: Backend> GradState<I> {
             }
         }
         let send = Tensor::cat(parts, 0);
-        match self.flat.reduce_scatter(send, ReduceOp::Avg) {
+        let start = std::time::Instant::now();
+        let reduced = self.flat.reduce_scatter(send, ReduceOp::Avg);
+        self.comm_time += start.elapsed();
+        match reduced {
             Ok(received) => {
                 let rank = self.flat.comm().rank();
                 self.pending.push(Pending {
@@ -245,9 +251,11 @@ impl<I: Backend> GradState<I> {
 
     /// Adds every arrived reduce-scatter result into the partition.
     fn settle(&mut self) {
+        let start = std::time::Instant::now();
         if let Err(e) = self.flat.wait() {
             self.failure.get_or_insert(e);
         }
+        self.comm_time += start.elapsed();
         for Pending { received, pieces } in std::mem::take(&mut self.pending) {
             if let Some(host) = self.host.as_mut() {
                 host.push(received, spans(&pieces), self.boundary);
@@ -275,6 +283,7 @@ impl<I: Backend> GradState<I> {
                 self.host_failure = Some(e);
             }
         } else if self.boundary && self.failure.is_none() {
+            let start = std::time::Instant::now();
             let (flat, bucket) = (&mut self.flat, self.bucket_size);
             let reduced = self.buffer.try_map(|piece| {
                 let n = piece.dims()[0];
@@ -293,6 +302,7 @@ impl<I: Backend> GradState<I> {
             if let Err(e) = reduced {
                 self.failure = Some(e);
             }
+            self.comm_time += start.elapsed();
         }
     }
 

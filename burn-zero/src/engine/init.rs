@@ -188,7 +188,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             state: grads.clone(),
         }))
     });
-    Ok(Engine {
+    let mut engine = Engine {
         model: Some(model),
         scheduler: Scheduler::new(resolved.schedule.clone()),
         comm,
@@ -205,7 +205,12 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         precision,
         _hook: hook,
         _gatherer: gatherer,
-    })
+        profile: None,
+        last_profile: None,
+        last_step_end: std::time::Instant::now(),
+    };
+    engine.profile_maybe_start();
+    Ok(engine)
 }
 
 /// Where `offload_param` keeps the sharded parameters' partitions of rank `rank`.

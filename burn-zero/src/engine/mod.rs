@@ -28,6 +28,7 @@ mod offload_io;
 mod optim_state;
 mod params;
 mod precision;
+mod profile;
 mod stage3;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -101,8 +102,14 @@ pub enum EngineError {
 /// Seconds spent in the engine's phases since the last report (`wall_clock_breakdown`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Timings {
+    /// Between the end of a `step` (or initialization) and the next `backward`: the user's
+    /// forward pass (and whatever else runs there).
+    pub forward: Duration,
     /// In `backward`, reduction included.
     pub backward: Duration,
+    /// Host time in gradient collectives and waits for them (part of `backward`; with
+    /// `overlap_comm` the rest of their time hides behind backward's compute).
+    pub reduce: Duration,
     /// In `step` at the boundary: clipping, optimizer, all-gather, parameter rebuild.
     pub step: Duration,
 }
@@ -128,6 +135,11 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     precision: Precision,
     _hook: HookGuard<I>,
     _gatherer: Option<GathererGuard<I>>,
+    /// `flops_profiler`: the profile being taken, and the last one taken.
+    profile: Option<profile::ProfileRun>,
+    last_profile: Option<crate::profile::Profile>,
+    /// When the last `step` (or initialization) returned: forward time is measured from it.
+    last_step_end: Instant,
 }
 
 /// The elements of the flat buffer whose optimizer state `rank` holds (stages 0–2; stage 3
@@ -180,6 +192,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
 
     /// Time spent in backward and step since the last call.
     pub fn take_timings(&mut self) -> Timings {
+        let reduce = std::mem::take(&mut self.state().comm_time);
+        self.timings.reduce = reduce;
         std::mem::take(&mut self.timings)
     }
 
@@ -246,6 +260,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Backpropagates `loss` (this rank's micro-batch loss). Gradients are scaled by
     /// 1/`gradient_accumulation_steps` and reduced across ranks as the stage requires.
     pub fn backward(&mut self, loss: Tensor<ZeroAutodiff<I>, 1>) -> Result<(), EngineError> {
+        self.timings.forward += self.last_step_end.elapsed();
+        let profiled = self.profile_backward_start();
         let start = Instant::now();
         let boundary = self.is_gradient_accumulation_boundary();
         self.state().boundary = boundary;
@@ -262,6 +278,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             loss
         };
         drop(loss.backward());
+        self.profile_backward_end(profiled);
         let mut state = self.state();
         if let Some(failure) = state.failure.take() {
             return Err(failure.into());
@@ -290,6 +307,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     pub fn step(&mut self) -> Result<(), EngineError> {
         if !self.is_gradient_accumulation_boundary() {
             self.micro_steps += 1;
+            self.last_step_end = Instant::now();
             return Ok(());
         }
         let start = Instant::now();
@@ -351,6 +369,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             self.global_steps += 1;
             self.micro_steps += 1;
             self.timings.step += start.elapsed();
+            self.profile_step_end(start);
+            self.profile_maybe_start();
+            self.last_step_end = Instant::now();
             return Ok(());
         }
         let clip = self.resolved.config.gradient_clipping;
@@ -395,7 +416,10 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.global_steps += 1;
         self.micro_steps += 1;
         self.timings.step += start.elapsed();
+        self.profile_step_end(start);
+        self.profile_maybe_start();
         self.report_progress();
+        self.last_step_end = Instant::now();
         Ok(())
     }
 
@@ -475,10 +499,13 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         );
         if self.resolved.config.wall_clock_breakdown {
             let t = self.take_timings();
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
             line += &format!(
-                " | last {every} steps: backward {:.1} ms, step {:.1} ms",
-                t.backward.as_secs_f64() * 1e3,
-                t.step.as_secs_f64() * 1e3
+                " | last {every} steps: forward {:.1} ms, backward {:.1} ms (reduce {:.1} ms), step {:.1} ms",
+                ms(t.forward),
+                ms(t.backward),
+                ms(t.reduce),
+                ms(t.step)
             );
         }
         crate::log::info(&line);

@@ -72,6 +72,13 @@ fn main() {
     let (rank, world) = (env.rank, env.world_size);
     let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
     let config = preset(&size);
+    // E2E_PROFILE=FILE: the FLOPs profiler on step 3, its report written to FILE (rank 0).
+    let profile = std::env::var("E2E_PROFILE").map_or(String::new(), |file| {
+        format!(
+            r#", "flops_profiler": {{"enabled": true, "profile_step": 3, "module_depth": -1,
+                "top_modules": 3, "detailed": true, "output_file": "{file}"}}"#
+        )
+    });
     let json = format!(
         r#"{{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": 1,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "betas": [0.9, 0.95],
@@ -80,7 +87,7 @@ fn main() {
             "bf16": {{"enabled": true}},
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                 "reduce_bucket_size": 200000000, "allgather_bucket_size": 200000000}},
-            "burn_zero": {{"matmul": {{"cublaslt": true}}}}}}"#
+            "burn_zero": {{"matmul": {{"cublaslt": true}}}}{profile}}}"#
     );
     let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
     <Cuda as Backend>::seed(&device, 42);
