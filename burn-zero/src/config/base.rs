@@ -232,7 +232,7 @@ impl Default for DeepSpeedConfig {
 /// `optimizer`: `{ "type": ..., "params": {...} }`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerConfig {
-    /// `type`: `Adam`, `AdamW` or `SGD`.
+    /// `type`: `Adam`, `AdamW`, `Lamb` or `SGD`.
     #[serde(rename = "type")]
     pub kind: String,
     /// `params`.
@@ -268,6 +268,10 @@ pub struct OptimizerParams {
     pub nesterov: bool,
     /// `max_grad_norm`: rejected, as DeepSpeed does; use `gradient_clipping`.
     pub max_grad_norm: Option<f64>,
+    /// `max_coeff` (LAMB): the largest trust ratio.
+    pub max_coeff: f64,
+    /// `min_coeff` (LAMB): the smallest trust ratio.
+    pub min_coeff: f64,
 }
 
 impl Default for OptimizerParams {
@@ -285,6 +289,8 @@ impl Default for OptimizerParams {
             dampening: 0.0,
             nesterov: false,
             max_grad_norm: None,
+            max_coeff: 10.0,
+            min_coeff: 0.01,
         }
     }
 }

@@ -46,6 +46,9 @@ pub enum OptimizerKind {
     },
     /// SGD with optional momentum.
     Sgd,
+    /// LAMB (DeepSpeed's `Lamb`): Adam's update scaled per parameter tensor by the trust
+    /// ratio ‖w‖ / ‖update‖, clamped to [`min_coeff`, `max_coeff`].
+    Lamb,
 }
 
 /// A validated config resolved for a world size: what the engine runs.
@@ -124,6 +127,16 @@ impl DeepSpeedConfig {
                     .into(),
         })?;
         let optimizer = validate::optimizer_kind(optimizer_config)?;
+        if optimizer == OptimizerKind::Lamb
+            && self.zero_optimization.optimizer_offload() != OffloadDevice::None
+        {
+            return Err(ConfigError::Parse {
+                key: "zero_optimization.offload_optimizer".into(),
+                reason: "optimizer.type \"Lamb\" runs on the device only: its trust ratios are \
+                         not implemented in CPU-Adam yet"
+                    .into(),
+            });
+        }
         let schedule = Schedule::from_config(
             self.scheduler.as_ref(),
             optimizer_config.params.lr,

@@ -288,10 +288,11 @@ pub(super) fn optimizer_kind(o: &OptimizerConfig) -> Result<OptimizerKind, Confi
             decoupled_weight_decay: true,
         }),
         "sgd" => Ok(OptimizerKind::Sgd),
+        "lamb" => Ok(OptimizerKind::Lamb),
         _ => Err(invalid(
             "optimizer.type",
             format!("\"{}\"", o.kind),
-            "\"Adam\", \"AdamW\" or \"SGD\"",
+            "\"Adam\", \"AdamW\", \"Lamb\" or \"SGD\"",
         )),
     }
 }

@@ -24,6 +24,7 @@ use crate::backend::matmul::{MatmulPolicy, matmul_policy, set_matmul_policy};
 use crate::comm::{BufMut, Communicator};
 use crate::config::DeepSpeedConfig;
 use crate::config::OffloadDevice;
+use crate::optim::TensorBounds;
 use crate::partition::PartitionPlan;
 use crate::schedule::Scheduler;
 
@@ -165,6 +166,8 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         Initial::Device(master) => Optim::new(&resolved, master, comm.rank())?,
         Initial::Host(master) => Optim::on_host(&resolved, master, device.clone(), comm.rank())?,
     };
+    let bounds = tensor_bounds(&layout, &plan, stage3.as_ref(), stage, &comm);
+    let optim = optim.with_segments(bounds);
     let with_gatherer = stage3.is_some();
     let grads = Arc::new(Mutex::new(GradState::new(
         layout.clone(),
@@ -297,4 +300,42 @@ fn sharded_master<I: Backend, M: Module<ZeroAutodiff<I>>>(
         parts.push(part);
     }
     Ok(Some(Tensor::cat(parts, 0)))
+}
+
+/// Where each parameter tensor lies in this rank's partition (LAMB's trust ratios): whole
+/// tensors at stage 0; the owned part of the flat buffer at stages 1–2; each tensor's shard at
+/// stage 3.
+fn tensor_bounds<I: Backend>(
+    layout: &FlatLayout,
+    plan: &PartitionPlan,
+    stage3: Option<&Stage3<I>>,
+    stage: u8,
+    comm: &Arc<dyn Communicator>,
+) -> TensorBounds {
+    let segments = match stage3 {
+        Some(s3) => {
+            let shards = s3.plan();
+            (0..shards.params())
+                .map(|p| (p, shards.offset(p)..shards.offset(p) + shards.chunk(p)))
+                .collect()
+        }
+        None => {
+            let owned = owned_range(plan, stage, comm.rank());
+            layout
+                .slots()
+                .iter()
+                .enumerate()
+                .filter_map(|(p, s)| {
+                    let start = s.offset.max(owned.start);
+                    let end = (s.offset + s.numel()).min(owned.end);
+                    (start < end).then(|| (p, start - owned.start..end - owned.start))
+                })
+                .collect()
+        }
+    };
+    TensorBounds {
+        segments,
+        params: layout.slots().len(),
+        comm: (stage > 0 && comm.world_size() > 1).then(|| comm.clone()),
+    }
 }

@@ -15,6 +15,7 @@ use super::EngineError;
 use super::offload_io::{self, GradSource, StepRing};
 use super::precision::Format;
 use crate::config::{OffloadDevice, ResolvedConfig};
+use crate::optim::TensorBounds;
 use crate::optim::{OptimizerSettings, StepParams, TensorOptimizer};
 
 /// The master partition and the optimizer state of one rank.
@@ -157,6 +158,11 @@ impl<I: Backend> Optim<I> {
                 nesterov: s.nesterov,
                 weight_decay: s.weight_decay as f32,
             },
+            OptimizerSettings::Lamb(_) => {
+                return Err(EngineError::Usage(
+                    "optimizer.type \"Lamb\" cannot be offloaded (offload_optimizer)".into(),
+                ));
+            }
         };
         let cpu = &config.config.burn_zero.cpu_adam;
         let cpu = CpuAdam::new(cpu.threads)
@@ -177,6 +183,17 @@ impl<I: Backend> Optim<I> {
             device,
             timings: OffloadTimings::default(),
         })
+    }
+
+    /// LAMB's parameter tensors in the partition (see [`TensorBounds`]).
+    pub(crate) fn with_segments(self, bounds: TensorBounds) -> Self {
+        match self {
+            Optim::Device { master, opt } => Optim::Device {
+                master,
+                opt: opt.with_segments(bounds),
+            },
+            host => host,
+        }
     }
 
     /// The offloaded steps' time so far, reset (`None` on the device).

@@ -8,7 +8,7 @@ mod fused_cuda;
 mod onebit;
 mod tensor;
 pub use onebit::{CommVolume, OneBitCompressor, pack_signs, unpack_signs};
-pub use tensor::TensorOptimizer;
+pub use tensor::{TensorBounds, TensorOptimizer};
 
 use crate::config::{OptimizerKind, OptimizerParams};
 
@@ -58,6 +58,30 @@ pub struct SgdSettings {
     pub weight_decay: f64,
 }
 
+/// LAMB's settings: Adam's moments, then each parameter tensor's update scaled by its trust
+/// ratio (DeepSpeed's `FusedLamb`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct LambSettings {
+    /// Adam's `eps`, `weight_decay` (added to the update) and `bias_correction`.
+    pub adam: AdamSettings,
+    /// `max_coeff`: the largest trust ratio.
+    pub max_coeff: f64,
+    /// `min_coeff`: the smallest trust ratio.
+    pub min_coeff: f64,
+}
+
+impl LambSettings {
+    /// The trust ratio of a tensor with weight norm `w` and update norm `u`: `w / u` clamped
+    /// to [`min_coeff`, `max_coeff`], 1 when either norm is 0.
+    pub fn trust(&self, w: f64, u: f64) -> f64 {
+        if w > 0.0 && u > 0.0 {
+            (w / u).clamp(self.min_coeff, self.max_coeff)
+        } else {
+            1.0
+        }
+    }
+}
+
 /// The fixed settings of one optimizer, from the config.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub enum OptimizerSettings {
@@ -65,6 +89,8 @@ pub enum OptimizerSettings {
     Adam(AdamSettings),
     /// SGD with optional momentum.
     Sgd(SgdSettings),
+    /// LAMB.
+    Lamb(LambSettings),
 }
 
 impl OptimizerSettings {
@@ -78,6 +104,16 @@ impl OptimizerSettings {
                 weight_decay: params.weight_decay,
                 decoupled: decoupled_weight_decay,
                 bias_correction: params.bias_correction,
+            }),
+            OptimizerKind::Lamb => Self::Lamb(LambSettings {
+                adam: AdamSettings {
+                    eps: params.eps,
+                    weight_decay: params.weight_decay,
+                    decoupled: true,
+                    bias_correction: params.bias_correction,
+                },
+                max_coeff: params.max_coeff,
+                min_coeff: params.min_coeff,
             }),
             OptimizerKind::Sgd => Self::Sgd(SgdSettings {
                 momentum: params.momentum,
@@ -123,8 +159,15 @@ pub enum FlatOptimizer {
 
 impl FlatOptimizer {
     /// Zeroed state for a partition of `len` elements.
+    ///
+    /// # Panics
+    /// For LAMB: its trust ratios need the parameter tensors' bounds and norms reduced across
+    /// ranks, which the engine's device optimizer ([`TensorOptimizer::with_segments`]) has.
     pub fn new(kind: OptimizerKind, params: &OptimizerParams, len: usize) -> Self {
         match OptimizerSettings::new(kind, params) {
+            OptimizerSettings::Lamb(_) => {
+                panic!("optimizer.type \"Lamb\" runs on the engine's device optimizer only")
+            }
             OptimizerSettings::Adam(settings) => FlatOptimizer::Adam {
                 m: vec![0.0; len],
                 v: vec![0.0; len],

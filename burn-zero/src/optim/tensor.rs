@@ -1,10 +1,14 @@
 //! The optimizers of [`FlatOptimizer`](super::FlatOptimizer) as tensor ops on one flat
 //! partition, so a rank's state stays on its device. Same math, same order of operations.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use super::{AdamSettings, OptimizerSettings, SgdSettings, StepParams};
+use super::{AdamSettings, LambSettings, OptimizerSettings, SgdSettings, StepParams};
+use crate::comm::{Communicator, ReduceOp};
 use crate::config::{OptimizerKind, OptimizerParams};
 
 /// Optimizer state for one flat partition, on the partition's device.
@@ -27,6 +31,25 @@ enum State<B: Backend> {
         buffer: Option<Tensor<B, 1>>,
         settings: SgdSettings,
     },
+    Lamb {
+        m: Tensor<B, 1>,
+        v: Tensor<B, 1>,
+        step: u64,
+        settings: LambSettings,
+        tensors: TensorBounds,
+    },
+}
+
+/// Where each parameter tensor lies in the partition, for LAMB's per-tensor trust ratios.
+#[derive(Clone)]
+pub struct TensorBounds {
+    /// (parameter index, its elements in this partition), in increasing order of position.
+    pub segments: Vec<(usize, Range<usize>)>,
+    /// Parameter tensors in the model (the length of the norms reduced across ranks).
+    pub params: usize,
+    /// The ranks whose partitions together hold every tensor (stages 1–3), over which the
+    /// norms' partial sums are added; `None` when this partition holds whole tensors.
+    pub comm: Option<Arc<dyn Communicator>>,
 }
 
 impl<B: Backend> TensorOptimizer<B> {
@@ -48,12 +71,32 @@ impl<B: Backend> TensorOptimizer<B> {
                 buffer: None,
                 settings,
             },
+            // One tensor until [`TensorOptimizer::with_segments`] says where the tensors are.
+            OptimizerSettings::Lamb(settings) => State::Lamb {
+                m: Tensor::zeros([len], device),
+                v: Tensor::zeros([len], device),
+                step: 0,
+                settings,
+                tensors: TensorBounds {
+                    segments: vec![(0, 0..len)],
+                    params: 1,
+                    comm: None,
+                },
+            },
         };
         Self {
             state,
             len,
             fused: false,
         }
+    }
+
+    /// LAMB's parameter tensors in the partition (other optimizers ignore them).
+    pub fn with_segments(mut self, bounds: TensorBounds) -> Self {
+        if let State::Lamb { tensors, .. } = &mut self.state {
+            *tensors = bounds;
+        }
+        self
     }
 
     /// Runs Adam/AdamW as one fused CubeCL kernel on CUDA tensors (`burn_zero.fused_adam`);
@@ -67,7 +110,7 @@ impl<B: Backend> TensorOptimizer<B> {
     /// memory peak does.
     pub fn state_bytes(&self) -> usize {
         match &self.state {
-            State::Adam { .. } => 4 * 2 * self.len,
+            State::Adam { .. } | State::Lamb { .. } => 4 * 2 * self.len,
             State::Sgd { settings, .. } if settings.momentum > 0.0 => 4 * self.len,
             State::Sgd { .. } => 0,
         }
@@ -77,7 +120,7 @@ impl<B: Backend> TensorOptimizer<B> {
     /// `momentum_buffer`) and the step count, for checkpoints.
     pub fn export(&self) -> (u64, Vec<(&'static str, Tensor<B, 1>)>) {
         match &self.state {
-            State::Adam { m, v, step, .. } => (
+            State::Adam { m, v, step, .. } | State::Lamb { m, v, step, .. } => (
                 *step,
                 vec![("exp_avg", m.clone()), ("exp_avg_sq", v.clone())],
             ),
@@ -95,7 +138,7 @@ impl<B: Backend> TensorOptimizer<B> {
     /// exists once a step was taken with momentum).
     pub fn required(&self) -> &'static [&'static str] {
         match &self.state {
-            State::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+            State::Adam { .. } | State::Lamb { .. } => &["exp_avg", "exp_avg_sq"],
             State::Sgd { .. } => &[],
         }
     }
@@ -119,7 +162,7 @@ impl<B: Backend> TensorOptimizer<B> {
             Some(tensors.swap_remove(i).1)
         };
         match &mut self.state {
-            State::Adam { m, v, step: s, .. } => {
+            State::Adam { m, v, step: s, .. } | State::Lamb { m, v, step: s, .. } => {
                 let missing = |n: &str| format!("the checkpoint has no `{n}` (Adam's state)");
                 *m = take("exp_avg").ok_or_else(|| missing("exp_avg"))?;
                 *v = take("exp_avg_sq").ok_or_else(|| missing("exp_avg_sq"))?;
@@ -190,6 +233,27 @@ impl<B: Backend> TensorOptimizer<B> {
                 let denom = v.clone().sqrt().div_scalar(bc2.sqrt()).add_scalar(eps);
                 param - m.clone().div(denom).mul_scalar(lr / bc1)
             }
+            State::Lamb {
+                m,
+                v,
+                step,
+                settings,
+                tensors,
+            } => {
+                *step += 1;
+                let adam = &settings.adam;
+                let (bc1, bc2) = adam.corrections(*step, (b1, b2));
+                let (eps, wd) = (adam.eps as f32, adam.weight_decay as f32);
+                *m = m.clone().mul_scalar(b1) + grad.clone().mul_scalar(1.0 - b1);
+                *v = v.clone().mul_scalar(b2) + grad.clone().mul_scalar(1.0 - b2).mul(grad);
+                let denom = v.clone().div_scalar(bc2).sqrt().add_scalar(eps);
+                let mut update = m.clone().div_scalar(bc1).div(denom);
+                if wd != 0.0 {
+                    update = update + param.clone().mul_scalar(wd);
+                }
+                let trust = lamb_trust(&param, &update, settings, tensors);
+                lamb_apply(param, update, lr, &trust, tensors)
+            }
             State::Sgd { buffer, settings } => {
                 let (mu, damp, wd) = (
                     settings.momentum as f32,
@@ -216,6 +280,75 @@ impl<B: Backend> TensorOptimizer<B> {
                 param - g.mul_scalar(lr)
             }
         }
+    }
+}
+
+/// Each parameter tensor's trust ratio: ‖w‖ and ‖update‖ from this partition's segments,
+/// their squares summed across the ranks that share the tensors, one read back.
+fn lamb_trust<B: Backend>(
+    param: &Tensor<B, 1>,
+    update: &Tensor<B, 1>,
+    settings: &LambSettings,
+    tensors: &TensorBounds,
+) -> Vec<f64> {
+    let squares: Vec<Tensor<B, 1>> = tensors
+        .segments
+        .iter()
+        .flat_map(|(_, r)| {
+            let w = param.clone().slice(r.clone());
+            let u = update.clone().slice(r.clone());
+            [w.clone().mul(w).sum(), u.clone().mul(u).sum()]
+        })
+        .collect();
+    let mut sums = vec![0.0f32; 2 * tensors.params];
+    if !squares.is_empty() {
+        let read = Tensor::cat(squares, 0).into_data().convert::<f32>();
+        let values = read.to_vec::<f32>().expect("f32 sums");
+        for ((p, _), pair) in tensors.segments.iter().zip(values.chunks(2)) {
+            sums[2 * p] += pair[0];
+            sums[2 * p + 1] += pair[1];
+        }
+    }
+    if let Some(comm) = &tensors.comm {
+        // Burn's backward has no error channel here either: a failed reduce stops the rank.
+        if let Err(e) = comm.all_reduce(sums.as_mut_slice().into(), ReduceOp::Sum) {
+            panic!("LAMB's norms across ranks: {e}");
+        }
+    }
+    sums.chunks(2)
+        .map(|pair| settings.trust(f64::from(pair[0]).sqrt(), f64::from(pair[1]).sqrt()))
+        .collect()
+}
+
+/// `param − lr · trust(tensor) · update`, segment by segment; elements outside every segment
+/// (the partition's padding) keep their value.
+fn lamb_apply<B: Backend>(
+    param: Tensor<B, 1>,
+    update: Tensor<B, 1>,
+    lr: f32,
+    trust: &[f64],
+    tensors: &TensorBounds,
+) -> Tensor<B, 1> {
+    let len = param.dims()[0];
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for (p, r) in &tensors.segments {
+        if r.start > at {
+            parts.push(param.clone().slice(at..r.start));
+        }
+        let step = update
+            .clone()
+            .slice(r.clone())
+            .mul_scalar(lr * trust[*p] as f32);
+        parts.push(param.clone().slice(r.clone()) - step);
+        at = r.end;
+    }
+    if at < len {
+        parts.push(param.clone().slice(at..len));
+    }
+    match parts.len() {
+        0 => param,
+        _ => Tensor::cat(parts, 0),
     }
 }
 
