@@ -51,38 +51,9 @@ impl From<&AdamStep> for AdamConstants {
 mod kernel {
     use cubecl::prelude::*;
 
-    /// One vector of the partition per unit: `w`, `m`, `v` updated in place from `grad`.
-    #[cube(launch_unchecked)]
-    pub fn adamw_kernel<N: Size>(
-        master: &mut Array<Vector<f32, N>>,
-        grad: &Array<Vector<f32, N>>,
-        m: &mut Array<Vector<f32, N>>,
-        v: &mut Array<Vector<f32, N>>,
-        beta1: f32,
-        beta2: f32,
-        eps: f32,
-        shrink: f32,
-        l2: f32,
-        bias_correction2_sqrt: f32,
-        step_size: f32,
-    ) {
-        if ABSOLUTE_POS >= master.len() {
-            terminate!();
-        }
-        let i = ABSOLUTE_POS;
-        let w = master[i];
-        let g = grad[i] + w * Vector::new(l2);
-        let one = Vector::<f32, N>::new(1.0);
-        let m_new = m[i] * Vector::new(beta1) + g * (one - Vector::new(beta1));
-        let v_new = v[i] * Vector::new(beta2) + g * (one - Vector::new(beta2)) * g;
-        let denom = Vector::sqrt(v_new) / Vector::new(bias_correction2_sqrt) + Vector::new(eps);
-        m[i] = m_new;
-        v[i] = v_new;
-        master[i] = w * Vector::new(shrink) - m_new / denom * Vector::new(step_size);
-    }
-
-    /// The same update into new buffers (`*_out`), the inputs left as they are: what the
-    /// engine wants of burn tensors, which are values shared by reference.
+    /// One vector of the partition per unit: the new `master`, `m`, `v` from the old ones and
+    /// `grad`, into new buffers (`*_out`), the inputs left as they are: burn tensors are values
+    /// shared by reference.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn adamw_out_kernel<N: Size>(
@@ -116,7 +87,7 @@ mod kernel {
         master_out[i] = w * Vector::new(shrink) - m_new / denom * Vector::new(step_size);
     }
 }
-pub use kernel::{adamw_kernel, adamw_out_kernel};
+pub use kernel::adamw_out_kernel;
 
 /// Lanes per unit: four when the length allows (every buffer starts 16-byte aligned), one
 /// otherwise (any length is correct).
@@ -156,40 +127,6 @@ pub fn adamw_into<R: Runtime>(
             arg(master_out),
             arg(m_out),
             arg(v_out),
-            k.beta1,
-            k.beta2,
-            k.eps,
-            k.shrink,
-            k.l2,
-            k.bias_correction2_sqrt,
-            k.step_size,
-        )
-    }
-}
-
-/// Runs one fused AdamW step on `client` over the partitions in `master`, `grad`, `m`, `v`
-/// (device buffers of `len` f32 each).
-pub fn adamw<R: Runtime>(
-    client: &ComputeClient<R>,
-    k: &AdamConstants,
-    len: usize,
-    master: &cubecl::server::Handle,
-    grad: &cubecl::server::Handle,
-    m: &cubecl::server::Handle,
-    v: &cubecl::server::Handle,
-) {
-    let vector = vector_size(len);
-    // SAFETY: the four handles hold `len` f32 each and the kernel checks its bounds.
-    unsafe {
-        adamw_kernel::launch_unchecked::<R>(
-            client,
-            cubes(len, vector),
-            CubeDim::new_1d(256),
-            vector,
-            ArrayArg::from_raw_parts(master.clone(), len),
-            ArrayArg::from_raw_parts(grad.clone(), len),
-            ArrayArg::from_raw_parts(m.clone(), len),
-            ArrayArg::from_raw_parts(v.clone(), len),
             k.beta1,
             k.beta2,
             k.eps,

@@ -379,6 +379,14 @@ pub fn train_mlp<B: AutodiffBackend>(device: &B::Device, steps: usize) -> Vec<Ou
     out
 }
 
+/// Every float parameter's values as f32, in module order.
+pub fn param_values<B: Backend, M: Module<B>>(module: &M) -> Vec<Vec<f32>> {
+    param_data(module)
+        .into_iter()
+        .map(|d| d.convert::<f32>().to_vec::<f32>().expect("f32 values"))
+        .collect()
+}
+
 /// The float parameters of a module as data, in visiting order.
 pub fn param_data<B: Backend, M: Module<B>>(module: &M) -> Vec<TensorData> {
     struct Collect(Vec<TensorData>);

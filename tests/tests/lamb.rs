@@ -15,7 +15,7 @@ use burn_zero::comm::Communicator;
 use burn_zero::engine::{ZeroAutodiff, initialize};
 use burn_zero::testing::run_ranks;
 use burn_zero_tests::cases::engine_run::{self, GLOBAL_BATCH};
-use burn_zero_tests::cases::{Mlp, param_data};
+use burn_zero_tests::cases::{Mlp, param_values};
 use burn_zero_tests::engine_loop::train_step;
 
 type B = ZeroAutodiff<NdArray>;
@@ -99,10 +99,7 @@ fn reference() -> (Vec<f32>, Vec<Vec<f32>>) {
         };
         model = model.map(&mut mapper);
     }
-    let params = param_data(&model)
-        .into_iter()
-        .map(|d| d.to_vec::<f32>().unwrap())
-        .collect();
+    let params = param_values(&model);
     (losses, params)
 }
 
@@ -155,10 +152,7 @@ fn lamb_trust_ratios_survive_partitioning() {
                 .map(|step| train_step(&mut engine, comm.as_ref(), step, ctx.rank, world))
                 .collect();
             let model = engine.into_model().unwrap();
-            let params: Vec<Vec<f32>> = param_data(&model)
-                .into_iter()
-                .map(|d| d.to_vec::<f32>().unwrap())
-                .collect();
+            let params: Vec<Vec<f32>> = param_values(&model);
             (losses, params)
         });
         for (losses, params) in results {

@@ -232,7 +232,7 @@ impl Default for DeepSpeedConfig {
 /// `optimizer`: `{ "type": ..., "params": {...} }`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerConfig {
-    /// `type`: `Adam`, `AdamW`, `Lamb` or `SGD`.
+    /// `type`: `Adam`, `AdamW`, `Lamb`, `OneBitAdam` or `SGD`.
     #[serde(rename = "type")]
     pub kind: String,
     /// `params`.
@@ -272,6 +272,13 @@ pub struct OptimizerParams {
     pub max_coeff: f64,
     /// `min_coeff` (LAMB): the smallest trust ratio.
     pub min_coeff: f64,
+    /// `freeze_step` (1-bit Adam): steps of full Adam before the variance freezes and the
+    /// momentum travels 1-bit compressed.
+    pub freeze_step: u64,
+    /// `cuda_aware` (1-bit Adam): accepted; the compressed exchange goes through host buffers.
+    pub cuda_aware: bool,
+    /// `comm_backend_name` (1-bit Adam): accepted; the engine's communicator is used.
+    pub comm_backend_name: Option<String>,
 }
 
 impl Default for OptimizerParams {
@@ -291,6 +298,9 @@ impl Default for OptimizerParams {
             max_grad_norm: None,
             max_coeff: 10.0,
             min_coeff: 0.01,
+            freeze_step: 100_000,
+            cuda_aware: false,
+            comm_backend_name: None,
         }
     }
 }

@@ -49,6 +49,10 @@ pub enum OptimizerKind {
     /// LAMB (DeepSpeed's `Lamb`): Adam's update scaled per parameter tensor by the trust
     /// ratio ‖w‖ / ‖update‖, clamped to [`min_coeff`, `max_coeff`].
     Lamb,
+    /// 1-bit Adam (DeepSpeed's `OneBitAdam`): Adam for `freeze_step` steps, then the variance
+    /// frozen and the momentum averaged 1-bit compressed with error feedback instead of the
+    /// gradients all-reduced (ZeRO stage 0).
+    OneBitAdam,
 }
 
 /// A validated config resolved for a world size: what the engine runs.
@@ -127,14 +131,25 @@ impl DeepSpeedConfig {
                     .into(),
         })?;
         let optimizer = validate::optimizer_kind(optimizer_config)?;
-        if optimizer == OptimizerKind::Lamb
+        if optimizer == OptimizerKind::OneBitAdam && self.zero_optimization.stage != 0 {
+            return Err(ConfigError::Parse {
+                key: "zero_optimization.stage".into(),
+                reason: format!(
+                    "optimizer.type \"OneBitAdam\" needs stage 0 (it exchanges the momentum, \
+                     not partitioned gradients), got {}",
+                    self.zero_optimization.stage
+                ),
+            });
+        }
+        if matches!(optimizer, OptimizerKind::Lamb | OptimizerKind::OneBitAdam)
             && self.zero_optimization.optimizer_offload() != OffloadDevice::None
         {
             return Err(ConfigError::Parse {
                 key: "zero_optimization.offload_optimizer".into(),
-                reason: "optimizer.type \"Lamb\" runs on the device only: its trust ratios are \
-                         not implemented in CPU-Adam yet"
-                    .into(),
+                reason: format!(
+                    "optimizer.type {optimizer:?} runs on the device only: CPU-Adam has no \
+                     trust ratios or compressed momentum yet"
+                ),
             });
         }
         let schedule = Schedule::from_config(

@@ -160,7 +160,7 @@ fn bad_values_name_the_key_and_the_allowed_range() {
         ),
         (
             r#"{"optimizer": {"type": "Lion"}}"#,
-            "`optimizer.type` = \"Lion\" is invalid: allowed \"Adam\", \"AdamW\", \"Lamb\" or \"SGD\"",
+            "`optimizer.type` = \"Lion\" is invalid: allowed \"Adam\", \"AdamW\", \"Lamb\", \"OneBitAdam\" or \"SGD\"",
         ),
         (
             r#"{"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}"#,

@@ -289,10 +289,11 @@ pub(super) fn optimizer_kind(o: &OptimizerConfig) -> Result<OptimizerKind, Confi
         }),
         "sgd" => Ok(OptimizerKind::Sgd),
         "lamb" => Ok(OptimizerKind::Lamb),
+        "onebitadam" => Ok(OptimizerKind::OneBitAdam),
         _ => Err(invalid(
             "optimizer.type",
             format!("\"{}\"", o.kind),
-            "\"Adam\", \"AdamW\", \"Lamb\" or \"SGD\"",
+            "\"Adam\", \"AdamW\", \"Lamb\", \"OneBitAdam\" or \"SGD\"",
         )),
     }
 }

@@ -52,6 +52,8 @@ pub(crate) struct GradState<I: Backend> {
     pending: Vec<Pending<I>>,
     /// Whether the running backward ends an accumulation window (stage 0/1 reduce then).
     pub(crate) boundary: bool,
+    /// 1-bit Adam past its warm-up: gradients stay local (the momentum is exchanged instead).
+    pub(crate) skip_reduce: bool,
     /// The first communication failure; the engine reports it after backward.
     pub(crate) failure: Option<CommError>,
     /// A failure moving gradients to the host; reported likewise.
@@ -122,6 +124,7 @@ impl<I: Backend> GradState<I> {
             bucket_elems: 0,
             pending: Vec::new(),
             boundary: true,
+            skip_reduce: false,
             failure: None,
             host_failure: None,
             comm_time: std::time::Duration::ZERO,
@@ -282,7 +285,7 @@ impl<I: Backend> GradState<I> {
             {
                 self.host_failure = Some(e);
             }
-        } else if self.boundary && self.failure.is_none() {
+        } else if self.boundary && !self.skip_reduce && self.failure.is_none() {
             let start = std::time::Instant::now();
             let (flat, bucket) = (&mut self.flat, self.bucket_size);
             let reduced = self.buffer.try_map(|piece| {

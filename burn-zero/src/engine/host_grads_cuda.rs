@@ -100,13 +100,7 @@ struct Staging {
 
 impl Staging {
     fn new(ordinal: usize) -> Result<Self, String> {
-        let context =
-            CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e:?}"))?;
-        let stream = || {
-            context
-                .new_stream()
-                .map_err(|e| format!("a copy stream: {e:?}"))
-        };
+        let (context, streams) = super::offload_cuda::copy_streams::<2>(ordinal)?;
         // Flags 0: cached memory, as the CPU reads it.
         // SAFETY: each buffer is written by a copy before it is read.
         let pinned = || {
@@ -117,7 +111,7 @@ impl Staging {
         let ptrs = [ptr(&mut buffers[0])?, ptr(&mut buffers[1])?];
         Ok(Self {
             ordinal,
-            streams: [stream()?, stream()?],
+            streams,
             context,
             _buffers: buffers,
             ptrs,

@@ -167,7 +167,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         Initial::Host(master) => Optim::on_host(&resolved, master, device.clone(), comm.rank())?,
     };
     let bounds = tensor_bounds(&layout, &plan, stage3.as_ref(), stage, &comm);
-    let optim = optim.with_segments(bounds);
+    let optim = optim.with_segments(bounds, comm.clone());
     let with_gatherer = stage3.is_some();
     let grads = Arc::new(Mutex::new(GradState::new(
         layout.clone(),

@@ -248,6 +248,13 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.optim.swap_files()
     }
 
+    /// 1-bit Adam: what the last step's compressed momentum exchange sent, beside what an fp32
+    /// all-reduce of the same vector would (`None` before `freeze_step` and for other
+    /// optimizers).
+    pub fn compressed_volume(&self) -> Option<crate::optim::CommVolume> {
+        self.optim.compressed_volume()
+    }
+
     /// Collectives that ran on device memory so far (0 on the host path).
     pub fn device_collectives(&self) -> usize {
         self.state().flat.device_calls
@@ -264,7 +271,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let profiled = self.profile_backward_start();
         let start = Instant::now();
         let boundary = self.is_gradient_accumulation_boundary();
-        self.state().boundary = boundary;
+        let skip_reduce = self.optim.compresses_next_step();
+        {
+            let mut state = self.state();
+            state.boundary = boundary;
+            state.skip_reduce = skip_reduce;
+        }
         let gas = self.resolved.batch.gradient_accumulation_steps;
         let loss = if gas > 1 {
             loss.div_scalar(gas as f32)

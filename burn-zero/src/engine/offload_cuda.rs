@@ -25,6 +25,24 @@ use super::offload_io::{GradSource, RING_DEPTH, StepRing, Stepped, in_place, out
 use super::precision::Format;
 use crate::backend::cuda::{CudaBuffer, cuda_buffer};
 
+/// GPU `ordinal`'s context and `N` new streams for copies beside burn's.
+pub(crate) fn copy_streams<const N: usize>(
+    ordinal: usize,
+) -> Result<(Arc<CudaContext>, [Arc<CudaStream>; N]), String> {
+    let context = CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e:?}"))?;
+    let streams: Vec<Arc<CudaStream>> = (0..N)
+        .map(|_| {
+            context
+                .new_stream()
+                .map_err(|e| format!("a copy stream: {e:?}"))
+        })
+        .collect::<Result<_, _>>()?;
+    let streams = streams
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("N streams made"));
+    Ok((context, streams))
+}
+
 /// Page-locked buffers and the two copy streams of one offloaded optimizer.
 pub(crate) struct PinnedRing {
     ordinal: usize,
@@ -41,14 +59,7 @@ pub(crate) struct PinnedRing {
 
 impl PinnedRing {
     fn new(ordinal: usize, len: usize, out: OutDtype) -> Result<Self, String> {
-        let context =
-            CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e:?}"))?;
-        let stream = || {
-            context
-                .new_stream()
-                .map_err(|e| format!("a copy stream: {e:?}"))
-        };
-        let (down, up) = (stream()?, stream()?);
+        let (context, [down, up]) = copy_streams(ordinal)?;
         // Flags 0: cached (not write-combined) memory, as the CPU reads gradients from it.
         // SAFETY: the buffers are written (by a copy or the step) before they are read.
         let pinned = |_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) };

@@ -4,7 +4,7 @@
 //! gradient comes down and the previous one's new weights go up (`offload_io`). Both run the
 //! same arithmetic in the same order.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
@@ -14,8 +14,9 @@ use burn_offload::{CpuAdam, HostOptimizer, HostSettings, SwapConfig};
 use super::EngineError;
 use super::offload_io::{self, GradSource, StepRing};
 use super::precision::Format;
+use crate::comm::Communicator;
 use crate::config::{OffloadDevice, ResolvedConfig};
-use crate::optim::TensorBounds;
+use crate::optim::{CommVolume, TensorBounds};
 use crate::optim::{OptimizerSettings, StepParams, TensorOptimizer};
 
 /// The master partition and the optimizer state of one rank.
@@ -158,10 +159,11 @@ impl<I: Backend> Optim<I> {
                 nesterov: s.nesterov,
                 weight_decay: s.weight_decay as f32,
             },
-            OptimizerSettings::Lamb(_) => {
-                return Err(EngineError::Usage(
-                    "optimizer.type \"Lamb\" cannot be offloaded (offload_optimizer)".into(),
-                ));
+            OptimizerSettings::Lamb(_) | OptimizerSettings::OneBitAdam(..) => {
+                return Err(EngineError::Usage(format!(
+                    "optimizer.type {:?} cannot be offloaded (offload_optimizer)",
+                    config.optimizer
+                )));
             }
         };
         let cpu = &config.config.burn_zero.cpu_adam;
@@ -185,14 +187,29 @@ impl<I: Backend> Optim<I> {
         })
     }
 
-    /// LAMB's parameter tensors in the partition (see [`TensorBounds`]).
-    pub(crate) fn with_segments(self, bounds: TensorBounds) -> Self {
+    /// LAMB's parameter tensors in the partition (see [`TensorBounds`]) and the data-parallel
+    /// ranks (1-bit Adam's momentum exchange).
+    pub(crate) fn with_segments(self, bounds: TensorBounds, data: Arc<dyn Communicator>) -> Self {
         match self {
             Optim::Device { master, opt } => Optim::Device {
                 master,
-                opt: opt.with_segments(bounds),
+                opt: opt.with_segments(bounds).with_data_parallel(data),
             },
             host => host,
+        }
+    }
+
+    /// 1-bit Adam: whether the next step exchanges the compressed momentum instead of
+    /// all-reduced gradients.
+    pub(crate) fn compresses_next_step(&self) -> bool {
+        matches!(self, Optim::Device { opt, .. } if opt.compresses_next_step())
+    }
+
+    /// 1-bit Adam: what the last compressed exchange sent.
+    pub(crate) fn compressed_volume(&self) -> Option<CommVolume> {
+        match self {
+            Optim::Device { opt, .. } => opt.compressed_volume(),
+            Optim::Host { .. } => None,
         }
     }
 

@@ -91,6 +91,9 @@ pub enum OptimizerSettings {
     Sgd(SgdSettings),
     /// LAMB.
     Lamb(LambSettings),
+    /// 1-bit Adam: Adam's settings (weight decay added to the update, no bias correction, as
+    /// DeepSpeed's `OneBitAdam`) and the step after which the momentum is compressed.
+    OneBitAdam(AdamSettings, u64),
 }
 
 impl OptimizerSettings {
@@ -115,6 +118,15 @@ impl OptimizerSettings {
                 max_coeff: params.max_coeff,
                 min_coeff: params.min_coeff,
             }),
+            OptimizerKind::OneBitAdam => Self::OneBitAdam(
+                AdamSettings {
+                    eps: params.eps,
+                    weight_decay: params.weight_decay,
+                    decoupled: true,
+                    bias_correction: false,
+                },
+                params.freeze_step,
+            ),
             OptimizerKind::Sgd => Self::Sgd(SgdSettings {
                 momentum: params.momentum,
                 dampening: params.dampening,
@@ -165,8 +177,8 @@ impl FlatOptimizer {
     /// ranks, which the engine's device optimizer ([`TensorOptimizer::with_segments`]) has.
     pub fn new(kind: OptimizerKind, params: &OptimizerParams, len: usize) -> Self {
         match OptimizerSettings::new(kind, params) {
-            OptimizerSettings::Lamb(_) => {
-                panic!("optimizer.type \"Lamb\" runs on the engine's device optimizer only")
+            OptimizerSettings::Lamb(_) | OptimizerSettings::OneBitAdam(..) => {
+                panic!("optimizer.type {kind:?} runs on the engine's device optimizer only")
             }
             OptimizerSettings::Adam(settings) => FlatOptimizer::Adam {
                 m: vec![0.0; len],

@@ -1,12 +1,15 @@
 //! 1-bit compression with error feedback: the momentum exchange of 1-bit Adam (Tang et al.
 //! 2021, DeepSpeed's `OneBitAdam` after `freeze_step`), free of burn types.
 //!
-//! Every rank adds its worker error to its vector, sends only the signs and one scale (the
-//! vector's RMS) and keeps what the compression lost as its new worker error. Rank `r` then
+//! Every rank adds its worker error to its vector, sends only the signs and one scale per
+//! tensor (its RMS; a vector of many tensors of very different magnitudes would otherwise send
+//! the small ones far too large) and keeps what the compression lost as its new worker error. Rank `r` then
 //! averages chunk `r` of every rank's decompressed vector, adds its server error, compresses
 //! the chunk the same way and keeps that loss as its server error; the compressed chunks are
 //! gathered by all. What a round loses is carried into the next, so nothing is lost for good.
 //! Signs travel packed 32 to a word, as f32 bit patterns (collectives move them untouched).
+
+use std::ops::Range;
 
 use crate::comm::{CommError, Communicator};
 use crate::partition::PartitionPlan;
@@ -24,6 +27,8 @@ pub struct CommVolume {
 #[derive(Clone, Debug, PartialEq)]
 pub struct OneBitCompressor {
     plan: PartitionPlan,
+    /// Consecutive ranges covering the padded vector, one scale each.
+    segments: Vec<Range<usize>>,
     /// What this rank's compressions lost (the padded vector).
     worker_error: Vec<f32>,
     /// What compressing this rank's server chunk lost.
@@ -61,18 +66,51 @@ fn rms(x: &[f32]) -> f32 {
 }
 
 /// `x` compressed: its scale and signs; `error` becomes what the compression lost.
+#[cfg(test)]
 fn compress(x: &[f32], error: &mut [f32]) -> (f32, Vec<u32>) {
-    let scale = rms(x);
+    let (scales, words) = compress_segments(x, std::slice::from_ref(&(0..x.len())), error);
+    (scales[0], words)
+}
+
+/// `x` compressed with one scale per segment (consecutive ranges of `x`), and the signs;
+/// `error` becomes what the compression lost.
+fn compress_segments(
+    x: &[f32],
+    segments: &[Range<usize>],
+    error: &mut [f32],
+) -> (Vec<f32>, Vec<u32>) {
     let words = pack_signs(x);
-    for (i, (e, v)) in error.iter_mut().zip(x).enumerate() {
-        let sign = if words[i / 32] >> (i % 32) & 1 == 1 {
+    let sign = |i: usize| {
+        if words[i / 32] >> (i % 32) & 1 == 1 {
             1.0
         } else {
             -1.0
-        };
-        *e = v - scale * sign;
-    }
-    (scale, words)
+        }
+    };
+    let scales: Vec<f32> = segments
+        .iter()
+        .map(|seg| {
+            let scale = rms(&x[seg.clone()]);
+            for i in seg.clone() {
+                error[i] = x[i] - scale * sign(i);
+            }
+            scale
+        })
+        .collect();
+    (scales, words)
+}
+
+/// The parts of `segments` inside `window`, as (segment index, range relative to the window).
+fn within(segments: &[Range<usize>], window: &Range<usize>) -> Vec<(usize, Range<usize>)> {
+    segments
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.start < window.end && window.start < s.end)
+        .map(|(k, s)| {
+            let (a, b) = (s.start.max(window.start), s.end.min(window.end));
+            (k, a - window.start..b - window.start)
+        })
+        .collect()
 }
 
 fn as_f32(words: &[u32]) -> Vec<f32> {
@@ -91,8 +129,29 @@ impl OneBitCompressor {
         Self {
             worker_error: vec![0.0; plan.padded_numel()],
             server_error: vec![0.0; plan.chunk()],
+            segments: std::iter::once(0..plan.padded_numel()).collect(),
             plan,
         }
+    }
+
+    /// One scale per tensor: `tensors` are the vector's tensors (ordered, disjoint ranges of
+    /// `0..len`); what lies between them and the padding get scales of their own.
+    pub fn with_tensors(mut self, tensors: &[Range<usize>]) -> Self {
+        let mut segments = Vec::new();
+        let mut at = 0;
+        for t in tensors.iter().filter(|t| !t.is_empty()) {
+            assert!(t.start >= at, "tensors are ordered and disjoint");
+            if t.start > at {
+                segments.push(at..t.start);
+            }
+            segments.push(t.clone());
+            at = t.end;
+        }
+        if at < self.plan.padded_numel() {
+            segments.push(at..self.plan.padded_numel());
+        }
+        self.segments = segments;
+        self
     }
 
     /// What this rank's compressions lost, and its server chunk's.
@@ -110,52 +169,69 @@ impl OneBitCompressor {
         let (n, world, rank) = (self.plan.numel(), comm.world_size(), comm.rank());
         assert_eq!(values.len(), n, "the compressor was made for {n} elements");
         let chunk = self.plan.chunk();
+        let nseg = self.segments.len();
         // Worker: this rank's vector plus what it lost last time, compressed.
         let mut buffer = vec![0.0f32; self.plan.padded_numel()];
         for (b, (v, e)) in buffer.iter_mut().zip(values.iter().zip(&self.worker_error)) {
             *b = v + e;
         }
-        let (scale, words) = compress(&buffer, &mut self.worker_error);
+        let (scales, words) = compress_segments(&buffer, &self.segments, &mut self.worker_error);
         // Everyone's signs and scales (each rank reads its server chunk of them).
         let mut all_words = vec![0.0f32; words.len() * world];
         comm.all_gather(
             as_f32(&words).as_slice().into(),
             all_words.as_mut_slice().into(),
         )?;
-        let mut scales = vec![0.0f32; world];
-        comm.all_gather([scale].as_slice().into(), scales.as_mut_slice().into())?;
+        let mut all_scales = vec![0.0f32; nseg * world];
+        comm.all_gather(scales.as_slice().into(), all_scales.as_mut_slice().into())?;
         // Server: the average of chunk `rank` plus what the last round's compression lost.
         let (per_rank, per_chunk) = (words.len(), chunk / 32);
+        let window = rank * chunk..(rank + 1) * chunk;
+        let pieces = within(&self.segments, &window);
         let mut server = self.server_error.clone();
-        for (i, s) in scales.iter().enumerate() {
-            let start = i * per_rank + rank * per_chunk;
-            let theirs = as_u32(&all_words[start..start + per_chunk]);
-            for (acc, v) in server.iter_mut().zip(unpack_signs(&theirs, *s, chunk)) {
-                *acc += v / world as f32;
+        for k in 0..world {
+            let start = k * per_rank + rank * per_chunk;
+            let signs = unpack_signs(&as_u32(&all_words[start..start + per_chunk]), 1.0, chunk);
+            for (seg, range) in &pieces {
+                let scale = all_scales[k * nseg + seg];
+                for i in range.clone() {
+                    server[i] += signs[i] * scale / world as f32;
+                }
             }
         }
-        let (server_scale, server_words) = compress(&server, &mut self.server_error);
-        // Every server chunk, to everyone.
+        let local: Vec<Range<usize>> = pieces.iter().map(|(_, r)| r.clone()).collect();
+        let (piece_scales, server_words) =
+            compress_segments(&server, &local, &mut self.server_error);
+        // Every server chunk, to everyone, with its scale per segment (0 where absent).
         let mut chunks = vec![0.0f32; per_chunk * world];
         comm.all_gather(
             as_f32(&server_words).as_slice().into(),
             chunks.as_mut_slice().into(),
         )?;
-        let mut server_scales = vec![0.0f32; world];
-        comm.all_gather(
-            [server_scale].as_slice().into(),
-            server_scales.as_mut_slice().into(),
-        )?;
-        for (j, s) in server_scales.iter().enumerate() {
-            let words = as_u32(&chunks[j * per_chunk..(j + 1) * per_chunk]);
-            let start = j * chunk;
-            if start >= n {
-                break;
-            }
-            let take = chunk.min(n - start);
-            values[start..start + take].copy_from_slice(&unpack_signs(&words, *s, take));
+        let mut mine = vec![0.0f32; nseg];
+        for ((seg, _), s) in pieces.iter().zip(&piece_scales) {
+            mine[*seg] = *s;
         }
-        let compressed = 4 * (words.len() + 1 + per_chunk + 1);
+        let mut server_scales = vec![0.0f32; nseg * world];
+        comm.all_gather(mine.as_slice().into(), server_scales.as_mut_slice().into())?;
+        for j in 0..world {
+            let window = j * chunk..(j + 1) * chunk;
+            let signs = unpack_signs(
+                &as_u32(&chunks[j * per_chunk..(j + 1) * per_chunk]),
+                1.0,
+                chunk,
+            );
+            for (seg, range) in within(&self.segments, &window) {
+                let scale = server_scales[j * nseg + seg];
+                for i in range {
+                    let at = window.start + i;
+                    if at < n {
+                        values[at] = signs[i] * scale;
+                    }
+                }
+            }
+        }
+        let compressed = 4 * (words.len() + nseg + per_chunk + nseg);
         let fp32_allreduce = 2 * 4 * n * (world - 1) / world.max(1);
         Ok(CommVolume {
             compressed,
@@ -214,9 +290,37 @@ mod tests {
     /// 3 ranks and a length that does not divide.
     #[test]
     fn what_compression_loses_is_carried_into_later_rounds() {
+        carried_into_later_rounds(&[]);
+        // One scale per tensor, a gap between two of them.
+        carried_into_later_rounds(&[0..10, 10..500, 700..1001]);
+    }
+
+    /// Tensors of magnitudes 1000 apart each come out at their own scale.
+    #[test]
+    fn each_tensor_is_sent_at_its_own_scale() {
+        let (n, world) = (200usize, 2);
+        let results = run_ranks(world, |ctx| {
+            let mut compressor = OneBitCompressor::new(n, world).with_tensors(&[0..100, 100..200]);
+            let mut x: Vec<f32> = values(n, 7 + ctx.rank as u64);
+            x[..100].iter_mut().for_each(|v| *v *= 1e-3);
+            compressor.all_reduce(&mut x, &ctx.comm).unwrap();
+            x
+        });
+        let rms = |x: &[f32]| (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt();
+        let (small, large) = (rms(&results[0][..100]), rms(&results[0][100..]));
+        assert!(
+            small > 0.0 && small < 2e-3 && large > 0.1,
+            "{small} {large}"
+        );
+    }
+
+    fn carried_into_later_rounds(tensors: &[std::ops::Range<usize>]) {
         let (world, n, rounds) = (3usize, 1001usize, 200);
         let results = run_ranks(world, |ctx| {
             let mut compressor = OneBitCompressor::new(n, world);
+            if !tensors.is_empty() {
+                compressor = compressor.with_tensors(tensors);
+            }
             let (mut sent_sum, mut true_sum) = (vec![0.0f64; n], vec![0.0f64; n]);
             let mut volume = Default::default();
             for round in 0..rounds {

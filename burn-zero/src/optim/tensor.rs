@@ -4,10 +4,13 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 
-use super::{AdamSettings, LambSettings, OptimizerSettings, SgdSettings, StepParams};
+use super::{
+    AdamSettings, CommVolume, LambSettings, OneBitCompressor, OptimizerSettings, SgdSettings,
+    StepParams,
+};
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{OptimizerKind, OptimizerParams};
 
@@ -17,6 +20,8 @@ pub struct TensorOptimizer<B: Backend> {
     len: usize,
     /// Adam as one fused kernel where the tensors allow (CUDA, feature `cuda`).
     fused: bool,
+    /// The data-parallel ranks (1-bit Adam's momentum exchange).
+    data: Option<Arc<dyn Communicator>>,
 }
 
 enum State<B: Backend> {
@@ -37,6 +42,19 @@ enum State<B: Backend> {
         step: u64,
         settings: LambSettings,
         tensors: TensorBounds,
+    },
+    OneBit {
+        m: Tensor<B, 1>,
+        v: Tensor<B, 1>,
+        step: u64,
+        settings: AdamSettings,
+        freeze_step: u64,
+        /// The parameter tensors, compressed at a scale each.
+        tensors: Vec<Range<usize>>,
+        /// Made at the first compressed step.
+        compressor: Option<OneBitCompressor>,
+        /// What the last compressed exchange sent.
+        volume: Option<CommVolume>,
     },
 }
 
@@ -60,10 +78,11 @@ impl<B: Backend> TensorOptimizer<B> {
         len: usize,
         device: &B::Device,
     ) -> Self {
+        let zeros = || Tensor::zeros([len], device);
         let state = match OptimizerSettings::new(kind, params) {
             OptimizerSettings::Adam(settings) => State::Adam {
-                m: Tensor::zeros([len], device),
-                v: Tensor::zeros([len], device),
+                m: zeros(),
+                v: zeros(),
                 step: 0,
                 settings,
             },
@@ -71,10 +90,20 @@ impl<B: Backend> TensorOptimizer<B> {
                 buffer: None,
                 settings,
             },
+            OptimizerSettings::OneBitAdam(settings, freeze_step) => State::OneBit {
+                m: zeros(),
+                v: zeros(),
+                step: 0,
+                settings,
+                freeze_step,
+                tensors: Vec::new(),
+                compressor: None,
+                volume: None,
+            },
             // One tensor until [`TensorOptimizer::with_segments`] says where the tensors are.
             OptimizerSettings::Lamb(settings) => State::Lamb {
-                m: Tensor::zeros([len], device),
-                v: Tensor::zeros([len], device),
+                m: zeros(),
+                v: zeros(),
                 step: 0,
                 settings,
                 tensors: TensorBounds {
@@ -88,13 +117,38 @@ impl<B: Backend> TensorOptimizer<B> {
             state,
             len,
             fused: false,
+            data: None,
+        }
+    }
+
+    /// The data-parallel ranks, over which 1-bit Adam averages its compressed momentum.
+    pub fn with_data_parallel(mut self, comm: Arc<dyn Communicator>) -> Self {
+        self.data = Some(comm);
+        self
+    }
+
+    /// 1-bit Adam: whether the next step exchanges the momentum compressed (its gradients
+    /// then stay local: the engine skips their all-reduce).
+    pub fn compresses_next_step(&self) -> bool {
+        matches!(&self.state, State::OneBit { step, freeze_step, .. } if step + 1 > *freeze_step)
+    }
+
+    /// 1-bit Adam: what the last compressed momentum exchange sent.
+    pub fn compressed_volume(&self) -> Option<CommVolume> {
+        match &self.state {
+            State::OneBit { volume, .. } => *volume,
+            _ => None,
         }
     }
 
     /// LAMB's parameter tensors in the partition (other optimizers ignore them).
     pub fn with_segments(mut self, bounds: TensorBounds) -> Self {
-        if let State::Lamb { tensors, .. } = &mut self.state {
-            *tensors = bounds;
+        match &mut self.state {
+            State::Lamb { tensors, .. } => *tensors = bounds,
+            State::OneBit { tensors, .. } => {
+                *tensors = bounds.segments.iter().map(|(_, r)| r.clone()).collect();
+            }
+            _ => {}
         }
         self
     }
@@ -110,7 +164,7 @@ impl<B: Backend> TensorOptimizer<B> {
     /// memory peak does.
     pub fn state_bytes(&self) -> usize {
         match &self.state {
-            State::Adam { .. } | State::Lamb { .. } => 4 * 2 * self.len,
+            State::Adam { .. } | State::Lamb { .. } | State::OneBit { .. } => 4 * 2 * self.len,
             State::Sgd { settings, .. } if settings.momentum > 0.0 => 4 * self.len,
             State::Sgd { .. } => 0,
         }
@@ -120,7 +174,9 @@ impl<B: Backend> TensorOptimizer<B> {
     /// `momentum_buffer`) and the step count, for checkpoints.
     pub fn export(&self) -> (u64, Vec<(&'static str, Tensor<B, 1>)>) {
         match &self.state {
-            State::Adam { m, v, step, .. } | State::Lamb { m, v, step, .. } => (
+            State::Adam { m, v, step, .. }
+            | State::Lamb { m, v, step, .. }
+            | State::OneBit { m, v, step, .. } => (
                 *step,
                 vec![("exp_avg", m.clone()), ("exp_avg_sq", v.clone())],
             ),
@@ -138,7 +194,9 @@ impl<B: Backend> TensorOptimizer<B> {
     /// exists once a step was taken with momentum).
     pub fn required(&self) -> &'static [&'static str] {
         match &self.state {
-            State::Adam { .. } | State::Lamb { .. } => &["exp_avg", "exp_avg_sq"],
+            State::Adam { .. } | State::Lamb { .. } | State::OneBit { .. } => {
+                &["exp_avg", "exp_avg_sq"]
+            }
             State::Sgd { .. } => &[],
         }
     }
@@ -162,7 +220,9 @@ impl<B: Backend> TensorOptimizer<B> {
             Some(tensors.swap_remove(i).1)
         };
         match &mut self.state {
-            State::Adam { m, v, step: s, .. } | State::Lamb { m, v, step: s, .. } => {
+            State::Adam { m, v, step: s, .. }
+            | State::Lamb { m, v, step: s, .. }
+            | State::OneBit { m, v, step: s, .. } => {
                 let missing = |n: &str| format!("the checkpoint has no `{n}` (Adam's state)");
                 *m = take("exp_avg").ok_or_else(|| missing("exp_avg"))?;
                 *v = take("exp_avg_sq").ok_or_else(|| missing("exp_avg_sq"))?;
@@ -253,6 +313,42 @@ impl<B: Backend> TensorOptimizer<B> {
                 }
                 let trust = lamb_trust(&param, &update, settings, tensors);
                 lamb_apply(param, update, lr, &trust, tensors)
+            }
+            State::OneBit {
+                m,
+                v,
+                step,
+                settings,
+                freeze_step,
+                tensors,
+                compressor,
+                volume,
+            } => {
+                *step += 1;
+                *m = m.clone().mul_scalar(b1) + grad.clone().mul_scalar(1.0 - b1);
+                if *step <= *freeze_step {
+                    *v = v.clone().mul_scalar(b2) + grad.clone().mul_scalar(1.0 - b2).mul(grad);
+                } else if let Some(comm) = &self.data {
+                    // The local momentum, averaged over the ranks 1-bit compressed.
+                    let device = m.device();
+                    let mut local = m.clone().into_data().convert::<f32>().to_vec::<f32>();
+                    let local = local.as_mut().expect("f32 momentum");
+                    let c = compressor.get_or_insert_with(|| {
+                        OneBitCompressor::new(self.len, comm.world_size()).with_tensors(tensors)
+                    });
+                    match c.all_reduce(local, comm.as_ref()) {
+                        Ok(sent) => *volume = Some(sent),
+                        Err(e) => panic!("1-bit Adam's momentum exchange: {e}"),
+                    }
+                    let n = local.len();
+                    *m = Tensor::from_data(TensorData::new(local.clone(), [n]), &device);
+                }
+                let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
+                let mut update = m.clone().div(v.clone().sqrt().add_scalar(eps));
+                if wd != 0.0 {
+                    update = update + param.clone().mul_scalar(wd);
+                }
+                param - update.mul_scalar(lr)
             }
             State::Sgd { buffer, settings } => {
                 let (mu, damp, wd) = (

@@ -114,18 +114,18 @@ fn train_rank<I: Backend>(
     device: &I::Device,
 ) -> Result<Option<Trained<I>>, String> {
     let lead = world.rank() == 0;
+    let job = |data: &dyn Communicator, model_dir| Job {
+        args,
+        config,
+        windows,
+        rank: data.rank(),
+        world: data.world_size(),
+        lead,
+        model_dir,
+    };
     let mp = args.model_parallel;
     if mp == 1 {
-        let (rank, size) = (world.rank(), world.world_size());
-        let job = Job {
-            args,
-            config,
-            windows,
-            rank,
-            world: size,
-            lead,
-            model_dir: None,
-        };
+        let job = job(world.as_ref(), None);
         let comms = Comms {
             data: world.clone(),
             world,
@@ -135,20 +135,10 @@ fn train_rank<I: Backend>(
     let topo = Topology::pipe_data_model(1, world.world_size() / mp, mp);
     let data: Arc<dyn Communicator> = Arc::new(topo.axis_comm(world.clone(), "data")?);
     let group = ModelGroup::new(Arc::new(topo.axis_comm(world.clone(), "model")?));
-    let model_dir = Some(format!("mp_rank_{:02}", group.rank()));
+    let job = job(data.as_ref(), Some(format!("mp_rank_{:02}", group.rank())));
     let sliced = ParallelLlama::slice(&model, group)?;
     // The whole model's shape, which the trained slices are put back into.
     let template = model.valid();
-    let (rank, size) = (data.rank(), data.world_size());
-    let job = Job {
-        args,
-        config,
-        windows,
-        rank,
-        world: size,
-        lead,
-        model_dir,
-    };
     let comms = Comms { data, world };
     train::<I, _>(sliced, comms, &job, device, |m| m.gather(template))
 }
