@@ -129,7 +129,11 @@ impl<I: Backend> Optim<I> {
                 len,
                 &master.device(),
             )
-            .with_fused(config.config.burn_zero.fused_adam);
+            // `BURN_ZERO_FUSED_ADAM=0` switches it off whatever the config says.
+            .with_fused(
+                config.config.burn_zero.fused_adam
+                    && std::env::var("BURN_ZERO_FUSED_ADAM").map_or(true, |v| v != "0"),
+            );
             return Ok(Optim::Device { master, opt });
         }
         let device = master.device();
