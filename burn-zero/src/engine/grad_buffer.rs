@@ -90,7 +90,9 @@ impl<I: Backend> GradBuffer<I> {
 
     /// Adds `values` (`range.len()` elements) into `range`, each sum passed through `settle`
     /// (the accumulation format's rounding). Each piece is updated in place: it is taken out
-    /// of the buffer first, so no other reference makes the update copy it.
+    /// of the buffer first, so no other reference makes the update copy it. (Nothing is left in
+    /// its place meanwhile: an empty tensor would be a kernel over no elements, which CUDA
+    /// refuses once a sync makes burn's fusion run it.)
     pub(crate) fn add(
         &mut self,
         range: Range<usize>,
@@ -100,8 +102,8 @@ impl<I: Backend> GradBuffer<I> {
         for (i, local, at) in self.overlaps(&range) {
             let part = values.clone().slice(at..at + local.len());
             let sum = settle(self.pieces[i].clone().slice(local.clone()) + part);
-            let piece = self.take(i);
-            self.pieces[i] = piece.slice_assign(local, sum);
+            let piece = self.pieces.remove(i);
+            self.pieces.insert(i, piece.slice_assign(local, sum));
         }
     }
 
@@ -135,16 +137,19 @@ impl<I: Backend> GradBuffer<I> {
         mut f: impl FnMut(Tensor<I, 1>) -> Result<Tensor<I, 1>, E>,
     ) -> Result<(), E> {
         for i in 0..self.pieces.len() {
-            let piece = self.take(i);
-            self.pieces[i] = f(piece)?;
+            let piece = self.pieces.remove(i);
+            let n = piece.dims()[0];
+            match f(piece) {
+                Ok(t) => self.pieces.insert(i, t),
+                Err(e) => {
+                    // Zeros keep the buffer whole; the caller reports the failure.
+                    let zeros = Tensor::zeros([n], (&self.device, self.dtype));
+                    self.pieces.insert(i, zeros);
+                    return Err(e);
+                }
+            }
         }
         Ok(())
-    }
-
-    /// Piece `i`, owned (an empty tensor left in its place).
-    fn take(&mut self, i: usize) -> Tensor<I, 1> {
-        let empty = Tensor::zeros([0], (&self.device, self.dtype));
-        std::mem::replace(&mut self.pieces[i], empty)
     }
 }
 
