@@ -106,6 +106,9 @@ pub fn take_matmul_profile(ordinal: usize) -> MatmulProfile {
 /// `ZeroBackend::float_matmul`, on the inner backend's primitives: [`matmul`], counted by the
 /// FLOPs profiler.
 pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+    if !crate::profile::recording() {
+        return matmul::<B>(lhs, rhs);
+    }
     let k = *lhs.shape().last().unwrap_or(&0);
     let out = matmul::<B>(lhs, rhs);
     crate::profile::record_macs((out.shape().num_elements() * k) as u64);
@@ -133,13 +136,17 @@ fn unsqueeze_leading<B: Backend>(tensor: FloatTensor<B>, rank: usize) -> FloatTe
     B::float_reshape(tensor, dims.into())
 }
 
-/// `rows × inner × outer` MACs of a linear layer's product whose operands are `a` (`[.., inner]`)
-/// and `b` (`[.., outer]`, or the weight), for the FLOPs profiler; `extra` FLOPs besides.
-fn record_linear<B: Backend>(a: &FloatTensor<B>, outer: usize, extra: usize) {
+/// For the FLOPs profiler, while it records: `a`'s elements × `outer()` MACs of a linear
+/// layer's product (`a` is `[.., inner]`), and with a `bias` one add per output element.
+fn record_linear<B: Backend>(a: &FloatTensor<B>, outer: impl FnOnce() -> usize, bias: bool) {
     if crate::profile::recording() {
         let shape = a.shape();
+        let (outer, rows) = (
+            outer(),
+            shape.num_elements() / shape[shape.num_dims() - 1].max(1),
+        );
         crate::profile::record_macs((shape.num_elements() * outer) as u64);
-        crate::profile::record_elements(extra as u64);
+        crate::profile::record_elements(if bias { rows * outer } else { 0 } as u64);
     }
 }
 
@@ -150,10 +157,7 @@ pub(crate) fn linear<B: Backend>(
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
-    let (xs, ws) = (x.shape(), weight.shape());
-    let d_out = ws[ws.num_dims() - 1];
-    let rows = xs.num_elements() / xs[xs.num_dims() - 1].max(1);
-    record_linear::<B>(&x, d_out, bias.as_ref().map_or(0, |_| rows * d_out));
+    record_linear::<B>(&x, || *weight.shape().last().unwrap_or(&0), bias.is_some());
     if !matmul_policy().cublaslt {
         return B::linear(x, weight, bias);
     }
@@ -178,7 +182,7 @@ pub(crate) fn linear_x_backward<B: Backend>(
     weight: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    record_linear::<B>(&output_grad, weight.shape()[0], 0);
+    record_linear::<B>(&output_grad, || weight.shape()[0], false);
     if !matmul_policy().cublaslt {
         return B::linear_x_backward(weight, output_grad);
     }
@@ -200,8 +204,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     x: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let gs = output_grad.shape();
-    record_linear::<B>(&x, gs[gs.num_dims() - 1], 0);
+    record_linear::<B>(&x, || *output_grad.shape().last().unwrap_or(&0), false);
     if !matmul_policy().cublaslt {
         return B::linear_weight_backward(x, output_grad);
     }

@@ -123,12 +123,10 @@ impl<I: Backend> GradBuffer<I> {
 
     /// `range` as one tensor (the pieces concatenated when it spans several).
     pub(crate) fn slice(&self, range: Range<usize>) -> Tensor<I, 1> {
-        let mut parts = self.pieces(range);
-        match parts.len() {
-            0 => Tensor::zeros([0], (&self.device, self.dtype)),
-            1 => parts.pop().expect("one part"),
-            _ => Tensor::cat(parts, 0),
+        if range.is_empty() {
+            return Tensor::zeros([0], (&self.device, self.dtype));
         }
+        super::flat_pieces::slice_pieces(&self.pieces, range)
     }
 
     /// Replaces every piece with `f(piece)` (same length), in order; stops at the first error.

@@ -199,15 +199,7 @@ pub(crate) fn step<'a, I: Backend>(
         I::sync(device)
             .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
         let mut lent = ring.lend().map_err(EngineError::Usage)?;
-        let mut scale = [1.0, 1.0];
-        let check = match source {
-            GradSource::Host { grads, scale: s } => {
-                let (bufs, check) = in_place(grads, opt.len(), opt.sub_group_len());
-                (lent.grads, scale) = (bufs, s);
-                Some(check)
-            }
-            GradSource::Device(_) => None,
-        };
+        let (scale, check) = in_place(source.split().1, opt, &mut lent);
         let download: &Download<'_> = match &check {
             Some(check) => check,
             None => &from_device,

@@ -8,7 +8,8 @@ use std::ops::Range;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_offload::{
-    Download, GradScale, HostGrads, HostOptimizer, OutDtype, OwnedBuffers, StreamTimings, Weights,
+    Download, GradScale, HostGrads, HostOptimizer, OutDtype, OwnedBuffers, StepBuffers,
+    StreamTimings, Weights,
 };
 
 use super::EngineError;
@@ -52,19 +53,34 @@ pub(crate) enum GradSource<'a, I: Backend> {
     },
 }
 
-/// The gradient buffers of a step over `len` elements in sub-groups of `sub_group` when the
-/// gradient is in host memory: the partition's own sub-groups, in order (nothing to copy), and
-/// the download stage, which only checks that each sub-group is handed where it lies.
+impl<'a, I: Backend> GradSource<'a, I> {
+    /// The device pieces (none when in host memory) and the host partition with its scale.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn split(self) -> (Vec<Tensor<I, 1>>, Option<(&'a mut HostGrads, GradScale)>) {
+        match self {
+            GradSource::Device(grad) => (grad, None),
+            GradSource::Host { grads, scale } => (Vec::new(), Some((grads, scale))),
+        }
+    }
+}
+
+/// With the gradient in host memory (`host`), `lent`'s gradient buffers become the
+/// partition's own sub-groups, in order (nothing to copy), and the download stage only checks
+/// that each arrives where it lies; returns the scale CPU-Adam applies and that stage (`None`,
+/// and factors of 1, when the gradient is on the device).
 #[allow(clippy::type_complexity)]
-pub(crate) fn in_place(
-    grads: &mut HostGrads,
-    len: usize,
-    sub_group: usize,
+pub(crate) fn in_place<'b>(
+    host: Option<(&'b mut HostGrads, GradScale)>,
+    opt: &HostOptimizer,
+    lent: &mut StepBuffers<'b>,
 ) -> (
-    Vec<&mut [f32]>,
-    impl Fn(Range<usize>, &mut [f32]) -> Result<(), String> + Sync + use<>,
+    GradScale,
+    Option<impl Fn(Range<usize>, &mut [f32]) -> Result<(), String> + Sync + use<>>,
 ) {
-    let values = &mut grads.values_mut()[..len];
+    let Some((grads, scale)) = host else {
+        return ([1.0, 1.0], None);
+    };
+    let values = &mut grads.values_mut()[..opt.len()];
     let base = values.as_ptr() as usize;
     let check = move |range: Range<usize>, buf: &mut [f32]| {
         if buf.as_ptr() as usize == base + 4 * range.start {
@@ -73,7 +89,8 @@ pub(crate) fn in_place(
             Err("the host gradient's sub-groups arrived out of order".into())
         }
     };
-    (values.chunks_mut(sub_group.max(1)).collect(), check)
+    lent.grads = values.chunks_mut(opt.sub_group_len().max(1)).collect();
+    (scale, Some(check))
 }
 
 /// An offloaded step's new weights (one piece per sub-group) and where its time went.
@@ -102,13 +119,8 @@ pub(crate) fn step<I: Backend>(
     let StepRing::Owned(buffers) = ring else {
         unreachable!("set above")
     };
-    let (grad, host) = match source {
-        GradSource::Device(grad) => {
-            let grad: Vec<_> = grad.into_iter().map(|g| g.cast(FloatDType::F32)).collect();
-            (grad, None)
-        }
-        GradSource::Host { grads, scale } => (Vec::new(), Some((grads, scale))),
-    };
+    let (grad, host) = source.split();
+    let grad: Vec<_> = grad.into_iter().map(|g| g.cast(FloatDType::F32)).collect();
     let ranges = piece_ranges(&grad);
     let from_device = |range: Range<usize>, buf: &mut [f32]| {
         for (i, local, at) in overlaps(ranges.iter().cloned(), &range) {
@@ -120,12 +132,7 @@ pub(crate) fn step<I: Backend>(
         Ok(())
     };
     let mut lent = buffers.lend();
-    let mut scale = [1.0, 1.0];
-    let check = host.map(|(grads, s)| {
-        let (bufs, check) = in_place(grads, opt.len(), opt.sub_group_len());
-        (lent.grads, scale) = (bufs, s);
-        check
-    });
+    let (scale, check) = in_place(host, opt, &mut lent);
     let download: &Download<'_> = match &check {
         Some(check) => check,
         None => &from_device,

@@ -331,17 +331,17 @@ impl<B: Backend> TensorOptimizer<B> {
                 } else if let Some(comm) = &self.data {
                     // The local momentum, averaged over the ranks 1-bit compressed.
                     let device = m.device();
-                    let mut local = m.clone().into_data().convert::<f32>().to_vec::<f32>();
-                    let local = local.as_mut().expect("f32 momentum");
+                    let data = m.clone().into_data().convert::<f32>();
+                    let mut local = data.into_vec::<f32>().expect("f32 momentum");
                     let c = compressor.get_or_insert_with(|| {
                         OneBitCompressor::new(self.len, comm.world_size()).with_tensors(tensors)
                     });
-                    match c.all_reduce(local, comm.as_ref()) {
+                    match c.all_reduce(&mut local, comm.as_ref()) {
                         Ok(sent) => *volume = Some(sent),
                         Err(e) => panic!("1-bit Adam's momentum exchange: {e}"),
                     }
                     let n = local.len();
-                    *m = Tensor::from_data(TensorData::new(local.clone(), [n]), &device);
+                    *m = Tensor::from_data(TensorData::new(local, [n]), &device);
                 }
                 let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
                 let mut update = m.clone().div(v.clone().sqrt().add_scalar(eps));
