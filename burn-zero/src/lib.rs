@@ -6,6 +6,7 @@
 //! decorator and its gradient hook), and [`testing`] (thread-rank harness).
 #![warn(missing_docs)]
 
+pub mod attention;
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;

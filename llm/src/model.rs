@@ -320,7 +320,9 @@ pub fn draw_parameters<B: Backend, M: Module<B>>(module: M) -> M {
 
 /// Causal grouped-query attention of projected `q` (`[batch, seq, heads·hd]`), `k` and `v`
 /// (`[batch, seq, kv_heads·hd]`): RoPE on q and k, each K/V head serving `heads / kv_heads`
-/// query heads, softmax in f32 (as transformers does); `[batch, seq, heads·hd]` out.
+/// query heads, softmax in f32 (as transformers does); `[batch, seq, heads·hd]` out. The flash
+/// kernels run it where `burn_zero::attention::flash_attention` takes the tensors; `mask` is
+/// then not read (it is the causal mask).
 pub(crate) fn causal_attention<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -336,6 +338,11 @@ pub(crate) fn causal_attention<B: Backend>(
     let q = rope.apply(split(q, heads));
     let k = rope.apply(split(k, kv_heads));
     let v = split(v, kv_heads);
+    // On CUDA through ZeroBackend: the flash kernels (no S×S scores, K/V heads not repeated).
+    if let Some(attn) = burn_zero::attention::flash_attention(q.clone(), k.clone(), v.clone(), true)
+    {
+        return attn.swap_dims(1, 2).reshape([batch, seq, width]);
+    }
     let repeat = |t: Tensor<B, 4>| {
         let group = heads / kv_heads;
         t.unsqueeze_dim::<5>(2)

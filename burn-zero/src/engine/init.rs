@@ -58,6 +58,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         allow_tf32: matmul.allow_tf32,
         min_macs: matmul.min_macs,
     });
+    crate::attention::set_flash_attention(resolved.config.burn_zero.flash_attention);
     let zero = &resolved.config.zero_optimization;
     let stage = zero.stage;
     let layout = Arc::new(FlatLayout::of(&model));

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Device side of issue 10's flash attention benchmark, one call (carry [".gpu"], staged by
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-attention):
+# bench-attention's check (flash vs an f32 materialized reference, exit 1 on a miss), its
+# timings beside torch's SDPA flash backend (bench/attention_torch.py), and the memory of one
+# training step at seq 8k with the flash kernels and with burn's materialized fallback (each
+# in its own process: the fallback may run out of memory). Merged into $OUT/attention-<kind>.json.
+#   bash bench/run_attention.sh KIND       (ITERATIONS)
+source bench/prelude.sh "$1"
+iterations="${ITERATIONS:-5}"
+: > /tmp/attn.jsonl
+.gpu/bin/bench-attention check >> /tmp/attn.jsonl 2> "$out/attention-check.log"
+echo "check: exit $?" | tee -a "$out/attention-check.log"
+.gpu/bin/bench-attention time --iterations "$iterations" >> /tmp/attn.jsonl 2> "$out/attention-time.log"
+echo "time: exit $?"
+for flash in 1 0; do
+  .gpu/bin/bench-attention memory --seq 8192 --hd 128 --flash $flash >> /tmp/attn.jsonl \
+    2> "$out/attention-memory-$flash.log"
+  echo "memory flash=$flash: exit $?"; tail -n 2 "$out/attention-memory-$flash.log"
+done
+python3 bench/attention_torch.py "$iterations" > /tmp/attn-torch.jsonl 2> "$out/attention-torch.log"
+echo "torch: exit $?"; tail -n 3 "$out/attention-torch.log"
+cp /tmp/attn.jsonl /tmp/attn-torch.jsonl "$out/"
+python3 - "$kind" "$out/attention-$kind.json" <<'PY'
+import json, sys
+def lines(path):
+    out = []
+    for line in open(path):
+        try:
+            out.append(json.loads(line))
+        except Exception:
+            pass
+    return out
+ours, torch = lines("/tmp/attn.jsonl"), lines("/tmp/attn-torch.jsonl")
+checks = [l["check"] for l in ours if "check" in l]
+ours_time = [l["time"] for l in ours if "time" in l]
+torch_time = [l["time"] for l in torch if "time" in l]
+for t in ours_time:
+    peer = next((p for p in torch_time if p["seq"] == t["seq"] and p["head_dim"] == t["head_dim"]), None)
+    if peer:
+        t["torch_tflops"] = peer["tflops"]
+        t["over_torch_throughput"] = t["tflops"] / peer["tflops"]
+result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
+          "checks_passed": sum(c["pass"] for c in checks), "checks": len(checks),
+          "check_cases": checks, "time": ours_time,
+          "memory": [l["memory"] for l in ours if "memory" in l],
+          "torch": [l for l in torch if "time" not in l]}
+json.dump(result, open(sys.argv[2], "w"), indent=1)
+print(json.dumps({k: v for k, v in result.items() if k != "check_cases"}, indent=1))
+PY

@@ -1,0 +1,222 @@
+//! The flash kernels on `ZeroBackend<burn::backend::Cuda>` tensors: the forward on the
+//! primitives, and the autodiff op whose backward runs the backward kernels.
+
+use core::any::{Any, TypeId};
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use cubecl_kernels::attention::{AttentionDims, FlashOptions, flash_backward, flash_forward};
+
+use crate::backend::cuda::{cube_tensor, from_cube};
+use crate::backend::{ZeroBackend, ZeroTensor};
+
+type Inner = burn::backend::Cuda;
+type Zero = ZeroBackend<Inner>;
+type ZeroAd = Autodiff<Zero>;
+
+/// `x` as a `T` if it is one.
+fn cast<T: 'static>(x: impl Any) -> Option<T> {
+    (Box::new(x) as Box<dyn Any>)
+        .downcast::<T>()
+        .ok()
+        .map(|b| *b)
+}
+
+/// See [`super::flash_attention`].
+pub(super) fn flash_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+) -> Option<Tensor<B, 4>> {
+    if TypeId::of::<B>() == TypeId::of::<ZeroAd>() {
+        let [q, k, v] = [q, k, v].map(|t| cast::<Tensor<ZeroAd, 4>>(t).map(float));
+        let out = autodiff_attention(q?, k?, v?, causal)?;
+        return cast(Tensor::<ZeroAd, 4>::from_primitive(TensorPrimitive::Float(
+            out,
+        )));
+    }
+    if TypeId::of::<B>() == TypeId::of::<Zero>() {
+        let [q, k, v] = [q, k, v].map(|t| cast::<Tensor<Zero, 4>>(t).map(float));
+        let (out, _) = forward(&Cube::of(&q?)?, &Cube::of(&k?)?, &Cube::of(&v?)?, causal)?;
+        return cast(Tensor::<Zero, 4>::from_primitive(TensorPrimitive::Float(
+            out,
+        )));
+    }
+    None
+}
+
+fn float<B: Backend>(t: Tensor<B, 4>) -> B::FloatTensorPrimitive {
+    t.into_primitive().tensor()
+}
+
+/// A `ZeroTensor<Cuda>` with its cubecl CUDA tensor (fusion's pending work on it done).
+#[derive(Clone, Debug)]
+struct Cube {
+    zero: ZeroTensor<Inner>,
+    cube: CubeTensor<CudaRuntime>,
+}
+
+impl Cube {
+    /// `None` for dtypes the kernels do not take.
+    fn of(zero: &ZeroTensor<Inner>) -> Option<Self> {
+        let cube = cube_tensor::<Inner>(zero.inner())?;
+        matches!(cube.dtype, DType::F32 | DType::BF16 | DType::F16).then(|| Self {
+            zero: zero.clone(),
+            cube,
+        })
+    }
+
+    fn shape(&self) -> Vec<usize> {
+        self.cube.meta.shape().iter().copied().collect()
+    }
+
+    /// A new uninitialized tensor on the same device.
+    fn empty(&self, shape: &[usize], dtype: DType) -> CubeTensor<CudaRuntime> {
+        empty_device_dtype::<CudaRuntime>(
+            self.cube.client.clone(),
+            self.cube.device.clone(),
+            Shape::from(shape.to_vec()),
+            dtype,
+        )
+    }
+
+    /// `cube` as a `ZeroTensor` of the same backend as this one.
+    fn wrap(&self, cube: CubeTensor<CudaRuntime>) -> ZeroTensor<Inner> {
+        ZeroTensor::local(
+            from_cube::<Inner>(self.zero.inner(), cube)
+                .expect("a CUDA tensor converts back to its own backend"),
+        )
+    }
+}
+
+fn dims(q: &Cube, k: &Cube, v: &Cube) -> Option<AttentionDims> {
+    if q.cube.dtype != k.cube.dtype || q.cube.dtype != v.cube.dtype {
+        return None;
+    }
+    Some(AttentionDims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn options(dims: &AttentionDims, causal: bool) -> FlashOptions {
+    FlashOptions {
+        causal,
+        scale: 1.0 / (dims.head_dim as f32).sqrt(),
+    }
+}
+
+/// The output and the f32 log-sum-exp of each row (`[b, h, s]`).
+fn forward(
+    q: &Cube,
+    k: &Cube,
+    v: &Cube,
+    causal: bool,
+) -> Option<(ZeroTensor<Inner>, CubeTensor<CudaRuntime>)> {
+    let dims = dims(q, k, v)?;
+    let out = q.empty(&q.shape(), q.cube.dtype);
+    let lse = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
+    if crate::profile::recording() {
+        crate::profile::record_macs(super::forward_macs(&q.shape(), &k.shape()));
+    }
+    flash_forward(
+        &q.cube.client,
+        &dims,
+        q.cube.dtype.into(),
+        options(&dims, causal),
+        [q, k, v].map(|t| t.cube.clone().binding()).each_ref(),
+        &out.clone().binding(),
+        &lse.clone().binding(),
+    );
+    Some((q.wrap(out), lse))
+}
+
+/// The autodiff op: forward through the kernel, its state what the backward kernels read.
+fn autodiff_attention(
+    q: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
+    k: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
+    v: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
+    causal: bool,
+) -> Option<<ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive> {
+    let [cq, ck, cv] = [&q, &k, &v].map(|t| Cube::of(&t.primitive));
+    let (cq, ck, cv) = (cq?, ck?, cv?);
+    let (out, lse) = forward(&cq, &ck, &cv, causal)?;
+    let prep = FlashBackward
+        .prepare::<NoCheckpointing>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful();
+    Some(match prep {
+        OpsKind::Tracked(prep) => {
+            let out_cube = Cube::of(&out).expect("the output is a CUDA tensor");
+            let state = FlashState {
+                inputs: [cq, ck, cv],
+                out: out_cube,
+                lse,
+                causal,
+            };
+            prep.finish(state, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    })
+}
+
+#[derive(Debug)]
+struct FlashBackward;
+
+#[derive(Clone, Debug)]
+struct FlashState {
+    inputs: [Cube; 3],
+    out: Cube,
+    lse: CubeTensor<CudaRuntime>,
+    causal: bool,
+}
+
+impl Backward<Zero, 3> for FlashBackward {
+    type State = FlashState;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let FlashState {
+            inputs: [q, k, v],
+            out,
+            lse,
+            causal,
+        } = ops.state;
+        let d_out = grads.consume::<Zero>(&ops.node);
+        let d_out = Cube::of(&d_out).expect("the gradient of a CUDA tensor is one");
+        let dims = dims(&q, &k, &v).expect("the forward's inputs");
+        if crate::profile::recording() {
+            // Scores recomputed, dP, dV, dQ, dK: five products of the forward's size each.
+            let macs = super::forward_macs(&q.shape(), &k.shape()) / 2 * 5;
+            crate::profile::record_macs(macs);
+        }
+        let delta = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
+        let dtype = q.cube.dtype;
+        let [dq, dk, dv] = [&q, &k, &v].map(|t| t.empty(&t.shape(), dtype));
+        flash_backward(
+            &q.cube.client,
+            &dims,
+            dtype.into(),
+            options(&dims, causal),
+            [&q, &k, &v].map(|t| t.cube.clone().binding()).each_ref(),
+            [out.cube.clone(), d_out.cube.clone(), lse, delta]
+                .map(CubeTensor::binding)
+                .each_ref(),
+            [dq.clone(), dk.clone(), dv.clone()]
+                .map(CubeTensor::binding)
+                .each_ref(),
+        );
+        let parents: [Option<NodeId>; 3] = ops.parents.map(|p| p.map(|node| node.id));
+        for (parent, grad) in parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(id) = parent {
+                grads.register::<Zero>(id, q.wrap(grad));
+            }
+        }
+    }
+}

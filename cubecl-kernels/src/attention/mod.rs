@@ -1,0 +1,258 @@
+//! Flash attention for training, in CubeCL: a forward that keeps only each row's
+//! log-sum-exp, and a backward that recomputes the probabilities tile by tile. No tensor of
+//! size S×S is ever allocated.
+//!
+//! Layout: `q`, `out`, `d_out`, `dq` are `[batch, heads, seq_q, head_dim]`; `k`, `v`, `dk`,
+//! `dv` are `[batch, kv_heads, seq_k, head_dim]` with `heads` a multiple of `kv_heads`
+//! (grouped-query attention: query head `h` reads K/V head `h / (heads / kv_heads)`); `lse`
+//! and the backward's `delta` scratch are `[batch, heads, seq_q]` f32. Any strides. Inputs in
+//! f32, f16 or bf16, arithmetic in f32. `causal` lets row `i` see keys `j ≤ i` (top-left
+//! aligned, as burn's `tril_mask` and torch's `is_causal`).
+//!
+//! The kernels run on the CUDA cores, one unit per row (no tensor-core tiles yet).
+
+mod backward;
+mod forward;
+
+use cubecl::prelude::*;
+
+use backward::{flash_delta_kernel, flash_dkdv_kernel, flash_dq_kernel};
+use forward::flash_forward_kernel;
+
+/// What attention computes beyond its inputs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlashOptions {
+    /// Row `i` sees keys `j ≤ i` only.
+    pub causal: bool,
+    /// Multiplies `q·k` before the softmax (usually `1/√head_dim`).
+    pub scale: f32,
+}
+
+/// The sizes of one attention call, read from its operands' shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionDims {
+    /// Batch.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Query rows.
+    pub seq_q: usize,
+    /// Key rows.
+    pub seq_k: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+/// Largest head dimension the kernels take (registers hold a few rows of it per unit).
+pub const MAX_HEAD_DIM: usize = 256;
+
+impl AttentionDims {
+    /// The sizes of `q`, `k`, `v` of the shapes given, or what is wrong with them.
+    pub fn of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self, String> {
+        for (name, shape) in [("query", q), ("key", k), ("value", v)] {
+            if shape.len() != 4 {
+                return Err(format!(
+                    "flash attention: {name} has shape {shape:?}; expected [batch, heads, seq, head_dim]"
+                ));
+            }
+            if shape.contains(&0) {
+                return Err(format!(
+                    "flash attention: {name} has an empty dimension: {shape:?}"
+                ));
+            }
+        }
+        if k != v {
+            return Err(format!(
+                "flash attention: key {k:?} and value {v:?} differ in shape"
+            ));
+        }
+        if q[0] != k[0] || q[3] != k[3] {
+            return Err(format!(
+                "flash attention: query {q:?} and key {k:?} differ in batch or head_dim"
+            ));
+        }
+        if !q[1].is_multiple_of(k[1]) {
+            return Err(format!(
+                "flash attention: {} query heads are not a multiple of {} key/value heads",
+                q[1], k[1]
+            ));
+        }
+        if q[3] > MAX_HEAD_DIM {
+            return Err(format!(
+                "flash attention: head_dim {} is above the supported {MAX_HEAD_DIM}",
+                q[3]
+            ));
+        }
+        Ok(Self {
+            batch: q[0],
+            heads: q[1],
+            kv_heads: k[1],
+            seq_q: q[2],
+            seq_k: k[2],
+            head_dim: q[3],
+        })
+    }
+}
+
+/// Units per cube of the row-parallel kernels (forward, dq, dkdv).
+const ROWS: usize = 64;
+
+/// Rows of the shared tiles: the most (up to 32) whose two `tile × head_dim` f32 tiles plus the
+/// forward's score block fit the device's shared memory (48 KiB at most, the portable limit).
+fn tile_rows(client_limit: usize, head_dim: usize) -> usize {
+    let budget = client_limit.min(48 * 1024);
+    let mut tile = 32;
+    while tile > 1 && 4 * (2 * tile * head_dim + ROWS * (tile + 1) + 2 * tile) > budget {
+        tile /= 2;
+    }
+    tile
+}
+
+fn tile_for<R: Runtime>(client: &ComputeClient<R>, head_dim: usize) -> usize {
+    tile_rows(
+        client.properties().hardware.max_shared_memory_size,
+        head_dim,
+    )
+}
+
+fn cubes(rows: usize, per_cube: usize, heads: usize) -> CubeCount {
+    CubeCount::Static(rows.div_ceil(per_cube) as u32, heads as u32, 1)
+}
+
+fn arg<R: Runtime>(t: &TensorBinding<R>) -> TensorArg<R> {
+    t.clone().into_tensor_arg()
+}
+
+/// The forward: `out` and `lse` written from `q`, `k`, `v` (all of `dims`' shapes, elements
+/// of `dtype`; `lse` f32).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    dtype: StorageType,
+    options: FlashOptions,
+    [q, k, v]: [&TensorBinding<R>; 3],
+    out: &TensorBinding<R>,
+    lse: &TensorBinding<R>,
+) {
+    let keys = tile_for(client, dims.head_dim);
+    // SAFETY: the shapes were checked by `AttentionDims::of`, the bindings hold them, and
+    // every access in the kernel is bounded by the shapes.
+    unsafe {
+        flash_forward_kernel::launch_unchecked::<R>(
+            client,
+            cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+            CubeDim::new_1d(ROWS as u32),
+            arg(q),
+            arg(k),
+            arg(v),
+            arg(out),
+            arg(lse),
+            options.scale,
+            options.causal,
+            dims.head_dim,
+            ROWS,
+            keys,
+            dtype,
+        )
+    }
+}
+
+/// The backward: `dq`, `dk`, `dv` from the forward's inputs, `out`, `lse` and the output's
+/// gradient `d_out`; `delta` is f32 scratch of `lse`'s shape.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    dtype: StorageType,
+    options: FlashOptions,
+    [q, k, v]: [&TensorBinding<R>; 3],
+    [out, d_out, lse, delta]: [&TensorBinding<R>; 4],
+    [dq, dk, dv]: [&TensorBinding<R>; 3],
+) {
+    let tile = tile_for(client, dims.head_dim);
+    // SAFETY: as in `flash_forward`.
+    unsafe {
+        flash_delta_kernel::launch_unchecked::<R>(
+            client,
+            cubes(dims.seq_q, 256, dims.batch * dims.heads),
+            CubeDim::new_1d(256),
+            arg(out),
+            arg(d_out),
+            arg(delta),
+            dims.head_dim,
+            dtype,
+        );
+        flash_dq_kernel::launch_unchecked::<R>(
+            client,
+            cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+            CubeDim::new_1d(ROWS as u32),
+            arg(q),
+            arg(k),
+            arg(v),
+            arg(d_out),
+            arg(lse),
+            arg(delta),
+            arg(dq),
+            options.scale,
+            options.causal,
+            dims.head_dim,
+            ROWS,
+            tile,
+            dtype,
+        );
+        flash_dkdv_kernel::launch_unchecked::<R>(
+            client,
+            cubes(dims.seq_k, ROWS, dims.batch * dims.kv_heads),
+            CubeDim::new_1d(ROWS as u32),
+            arg(q),
+            arg(k),
+            arg(v),
+            arg(d_out),
+            arg(lse),
+            arg(delta),
+            arg(dk),
+            arg(dv),
+            options.scale,
+            options.causal,
+            dims.head_dim,
+            ROWS,
+            tile,
+            dtype,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_are_checked_by_name() {
+        let ok = AttentionDims::of(&[2, 6, 17, 64], &[2, 3, 9, 64], &[2, 3, 9, 64]).unwrap();
+        assert_eq!((ok.heads / ok.kv_heads, ok.seq_q, ok.seq_k), (2, 17, 9));
+        let bad = |q: &[usize], k: &[usize], v: &[usize]| AttentionDims::of(q, k, v).unwrap_err();
+        assert!(bad(&[2, 6, 17], &[2, 3, 9, 64], &[2, 3, 9, 64]).contains("query"));
+        assert!(bad(&[2, 5, 17, 64], &[2, 3, 9, 64], &[2, 3, 9, 64]).contains("multiple"));
+        assert!(bad(&[2, 6, 17, 64], &[2, 3, 9, 64], &[2, 3, 8, 64]).contains("value"));
+        assert!(bad(&[2, 6, 0, 64], &[2, 3, 9, 64], &[2, 3, 9, 64]).contains("empty"));
+        assert!(bad(&[2, 6, 1, 512], &[2, 6, 1, 512], &[2, 6, 1, 512]).contains("head_dim"));
+    }
+
+    #[test]
+    fn tiles_fit_the_shared_memory() {
+        for limit in [16 * 1024, 32 * 1024, 48 * 1024, 228 * 1024] {
+            for hd in [1, 7, 64, 128, 256] {
+                let t = tile_rows(limit, hd);
+                let bytes = 4 * (2 * t * hd + ROWS * (t + 1) + 2 * t);
+                assert!(t >= 1 && (t == 1 || bytes <= limit), "{limit} {hd} {t}");
+            }
+        }
+        assert_eq!(tile_rows(48 * 1024, 128), 32);
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod gpu_tests;

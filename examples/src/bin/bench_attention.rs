@@ -1,0 +1,257 @@
+//! Flash attention on a GPU (issue 10), through `Autodiff<ZeroBackend<Cuda>>` as a model uses it:
+//! - `check`: output and dQ/dK/dV of `burn_zero::attention::flash_attention` against an f32
+//!   materialized reference (the same inputs, rounded to the dtype, then widened), for seq 1,
+//!   17, 257, head dim 64 and 128, grouped-query (4 heads over 2 K/V heads), causal and not,
+//!   f32/bf16/f16; gradients finite. Exit status 1 if any case is outside its tolerance.
+//! - `time`: forward + backward of causal bf16 attention, seq 1k/4k/8k, head dim 64/128,
+//!   16k tokens per call, hidden 2048: milliseconds and TFLOP/s (FLOPs of FlashAttention's
+//!   convention: forward `4·b·h·s²·d / 2` causal, backward 2.5× that).
+//! - `memory --seq S --hd D --flash 0|1`: one training step of attention at that size, the
+//!   cubecl pool's reserved bytes after it (burn's materialized fallback with `--flash 0`).
+//!
+//! Each mode prints one JSON line; `bench/run_attention.sh` runs them beside torch's SDPA.
+
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation::softmax};
+use burn_zero::attention::{flash_attention, flash_attention_calls, set_flash_attention};
+use burn_zero::backend::ZeroBackend;
+use serde_json::json;
+
+type B = Autodiff<ZeroBackend<Cuda>>;
+type Device = burn::tensor::Device<B>;
+
+fn arg(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+/// Deterministic values in [-1, 1), never zero.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let v = ((s >> 40) as f32) / (1u64 << 24) as f32 * 2.0 - 1.0;
+            if v == 0.0 { 0.5 } else { v }
+        })
+        .collect()
+}
+
+fn tensor(shape: [usize; 4], seed: u64, dtype: FloatDType, device: &Device) -> Tensor<B, 4> {
+    let data = TensorData::new(values(shape.iter().product(), seed), shape);
+    Tensor::<B, 4>::from_data(data, device).cast(dtype)
+}
+
+/// Materialized attention in f32 (K/V heads repeated for their query heads).
+fn materialized(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, causal: bool) -> Tensor<B, 4> {
+    let [b, h, s, d] = q.dims();
+    let [_, hk, sk, _] = k.dims();
+    let repeat = |t: Tensor<B, 4>| {
+        t.unsqueeze_dim::<5>(2)
+            .expand([b, hk, h / hk, sk, d])
+            .reshape([b, h, sk, d])
+    };
+    let [q, k, v] = [q, k, v].map(|t| t.cast(FloatDType::F32));
+    let scores = q.matmul(repeat(k).swap_dims(2, 3)) / (d as f64).sqrt();
+    let scores = if causal {
+        let mask = Tensor::<B, 2, Bool>::tril_mask([s, sk], 0, &scores.device());
+        scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY)
+    } else {
+        scores
+    };
+    softmax(scores, 3).matmul(repeat(v))
+}
+
+/// Output and the gradients of `sum(out · g)` w.r.t. q, k, v, as f32 host vectors.
+fn run(inputs: [Tensor<B, 4>; 3], g: &Tensor<B, 4>, causal: bool, flash: bool) -> [Vec<f32>; 4] {
+    let [q, k, v] = inputs.map(|t| t.require_grad());
+    let out = if flash {
+        let calls = flash_attention_calls();
+        let out = flash_attention(q.clone(), k.clone(), v.clone(), causal)
+            .expect("the flash kernels take CUDA tensors of ZeroBackend<Cuda>");
+        assert_eq!(flash_attention_calls(), calls + 1);
+        out
+    } else {
+        materialized(q.clone(), k.clone(), v.clone(), causal)
+    };
+    let grads = (out.clone().cast(FloatDType::F32) * g.clone())
+        .sum()
+        .backward();
+    let host = |t: Tensor<burn_zero::backend::ZeroBackend<Cuda>, 4>| -> Vec<f32> {
+        t.cast(FloatDType::F32).into_data().to_vec().expect("f32")
+    };
+    [
+        host(out.inner()),
+        host(q.grad(&grads).expect("dq")),
+        host(k.grad(&grads).expect("dk")),
+        host(v.grad(&grads).expect("dv")),
+    ]
+}
+
+/// Largest |a − b| over the largest |b|; infinite when `a` holds a non-finite value.
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    if a.iter().any(|x| !x.is_finite()) {
+        return f64::INFINITY;
+    }
+    let scale = b
+        .iter()
+        .fold(0.0f64, |m, x| m.max(x.abs() as f64))
+        .max(1e-6);
+    let worst = a
+        .iter()
+        .zip(b)
+        .fold(0.0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
+    worst / scale
+}
+
+fn check(device: &Device) -> bool {
+    let mut all = true;
+    for (dtype, name, tolerance) in [
+        (FloatDType::F32, "f32", 1e-4),
+        (FloatDType::BF16, "bf16", 2e-2),
+        (FloatDType::F16, "f16", 4e-3),
+    ] {
+        for seq in [1usize, 17, 257] {
+            for hd in [64usize, 128] {
+                for causal in [true, false] {
+                    let (q_shape, k_shape) = ([2, 4, seq, hd], [2, 2, seq, hd]);
+                    let inputs = || {
+                        [(q_shape, 1), (k_shape, 2), (k_shape, 3)]
+                            .map(|(s, seed)| tensor(s, seed, dtype, device))
+                    };
+                    let g = tensor(q_shape, 4, FloatDType::F32, device);
+                    let flash = run(inputs(), &g, causal, true);
+                    // The reference sees the same (rounded) inputs, widened to f32.
+                    let widened = inputs().map(|t| t.cast(FloatDType::F32));
+                    let reference = run(widened, &g, causal, false);
+                    let errors: Vec<f64> = flash
+                        .iter()
+                        .zip(&reference)
+                        .map(|(a, b)| relative_error(a, b))
+                        .collect();
+                    let pass = errors.iter().all(|e| *e <= tolerance);
+                    all &= pass;
+                    println!(
+                        "{}",
+                        json!({"check": {"dtype": name, "seq": seq, "head_dim": hd,
+                            "causal": causal, "heads": 4, "kv_heads": 2,
+                            "out": errors[0], "dq": errors[1], "dk": errors[2], "dv": errors[3],
+                            "tolerance": tolerance, "pass": pass}})
+                    );
+                }
+            }
+        }
+    }
+    all
+}
+
+/// FLOPs of one causal forward + backward (FlashAttention's count).
+fn causal_flops(b: usize, h: usize, s: usize, d: usize) -> f64 {
+    let forward = 4.0 * (b * h * d) as f64 * (s * s) as f64 / 2.0;
+    forward * 3.5
+}
+
+fn time(device: &Device, iterations: usize) {
+    for seq in [1024usize, 4096, 8192] {
+        for hd in [64usize, 128] {
+            let (b, h) = (16384 / seq, 2048 / hd);
+            let shape = [b, h, seq, hd];
+            let inputs = [1, 2, 3].map(|seed| tensor(shape, seed, FloatDType::BF16, device));
+            let g = tensor(shape, 4, FloatDType::BF16, device);
+            let mut times = Vec::new();
+            for i in 0..=iterations {
+                let [q, k, v] = inputs.clone().map(|t| t.require_grad());
+                B::sync(device).expect("sync");
+                let start = Instant::now();
+                let out = flash_attention(q.clone(), k.clone(), v.clone(), true).expect("flash");
+                let grads = (out * g.clone()).sum().backward();
+                let dq = q.grad(&grads).expect("dq");
+                B::sync(device).expect("sync");
+                drop(dq);
+                if i > 0 {
+                    times.push(start.elapsed().as_secs_f64());
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            let flops = causal_flops(b, h, seq, hd);
+            println!(
+                "{}",
+                json!({"time": {"seq": seq, "head_dim": hd, "batch": b, "heads": h,
+                    "causal": true, "dtype": "bf16", "fwd_bwd_ms": median * 1e3,
+                    "tflops": flops / median / 1e12}})
+            );
+        }
+    }
+}
+
+fn memory(device: &Device, seq: usize, hd: usize, flash: bool) {
+    set_flash_attention(flash);
+    let (b, h) = (16384 / seq, 2048 / hd);
+    let shape = [b, h, seq, hd];
+    let [q, k, v] = [1, 2, 3].map(|seed| tensor(shape, seed, FloatDType::BF16, device));
+    let [q, k, v] = [q, k, v].map(|t| t.require_grad());
+    let out = match flash_attention(q.clone(), k.clone(), v.clone(), true) {
+        Some(out) => out,
+        None => {
+            // burn's own attention: under Autodiff, its materialized fallback.
+            burn::tensor::module::attention(q.clone(), k.clone(), v.clone(), None, None, {
+                burn::tensor::ops::AttentionModuleOptions {
+                    is_causal: true,
+                    ..Default::default()
+                }
+            })
+        }
+    };
+    let grads = out.sum().backward();
+    let dq = q.grad(&grads).expect("dq");
+    B::sync(device).expect("sync");
+    drop(dq);
+    let cuda_device = cubecl::cuda::CudaDevice { index: 0 };
+    let usage = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(&cuda_device)
+        .memory_usage()
+        .expect("memory usage");
+    let attention_inputs = 3 * shape.iter().product::<usize>() * 2;
+    println!(
+        "{}",
+        json!({"memory": {"seq": seq, "head_dim": hd, "batch": b, "heads": h, "flash": flash,
+            "reserved_bytes": usage.bytes_reserved, "in_use_bytes": usage.bytes_in_use,
+            "qkv_bytes": attention_inputs,
+            "score_matrix_bytes_f32": b * h * seq * seq * 4}})
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let device = Device::default();
+    match args.get(1).map(String::as_str) {
+        Some("check") => {
+            if !check(&device) {
+                eprintln!("bench-attention: a case is outside its tolerance");
+                std::process::exit(1);
+            }
+        }
+        Some("time") => time(
+            &device,
+            arg(&args, "--iterations").map_or(5, |s| s.parse().expect("--iterations N")),
+        ),
+        Some("memory") => memory(
+            &device,
+            arg(&args, "--seq").map_or(8192, |s| s.parse().expect("--seq N")),
+            arg(&args, "--hd").map_or(128, |s| s.parse().expect("--hd N")),
+            arg(&args, "--flash").is_none_or(|s| s != "0"),
+        ),
+        _ => {
+            eprintln!(
+                "usage: bench-attention check | time [--iterations N] | memory [--seq S] [--hd D] [--flash 0|1]"
+            );
+            std::process::exit(2);
+        }
+    }
+}
