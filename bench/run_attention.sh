@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device side of issue 10's flash attention benchmark, one call (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-attention):
-# bench-attention's check (flash vs an f32 materialized reference, exit 1 on a miss), its
+# bench-attention's check (flash and block-sparse vs an f32 materialized reference, exit 1 on a
+# miss), block-sparse against dense flash at seq 4k-16k, its
 # timings beside torch's SDPA flash backend (bench/attention_torch.py), and the memory of one
 # training step at seq 8k with the flash kernels and with burn's materialized fallback (each
 # in its own process: the fallback may run out of memory). Merged into $OUT/attention-<kind>.json.
@@ -9,18 +10,19 @@
 source bench/prelude.sh "$1"
 iterations="${ITERATIONS:-5}"
 : > /tmp/attn.jsonl
-.gpu/bin/bench-attention check >> /tmp/attn.jsonl 2> "$out/attention-check.log"
-echo "check: exit $?" | tee -a "$out/attention-check.log"
-.gpu/bin/bench-attention time --iterations "$iterations" >> /tmp/attn.jsonl 2> "$out/attention-time.log"
+.gpu/bin/bench-attention check >> /tmp/attn.jsonl 2>> "$out/attention.log"
+echo "check: exit $?"
+.gpu/bin/bench-attention time --iterations "$iterations" >> /tmp/attn.jsonl 2>> "$out/attention.log"
 echo "time: exit $?"
+.gpu/bin/bench-attention sparse --iterations 3 >> /tmp/attn.jsonl 2>> "$out/attention.log"
+echo "sparse: exit $?"
 for flash in 1 0; do
   .gpu/bin/bench-attention memory --seq 8192 --hd 128 --flash $flash >> /tmp/attn.jsonl \
-    2> "$out/attention-memory-$flash.log"
-  echo "memory flash=$flash: exit $?"; tail -n 2 "$out/attention-memory-$flash.log"
+    2>> "$out/attention.log"
+  echo "memory flash=$flash: exit $?"
 done
-python3 bench/attention_torch.py "$iterations" > /tmp/attn-torch.jsonl 2> "$out/attention-torch.log"
-echo "torch: exit $?"; tail -n 3 "$out/attention-torch.log"
-cp /tmp/attn.jsonl /tmp/attn-torch.jsonl "$out/"
+python3 bench/attention_torch.py "$iterations" > /tmp/attn-torch.jsonl 2>> "$out/attention.log"
+echo "torch: exit $?"; tail -n 5 "$out/attention.log"
 python3 - "$kind" "$out/attention-$kind.json" <<'PY'
 import json, sys
 def lines(path):
@@ -44,6 +46,7 @@ result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0]
           "checks_passed": sum(c["pass"] for c in checks), "checks": len(checks),
           "check_cases": checks, "time": ours_time,
           "memory": [l["memory"] for l in ours if "memory" in l],
+          "block_sparse": [l["sparse"] for l in ours if "sparse" in l],
           "torch": [l for l in torch if "time" not in l]}
 json.dump(result, open(sys.argv[2], "w"), indent=1)
 print(json.dumps({k: v for k, v in result.items() if k != "check_cases"}, indent=1))

@@ -5,13 +5,13 @@
 //! environment `scripts/lavapipe.sh` prints); multi-tensor launches, LAMB and flash attention
 //! with its own backward come next.
 //! [`attention`]: flash attention forward and backward for training (no S×S tensor).
-//! [`sparse_layout`]: DeepSpeed's block-sparse attention layouts (dense, fixed, bslongformer), what a
+//! [`sparse`]: DeepSpeed's block-sparse attention layouts (dense, fixed, bslongformer), what a
 //! block-sparse kernel will read.
 #![warn(missing_docs)]
 
 pub mod adam;
 pub mod attention;
-pub mod sparse_layout;
+pub mod sparse;
 
 #[cfg(all(test, feature = "wgpu"))]
 mod tests;

@@ -2,6 +2,7 @@
 //! primitives, and the autodiff op whose backward runs the backward kernels.
 
 use core::any::{Any, TypeId};
+use std::sync::Arc;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -13,8 +14,14 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::CubeElement;
 use cubecl::cuda::CudaRuntime;
-use cubecl_kernels::attention::{AttentionDims, FlashOptions, flash_backward, flash_forward};
+use cubecl::prelude::TensorBinding;
+use cubecl_kernels::attention::{
+    AttentionDims, BlockSparsity, FlashOptions, flash_backward, flash_forward,
+};
+
+use super::SparseLayout;
 
 use crate::backend::cuda::{cube_tensor, from_cube};
 use crate::backend::{ZeroBackend, ZeroTensor};
@@ -37,17 +44,22 @@ pub(super) fn flash_attention<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     causal: bool,
+    layout: Option<&SparseLayout>,
 ) -> Option<Tensor<B, 4>> {
+    let options = Options {
+        causal,
+        layout: layout.cloned().map(Arc::new),
+    };
     if TypeId::of::<B>() == TypeId::of::<ZeroAd>() {
         let [q, k, v] = [q, k, v].map(|t| cast::<Tensor<ZeroAd, 4>>(t).map(float));
-        let out = autodiff_attention(q?, k?, v?, causal)?;
+        let out = autodiff_attention(q?, k?, v?, options)?;
         return cast(Tensor::<ZeroAd, 4>::from_primitive(TensorPrimitive::Float(
             out,
         )));
     }
     if TypeId::of::<B>() == TypeId::of::<Zero>() {
         let [q, k, v] = [q, k, v].map(|t| cast::<Tensor<Zero, 4>>(t).map(float));
-        let (out, _) = forward(&Cube::of(&q?)?, &Cube::of(&k?)?, &Cube::of(&v?)?, causal)?;
+        let (out, _) = forward(&Cube::of(&q?)?, &Cube::of(&k?)?, &Cube::of(&v?)?, &options)?;
         return cast(Tensor::<Zero, 4>::from_primitive(TensorPrimitive::Float(
             out,
         )));
@@ -99,6 +111,54 @@ impl Cube {
     }
 }
 
+/// What one call computes beyond its inputs.
+#[derive(Clone, Debug)]
+struct Options {
+    causal: bool,
+    layout: Option<Arc<SparseLayout>>,
+}
+
+impl Options {
+    fn kernel(&self, dims: &AttentionDims) -> FlashOptions {
+        FlashOptions {
+            causal: self.causal,
+            scale: 1.0 / (dims.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// The layout on the device beside `like`, checked against `dims`.
+    fn layout_on(&self, like: &Cube, dims: &AttentionDims) -> Option<TensorBinding<CudaRuntime>> {
+        let layout = self.layout.as_ref()?;
+        let shape = [layout.heads, layout.blocks, layout.blocks];
+        dims.check_layout(&shape, layout.block)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let handle = like
+            .cube
+            .client
+            .create_from_slice(u32::as_bytes(&layout.kept));
+        Some(TensorBinding {
+            handle: handle.binding(),
+            strides: cubecl::zspace::Strides::new(&[
+                layout.blocks * layout.blocks,
+                layout.blocks,
+                1,
+            ]),
+            shape: cubecl::zspace::Shape::new(shape),
+            runtime: core::marker::PhantomData,
+        })
+    }
+}
+
+fn sparsity<'a>(
+    options: &Options,
+    binding: Option<&'a TensorBinding<CudaRuntime>>,
+) -> Option<BlockSparsity<'a, CudaRuntime>> {
+    Some(BlockSparsity {
+        layout: binding?,
+        block: options.layout.as_ref()?.block,
+    })
+}
+
 fn dims(q: &Cube, k: &Cube, v: &Cube) -> Option<AttentionDims> {
     if q.cube.dtype != k.cube.dtype || q.cube.dtype != v.cube.dtype {
         return None;
@@ -106,21 +166,15 @@ fn dims(q: &Cube, k: &Cube, v: &Cube) -> Option<AttentionDims> {
     Some(AttentionDims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("{e}")))
 }
 
-fn options(dims: &AttentionDims, causal: bool) -> FlashOptions {
-    FlashOptions {
-        causal,
-        scale: 1.0 / (dims.head_dim as f32).sqrt(),
-    }
-}
-
 /// The output and the f32 log-sum-exp of each row (`[b, h, s]`).
 fn forward(
     q: &Cube,
     k: &Cube,
     v: &Cube,
-    causal: bool,
+    options: &Options,
 ) -> Option<(ZeroTensor<Inner>, CubeTensor<CudaRuntime>)> {
     let dims = dims(q, k, v)?;
+    let layout = options.layout_on(q, &dims);
     let out = q.empty(&q.shape(), q.cube.dtype);
     let lse = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
     if crate::profile::recording() {
@@ -130,7 +184,8 @@ fn forward(
         &q.cube.client,
         &dims,
         q.cube.dtype.into(),
-        options(&dims, causal),
+        options.kernel(&dims),
+        sparsity(options, layout.as_ref()),
         [q, k, v].map(|t| t.cube.clone().binding()).each_ref(),
         &out.clone().binding(),
         &lse.clone().binding(),
@@ -143,11 +198,11 @@ fn autodiff_attention(
     q: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
     k: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
     v: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
-    causal: bool,
+    options: Options,
 ) -> Option<<ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive> {
     let [cq, ck, cv] = [&q, &k, &v].map(|t| Cube::of(&t.primitive));
     let (cq, ck, cv) = (cq?, ck?, cv?);
-    let (out, lse) = forward(&cq, &ck, &cv, causal)?;
+    let (out, lse) = forward(&cq, &ck, &cv, &options)?;
     let prep = FlashBackward
         .prepare::<NoCheckpointing>([q.node.clone(), k.node.clone(), v.node.clone()])
         .compute_bound()
@@ -159,7 +214,7 @@ fn autodiff_attention(
                 inputs: [cq, ck, cv],
                 out: out_cube,
                 lse,
-                causal,
+                options,
             };
             prep.finish(state, out)
         }
@@ -175,7 +230,7 @@ struct FlashState {
     inputs: [Cube; 3],
     out: Cube,
     lse: CubeTensor<CudaRuntime>,
-    causal: bool,
+    options: Options,
 }
 
 impl Backward<Zero, 3> for FlashBackward {
@@ -186,7 +241,7 @@ impl Backward<Zero, 3> for FlashBackward {
             inputs: [q, k, v],
             out,
             lse,
-            causal,
+            options,
         } = ops.state;
         let d_out = grads.consume::<Zero>(&ops.node);
         let d_out = Cube::of(&d_out).expect("the gradient of a CUDA tensor is one");
@@ -196,6 +251,7 @@ impl Backward<Zero, 3> for FlashBackward {
             let macs = super::forward_macs(&q.shape(), &k.shape()) / 2 * 5;
             crate::profile::record_macs(macs);
         }
+        let layout = options.layout_on(&q, &dims);
         let delta = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
         let dtype = q.cube.dtype;
         let [dq, dk, dv] = [&q, &k, &v].map(|t| t.empty(&t.shape(), dtype));
@@ -203,7 +259,8 @@ impl Backward<Zero, 3> for FlashBackward {
             &q.cube.client,
             &dims,
             dtype.into(),
-            options(&dims, causal),
+            options.kernel(&dims),
+            sparsity(&options, layout.as_ref()),
             [&q, &k, &v].map(|t| t.cube.clone().binding()).each_ref(),
             [out.cube.clone(), d_out.cube.clone(), lse, delta]
                 .map(CubeTensor::binding)

@@ -3,15 +3,21 @@
 //! recomputing, as a custom autodiff op) when the tensors are CUDA tensors of
 //! `ZeroBackend<burn::backend::Cuda>`, with or without `Autodiff`. Elsewhere it answers `None`
 //! and the caller runs its materialized attention; burn 0.21's own attention would
-//! materialize the S×S scores in training.
+//! materialize the S×S scores in training. [`block_sparse_attention`] is the same with a
+//! DeepSpeed `sparse_attention` layout ([`SparseLayout`]): tiles without a kept block are
+//! skipped.
 
 #[cfg(feature = "cuda")]
 mod cuda;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use cubecl_kernels::sparse::SparsityConfig;
+
+use crate::config::SparseAttentionConfig;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 static DISABLED_BY_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -22,6 +28,65 @@ static CALLS: AtomicU64 = AtomicU64::new(0);
 /// off whatever the config says).
 pub fn set_flash_attention(enabled: bool) {
     ENABLED.store(enabled, Ordering::Relaxed);
+}
+
+/// The `sparse_attention` section in force and the layout of the last (heads, seq) it made.
+struct SparseState {
+    config: Option<SparseAttentionConfig>,
+    layout: Option<(usize, usize, Arc<SparseLayout>)>,
+    warned: bool,
+}
+
+static SPARSE: Mutex<SparseState> = Mutex::new(SparseState {
+    config: None,
+    layout: None,
+    warned: false,
+});
+
+/// Makes [`flash_attention`] block-sparse with `config`'s layouts (`initialize` sets it from
+/// `sparse_attention`); `None`: dense.
+pub fn set_sparse_attention(config: Option<SparseAttentionConfig>) {
+    let mut state = SPARSE.lock().unwrap_or_else(|e| e.into_inner());
+    *state = SparseState {
+        config,
+        layout: None,
+        warned: false,
+    };
+}
+
+/// The configured layout for `heads` heads over `seq` tokens (made once per shape).
+///
+/// # Panics
+/// When the configuration does not fit the shape (a sequence not a multiple of the block,
+/// say), naming the setting.
+fn configured_layout(heads: usize, seq: usize) -> Option<Arc<SparseLayout>> {
+    let mut state = SPARSE.lock().unwrap_or_else(|e| e.into_inner());
+    let config = state.config.as_ref()?;
+    if let Some((h, s, layout)) = &state.layout
+        && (*h, *s) == (heads, seq)
+    {
+        return Some(layout.clone());
+    }
+    let layout = config
+        .sparsity(heads)
+        .and_then(|c| SparseLayout::new(&c, seq))
+        .map(Arc::new)
+        .unwrap_or_else(|e| panic!("sparse_attention: {e}"));
+    state.layout = Some((heads, seq, layout.clone()));
+    Some(layout)
+}
+
+/// Says once that `sparse_attention` is configured but the kernels did not run.
+fn warn_sparse_not_applied() {
+    let mut state = SPARSE.lock().unwrap_or_else(|e| e.into_inner());
+    if state.config.is_some() && !state.warned {
+        state.warned = true;
+        crate::log::warn(
+            "sparse_attention is set but the flash kernels do not apply here (not \
+             ZeroBackend<Cuda>, a dtype other than f32/bf16/f16, or flash attention off): \
+             attention runs dense",
+        );
+    }
 }
 
 /// Whether [`flash_attention`] may run the kernels.
@@ -41,7 +106,8 @@ pub fn flash_attention_calls() -> u64 {
 /// attention without repeating K/V), `scale = 1/√head_dim`, row `i` seeing keys `j ≤ i` when
 /// `causal`. `Some` where the flash kernels ran (differentiable under `Autodiff`), `None`
 /// where they do not apply (another backend, a dtype other than f32/bf16/f16, or switched
-/// off): the caller then runs its own attention.
+/// off): the caller then runs its own attention. With a `sparse_attention` section in force
+/// ([`set_sparse_attention`]) it is block-sparse with that layout.
 ///
 /// # Panics
 /// On shapes attention cannot take, naming them.
@@ -52,21 +118,89 @@ pub fn flash_attention<B: Backend>(
     causal: bool,
 ) -> Option<Tensor<B, 4>> {
     if !flash_attention_enabled() {
+        warn_sparse_not_applied();
         return None;
     }
+    let [_, heads, seq, _] = q.dims();
+    let layout = configured_layout(heads, seq);
+    let out = run(q, k, v, causal, layout.as_deref());
+    if out.is_none() {
+        warn_sparse_not_applied();
+    }
+    out
+}
+
+/// Every head's block layout of one sequence length, as the kernels read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SparseLayout {
+    /// Query heads.
+    pub heads: usize,
+    /// Blocks per side.
+    pub blocks: usize,
+    /// Tokens per block side.
+    pub block: usize,
+    /// `[heads, blocks, blocks]`, 1 where a tile is computed.
+    pub kept: Vec<u32>,
+}
+
+impl SparseLayout {
+    /// The layout `config` defines for sequences of `seq` tokens (an error names the setting
+    /// that does not fit).
+    pub fn new(config: &SparsityConfig, seq: usize) -> Result<Self, String> {
+        let heads = config.make_layout(seq)?;
+        Ok(Self {
+            heads: heads.len(),
+            blocks: heads.first().map_or(0, |h| h.blocks),
+            block: config.block,
+            kept: heads
+                .iter()
+                .flat_map(|h| h.tiles.iter().map(|t| u32::from(*t)))
+                .collect(),
+        })
+    }
+
+    /// The share of tiles computed.
+    pub fn density(&self) -> f64 {
+        self.kept.iter().filter(|k| **k != 0).count() as f64 / self.kept.len().max(1) as f64
+    }
+}
+
+/// [`flash_attention`] restricted to the tiles `layout` keeps (block-sparse attention, forward
+/// and backward); `None` where the kernels do not apply.
+///
+/// # Panics
+/// On shapes attention cannot take, or a layout that does not cover them, naming them.
+pub fn block_sparse_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    layout: &SparseLayout,
+    causal: bool,
+) -> Option<Tensor<B, 4>> {
+    run(q, k, v, causal, Some(layout))
+}
+
+fn run<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    layout: Option<&SparseLayout>,
+) -> Option<Tensor<B, 4>> {
     #[cfg(feature = "cuda")]
-    if let Some(out) = cuda::flash_attention(q, k, v, causal) {
+    if let Some(out) = cuda::flash_attention(q, k, v, causal, layout) {
         CALLS.fetch_add(1, Ordering::Relaxed);
         return Some(out);
     }
     #[cfg(not(feature = "cuda"))]
-    let _ = (q, k, v, causal);
+    let _ = (q, k, v, causal, layout);
     None
 }
 
 /// Multiply-adds of attention over `q_shape`/`k_shape` (`[b, h, s, d]`) for the FLOPs
 /// profiler: the forward's two products (`Q·Kᵀ`, `P·V`), every score counted as the
 /// materialized path counts it (the causal half is not subtracted).
+#[cfg(any(feature = "cuda", test))]
 pub(crate) fn forward_macs(q_shape: &[usize], k_shape: &[usize]) -> u64 {
     (2 * q_shape.iter().product::<usize>() * k_shape[2]) as u64
 }
@@ -82,5 +216,33 @@ mod tests {
         let t = || Tensor::<B, 4>::ones([1, 2, 3, 4], &device);
         assert!(flash_attention(t(), t(), t(), true).is_none());
         assert_eq!(forward_macs(&[1, 2, 3, 4], &[1, 1, 5, 4]), 2 * 24 * 5);
+    }
+
+    #[test]
+    fn a_sparse_layout_holds_every_heads_tiles() {
+        use cubecl_kernels::sparse::{BigBirdConfig, SparsityMode};
+        let config = SparsityConfig {
+            num_heads: 3,
+            block: 16,
+            different_layout_per_head: true,
+            mode: SparsityMode::BigBird(BigBirdConfig::default()),
+        };
+        let layout = SparseLayout::new(&config, 128).unwrap();
+        let heads = config.make_layout(128).unwrap();
+        assert_eq!(
+            (layout.heads, layout.blocks, layout.kept.len()),
+            (3, 8, 3 * 64)
+        );
+        for (h, head) in heads.iter().enumerate() {
+            for (t, tile) in head.tiles.iter().enumerate() {
+                assert_eq!(layout.kept[h * 64 + t] != 0, *tile);
+            }
+        }
+        assert!(layout.density() > 0.0 && layout.density() < 1.0);
+        assert!(
+            SparseLayout::new(&config, 100)
+                .unwrap_err()
+                .contains("block size 16")
+        );
     }
 }

@@ -55,6 +55,9 @@ pub struct DeepSpeedConfig {
     pub activation_checkpointing: Option<ActivationCheckpointingConfig>,
     /// `flops_profiler`: count and time one step ([`crate::profile`]).
     pub flops_profiler: FlopsProfilerConfig,
+    /// `sparse_attention`: block-sparse attention in `burn_zero::attention::flash_attention`
+    /// (CUDA), with DeepSpeed's layouts.
+    pub sparse_attention: Option<super::SparseAttentionConfig>,
     /// `burn_zero`: settings of burn-zero's own (not DeepSpeed keys).
     pub burn_zero: BurnZeroConfig,
 }
@@ -228,6 +231,7 @@ impl Default for DeepSpeedConfig {
             progressive_layer_drop: Default::default(),
             activation_checkpointing: None,
             flops_profiler: FlopsProfilerConfig::default(),
+            sparse_attention: None,
             burn_zero: BurnZeroConfig::default(),
         }
     }
@@ -401,7 +405,6 @@ pub(crate) const SECTIONS_NOT_YET_IMPLEMENTED: &[&str] = &[
     "elasticity",
     "monitor_config",
     "pipeline",
-    "sparse_attention",
     "tensorboard",
     "wandb",
 ];

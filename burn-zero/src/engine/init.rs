@@ -59,6 +59,10 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         min_macs: matmul.min_macs,
     });
     crate::attention::set_flash_attention(resolved.config.burn_zero.flash_attention);
+    if let Some(sparse) = &resolved.config.sparse_attention {
+        sparse.sparsity(1).map_err(EngineError::Usage)?;
+    }
+    crate::attention::set_sparse_attention(resolved.config.sparse_attention.clone());
     let zero = &resolved.config.zero_optimization;
     let stage = zero.stage;
     let layout = Arc::new(FlatLayout::of(&model));

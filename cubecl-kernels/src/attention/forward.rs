@@ -1,15 +1,21 @@
-//! The forward kernel: one unit per query row, K/V tiles staged in shared memory, an online
-//! softmax in f32. It writes the output and the row's log-sum-exp, nothing of size S×S.
+//! The forward kernel: each query row held by `lanes` units (a slice of the head dimension
+//! each), K/V tiles staged in shared memory, an online softmax in f32. It writes the output and
+//! the row's log-sum-exp, nothing of size S×S. With a block layout (`sparse`), tiles with no
+//! kept block are skipped and pairs outside kept blocks masked.
 
 // The launch items the `cube` macro generates carry no docs of their own.
 #[allow(missing_docs)]
 mod kernel {
     use cubecl::prelude::*;
 
+    use super::super::lanes::{lane_dot, load_slice, stage_rows, store_slice};
+    use super::super::sparse::{block_kept, tile_kept};
+
     /// `out[b, h, i] = softmax(scale·q_i·Kᵀ) V` over the keys row `i` sees (all, or `j ≤ i`
     /// when `causal`), with K/V head `h / (heads / kv_heads)`; `lse[b, h, i]` the natural
     /// log-sum-exp of the scaled scores. Cube `(x, y)`: query rows `x·rows ..`, head
-    /// `y = b·heads + h`; `rows` units per cube, `keys` keys per shared tile.
+    /// `y = b·heads + h`; `rows·lanes` units per cube, `keys` keys per shared tile. `sparse`:
+    /// only pairs in blocks `layout[h, i / block, j / block] ≠ 0` count.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn flash_forward_kernel<F: Float>(
@@ -18,121 +24,155 @@ mod kernel {
         v: &Tensor<F>,
         out: &mut Tensor<F>,
         lse: &mut Tensor<f32>,
+        layout: &Tensor<u32>,
         scale: f32,
+        block: u32,
         #[comptime] causal: bool,
+        #[comptime] sparse: bool,
         #[comptime] head_dim: usize,
         #[comptime] rows: usize,
         #[comptime] keys: usize,
+        #[comptime] lanes: usize,
         #[define(F)] _dtype: StorageType,
     ) {
+        let width = comptime!(head_dim / lanes);
+        let units = comptime!(rows * lanes);
         let heads = q.shape(1);
         let group = heads / k.shape(1);
         let seq_q = q.shape(2);
         let seq_k = k.shape(2);
         let b = CUBE_POS_Y as usize / heads;
         let h = CUBE_POS_Y as usize % heads;
-        let unit = UNIT_POS_X as usize;
+        let lane = UNIT_POS_X as usize % lanes;
         let first_row = CUBE_POS_X as usize * rows;
-        let row = first_row + unit;
+        let row = first_row + UNIT_POS_X as usize / lanes;
         let live = row < seq_q;
+        let block = block as usize;
 
         let mut k_tile = SharedMemory::<f32>::new(keys * head_dim);
         let mut v_tile = SharedMemory::<f32>::new(keys * head_dim);
-        // Each unit's scores of the tile; rows padded by one against bank conflicts.
-        let mut scores = SharedMemory::<f32>::new(rows * (keys + 1));
-        let score_at = unit * (keys + 1);
-
-        let mut qr = Array::<f32>::new(head_dim);
-        let mut acc = Array::<f32>::new(head_dim);
+        let mut qr = Array::<f32>::new(width);
+        let mut acc = Array::<f32>::new(width);
         let q_at = b * q.stride(0) + h * q.stride(1) + row * q.stride(2);
+        load_slice::<F>(
+            q,
+            q_at,
+            q.stride(3),
+            lane,
+            live,
+            scale,
+            &mut qr,
+            width,
+            head_dim,
+        );
         #[unroll]
-        for d in 0..head_dim {
-            let mut x = 0.0f32;
-            if live {
-                x = f32::cast_from(q[q_at + d * q.stride(3)]) * scale;
-            }
-            qr[d] = x;
-            acc[d] = 0.0;
+        for e in 0..width {
+            acc[e] = 0.0;
         }
-        // Stands for −∞ in a masked score: WGSL has no infinite literal, and any real score
-        // is far above it.
-        let masked = f32::new(-1.0e30);
-        let mut m = masked;
+        // Stands for −∞ before any key is seen: WGSL has no infinite literal.
+        let mut m = f32::new(-1.0e30);
         let mut l = 0.0f32;
 
         let mut kv_end = seq_k;
         if causal && first_row + rows < seq_k {
             kv_end = first_row + rows;
         }
+        let mut last_row = seq_q - 1;
+        if first_row + rows < seq_q {
+            last_row = first_row + rows - 1;
+        }
         let hk = h / group;
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
         let mut start = 0;
         while start < kv_end {
-            let mut e = unit;
-            while e < keys * head_dim {
-                let key = start + e / head_dim;
-                let d = e % head_dim;
-                let mut kx = 0.0f32;
-                let mut vx = 0.0f32;
-                if key < seq_k {
-                    kx = f32::cast_from(k[k_at + key * k.stride(2) + d * k.stride(3)]);
-                    vx = f32::cast_from(v[v_at + key * v.stride(2) + d * v.stride(3)]);
-                }
-                k_tile[e] = kx;
-                v_tile[e] = vx;
-                e += rows;
+            let mut last_key = seq_k - 1;
+            if start + keys < seq_k {
+                last_key = start + keys - 1;
             }
-            sync_cube();
-            if live {
-                let mut tile_max = m;
+            if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
+                let (ks, kd) = (k.stride(2), k.stride(3));
+                let (vs, vd) = (v.stride(2), v.stride(3));
+                stage_rows::<F>(
+                    k,
+                    k_at,
+                    ks,
+                    kd,
+                    start,
+                    seq_k,
+                    1.0,
+                    &mut k_tile,
+                    keys,
+                    head_dim,
+                    units,
+                );
+                stage_rows::<F>(
+                    v,
+                    v_at,
+                    vs,
+                    vd,
+                    start,
+                    seq_k,
+                    1.0,
+                    &mut v_tile,
+                    keys,
+                    head_dim,
+                    units,
+                );
+                sync_cube();
                 for j in 0..keys {
                     let key = start + j;
-                    let mut s = 0.0f32;
-                    #[unroll]
-                    for d in 0..head_dim {
-                        s += qr[d] * k_tile[j * head_dim + d];
-                    }
-                    let valid = key < seq_k && (!causal || key <= row);
-                    let mut score = masked;
-                    if valid {
-                        score = s;
-                    }
-                    scores[score_at + j] = score;
-                    if score > tile_max {
-                        tile_max = score;
-                    }
-                }
-                let correction = f32::exp(m - tile_max);
-                l *= correction;
-                #[unroll]
-                for d in 0..head_dim {
-                    acc[d] *= correction;
-                }
-                m = tile_max;
-                for j in 0..keys {
-                    let key = start + j;
+                    let at = j * head_dim + lane * width;
+                    // Every lane reaches the shuffle; the rest is per row.
+                    let s = lane_dot(&qr, &k_tile, at, width, lanes);
+                    let valid = live
+                        && key < seq_k
+                        && (!causal || key <= row)
+                        && (!sparse || block_kept(layout, h, block, row, key));
                     // Masked keys add nothing, not even a NaN of a value row never seen.
-                    if key < seq_k && (!causal || key <= row) {
-                        let p = f32::exp(scores[score_at + j] - m);
+                    if valid {
+                        if s > m {
+                            let correction = f32::exp(m - s);
+                            l *= correction;
+                            #[unroll]
+                            for e in 0..width {
+                                acc[e] *= correction;
+                            }
+                            m = s;
+                        }
+                        let p = f32::exp(s - m);
                         l += p;
                         #[unroll]
-                        for d in 0..head_dim {
-                            acc[d] += p * v_tile[j * head_dim + d];
+                        for e in 0..width {
+                            acc[e] += p * v_tile[at + e];
                         }
                     }
                 }
+                sync_cube();
             }
-            sync_cube();
             start += keys;
         }
-        if live {
-            let o_at = b * out.stride(0) + h * out.stride(1) + row * out.stride(2);
-            #[unroll]
-            for d in 0..head_dim {
-                out[o_at + d * out.stride(3)] = F::cast_from(acc[d] / l);
-            }
-            lse[b * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)] = m + f32::ln(l);
+        // A row that keeps no block (block-sparse only) gets zeros and a log-sum-exp of 0.
+        let mut norm = l;
+        if l == 0.0 {
+            norm = 1.0;
+            m = 0.0;
+        }
+        let o_at = b * out.stride(0) + h * out.stride(1) + row * out.stride(2);
+        let inv = 1.0 / norm;
+        store_slice::<F>(
+            out,
+            o_at,
+            out.stride(3),
+            lane,
+            live,
+            inv,
+            &acc,
+            width,
+            head_dim,
+        );
+        if live && lane == 0 {
+            lse[b * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)] = m + f32::ln(norm);
         }
     }
 }

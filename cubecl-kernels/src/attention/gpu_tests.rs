@@ -9,7 +9,10 @@ use cubecl::prelude::*;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use cubecl::zspace::{Shape, Strides};
 
-use super::{AttentionDims, FlashOptions, flash_backward, flash_forward};
+use super::{AttentionDims, BlockSparsity, FlashOptions, flash_backward, flash_forward};
+use crate::sparse::{
+    BigBirdConfig, Direction, FixedConfig, SparsityConfig, SparsityMode, VariableConfig,
+};
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -40,8 +43,23 @@ struct Grads {
     dv: Vec<f64>,
 }
 
-/// Materialized attention and its gradients in f64, contiguous layouts.
-fn reference(c: &Case, scale: f64, q: &[f32], k: &[f32], v: &[f32], g: &[f32]) -> Grads {
+/// A block layout: `[heads, blocks, blocks]` kept flags and the block side.
+#[derive(Clone, Debug)]
+struct Layout {
+    kept: Vec<u32>,
+    blocks: usize,
+    block: usize,
+}
+
+impl Layout {
+    fn keeps(&self, h: usize, i: usize, j: usize) -> bool {
+        self.kept[(h * self.blocks + i / self.block) * self.blocks + j / self.block] != 0
+    }
+}
+
+/// Materialized attention and its gradients in f64, contiguous layouts; a row that sees no key
+/// (block-sparse only) has zero output and a log-sum-exp of 0, as the kernel defines it.
+fn reference(c: &Case, scale: f64, [q, k, v, g]: [&[f32]; 4], layout: Option<&Layout>) -> Grads {
     let (hd, group) = (c.head_dim, c.heads / c.kv_heads);
     let at_q = |b: usize, h: usize, i: usize| ((b * c.heads + h) * c.seq_q + i) * hd;
     let at_k = |b: usize, h: usize, j: usize| ((b * c.kv_heads + h) * c.seq_k + j) * hd;
@@ -58,29 +76,33 @@ fn reference(c: &Case, scale: f64, q: &[f32], k: &[f32], v: &[f32], g: &[f32]) -
             let hk = h / group;
             for i in 0..c.seq_q {
                 let (qi, gi) = (&q[at_q(b, h, i)..][..hd], &g[at_q(b, h, i)..][..hd]);
-                let seen = if c.causal {
-                    (i + 1).min(c.seq_k)
-                } else {
-                    c.seq_k
-                };
-                let s: Vec<f64> = (0..seen)
-                    .map(|j| scale * dot(qi, &k[at_k(b, hk, j)..][..hd]))
+                let seen: Vec<usize> = (0..c.seq_k)
+                    .filter(|j| !c.causal || *j <= i)
+                    .filter(|j| layout.is_none_or(|l| l.keeps(h, i, *j)))
+                    .collect();
+                if seen.is_empty() {
+                    continue;
+                }
+                let s: Vec<f64> = seen
+                    .iter()
+                    .map(|j| scale * dot(qi, &k[at_k(b, hk, *j)..][..hd]))
                     .collect();
                 let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let sum: f64 = s.iter().map(|x| (x - m).exp()).sum();
                 let p: Vec<f64> = s.iter().map(|x| (x - m).exp() / sum).collect();
                 r.lse[(b * c.heads + h) * c.seq_q + i] = m + sum.ln();
-                let dp: Vec<f64> = (0..seen)
-                    .map(|j| dot(gi, &v[at_k(b, hk, j)..][..hd]))
+                let dp: Vec<f64> = seen
+                    .iter()
+                    .map(|j| dot(gi, &v[at_k(b, hk, *j)..][..hd]))
                     .collect();
                 let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for j in 0..seen {
-                    let ds = p[j] * (dp[j] - delta);
+                for (n, &j) in seen.iter().enumerate() {
+                    let ds = p[n] * (dp[n] - delta);
                     for d in 0..hd {
-                        r.out[at_q(b, h, i) + d] += p[j] * v[at_k(b, hk, j) + d] as f64;
+                        r.out[at_q(b, h, i) + d] += p[n] * v[at_k(b, hk, j) + d] as f64;
                         r.dq[at_q(b, h, i) + d] += scale * ds * k[at_k(b, hk, j) + d] as f64;
                         r.dk[at_k(b, hk, j) + d] += scale * ds * qi[d] as f64;
-                        r.dv[at_k(b, hk, j) + d] += p[j] * gi[d] as f64;
+                        r.dv[at_k(b, hk, j) + d] += p[n] * gi[d] as f64;
                     }
                 }
             }
@@ -133,6 +155,7 @@ fn launch(
     client: &ComputeClient<WgpuRuntime>,
     c: &Case,
     [q, k, v, g]: [&[f32]; 4],
+    layout: Option<&Layout>,
 ) -> [Vec<f32>; 5] {
     let q_shape = [c.batch, c.heads, c.seq_q, c.head_dim];
     let k_shape = [c.batch, c.kv_heads, c.seq_k, c.head_dim];
@@ -149,11 +172,30 @@ fn launch(
     let row_shape = [c.batch, c.heads, c.seq_q, 1];
     let [lse, delta] = [row_shape; 2].map(|s| binding(client, &[], s));
     let [dq, dk, dv] = [q_shape, k_shape, k_shape].map(|s| binding(client, &[], s));
+    let layout_binding = layout.map(|l| {
+        let shape = [c.heads, l.blocks, l.blocks];
+        dims.check_layout(&shape, l.block).unwrap();
+        TensorBinding::<WgpuRuntime> {
+            handle: client.create_from_slice(u32::as_bytes(&l.kept)).binding(),
+            strides: Strides::new(&[l.blocks * l.blocks, l.blocks, 1]),
+            shape: Shape::new(shape),
+            runtime: PhantomData,
+        }
+    });
+    let sparsity = || {
+        layout
+            .zip(layout_binding.as_ref())
+            .map(|(l, b)| BlockSparsity {
+                layout: b,
+                block: l.block,
+            })
+    };
     flash_forward(
         client,
         &dims,
         f32_type,
         options,
+        sparsity(),
         [&bq.1, &bk.1, &bv.1],
         &out.1,
         &lse.1,
@@ -163,6 +205,7 @@ fn launch(
         &dims,
         f32_type,
         options,
+        sparsity(),
         [&bq.1, &bk.1, &bv.1],
         [&out.1, &bg.1, &lse.1, &delta.1],
         [&dq.1, &dk.1, &dv.1],
@@ -181,11 +224,11 @@ fn inputs(c: &Case) -> [Vec<f32>; 4] {
     ]
 }
 
-fn run(client: &ComputeClient<WgpuRuntime>, c: Case) {
+fn run(client: &ComputeClient<WgpuRuntime>, c: Case, layout: Option<&Layout>) {
     let [q, k, v, g] = inputs(&c);
     let scale = 1.0 / (c.head_dim as f32).sqrt();
-    let want = reference(&c, scale as f64, &q, &k, &v, &g);
-    let got = launch(client, &c, [&q, &k, &v, &g]);
+    let want = reference(&c, scale as f64, [&q, &k, &v, &g], layout);
+    let got = launch(client, &c, [&q, &k, &v, &g], layout);
     let wanted = [&want.out, &want.lse, &want.dq, &want.dk, &want.dv];
     for ((name, got), want) in ["out", "lse", "dq", "dk", "dv"]
         .iter()
@@ -213,7 +256,7 @@ fn a_nan_reaches_the_rows_that_see_it_and_no_others() {
     let [q, k, mut v, g] = inputs(&c);
     let bad_key = 5;
     v[bad_key * c.head_dim] = f32::NAN;
-    let [out, ..] = launch(&client, &c, [&q, &k, &v, &g]);
+    let [out, ..] = launch(&client, &c, [&q, &k, &v, &g], None);
     for h in 0..c.heads {
         for i in 0..c.seq_q {
             let o = out[(h * c.seq_q + i) * c.head_dim];
@@ -241,7 +284,78 @@ fn flash_attention_matches_the_materialized_softmax_and_its_gradients() {
         case(3, 1, 17, 9, 7, false),
         case(2, 1, 257, 257, 64, true),
         case(2, 2, 70, 131, 24, false),
+        // Rows split over 4 and 8 lanes.
+        case(4, 2, 37, 37, 128, true),
+        case(2, 1, 20, 29, 256, false),
     ] {
-        run(&client, c);
+        run(&client, c, None);
     }
+}
+
+/// The layouts of `config` for `seq` tokens as the kernels read them.
+fn layout_of(config: &SparsityConfig, seq: usize) -> Layout {
+    let heads = config.make_layout(seq).unwrap();
+    Layout {
+        blocks: heads[0].blocks,
+        block: config.block,
+        kept: heads
+            .iter()
+            .flat_map(|h| h.tiles.iter().map(|t| u32::from(*t)))
+            .collect(),
+    }
+}
+
+/// Block-sparse attention equals the materialized softmax under the same block mask: DeepSpeed
+/// layouts (fixed causal, bigbird with random blocks per head, variable), a block smaller
+/// than the kernel's tiles, and a layout leaving whole block rows empty.
+#[test]
+fn block_sparse_attention_equals_masked_dense_attention() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let case = |seq, causal| Case {
+        batch: 1,
+        heads: 4,
+        kv_heads: 2,
+        seq_q: seq,
+        seq_k: seq,
+        head_dim: 16,
+        causal,
+    };
+    let config = |block, per_head, mode| SparsityConfig {
+        num_heads: 4,
+        block,
+        different_layout_per_head: per_head,
+        mode,
+    };
+    let fixed = config(
+        16,
+        false,
+        SparsityMode::Fixed(FixedConfig {
+            num_local_blocks: 2,
+            attention: Direction::Unidirectional,
+            ..FixedConfig::default()
+        }),
+    );
+    run(&client, case(96, true), Some(&layout_of(&fixed, 96)));
+    let bird = config(16, true, SparsityMode::BigBird(BigBirdConfig::default()));
+    run(&client, case(96, false), Some(&layout_of(&bird, 96)));
+    let variable = config(
+        8,
+        false,
+        SparsityMode::Variable(VariableConfig {
+            local_window_blocks: vec![1, 3],
+            global_block_indices: vec![2],
+            ..VariableConfig::default()
+        }),
+    );
+    run(&client, case(72, false), Some(&layout_of(&variable, 72)));
+    // Block rows 1 and 3 of every head keep nothing: their rows get zeros.
+    let mut holes = layout_of(&config(8, false, SparsityMode::Dense), 40);
+    for h in 0..4 {
+        for row in [1, 3] {
+            for col in 0..5 {
+                holes.kept[(h * 5 + row) * 5 + col] = 0;
+            }
+        }
+    }
+    run(&client, case(40, false), Some(&holes));
 }

@@ -9,10 +9,16 @@
 //! f32, f16 or bf16, arithmetic in f32. `causal` lets row `i` see keys `j ≤ i` (top-left
 //! aligned, as burn's `tril_mask` and torch's `is_causal`).
 //!
-//! The kernels run on the CUDA cores, one unit per row (no tensor-core tiles yet).
+//! Block-sparse attention is the same kernels with a [`BlockSparsity`] layout: tiles without a
+//! kept block are skipped, pairs outside kept blocks masked.
+//!
+//! The kernels run on the CUDA cores (no tensor-core tiles yet): a row per `lanes` units, each
+//! holding `head_dim / lanes` elements in registers.
 
 mod backward;
 mod forward;
+mod lanes;
+mod sparse;
 
 use cubecl::prelude::*;
 
@@ -26,6 +32,16 @@ pub struct FlashOptions {
     pub causal: bool,
     /// Multiplies `q·k` before the softmax (usually `1/√head_dim`).
     pub scale: f32,
+}
+
+/// A block layout: `layout` is `[heads, blocks, blocks]` `u32`, nonzero where the
+/// `block × block` tile of a head's attention matrix is computed (`crate::sparse` makes them).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockSparsity<'a, R: Runtime> {
+    /// The layout's memory.
+    pub layout: &'a TensorBinding<R>,
+    /// Tokens per block side.
+    pub block: usize,
 }
 
 /// The sizes of one attention call, read from its operands' shapes.
@@ -94,17 +110,42 @@ impl AttentionDims {
             head_dim: q[3],
         })
     }
+
+    /// Whether a layout of `shape` (`[heads, blocks, blocks]`) in blocks of `block` tokens
+    /// covers these sizes, or what is wrong with it.
+    pub fn check_layout(&self, shape: &[usize], block: usize) -> Result<(), String> {
+        let longest = self.seq_q.max(self.seq_k);
+        match shape {
+            [h, n, m] if *h == self.heads && n == m && block > 0 && n * block >= longest => Ok(()),
+            _ => Err(format!(
+                "block-sparse attention: a layout of shape {shape:?} in blocks of {block} does \
+                 not cover {} heads × {longest} tokens (expected [{}, ⌈{longest}/{block}⌉, same])",
+                self.heads, self.heads
+            )),
+        }
+    }
 }
 
-/// Units per cube of the row-parallel kernels (forward, dq, dkdv).
+/// Rows (query rows, or key rows in `dkdv`) per cube.
 const ROWS: usize = 64;
 
-/// Rows of the shared tiles: the most (up to 32) whose two `tile × head_dim` f32 tiles plus the
-/// forward's score block fit the device's shared memory (48 KiB at most, the portable limit).
+/// Units holding one row: enough that each keeps at most 32 elements of it (a power of two
+/// that divides `head_dim`, so every lane holds the same width).
+fn lanes(head_dim: usize) -> usize {
+    let mut lanes = 1;
+    while lanes * 32 < head_dim && head_dim.is_multiple_of(lanes * 2) {
+        lanes *= 2;
+    }
+    lanes
+}
+
+/// Rows of the shared tiles: the most (up to 32) whose two `tile × head_dim` f32 tiles (plus
+/// `dkdv`'s two per-row values) fit the device's shared memory (48 KiB at most, the portable
+/// limit).
 fn tile_rows(client_limit: usize, head_dim: usize) -> usize {
     let budget = client_limit.min(48 * 1024);
     let mut tile = 32;
-    while tile > 1 && 4 * (2 * tile * head_dim + ROWS * (tile + 1) + 2 * tile) > budget {
+    while tile > 1 && 4 * (2 * tile * head_dim + 2 * tile) > budget {
         tile /= 2;
     }
     tile
@@ -125,54 +166,84 @@ fn arg<R: Runtime>(t: &TensorBinding<R>) -> TensorArg<R> {
     t.clone().into_tensor_arg()
 }
 
+/// The layout argument of a launch: the given one, or a one-block stand-in when dense.
+fn layout_arg<R: Runtime>(
+    client: &ComputeClient<R>,
+    sparsity: Option<BlockSparsity<'_, R>>,
+) -> (TensorBinding<R>, u32, bool) {
+    match sparsity {
+        Some(s) => (s.layout.clone(), s.block as u32, true),
+        None => {
+            let handle = client.create_from_slice(u32::as_bytes(&[1]));
+            let binding = TensorBinding::<R> {
+                handle: handle.binding(),
+                strides: cubecl::zspace::Strides::new(&[1, 1, 1]),
+                shape: cubecl::zspace::Shape::new([1, 1, 1]),
+                runtime: core::marker::PhantomData,
+            };
+            (binding, 1, false)
+        }
+    }
+}
+
 /// The forward: `out` and `lse` written from `q`, `k`, `v` (all of `dims`' shapes, elements
-/// of `dtype`; `lse` f32).
+/// of `dtype`; `lse` f32), dense or block-sparse.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: &AttentionDims,
     dtype: StorageType,
     options: FlashOptions,
+    sparsity: Option<BlockSparsity<'_, R>>,
     [q, k, v]: [&TensorBinding<R>; 3],
     out: &TensorBinding<R>,
     lse: &TensorBinding<R>,
 ) {
     let keys = tile_for(client, dims.head_dim);
+    let lanes = lanes(dims.head_dim);
+    let (layout, block, sparse) = layout_arg(client, sparsity);
     // SAFETY: the shapes were checked by `AttentionDims::of`, the bindings hold them, and
     // every access in the kernel is bounded by the shapes.
     unsafe {
         flash_forward_kernel::launch_unchecked::<R>(
             client,
             cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
-            CubeDim::new_1d(ROWS as u32),
+            CubeDim::new_1d((ROWS * lanes) as u32),
             arg(q),
             arg(k),
             arg(v),
             arg(out),
             arg(lse),
+            arg(&layout),
             options.scale,
+            block,
             options.causal,
+            sparse,
             dims.head_dim,
             ROWS,
             keys,
+            lanes,
             dtype,
         )
     }
 }
 
 /// The backward: `dq`, `dk`, `dv` from the forward's inputs, `out`, `lse` and the output's
-/// gradient `d_out`; `delta` is f32 scratch of `lse`'s shape.
+/// gradient `d_out`; `delta` is f32 scratch of `lse`'s shape; `sparsity` the forward's.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: &AttentionDims,
     dtype: StorageType,
     options: FlashOptions,
+    sparsity: Option<BlockSparsity<'_, R>>,
     [q, k, v]: [&TensorBinding<R>; 3],
     [out, d_out, lse, delta]: [&TensorBinding<R>; 4],
     [dq, dk, dv]: [&TensorBinding<R>; 3],
 ) {
     let tile = tile_for(client, dims.head_dim);
+    let lanes = lanes(dims.head_dim);
+    let (layout, block, sparse) = layout_arg(client, sparsity);
     // SAFETY: as in `flash_forward`.
     unsafe {
         flash_delta_kernel::launch_unchecked::<R>(
@@ -188,7 +259,7 @@ pub fn flash_backward<R: Runtime>(
         flash_dq_kernel::launch_unchecked::<R>(
             client,
             cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
-            CubeDim::new_1d(ROWS as u32),
+            CubeDim::new_1d((ROWS * lanes) as u32),
             arg(q),
             arg(k),
             arg(v),
@@ -196,17 +267,21 @@ pub fn flash_backward<R: Runtime>(
             arg(lse),
             arg(delta),
             arg(dq),
+            arg(&layout),
             options.scale,
+            block,
             options.causal,
+            sparse,
             dims.head_dim,
             ROWS,
             tile,
+            lanes,
             dtype,
         );
         flash_dkdv_kernel::launch_unchecked::<R>(
             client,
             cubes(dims.seq_k, ROWS, dims.batch * dims.kv_heads),
-            CubeDim::new_1d(ROWS as u32),
+            CubeDim::new_1d((ROWS * lanes) as u32),
             arg(q),
             arg(k),
             arg(v),
@@ -215,11 +290,15 @@ pub fn flash_backward<R: Runtime>(
             arg(delta),
             arg(dk),
             arg(dv),
+            arg(&layout),
             options.scale,
+            block,
             options.causal,
+            sparse,
             dims.head_dim,
             ROWS,
             tile,
+            lanes,
             dtype,
         );
     }
@@ -246,11 +325,24 @@ mod tests {
         for limit in [16 * 1024, 32 * 1024, 48 * 1024, 228 * 1024] {
             for hd in [1, 7, 64, 128, 256] {
                 let t = tile_rows(limit, hd);
-                let bytes = 4 * (2 * t * hd + ROWS * (t + 1) + 2 * t);
+                let bytes = 4 * (2 * t * hd + 2 * t);
                 assert!(t >= 1 && (t == 1 || bytes <= limit), "{limit} {hd} {t}");
             }
         }
         assert_eq!(tile_rows(48 * 1024, 128), 32);
+    }
+
+    #[test]
+    fn lanes_divide_the_head_dimension() {
+        let got: Vec<usize> = [1, 7, 32, 33, 64, 96, 100, 128, 256].map(lanes).to_vec();
+        assert_eq!(got, [1, 1, 1, 1, 2, 4, 4, 4, 8]);
+        for hd in 1..=MAX_HEAD_DIM {
+            let l = lanes(hd);
+            assert!(
+                hd.is_multiple_of(l) && l.is_power_of_two() && l <= 8,
+                "{hd}: {l}"
+            );
+        }
     }
 }
 
