@@ -139,7 +139,9 @@ fn run(
     ]
 }
 
-/// Largest |a − b| over the largest |b|; infinite when `a` holds a non-finite value.
+/// Largest |a − b| over the largest |b| (at least 1e-3: at seq 1 the softmax is 1 and dQ, dK
+/// are exactly 0, their computed values rounding noise of products of order 1); infinite when
+/// `a` holds a non-finite value.
 fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     if a.iter().any(|x| !x.is_finite()) {
         return f64::INFINITY;
@@ -147,7 +149,7 @@ fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     let scale = b
         .iter()
         .fold(0.0f64, |m, x| m.max(x.abs() as f64))
-        .max(1e-6);
+        .max(1e-3);
     let worst = a
         .iter()
         .zip(b)
