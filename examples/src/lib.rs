@@ -1,6 +1,7 @@
 //! Pieces shared by the example programs: a small MLP and synthetic data.
 #![warn(missing_docs)]
 
+pub mod cli;
 pub mod plot;
 
 use burn::module::{Module, ModuleMapper, Param};

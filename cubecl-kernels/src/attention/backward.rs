@@ -14,7 +14,7 @@
 mod kernel {
     use cubecl::prelude::*;
 
-    use super::super::lanes::{lane_dot, load_slice, stage_rows, store_slice};
+    use super::super::lanes::{lane_dot, last_of, load_slice, stage_kv, stage_rows, store_slice};
     use super::super::sparse::{block_kept, tile_kept};
 
     /// `delta[b, h, i] = Σ_d out[b, h, i, d]·d_out[b, h, i, d]` in f32. Cube `y` = `b·heads + h`.
@@ -112,50 +112,20 @@ mod kernel {
         }
 
         let mut kv_end = seq_k;
-        if causal && first_row + rows < seq_k {
-            kv_end = first_row + rows;
+        if causal {
+            kv_end = last_of(first_row, rows, seq_k) + 1;
         }
-        let mut last_row = seq_q - 1;
-        if first_row + rows < seq_q {
-            last_row = first_row + rows - 1;
-        }
+        let last_row = last_of(first_row, rows, seq_q);
         let hk = h / group;
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
         let mut start = 0;
         while start < kv_end {
-            let mut last_key = seq_k - 1;
-            if start + keys < seq_k {
-                last_key = start + keys - 1;
-            }
+            let last_key = last_of(start, keys, seq_k);
             if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
-                let (ks, kd) = (k.stride(2), k.stride(3));
-                let (vs, vd) = (v.stride(2), v.stride(3));
-                stage_rows::<F>(
-                    k,
-                    k_at,
-                    ks,
-                    kd,
-                    start,
-                    seq_k,
-                    1.0,
-                    &mut k_tile,
-                    keys,
-                    head_dim,
-                    units,
-                );
-                stage_rows::<F>(
-                    v,
-                    v_at,
-                    vs,
-                    vd,
-                    start,
-                    seq_k,
-                    1.0,
-                    &mut v_tile,
-                    keys,
-                    head_dim,
-                    units,
+                let (kt, vt) = (&mut k_tile, &mut v_tile);
+                stage_kv::<F>(
+                    k, v, k_at, v_at, start, seq_k, kt, vt, keys, head_dim, units,
                 );
                 sync_cube();
                 for j in 0..keys {
@@ -271,10 +241,7 @@ mod kernel {
             dv_acc[e] = 0.0;
         }
 
-        let mut last_key = seq_k - 1;
-        if first_key + keys < seq_k {
-            last_key = first_key + keys - 1;
-        }
+        let last_key = last_of(first_key, keys, seq_k);
         // Causal: query rows before this cube's first key see none of its keys.
         let mut first = 0;
         if causal {
@@ -288,10 +255,7 @@ mod kernel {
             let delta_at = b * delta.stride(0) + h * delta.stride(1);
             let mut start = first;
             while start < seq_q {
-                let mut last_row = seq_q - 1;
-                if start + rows < seq_q {
-                    last_row = start + rows - 1;
-                }
+                let last_row = last_of(start, rows, seq_q);
                 if !sparse || tile_kept(layout, h, block, start, last_row, first_key, last_key) {
                     let (qs, qd) = (q.stride(2), q.stride(3));
                     let (gs, gd) = (d_out.stride(2), d_out.stride(3));

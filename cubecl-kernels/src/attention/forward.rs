@@ -8,7 +8,7 @@
 mod kernel {
     use cubecl::prelude::*;
 
-    use super::super::lanes::{lane_dot, load_slice, stage_rows, store_slice};
+    use super::super::lanes::{lane_dot, last_of, load_slice, stage_kv, store_slice};
     use super::super::sparse::{block_kept, tile_kept};
 
     /// `out[b, h, i] = softmax(scale·q_i·Kᵀ) V` over the keys row `i` sees (all, or `j ≤ i`
@@ -74,50 +74,20 @@ mod kernel {
         let mut l = 0.0f32;
 
         let mut kv_end = seq_k;
-        if causal && first_row + rows < seq_k {
-            kv_end = first_row + rows;
+        if causal {
+            kv_end = last_of(first_row, rows, seq_k) + 1;
         }
-        let mut last_row = seq_q - 1;
-        if first_row + rows < seq_q {
-            last_row = first_row + rows - 1;
-        }
+        let last_row = last_of(first_row, rows, seq_q);
         let hk = h / group;
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
         let mut start = 0;
         while start < kv_end {
-            let mut last_key = seq_k - 1;
-            if start + keys < seq_k {
-                last_key = start + keys - 1;
-            }
+            let last_key = last_of(start, keys, seq_k);
             if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
-                let (ks, kd) = (k.stride(2), k.stride(3));
-                let (vs, vd) = (v.stride(2), v.stride(3));
-                stage_rows::<F>(
-                    k,
-                    k_at,
-                    ks,
-                    kd,
-                    start,
-                    seq_k,
-                    1.0,
-                    &mut k_tile,
-                    keys,
-                    head_dim,
-                    units,
-                );
-                stage_rows::<F>(
-                    v,
-                    v_at,
-                    vs,
-                    vd,
-                    start,
-                    seq_k,
-                    1.0,
-                    &mut v_tile,
-                    keys,
-                    head_dim,
-                    units,
+                let (kt, vt) = (&mut k_tile, &mut v_tile);
+                stage_kv::<F>(
+                    k, v, k_at, v_at, start, seq_k, kt, vt, keys, head_dim, units,
                 );
                 sync_cube();
                 for j in 0..keys {

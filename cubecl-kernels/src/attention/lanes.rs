@@ -121,3 +121,40 @@ pub(crate) fn stage_rows<F: Float>(
         e += units;
     }
 }
+
+/// The last index of `first..first + count` within `0..len` (`first < len`).
+#[cube]
+pub(crate) fn last_of(first: usize, count: usize, len: usize) -> usize {
+    let mut last = len - 1;
+    if first + count < len {
+        last = first + count - 1;
+    }
+    last
+}
+
+/// Stages rows `start..start + count` of K and V (at `k_at`, `v_at` of their head) in the two
+/// tiles, as f32, zeros past `seq`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_kv<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    k_at: usize,
+    v_at: usize,
+    start: usize,
+    seq: usize,
+    k_tile: &mut SharedMemory<f32>,
+    v_tile: &mut SharedMemory<f32>,
+    #[comptime] count: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+) {
+    let (ks, kd) = (k.stride(2), k.stride(3));
+    let (vs, vd) = (v.stride(2), v.stride(3));
+    stage_rows::<F>(
+        k, k_at, ks, kd, start, seq, 1.0, k_tile, count, head_dim, units,
+    );
+    stage_rows::<F>(
+        v, v_at, vs, vd, start, seq, 1.0, v_tile, count, head_dim, units,
+    );
+}

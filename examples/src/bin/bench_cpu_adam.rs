@@ -8,13 +8,8 @@ use std::time::Instant;
 
 use burn_offload::memory::{advise_huge_pages, zeroed_f32};
 use burn_offload::{AdamStep, CpuAdam, Grad, Out, SimdLevel};
+use burn_zero_examples::cli::arg;
 use half::bf16;
-
-fn arg(args: &[String], flag: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1).cloned())
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();

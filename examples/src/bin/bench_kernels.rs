@@ -17,29 +17,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use burn_zero::config::{OptimizerKind, OptimizerParams};
 use burn_zero::optim::{StepParams, TensorOptimizer};
+use burn_zero_examples::cli::{arg, values};
 
 type B = Cuda;
 type Device = burn::tensor::Device<B>;
-
-fn arg(args: &[String], flag: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
-/// Deterministic values in [-1, 1), never zero.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let v = ((s >> 40) as f32) / (1u64 << 24) as f32 * 2.0 - 1.0;
-            if v == 0.0 { 0.5 } else { v }
-        })
-        .collect()
-}
 
 fn tensor(v: Vec<f32>, device: &Device) -> Tensor<B, 1> {
     let n = v.len();

@@ -1,0 +1,38 @@
+//! Small helpers of the benchmark programs: flags and deterministic inputs.
+
+/// The value after `flag` in `args`, if any.
+pub fn arg(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+/// `n` deterministic values in [-1, 1) from `seed`, never zero (a zero input can hide a
+/// kernel that skips work).
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let v = ((s >> 40) as f32) / (1u64 << 24) as f32 * 2.0 - 1.0;
+            if v == 0.0 { 0.5 } else { v }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_and_values() {
+        let args: Vec<String> = ["bin", "--seq", "8"].map(String::from).to_vec();
+        assert_eq!(arg(&args, "--seq").as_deref(), Some("8"));
+        assert_eq!(arg(&args, "--hd"), None);
+        let v = values(1000, 3);
+        assert!(v.iter().all(|x| *x != 0.0 && (-1.0..1.0).contains(x)));
+        assert_eq!(v, values(1000, 3));
+    }
+}
