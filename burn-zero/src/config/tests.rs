@@ -305,3 +305,38 @@ fn resolve_optimizer_kinds_like_deepspeed() {
         .to_string();
     assert!(e.contains("`optimizer`") && e.contains("required"), "{e}");
 }
+
+/// `sparse_attention` is read with DeepSpeed's keys (no longer "not implemented yet"), a mode's
+/// own keys and defaults reach its layout settings, and a misspelled key is named.
+#[test]
+fn sparse_attention_is_read_with_deepspeed_keys() {
+    let loaded = load(
+        r#"{"train_batch_size": 8, "sparse_attention": {"mode": "bslongformer", "block": 32,
+        "num_sliding_window_blocks": 5, "global_block_indices": [0, 4],
+        "num_slidng_window_blocks": 3}}"#,
+    );
+    let sparse = loaded
+        .config
+        .sparse_attention
+        .as_ref()
+        .expect("the section is read");
+    assert_eq!(
+        loaded.warnings,
+        vec!["unknown key `sparse_attention.num_slidng_window_blocks`: ignored".to_string()]
+    );
+    let s = sparse.sparsity(12).unwrap();
+    assert_eq!((s.num_heads, s.block), (12, 32));
+    match s.mode {
+        cubecl_kernels::sparse::SparsityMode::BsLongformer(c) => {
+            assert_eq!(c.num_sliding_window_blocks, 5);
+            assert_eq!(c.global_block_indices, vec![0, 4]);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        load(r#"{"train_batch_size": 8}"#)
+            .config
+            .sparse_attention
+            .is_none()
+    );
+}
