@@ -10,7 +10,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::Tensor;
@@ -19,15 +19,49 @@ use cubecl_kernels::sparse::SparsityConfig;
 
 use crate::config::SparseAttentionConfig;
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-static DISABLED_BY_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+/// The configured choice: 0 automatic, 1 always, 2 never.
+static CHOICE: AtomicU8 = AtomicU8::new(0);
+static FROM_ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// Switches the flash kernels on or off process-wide (`initialize` sets it from
-/// `burn_zero.flash_attention`; `BURN_ZERO_FLASH_ATTENTION=0` in the environment keeps them
-/// off whatever the config says).
-pub fn set_flash_attention(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
+/// Sets when the flash kernels run, process-wide (`initialize` sets it from
+/// `burn_zero.flash_attention`): `Some(true)` always, `Some(false)` never, `None` where they are
+/// measured faster ([`flash_chosen`]). `BURN_ZERO_FLASH_ATTENTION=1` or `=0` in the
+/// environment overrides the config.
+pub fn set_flash_attention(choice: Option<bool>) {
+    let code = match choice {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    };
+    CHOICE.store(code, Ordering::Relaxed);
+}
+
+/// Whether the kernels run for heads of `head_dim` over `seq` tokens. Automatic: for head dims
+/// up to 64, for sequences of 4096 tokens or more, and always when `sparse_attention` is set.
+/// Measured on one H200 end to end: at head dim 64 (the 1B Llama, seq 1024) the step was 9%
+/// faster with them; at head dim 128 (the 3B, seq 1024) it took 0.669 s against 0.439 s, their
+/// backward running on the CUDA cores; at seq 8192 the materialized path reserved 29 GB for one
+/// attention call, the kernels 1 GB.
+pub fn flash_chosen(head_dim: usize, seq: usize) -> bool {
+    let env = *FROM_ENV.get_or_init(|| match std::env::var("BURN_ZERO_FLASH_ATTENTION") {
+        Ok(v) if v == "0" => Some(false),
+        Ok(v) if v == "1" => Some(true),
+        _ => None,
+    });
+    let sparse = SPARSE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .config
+        .is_some();
+    match env.or(match CHOICE.load(Ordering::Relaxed) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }) {
+        Some(choice) => choice,
+        None => sparse || head_dim <= 64 || seq >= 4096,
+    }
 }
 
 /// The `sparse_attention` section in force and the layout of the last (heads, seq) it made.
@@ -89,13 +123,6 @@ fn warn_sparse_not_applied() {
     }
 }
 
-/// Whether [`flash_attention`] may run the kernels.
-pub fn flash_attention_enabled() -> bool {
-    let env_off = *DISABLED_BY_ENV
-        .get_or_init(|| std::env::var("BURN_ZERO_FLASH_ATTENTION").is_ok_and(|v| v == "0"));
-    ENABLED.load(Ordering::Relaxed) && !env_off
-}
-
 /// Attention calls the flash kernels ran in this process so far.
 pub fn flash_attention_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
@@ -105,8 +132,8 @@ pub fn flash_attention_calls() -> u64 {
 /// (`[batch, kv_heads, seq_k, head_dim]`, `heads` a multiple of `kv_heads`: grouped-query
 /// attention without repeating K/V), `scale = 1/√head_dim`, row `i` seeing keys `j ≤ i` when
 /// `causal`. `Some` where the flash kernels ran (differentiable under `Autodiff`), `None`
-/// where they do not apply (another backend, a dtype other than f32/bf16/f16, or switched
-/// off): the caller then runs its own attention. With a `sparse_attention` section in force
+/// where they do not apply (another backend, a dtype other than f32/bf16/f16, or not chosen
+/// for this shape: [`flash_chosen`]): the caller then runs its own attention. With a `sparse_attention` section in force
 /// ([`set_sparse_attention`]) it is block-sparse with that layout.
 ///
 /// # Panics
@@ -117,11 +144,11 @@ pub fn flash_attention<B: Backend>(
     v: Tensor<B, 4>,
     causal: bool,
 ) -> Option<Tensor<B, 4>> {
-    if !flash_attention_enabled() {
+    let [_, heads, seq, head_dim] = q.dims();
+    if !flash_chosen(head_dim, seq) {
         warn_sparse_not_applied();
         return None;
     }
-    let [_, heads, seq, _] = q.dims();
     let layout = configured_layout(heads, seq);
     let out = run(q, k, v, causal, layout.as_deref());
     if out.is_none() {
@@ -216,6 +243,19 @@ mod tests {
         let t = || Tensor::<B, 4>::ones([1, 2, 3, 4], &device);
         assert!(flash_attention(t(), t(), t(), true).is_none());
         assert_eq!(forward_macs(&[1, 2, 3, 4], &[1, 1, 5, 4]), 2 * 24 * 5);
+    }
+
+    #[test]
+    fn the_automatic_choice_follows_the_measurements() {
+        // The environment variable is not set in the test runs.
+        set_flash_attention(None);
+        assert!(flash_chosen(64, 1024) && flash_chosen(128, 8192));
+        assert!(!flash_chosen(128, 1024));
+        set_flash_attention(Some(true));
+        assert!(flash_chosen(128, 1024));
+        set_flash_attention(Some(false));
+        assert!(!flash_chosen(64, 8192));
+        set_flash_attention(None);
     }
 
     #[test]

@@ -155,9 +155,10 @@ pub struct BurnZeroConfig {
     /// `fused_adam`: the device optimizer runs Adam/AdamW as one fused CubeCL kernel on CUDA
     /// (default true; false keeps burn's tensor ops, the reference).
     pub fused_adam: bool,
-    /// `flash_attention`: `burn_zero::attention::flash_attention` runs the CubeCL flash
-    /// kernels on CUDA (default true; false lets the model run its materialized attention).
-    pub flash_attention: bool,
+    /// `flash_attention`: when `burn_zero::attention::flash_attention` runs the CubeCL flash
+    /// kernels on CUDA: true always, false never (the model runs its materialized attention),
+    /// absent or null where measured faster (`burn_zero::attention::flash_chosen`).
+    pub flash_attention: Option<bool>,
 }
 
 impl Default for BurnZeroConfig {
@@ -167,7 +168,7 @@ impl Default for BurnZeroConfig {
             cpu_adam: CpuAdamConfig::default(),
             max_buffer_elements: 1 << 30,
             fused_adam: true,
-            flash_attention: true,
+            flash_attention: None,
         }
     }
 }
