@@ -2,7 +2,6 @@
 //! primitives, and the autodiff op whose backward runs the backward kernels.
 
 use core::any::{Any, TypeId};
-use std::sync::Arc;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -16,7 +15,6 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::CubeElement;
 use cubecl::cuda::CudaRuntime;
-use cubecl::prelude::TensorBinding;
 use cubecl_kernels::attention::{
     AttentionDims, BlockSparsity, FlashOptions, flash_backward, flash_forward,
 };
@@ -46,22 +44,19 @@ pub(super) fn flash_attention<B: Backend>(
     causal: bool,
     layout: Option<&SparseLayout>,
 ) -> Option<Tensor<B, 4>> {
-    let options = Options {
-        causal,
-        layout: layout.cloned().map(Arc::new),
-    };
     if TypeId::of::<B>() == TypeId::of::<ZeroAd>() {
         let [q, k, v] = [q, k, v].map(|t| cast::<Tensor<ZeroAd, 4>>(t).map(float));
-        let out = autodiff_attention(q?, k?, v?, options)?;
+        let out = autodiff_attention(q?, k?, v?, causal, layout)?;
         return cast(Tensor::<ZeroAd, 4>::from_primitive(TensorPrimitive::Float(
             out,
         )));
     }
     if TypeId::of::<B>() == TypeId::of::<Zero>() {
         let [q, k, v] = [q, k, v].map(|t| cast::<Tensor<Zero, 4>>(t).map(float));
-        let (out, _) = forward(&Cube::of(&q?)?, &Cube::of(&k?)?, &Cube::of(&v?)?, &options)?;
+        let [q, k, v] = [Cube::of(&q?)?, Cube::of(&k?)?, Cube::of(&v?)?];
+        let (out, _) = forward(&q, &k, &v, &Options::new([&q, &k, &v], causal, layout)?);
         return cast(Tensor::<Zero, 4>::from_primitive(TensorPrimitive::Float(
-            out,
+            out.zero,
         )));
     }
     None
@@ -111,86 +106,96 @@ impl Cube {
     }
 }
 
-/// What one call computes beyond its inputs.
+/// What one call computes beyond its inputs: its sizes, the mask, and a block layout in
+/// device memory (uploaded once, for the forward and the backward).
 #[derive(Clone, Debug)]
 struct Options {
+    dims: AttentionDims,
     causal: bool,
-    layout: Option<Arc<SparseLayout>>,
+    /// The layout (`[heads, blocks, blocks]` `u32`) and its block.
+    layout: Option<(CubeTensor<CudaRuntime>, usize)>,
 }
 
 impl Options {
-    fn kernel(&self, dims: &AttentionDims) -> FlashOptions {
-        FlashOptions {
-            causal: self.causal,
-            scale: 1.0 / (dims.head_dim as f32).sqrt(),
+    /// `None` where the kernels do not take the operands (their dtypes differ).
+    ///
+    /// # Panics
+    /// On shapes attention cannot take, or a layout that does not cover them, naming them.
+    fn new([q, k, v]: [&Cube; 3], causal: bool, layout: Option<&SparseLayout>) -> Option<Self> {
+        if q.cube.dtype != k.cube.dtype || q.cube.dtype != v.cube.dtype {
+            return None;
         }
-    }
-
-    /// The layout on the device beside `like`, checked against `dims`.
-    fn layout_on(&self, like: &Cube, dims: &AttentionDims) -> Option<TensorBinding<CudaRuntime>> {
-        let layout = self.layout.as_ref()?;
-        let shape = [layout.heads, layout.blocks, layout.blocks];
-        dims.check_layout(&shape, layout.block)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let handle = like
-            .cube
-            .client
-            .create_from_slice(u32::as_bytes(&layout.kept));
-        Some(TensorBinding {
-            handle: handle.binding(),
-            strides: cubecl::zspace::Strides::new(&[
-                layout.blocks * layout.blocks,
-                layout.blocks,
-                1,
-            ]),
-            shape: cubecl::zspace::Shape::new(shape),
-            runtime: core::marker::PhantomData,
+        let dims =
+            AttentionDims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("{e}"));
+        let layout = layout.map(|l| {
+            let shape = [l.heads, l.blocks, l.blocks];
+            dims.check_layout(&shape, l.block)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let handle = q.cube.client.create_from_slice(u32::as_bytes(&l.kept));
+            let tensor = CubeTensor::new_contiguous(
+                q.cube.client.clone(),
+                q.cube.device.clone(),
+                Shape::from(shape.to_vec()),
+                handle,
+                DType::U32,
+            );
+            (tensor, l.block)
+        });
+        Some(Self {
+            dims,
+            causal,
+            layout,
         })
     }
-}
 
-fn sparsity<'a>(
-    options: &Options,
-    binding: Option<&'a TensorBinding<CudaRuntime>>,
-) -> Option<BlockSparsity<'a, CudaRuntime>> {
-    Some(BlockSparsity {
-        layout: binding?,
-        block: options.layout.as_ref()?.block,
-    })
-}
-
-fn dims(q: &Cube, k: &Cube, v: &Cube) -> Option<AttentionDims> {
-    if q.cube.dtype != k.cube.dtype || q.cube.dtype != v.cube.dtype {
-        return None;
+    fn kernel(&self) -> FlashOptions {
+        FlashOptions {
+            causal: self.causal,
+            scale: 1.0 / (self.dims.head_dim as f32).sqrt(),
+        }
     }
-    Some(AttentionDims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// Runs `launch` with the call's block layout, if any, as the kernels take it.
+fn with_sparsity<T>(
+    options: &Options,
+    launch: impl FnOnce(Option<BlockSparsity<'_, CudaRuntime>>) -> T,
+) -> T {
+    let binding = options
+        .layout
+        .as_ref()
+        .map(|(t, block)| (t.clone().binding(), *block));
+    launch(binding.as_ref().map(|(layout, block)| BlockSparsity {
+        layout,
+        block: *block,
+    }))
 }
 
 /// The output and the f32 log-sum-exp of each row (`[b, h, s]`).
-fn forward(
-    q: &Cube,
-    k: &Cube,
-    v: &Cube,
-    options: &Options,
-) -> Option<(ZeroTensor<Inner>, CubeTensor<CudaRuntime>)> {
-    let dims = dims(q, k, v)?;
-    let layout = options.layout_on(q, &dims);
+fn forward(q: &Cube, k: &Cube, v: &Cube, options: &Options) -> (Cube, CubeTensor<CudaRuntime>) {
+    let dims = &options.dims;
     let out = q.empty(&q.shape(), q.cube.dtype);
     let lse = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
     if crate::profile::recording() {
         crate::profile::record_macs(super::forward_macs(&q.shape(), &k.shape()));
     }
-    flash_forward(
-        &q.cube.client,
-        &dims,
-        q.cube.dtype.into(),
-        options.kernel(&dims),
-        sparsity(options, layout.as_ref()),
-        [q, k, v].map(|t| t.cube.clone().binding()).each_ref(),
-        &out.clone().binding(),
-        &lse.clone().binding(),
-    );
-    Some((q.wrap(out), lse))
+    with_sparsity(options, |sparsity| {
+        flash_forward(
+            &q.cube.client,
+            dims,
+            q.cube.dtype.into(),
+            options.kernel(),
+            sparsity,
+            [q, k, v].map(|t| t.cube.clone().binding()).each_ref(),
+            &out.clone().binding(),
+            &lse.clone().binding(),
+        )
+    });
+    let out = Cube {
+        zero: q.wrap(out.clone()),
+        cube: out,
+    };
+    (out, lse)
 }
 
 /// The autodiff op: forward through the kernel, its state what the backward kernels read.
@@ -198,27 +203,29 @@ fn autodiff_attention(
     q: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
     k: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
     v: <ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
-    options: Options,
+    causal: bool,
+    layout: Option<&SparseLayout>,
 ) -> Option<<ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive> {
     let [cq, ck, cv] = [&q, &k, &v].map(|t| Cube::of(&t.primitive));
     let (cq, ck, cv) = (cq?, ck?, cv?);
-    let (out, lse) = forward(&cq, &ck, &cv, &options)?;
+    let options = Options::new([&cq, &ck, &cv], causal, layout)?;
+    let (out, lse) = forward(&cq, &ck, &cv, &options);
     let prep = FlashBackward
         .prepare::<NoCheckpointing>([q.node.clone(), k.node.clone(), v.node.clone()])
         .compute_bound()
         .stateful();
     Some(match prep {
         OpsKind::Tracked(prep) => {
-            let out_cube = Cube::of(&out).expect("the output is a CUDA tensor");
+            let primitive = out.zero.clone();
             let state = FlashState {
                 inputs: [cq, ck, cv],
-                out: out_cube,
+                out,
                 lse,
                 options,
             };
-            prep.finish(state, out)
+            prep.finish(state, primitive)
         }
-        OpsKind::UnTracked(prep) => prep.finish(out),
+        OpsKind::UnTracked(prep) => prep.finish(out.zero),
     })
 }
 
@@ -245,30 +252,31 @@ impl Backward<Zero, 3> for FlashBackward {
         } = ops.state;
         let d_out = grads.consume::<Zero>(&ops.node);
         let d_out = Cube::of(&d_out).expect("the gradient of a CUDA tensor is one");
-        let dims = dims(&q, &k, &v).expect("the forward's inputs");
+        let dims = &options.dims;
         if crate::profile::recording() {
             // Scores recomputed, dP, dV, dQ, dK: five products of the forward's size each.
             let macs = super::forward_macs(&q.shape(), &k.shape()) / 2 * 5;
             crate::profile::record_macs(macs);
         }
-        let layout = options.layout_on(&q, &dims);
         let delta = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
         let dtype = q.cube.dtype;
         let [dq, dk, dv] = [&q, &k, &v].map(|t| t.empty(&t.shape(), dtype));
-        flash_backward(
-            &q.cube.client,
-            &dims,
-            dtype.into(),
-            options.kernel(&dims),
-            sparsity(&options, layout.as_ref()),
-            [&q, &k, &v].map(|t| t.cube.clone().binding()).each_ref(),
-            [out.cube.clone(), d_out.cube.clone(), lse, delta]
-                .map(CubeTensor::binding)
-                .each_ref(),
-            [dq.clone(), dk.clone(), dv.clone()]
-                .map(CubeTensor::binding)
-                .each_ref(),
-        );
+        with_sparsity(&options, |sparsity| {
+            flash_backward(
+                &q.cube.client,
+                dims,
+                dtype.into(),
+                options.kernel(),
+                sparsity,
+                [&q, &k, &v].map(|t| t.cube.clone().binding()).each_ref(),
+                [out.cube.clone(), d_out.cube.clone(), lse, delta]
+                    .map(CubeTensor::binding)
+                    .each_ref(),
+                [dq.clone(), dk.clone(), dv.clone()]
+                    .map(CubeTensor::binding)
+                    .each_ref(),
+            )
+        });
         let parents: [Option<NodeId>; 3] = ops.parents.map(|p| p.map(|node| node.id));
         for (parent, grad) in parents.into_iter().zip([dq, dk, dv]) {
             if let Some(id) = parent {

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use cubecl_kernels::sparse::SparsityConfig;
+pub use cubecl_kernels::sparse::SparseLayout;
 
 use crate::config::SparseAttentionConfig;
 
@@ -133,8 +133,9 @@ pub fn flash_attention_calls() -> u64 {
 /// attention without repeating K/V), `scale = 1/√head_dim`, row `i` seeing keys `j ≤ i` when
 /// `causal`. `Some` where the flash kernels ran (differentiable under `Autodiff`), `None`
 /// where they do not apply (another backend, a dtype other than f32/bf16/f16, or not chosen
-/// for this shape: [`flash_chosen`]): the caller then runs its own attention. With a `sparse_attention` section in force
-/// ([`set_sparse_attention`]) it is block-sparse with that layout.
+/// for this shape: [`flash_chosen`]): the caller then runs its own attention. With a
+/// `sparse_attention` section in force ([`set_sparse_attention`]) it is block-sparse with
+/// that layout.
 ///
 /// # Panics
 /// On shapes attention cannot take, naming them.
@@ -155,41 +156,6 @@ pub fn flash_attention<B: Backend>(
         warn_sparse_not_applied();
     }
     out
-}
-
-/// Every head's block layout of one sequence length, as the kernels read it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SparseLayout {
-    /// Query heads.
-    pub heads: usize,
-    /// Blocks per side.
-    pub blocks: usize,
-    /// Tokens per block side.
-    pub block: usize,
-    /// `[heads, blocks, blocks]`, 1 where a tile is computed.
-    pub kept: Vec<u32>,
-}
-
-impl SparseLayout {
-    /// The layout `config` defines for sequences of `seq` tokens (an error names the setting
-    /// that does not fit).
-    pub fn new(config: &SparsityConfig, seq: usize) -> Result<Self, String> {
-        let heads = config.make_layout(seq)?;
-        Ok(Self {
-            heads: heads.len(),
-            blocks: heads.first().map_or(0, |h| h.blocks),
-            block: config.block,
-            kept: heads
-                .iter()
-                .flat_map(|h| h.tiles.iter().map(|t| u32::from(*t)))
-                .collect(),
-        })
-    }
-
-    /// The share of tiles computed.
-    pub fn density(&self) -> f64 {
-        self.kept.iter().filter(|k| **k != 0).count() as f64 / self.kept.len().max(1) as f64
-    }
 }
 
 /// [`flash_attention`] restricted to the tiles `layout` keeps (block-sparse attention, forward
@@ -256,33 +222,5 @@ mod tests {
         set_flash_attention(Some(false));
         assert!(!flash_chosen(64, 8192));
         set_flash_attention(None);
-    }
-
-    #[test]
-    fn a_sparse_layout_holds_every_heads_tiles() {
-        use cubecl_kernels::sparse::{BigBirdConfig, SparsityMode};
-        let config = SparsityConfig {
-            num_heads: 3,
-            block: 16,
-            different_layout_per_head: true,
-            mode: SparsityMode::BigBird(BigBirdConfig::default()),
-        };
-        let layout = SparseLayout::new(&config, 128).unwrap();
-        let heads = config.make_layout(128).unwrap();
-        assert_eq!(
-            (layout.heads, layout.blocks, layout.kept.len()),
-            (3, 8, 3 * 64)
-        );
-        for (h, head) in heads.iter().enumerate() {
-            for (t, tile) in head.tiles.iter().enumerate() {
-                assert_eq!(layout.kept[h * 64 + t] != 0, *tile);
-            }
-        }
-        assert!(layout.density() > 0.0 && layout.density() < 1.0);
-        assert!(
-            SparseLayout::new(&config, 100)
-                .unwrap_err()
-                .contains("block size 16")
-        );
     }
 }

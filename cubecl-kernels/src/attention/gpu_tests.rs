@@ -9,9 +9,12 @@ use cubecl::prelude::*;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use cubecl::zspace::{Shape, Strides};
 
-use super::{AttentionDims, BlockSparsity, FlashOptions, flash_backward, flash_forward};
+use super::{
+    AttentionDims, BlockSparsity, FlashOptions, flash_backward, flash_forward, layout_binding,
+};
 use crate::sparse::{
-    BigBirdConfig, Direction, FixedConfig, SparsityConfig, SparsityMode, VariableConfig,
+    BigBirdConfig, Direction, FixedConfig, SparseLayout, SparsityConfig, SparsityMode,
+    VariableConfig,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -43,23 +46,14 @@ struct Grads {
     dv: Vec<f64>,
 }
 
-/// A block layout: `[heads, blocks, blocks]` kept flags and the block side.
-#[derive(Clone, Debug)]
-struct Layout {
-    kept: Vec<u32>,
-    blocks: usize,
-    block: usize,
-}
-
-impl Layout {
-    fn keeps(&self, h: usize, i: usize, j: usize) -> bool {
-        self.kept[(h * self.blocks + i / self.block) * self.blocks + j / self.block] != 0
-    }
-}
-
 /// Materialized attention and its gradients in f64, contiguous layouts; a row that sees no key
 /// (block-sparse only) has zero output and a log-sum-exp of 0, as the kernel defines it.
-fn reference(c: &Case, scale: f64, [q, k, v, g]: [&[f32]; 4], layout: Option<&Layout>) -> Grads {
+fn reference(
+    c: &Case,
+    scale: f64,
+    [q, k, v, g]: [&[f32]; 4],
+    layout: Option<&SparseLayout>,
+) -> Grads {
     let (hd, group) = (c.head_dim, c.heads / c.kv_heads);
     let at_q = |b: usize, h: usize, i: usize| ((b * c.heads + h) * c.seq_q + i) * hd;
     let at_k = |b: usize, h: usize, j: usize| ((b * c.kv_heads + h) * c.seq_k + j) * hd;
@@ -155,7 +149,7 @@ fn launch(
     client: &ComputeClient<WgpuRuntime>,
     c: &Case,
     [q, k, v, g]: [&[f32]; 4],
-    layout: Option<&Layout>,
+    layout: Option<&SparseLayout>,
 ) -> [Vec<f32>; 5] {
     let q_shape = [c.batch, c.heads, c.seq_q, c.head_dim];
     let k_shape = [c.batch, c.kv_heads, c.seq_k, c.head_dim];
@@ -173,14 +167,9 @@ fn launch(
     let [lse, delta] = [row_shape; 2].map(|s| binding(client, &[], s));
     let [dq, dk, dv] = [q_shape, k_shape, k_shape].map(|s| binding(client, &[], s));
     let layout_binding = layout.map(|l| {
-        let shape = [c.heads, l.blocks, l.blocks];
-        dims.check_layout(&shape, l.block).unwrap();
-        TensorBinding::<WgpuRuntime> {
-            handle: client.create_from_slice(u32::as_bytes(&l.kept)).binding(),
-            strides: Strides::new(&[l.blocks * l.blocks, l.blocks, 1]),
-            shape: Shape::new(shape),
-            runtime: PhantomData,
-        }
+        dims.check_layout(&[l.heads, l.blocks, l.blocks], l.block)
+            .unwrap();
+        layout_binding(client, l)
     });
     let sparsity = || {
         layout
@@ -224,7 +213,7 @@ fn inputs(c: &Case) -> [Vec<f32>; 4] {
     ]
 }
 
-fn run(client: &ComputeClient<WgpuRuntime>, c: Case, layout: Option<&Layout>) {
+fn run(client: &ComputeClient<WgpuRuntime>, c: Case, layout: Option<&SparseLayout>) {
     let [q, k, v, g] = inputs(&c);
     let scale = 1.0 / (c.head_dim as f32).sqrt();
     let want = reference(&c, scale as f64, [&q, &k, &v, &g], layout);
@@ -293,16 +282,8 @@ fn flash_attention_matches_the_materialized_softmax_and_its_gradients() {
 }
 
 /// The layouts of `config` for `seq` tokens as the kernels read them.
-fn layout_of(config: &SparsityConfig, seq: usize) -> Layout {
-    let heads = config.make_layout(seq).unwrap();
-    Layout {
-        blocks: heads[0].blocks,
-        block: config.block,
-        kept: heads
-            .iter()
-            .flat_map(|h| h.tiles.iter().map(|t| u32::from(*t)))
-            .collect(),
-    }
+fn layout_of(config: &SparsityConfig, seq: usize) -> SparseLayout {
+    SparseLayout::new(config, seq).unwrap()
 }
 
 /// Block-sparse attention equals the materialized softmax under the same block mask: DeepSpeed

@@ -22,6 +22,8 @@ mod sparse;
 
 use cubecl::prelude::*;
 
+use crate::sparse::SparseLayout;
+
 use backward::{flash_delta_kernel, flash_dkdv_kernel, flash_dq_kernel};
 use forward::flash_forward_kernel;
 
@@ -35,7 +37,8 @@ pub struct FlashOptions {
 }
 
 /// A block layout: `layout` is `[heads, blocks, blocks]` `u32`, nonzero where the
-/// `block × block` tile of a head's attention matrix is computed (`crate::sparse` makes them).
+/// `block × block` tile of a head's attention matrix is computed ([`layout_binding`] of a
+/// [`SparseLayout`]).
 #[derive(Clone, Copy, Debug)]
 pub struct BlockSparsity<'a, R: Runtime> {
     /// The layout's memory.
@@ -166,7 +169,24 @@ fn arg<R: Runtime>(t: &TensorBinding<R>) -> TensorArg<R> {
     t.clone().into_tensor_arg()
 }
 
-/// The layout argument of a launch: the given one, or a one-block stand-in when dense.
+/// `layout` in device memory, as the kernels read it (`[heads, blocks, blocks]` `u32`).
+pub fn layout_binding<R: Runtime>(
+    client: &ComputeClient<R>,
+    layout: &SparseLayout,
+) -> TensorBinding<R> {
+    let (heads, blocks) = (layout.heads, layout.blocks);
+    TensorBinding {
+        handle: client
+            .create_from_slice(u32::as_bytes(&layout.kept))
+            .binding(),
+        strides: cubecl::zspace::Strides::new(&[blocks * blocks, blocks, 1]),
+        shape: cubecl::zspace::Shape::new([heads, blocks, blocks]),
+        runtime: core::marker::PhantomData,
+    }
+}
+
+/// The layout argument of a launch: the given one, or a one-block stand-in when dense (the
+/// kernels do not read it then).
 fn layout_arg<R: Runtime>(
     client: &ComputeClient<R>,
     sparsity: Option<BlockSparsity<'_, R>>,
@@ -174,14 +194,13 @@ fn layout_arg<R: Runtime>(
     match sparsity {
         Some(s) => (s.layout.clone(), s.block as u32, true),
         None => {
-            let handle = client.create_from_slice(u32::as_bytes(&[1]));
-            let binding = TensorBinding::<R> {
-                handle: handle.binding(),
-                strides: cubecl::zspace::Strides::new(&[1, 1, 1]),
-                shape: cubecl::zspace::Shape::new([1, 1, 1]),
-                runtime: core::marker::PhantomData,
+            let dense = SparseLayout {
+                heads: 1,
+                blocks: 1,
+                block: 1,
+                kept: vec![1],
             };
-            (binding, 1, false)
+            (layout_binding(client, &dense), 1, false)
         }
     }
 }

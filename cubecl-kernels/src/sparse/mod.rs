@@ -246,3 +246,44 @@ impl SparsityConfig {
         Ok(layout)
     }
 }
+
+/// Every head's layout of one sequence length as the kernels read it: `[heads, blocks,
+/// blocks]`, 1 where a tile is computed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SparseLayout {
+    /// Query heads.
+    pub heads: usize,
+    /// Blocks per side.
+    pub blocks: usize,
+    /// Tokens per block side.
+    pub block: usize,
+    /// `[heads, blocks, blocks]`, row-major.
+    pub kept: Vec<u32>,
+}
+
+impl SparseLayout {
+    /// The layout `config` defines for sequences of `seq` tokens (an error names the setting
+    /// that does not fit).
+    pub fn new(config: &SparsityConfig, seq: usize) -> Result<Self, String> {
+        let heads = config.make_layout(seq)?;
+        Ok(Self {
+            heads: heads.len(),
+            blocks: heads.first().map_or(0, |h| h.blocks),
+            block: config.block,
+            kept: heads
+                .iter()
+                .flat_map(|h| h.tiles.iter().map(|t| u32::from(*t)))
+                .collect(),
+        })
+    }
+
+    /// Whether head `h` computes the pair (query `row`, key `key`).
+    pub fn keeps(&self, h: usize, row: usize, key: usize) -> bool {
+        self.kept[(h * self.blocks + row / self.block) * self.blocks + key / self.block] != 0
+    }
+
+    /// The share of tiles computed.
+    pub fn density(&self) -> f64 {
+        self.kept.iter().filter(|k| **k != 0).count() as f64 / self.kept.len().max(1) as f64
+    }
+}

@@ -1,8 +1,8 @@
 //! Layouts written out by hand, as DeepSpeed's `sparsity_config.py` defines them.
 
 use super::{
-    BigBirdConfig, BlockLayout, BsLongformerConfig, Direction, FixedConfig, SparsityConfig,
-    SparsityMode, VariableConfig,
+    BigBirdConfig, BlockLayout, BsLongformerConfig, Direction, FixedConfig, SparseLayout,
+    SparsityConfig, SparsityMode, VariableConfig,
 };
 
 /// A layout written as rows of `#` (computed) and `.`.
@@ -378,4 +378,32 @@ fn bigbird_and_variable_bad_settings_are_named() {
         ..VariableConfig::default()
     }));
     assert!(e.contains("local_window_blocks"), "{e}");
+}
+
+#[test]
+fn a_sparse_layout_holds_every_heads_tiles() {
+    let config = SparsityConfig {
+        num_heads: 3,
+        block: 16,
+        different_layout_per_head: true,
+        mode: SparsityMode::BigBird(BigBirdConfig::default()),
+    };
+    let layout = SparseLayout::new(&config, 128).unwrap();
+    let heads = config.make_layout(128).unwrap();
+    assert_eq!(
+        (layout.heads, layout.blocks, layout.kept.len()),
+        (3, 8, 3 * 64)
+    );
+    for (h, head) in heads.iter().enumerate() {
+        for (t, tile) in head.tiles.iter().enumerate() {
+            assert_eq!(layout.kept[h * 64 + t] != 0, *tile);
+            assert_eq!(layout.keeps(h, t / 8 * 16 + 3, t % 8 * 16 + 15), *tile);
+        }
+    }
+    assert!(layout.density() > 0.0 && layout.density() < 1.0);
+    assert!(
+        SparseLayout::new(&config, 100)
+            .unwrap_err()
+            .contains("block size 16")
+    );
 }

@@ -38,13 +38,10 @@ fn tensor(shape: [usize; 4], seed: u64, dtype: FloatDType, device: &Device) -> T
 
 /// `[1, heads, s, s]`, true where a pair lies outside the layout's kept blocks.
 fn layout_mask(layout: &SparseLayout, s: usize, device: &Device) -> Tensor<B, 4, Bool> {
-    let (n, blk) = (layout.blocks, layout.block);
     let mut masked = Vec::with_capacity(layout.heads * s * s);
     for h in 0..layout.heads {
         for i in 0..s {
-            for j in 0..s {
-                masked.push(layout.kept[(h * n + i / blk) * n + j / blk] == 0);
-            }
+            masked.extend((0..s).map(|j| !layout.keeps(h, i, j)));
         }
     }
     Tensor::from_data(TensorData::new(masked, [1, layout.heads, s, s]), device)
