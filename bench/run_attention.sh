@@ -21,6 +21,9 @@ for flash in 1 0; do
     2>> "$out/attention.log"
   echo "memory flash=$flash: exit $?"
 done
+.gpu/bin/bench-attention memory --seq 8192 --hd 128 --sparse bigbird >> /tmp/attn.jsonl \
+  2>> "$out/attention.log"
+echo "memory block-sparse: exit $?"
 python3 bench/attention_torch.py "$iterations" > /tmp/attn-torch.jsonl 2>> "$out/attention.log"
 echo "torch: exit $?"; tail -n 5 "$out/attention.log"
 python3 - "$kind" "$out/attention-$kind.json" <<'PY'

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device side of issue 10's kernel benchmark, one call (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-kernels):
-# the fused AdamW kernel checked against the tensor-op optimizer and timed beside burn's tensor
+# the fused AdamW kernel and LAMB passes checked against the tensor-op optimizer and timed beside burn's tensor
 # ops (bench-kernels), torch.optim.AdamW(fused=True) and a copy measuring the bandwidth
 # (bench/kernels_torch.py), same GPU, same parameter count; merged into $OUT/kernels-<kind>.json.
 #   bash bench/run_kernels.sh KIND [PARAMS]       (STEPS)
@@ -26,6 +26,9 @@ if "fused_s" in ours and "adamw_fused_s" in torch:
     result["fused_fraction_of_copy_bandwidth"] = ours["fused_gb_per_s"] / torch["copy_gb_per_s"]
     result["torch_fraction_of_copy_bandwidth"] = torch["adamw_fused_gb_per_s"] / torch["copy_gb_per_s"]
     result["tensor_ops_over_fused_time"] = ours["tensor_ops_s"] / ours["fused_s"]
+if "lamb_fused_s" in ours and "copy_gb_per_s" in torch:
+    result["lamb_tensor_ops_over_fused_time"] = ours["lamb_tensor_ops_s"] / ours["lamb_fused_s"]
+    result["lamb_fused_fraction_of_copy_bandwidth"] = ours["lamb_fused_gb_per_s"] / torch["copy_gb_per_s"]
 json.dump(result, open(sys.argv[2], "w"), indent=1)
 print(json.dumps({k: v for k, v in result.items() if k not in ("ours",)}, indent=1))
 PY

@@ -2,7 +2,9 @@
 //!
 //! [`adam`]: fused AdamW over a partition (one read and write of master, gradient and
 //! moments). Tested on the CPU through wgpu on Mesa's lavapipe (`--features wgpu`, with the
-//! environment `scripts/lavapipe.sh` prints); a fused LAMB comes next.
+//! environment `scripts/lavapipe.sh` prints).
+//! [`lamb`]: fused LAMB over a partition of many tensors, in two passes around the read-back of
+//! the per-tensor norms (which ZeRO sums across ranks).
 //! [`attention`]: flash attention forward and backward for training (no S×S tensor), dense or
 //! block-sparse.
 //! [`sparse`]: DeepSpeed's block-sparse attention layouts (dense, fixed, bslongformer, bigbird,
@@ -11,6 +13,7 @@
 
 pub mod adam;
 pub mod attention;
+pub mod lamb;
 pub mod sparse;
 
 #[cfg(all(test, feature = "wgpu"))]

@@ -68,3 +68,132 @@ fn fused_adamw_into_new_buffers_matches_the_host_update() {
         }
     }
 }
+
+/// LAMB's trust ratio (the engine's `LambSettings::trust`, min 0.01, max 10).
+fn trust(w: f64, u: f64) -> f64 {
+    if w > 0.0 && u > 0.0 {
+        (w / u).clamp(0.01, 10.0)
+    } else {
+        1.0
+    }
+}
+
+/// The fused LAMB passes over 10 steps against the tensor ops' order of operations on the
+/// host: partitions of odd lengths cut into tensors with gaps between them (gaps keep their
+/// weights), the per-piece norms within f32 summation error of f64 ones, and the weights and
+/// moments after 10 steps.
+#[test]
+fn fused_lamb_matches_the_host_update() {
+    use crate::lamb::{LambConstants, LambPlan, lamb_apply, lamb_moments};
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let cases: [(usize, Vec<std::ops::Range<usize>>, Vec<bool>); 3] = [
+        (1, std::iter::once(0..1).collect(), vec![true]),
+        (7, vec![0..2, 2..3, 3..7], vec![true, false, true]),
+        (
+            1_000_003,
+            vec![0..5, 5..300_001, 300_001..300_004, 300_004..1_000_003],
+            vec![true, true, false, true],
+        ),
+    ];
+    for (n, pieces, tensor) in cases {
+        let plan = LambPlan::new(n, &pieces);
+        let on_device = plan.upload(&client);
+        let mut w = values(n, 5);
+        for (p, r) in pieces.iter().enumerate() {
+            if !tensor[p] {
+                w[r.clone()].iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let mut h = [&w, &m, &v].map(|x| client.create_from_slice(f32::as_bytes(x)));
+        let lr = 1e-2f32;
+        for t in 1..=10i32 {
+            let mut g: Vec<f32> = values(n, 40 + t as u32).iter().map(|x| x * 0.1).collect();
+            for (p, r) in pieces.iter().enumerate() {
+                if !tensor[p] {
+                    g[r.clone()].iter_mut().for_each(|x| *x = 0.0);
+                }
+            }
+            let k = LambConstants {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-6,
+                weight_decay: 0.01,
+                bias_correction1: 1.0 - 0.9f32.powi(t),
+                bias_correction2: 1.0 - 0.999f32.powi(t),
+            };
+            // The host: moments, updates, norms in f64, then each tensor's step.
+            let mut update = vec![0.0f32; n];
+            for i in 0..n {
+                m[i] = m[i] * k.beta1 + g[i] * (1.0 - k.beta1);
+                v[i] = v[i] * k.beta2 + g[i] * (1.0 - k.beta2) * g[i];
+                let denom = (v[i] / k.bias_correction2).sqrt() + k.eps;
+                update[i] = m[i] / k.bias_correction1 / denom + k.weight_decay * w[i];
+            }
+            let norms: Vec<(f64, f64)> = pieces
+                .iter()
+                .map(|r| {
+                    let sq = |x: &[f32]| x.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>();
+                    (sq(&w[r.clone()]), sq(&update[r.clone()]))
+                })
+                .collect();
+            // The kernels: pass 1, the norms read back, the steps, pass 2.
+            let hg = client.create_from_slice(f32::as_bytes(&g));
+            let moments = [0; 2].map(|_| client.empty(4 * n));
+            let sums = lamb_moments(
+                &client,
+                &k,
+                &plan,
+                &on_device,
+                [&h[0], &hg, &h[1], &h[2]],
+                [&moments[0], &moments[1]],
+            );
+            let sums = f32::from_bytes(&client.read_one(sums).expect("sums")).to_vec();
+            let mut steps = Vec::new();
+            for (p, (ww, uu)) in norms.iter().enumerate() {
+                for (got, want) in [(sums[2 * p], ww), (sums[2 * p + 1], uu)] {
+                    assert!(
+                        (f64::from(got) - want).abs() <= 1e-5 * want.max(1e-30),
+                        "n {n}, step {t}, piece {p}: sum {got} vs {want}"
+                    );
+                }
+                let ratio = trust(
+                    f64::from(sums[2 * p]).sqrt(),
+                    f64::from(sums[2 * p + 1]).sqrt(),
+                );
+                steps.push(if tensor[p] { lr * ratio as f32 } else { 0.0 });
+                let host_step = if tensor[p] {
+                    lr * trust(ww.sqrt(), uu.sqrt()) as f32
+                } else {
+                    0.0
+                };
+                for i in pieces[p].clone() {
+                    w[i] -= update[i] * host_step;
+                }
+            }
+            let master_out = client.empty(4 * n);
+            let [m_new, v_new] = moments;
+            lamb_apply(
+                &client,
+                &k,
+                &plan,
+                &on_device,
+                [&h[0], &m_new, &v_new],
+                &steps,
+                &master_out,
+            );
+            h = [master_out, m_new, v_new];
+        }
+        for (name, handle, want) in [("master", &h[0], &w), ("m", &h[1], &m), ("v", &h[2], &v)] {
+            let bytes = client
+                .read_one(handle.clone())
+                .expect("the result comes back");
+            for (i, (a, b)) in f32::from_bytes(&bytes).iter().zip(want.iter()).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "n {n}, {name}[{i}]: {a} vs {b}"
+                );
+            }
+        }
+    }
+}

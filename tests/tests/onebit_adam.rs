@@ -1,5 +1,5 @@
 //! 1-bit Adam (`optimizer.type = "OneBitAdam"`) on 3 thread ranks at ZeRO stage 0: full Adam
-//! for `freeze_step` steps, then the variance frozen and the momentum averaged 1-bit compressed
+//! for `freeze_step` steps, then the variance frozen and the update averaged 1-bit compressed
 //! with error feedback instead of the gradients all-reduced. Every rank ends with the same
 //! parameters, each compressed exchange sends at least 5× fewer bytes than an fp32 all-reduce
 //! of the momentum, and the loss over the last steps is no more than 1% above the

@@ -52,7 +52,7 @@ pub enum OptimizerKind {
     /// ratio ‖w‖ / ‖update‖, clamped to [`min_coeff`, `max_coeff`].
     Lamb,
     /// 1-bit Adam (DeepSpeed's `OneBitAdam`): Adam for `freeze_step` steps, then the variance
-    /// frozen and the momentum averaged 1-bit compressed with error feedback instead of the
+    /// frozen and the update averaged 1-bit compressed with error feedback instead of the
     /// gradients all-reduced (ZeRO stage 0).
     OneBitAdam,
 }

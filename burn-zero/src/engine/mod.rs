@@ -248,7 +248,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.optim.swap_files()
     }
 
-    /// 1-bit Adam: what the last step's compressed momentum exchange sent, beside what an fp32
+    /// 1-bit Adam: what the last step's compressed exchange sent, beside what an fp32
     /// all-reduce of the same vector would (`None` before `freeze_step` and for other
     /// optimizers).
     pub fn compressed_volume(&self) -> Option<crate::optim::CommVolume> {

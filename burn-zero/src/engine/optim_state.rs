@@ -192,7 +192,7 @@ impl<I: Backend> Optim<I> {
     }
 
     /// LAMB's parameter tensors in the partition (see [`TensorBounds`]) and the data-parallel
-    /// ranks (1-bit Adam's momentum exchange).
+    /// ranks (1-bit Adam's exchange).
     pub(crate) fn with_segments(self, bounds: TensorBounds, data: Arc<dyn Communicator>) -> Self {
         match self {
             Optim::Device { master, opt } => Optim::Device {
@@ -203,7 +203,7 @@ impl<I: Backend> Optim<I> {
         }
     }
 
-    /// 1-bit Adam: whether the next step exchanges the compressed momentum instead of
+    /// 1-bit Adam: whether the next step exchanges the compressed update instead of
     /// all-reduced gradients.
     pub(crate) fn compresses_next_step(&self) -> bool {
         matches!(self, Optim::Device { opt, .. } if opt.compresses_next_step())

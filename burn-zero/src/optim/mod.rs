@@ -5,9 +5,12 @@ use serde::Serialize;
 
 #[cfg(feature = "cuda")]
 mod fused_cuda;
+mod lamb;
 mod onebit;
 mod tensor;
-pub use onebit::{CommVolume, OneBitCompressor, pack_signs, unpack_signs};
+pub use onebit::{
+    CommVolume, OneBitCompressor, SCALE_BLOCK, adam_update_bound, pack_signs, unpack_signs,
+};
 pub use tensor::{TensorBounds, TensorOptimizer};
 
 use crate::config::{OptimizerKind, OptimizerParams};

@@ -10,7 +10,8 @@
 //!   attention at seq 4k/8k/16k, forward + backward: milliseconds, and the share of tiles kept;
 //!   `check` also compares it with the materialized softmax under the layout's mask.
 //! - `memory --seq S --hd D --flash 0|1`: one training step of attention at that size, the
-//!   cubecl pool's reserved bytes after it (burn's materialized fallback with `--flash 0`).
+//!   cubecl pool's reserved bytes after it (burn's materialized fallback with `--flash 0`,
+//!   block-sparse under a bigbird layout with `--sparse bigbird`).
 //!
 //! Each mode prints one JSON line; `bench/run_attention.sh` runs them beside torch's SDPA.
 
@@ -324,13 +325,28 @@ fn sparse(device: &Device, iterations: usize) {
     }
 }
 
-fn memory(device: &Device, seq: usize, hd: usize, flash: bool) {
+/// The memory of one training step of attention: the flash kernels, burn's materialized
+/// fallback (`flash` false), or block-sparse with DeepSpeed's bigbird layout (`sparse`).
+fn memory(device: &Device, seq: usize, hd: usize, flash: bool, sparse: bool) {
     set_flash_attention(Some(flash));
     let (b, h) = (16384 / seq, 2048 / hd);
     let shape = [b, h, seq, hd];
     let [q, k, v] = [1, 2, 3].map(|seed| tensor(shape, seed, FloatDType::BF16, device));
     let [q, k, v] = [q, k, v].map(|t| t.require_grad());
-    let out = match flash_attention(q.clone(), k.clone(), v.clone(), true) {
+    let layout = sparse.then(|| {
+        let config = SparsityConfig {
+            num_heads: h,
+            block: 64,
+            different_layout_per_head: false,
+            mode: SparsityMode::BigBird(BigBirdConfig::default()),
+        };
+        SparseLayout::new(&config, seq).expect("layout")
+    });
+    let attention = match &layout {
+        Some(l) => block_sparse_attention(q.clone(), k.clone(), v.clone(), l, false),
+        None => flash_attention(q.clone(), k.clone(), v.clone(), true),
+    };
+    let out = match attention {
         Some(out) => out,
         None => {
             // burn's own attention: under Autodiff, its materialized fallback.
@@ -354,6 +370,8 @@ fn memory(device: &Device, seq: usize, hd: usize, flash: bool) {
     println!(
         "{}",
         json!({"memory": {"seq": seq, "head_dim": hd, "batch": b, "heads": h, "flash": flash,
+            "block_sparse": layout.as_ref().map(|l| json!({"layout": "bigbird", "block": 64,
+                "density": l.density()})),
             "reserved_bytes": usage.bytes_reserved, "in_use_bytes": usage.bytes_in_use,
             "qkv_bytes": attention_inputs,
             "score_matrix_bytes_f32": b * h * seq * seq * 4}})
@@ -385,10 +403,11 @@ fn main() {
             arg(&args, "--seq").map_or(8192, |s| s.parse().expect("--seq N")),
             arg(&args, "--hd").map_or(128, |s| s.parse().expect("--hd N")),
             arg(&args, "--flash").is_none_or(|s| s != "0"),
+            arg(&args, "--sparse").is_some_and(|s| s == "bigbird"),
         ),
         _ => {
             eprintln!(
-                "usage: bench-attention check | time [--iterations N] | sparse [--iterations N] | memory [--seq S] [--hd D] [--flash 0|1]"
+                "usage: bench-attention check | time [--iterations N] | sparse [--iterations N] | memory [--seq S] [--hd D] [--flash 0|1] [--sparse bigbird]"
             );
             std::process::exit(2);
         }

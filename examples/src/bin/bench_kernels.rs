@@ -1,10 +1,13 @@
-//! The fused AdamW kernel on a GPU (issue 10), checked and timed in one run:
-//! 1. check: the engine's device optimizer with the fused kernel against its tensor-op
-//!    reference (`burn_zero.fused_adam` off), lengths 1, 7, 64 and 1,000,003, AdamW and Adam
-//!    with L2, 10 steps of random (never zero) gradients: master and moments within 1e-6
-//!    relative; a NaN in the gradient stays NaN in the weights;
-//! 2. time: one step over N parameters (default 2^28) fused and as burn's tensor ops (fused by
-//!    burn's fusion where it can), reported per 1e9 parameters with the bytes each moves.
+//! The fused AdamW kernel and the fused LAMB passes on a GPU (issue 10), checked and timed in
+//! one run:
+//! 1. check: the engine's device optimizer with the fused kernels against its tensor-op
+//!    reference (`burn_zero.fused_adam` off), lengths 1, 7, 64 and 1,000,003, AdamW, Adam with
+//!    L2 and LAMB (the longest partition cut into three tensors with a gap), 10 steps of random
+//!    (never zero) gradients: master and moments within 1e-6 relative (LAMB 1e-5: its norms are
+//!    summed in another order); a NaN in the gradient stays NaN in the weights;
+//! 2. time: one step over N parameters (default 2^28; LAMB's cut into 200 tensors) fused and as
+//!    burn's tensor ops (fused by burn's fusion where it can), per 1e9 parameters with the bytes
+//!    each moves.
 //!
 //! `bench-kernels [--params N] [--steps S]` prints one JSON object; `bench/run_kernels.sh`
 //! runs it beside `torch.optim.AdamW(fused=True)` and a copy that measures the GPU's
@@ -16,7 +19,7 @@ use burn::backend::Cuda;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use burn_zero::config::{OptimizerKind, OptimizerParams};
-use burn_zero::optim::{StepParams, TensorOptimizer};
+use burn_zero::optim::{StepParams, TensorBounds, TensorOptimizer};
 use burn_zero_examples::cli::{arg, values};
 
 type B = Cuda;
@@ -31,16 +34,63 @@ fn host(t: &Tensor<B, 1>) -> Vec<f32> {
     t.clone().into_data().to_vec().expect("f32")
 }
 
-fn optimizer(decoupled: bool, len: usize, fused: bool, device: &Device) -> TensorOptimizer<B> {
+/// The optimizers checked and timed.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    AdamW,
+    AdamL2,
+    /// LAMB over a partition cut into this many tensors (the longest check: 3 with a gap).
+    Lamb(usize),
+}
+
+fn optimizer(kind: Kind, len: usize, fused: bool, device: &Device) -> TensorOptimizer<B> {
     let params = OptimizerParams {
         lr: 1e-2,
         weight_decay: 0.05,
         ..Default::default()
     };
-    let kind = OptimizerKind::Adam {
-        decoupled_weight_decay: decoupled,
+    let (optimizer_kind, tensors) = match kind {
+        Kind::AdamW | Kind::AdamL2 => (
+            OptimizerKind::Adam {
+                decoupled_weight_decay: matches!(kind, Kind::AdamW),
+            },
+            None,
+        ),
+        Kind::Lamb(n) => (OptimizerKind::Lamb, Some(lamb_tensors(len, n))),
     };
-    TensorOptimizer::new(kind, &params, len, device).with_fused(fused)
+    let opt = TensorOptimizer::new(optimizer_kind, &params, len, device).with_fused(fused);
+    match tensors {
+        Some(bounds) => opt.with_segments(bounds),
+        None => opt,
+    }
+}
+
+/// `n` equal tensors over `len` (the last takes the rest); with 3, a gap of 3 elements
+/// before the last (the partition's padding between tensors, which keeps its value).
+fn lamb_tensors(len: usize, n: usize) -> TensorBounds {
+    let size = (len / n).max(1);
+    let mut segments: Vec<_> = (0..n)
+        .map(|i| {
+            (
+                i,
+                (i * size).min(len)..if i + 1 == n {
+                    len
+                } else {
+                    ((i + 1) * size).min(len)
+                },
+            )
+        })
+        .filter(|(_, r)| !r.is_empty())
+        .collect();
+    if n == 3 && len > 10 {
+        let last = segments.last_mut().expect("three tensors");
+        last.1.start += 3;
+    }
+    TensorBounds {
+        params: n,
+        segments,
+        comm: None,
+    }
 }
 
 /// The largest relative difference of two equally long vectors (NaN where one is NaN and the
@@ -63,14 +113,14 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Fused against tensor ops: the worst relative difference of master, m and v over 10 steps.
-fn check(len: usize, decoupled: bool, device: &Device) -> f64 {
+fn check(len: usize, kind: Kind, device: &Device) -> f64 {
     let hp = StepParams {
         lr: 1e-2,
         betas: (0.9, 0.999),
     };
     let (mut fused, mut reference) = (
-        optimizer(decoupled, len, true, device),
-        optimizer(decoupled, len, false, device),
+        optimizer(kind, len, true, device),
+        optimizer(kind, len, false, device),
     );
     let (mut a, mut b) = (
         tensor(values(len, 1), device),
@@ -90,12 +140,12 @@ fn check(len: usize, decoupled: bool, device: &Device) -> f64 {
 }
 
 /// Seconds per step over `len` parameters (median of `steps` after one warm-up).
-fn time(len: usize, fused: bool, steps: usize, device: &Device) -> f64 {
+fn time(len: usize, kind: Kind, fused: bool, steps: usize, device: &Device) -> f64 {
     let hp = StepParams {
         lr: 1e-4,
         betas: (0.9, 0.999),
     };
-    let mut opt = optimizer(true, len, fused, device);
+    let mut opt = optimizer(kind, len, fused, device);
     let mut w = Tensor::<B, 1>::random([len], burn::tensor::Distribution::Default, device);
     let g = Tensor::<B, 1>::random([len], burn::tensor::Distribution::Default, device);
     let mut times = Vec::new();
@@ -121,21 +171,26 @@ fn main() {
     let mut checks = Vec::new();
     let mut passed = true;
     for len in [1usize, 7, 64, 1_000_003] {
-        for decoupled in [true, false] {
-            let worst = check(len, decoupled, &device);
-            let ok = worst <= 1e-6;
+        for kind in [Kind::AdamW, Kind::AdamL2, Kind::Lamb(3)] {
+            let worst = check(len, kind, &device);
+            let ok = worst
+                <= if matches!(kind, Kind::Lamb(_)) {
+                    1e-5
+                } else {
+                    1e-6
+                };
             passed &= ok;
             eprintln!(
-                "check len {len}, decoupled {decoupled}: max rel diff {worst:e} {}",
+                "check len {len}, {kind:?}: max rel diff {worst:e} {}",
                 if ok { "ok" } else { "FAILED" }
             );
-            checks.push(serde_json::json!({"len": len, "decoupled": decoupled, "max_rel_diff": worst, "ok": ok}));
+            checks.push(serde_json::json!({"len": len, "optimizer": format!("{kind:?}"), "max_rel_diff": worst, "ok": ok}));
         }
     }
     // A NaN gradient element must reach the weights.
     let mut g = values(9, 5);
     g[4] = f32::NAN;
-    let mut opt = optimizer(true, 9, true, &device);
+    let mut opt = optimizer(Kind::AdamW, 9, true, &device);
     let hp = StepParams {
         lr: 1e-2,
         betas: (0.9, 0.999),
@@ -144,16 +199,23 @@ fn main() {
     let nan_kept = w[4].is_nan() && w.iter().enumerate().all(|(i, x)| i == 4 || x.is_finite());
     passed &= nan_kept;
     eprintln!("a NaN gradient element stays NaN in the weights: {nan_kept}");
-    let fused = time(n, true, steps, &device);
-    let ops = time(n, false, steps, &device);
+    let fused = time(n, Kind::AdamW, true, steps, &device);
+    let ops = time(n, Kind::AdamW, false, steps, &device);
+    let lamb_fused = time(n, Kind::Lamb(200), true, steps, &device);
+    let lamb_ops = time(n, Kind::Lamb(200), false, steps, &device);
     let per_billion = 1e9 / n as f64;
-    // Fused: reads master, gradient, m, v and writes master, m, v.
-    let bytes = 7.0 * 4.0 * n as f64;
+    // Fused AdamW reads master, gradient, m, v and writes master, m, v; fused LAMB's first
+    // pass reads the four and writes m, v, its second reads master, m, v and writes master.
+    let (bytes, lamb_bytes) = (7.0 * 4.0 * n as f64, 10.0 * 4.0 * n as f64);
     let result = serde_json::json!({
         "params": n, "steps": steps, "checks": checks, "nan_propagates": nan_kept, "passed": passed,
         "fused_s": fused, "tensor_ops_s": ops,
         "fused_s_per_1e9": fused * per_billion, "tensor_ops_s_per_1e9": ops * per_billion,
         "fused_bytes": bytes, "fused_gb_per_s": bytes / fused / 1e9,
+        "lamb_tensors": 200, "lamb_fused_s": lamb_fused, "lamb_tensor_ops_s": lamb_ops,
+        "lamb_fused_s_per_1e9": lamb_fused * per_billion,
+        "lamb_tensor_ops_s_per_1e9": lamb_ops * per_billion,
+        "lamb_fused_bytes": lamb_bytes, "lamb_fused_gb_per_s": lamb_bytes / lamb_fused / 1e9,
     });
     println!("{result}");
     if !passed {
