@@ -95,6 +95,14 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     let mut stage3 = stage3.transpose()?;
 
     let device = model_device(&model);
+    super::device_failure::watch();
+    #[cfg(feature = "cuda")]
+    let big_buffers = {
+        let max_piece = resolved.config.burn_zero.max_buffer_elements;
+        let sizes = big_buffer_bytes(&plan, stage, comm.rank(), max_piece);
+        crate::backend::cuda::exact_size_allocations::<I>(&device, &sizes);
+        sizes
+    };
     let precision = Precision::new::<I>(&resolved.config, &device);
     let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
     // Frozen parameters (a LoRA base) are neither reduced nor optimized, but every rank must
@@ -167,6 +175,9 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     // and a large model's gradient buffer would not fit beside them).
     I::sync(&device).map_err(|e| EngineError::Usage(format!("the device failed: {e:?}")))?;
     I::memory_cleanup(&device);
+    // The cleanup forgets exact sizes without a live buffer: the optimizer's come next.
+    #[cfg(feature = "cuda")]
+    crate::backend::cuda::exact_size_allocations::<I>(&device, &big_buffers);
     let optim = match master {
         Initial::Device(master) => Optim::new(&resolved, master, comm.rank())?,
         Initial::Host(master) => Optim::on_host(&resolved, master, device.clone(), comm.rank())?,
@@ -343,4 +354,24 @@ fn tensor_bounds<I: Backend>(
         params: layout.slots().len(),
         comm: (stage > 0 && comm.world_size() > 1).then(|| comm.clone()),
     }
+}
+
+/// The byte sizes of the engine's largest flat buffers, in f32 and in 16 bits: the whole
+/// model, this rank's partition and a chunk, and the gradient buffer's pieces of each. Only
+/// sizes of at least 64 MiB: the pools serve smaller ones well.
+#[cfg(feature = "cuda")]
+fn big_buffer_bytes(plan: &PartitionPlan, stage: u8, rank: usize, max_piece: usize) -> Vec<usize> {
+    let owned = owned_range(plan, stage, rank).len();
+    let mut elements = Vec::new();
+    for len in [plan.numel(), plan.padded_numel(), owned, plan.chunk()] {
+        elements.extend([len, len.min(max_piece), len % max_piece.max(1)]);
+    }
+    let mut bytes: Vec<usize> = elements
+        .into_iter()
+        .flat_map(|n| [4 * n, 2 * n])
+        .filter(|b| *b >= 64 << 20)
+        .collect();
+    bytes.sort_unstable();
+    bytes.dedup();
+    bytes
 }

@@ -12,6 +12,7 @@
 mod checkpoint;
 mod collective;
 mod construct;
+mod device_failure;
 mod export;
 mod flat_pieces;
 mod grad_buffer;
@@ -97,6 +98,9 @@ pub enum EngineError {
     /// The engine was used out of order.
     #[error("{0}")]
     Usage(String),
+    /// The GPU runtime failed in one of its own threads (see `device_failure`).
+    #[error("{0}")]
+    Device(String),
 }
 
 /// Seconds spent in the engine's phases since the last report (`wall_clock_breakdown`).
@@ -267,6 +271,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Backpropagates `loss` (this rank's micro-batch loss). Gradients are scaled by
     /// 1/`gradient_accumulation_steps` and reduced across ranks as the stage requires.
     pub fn backward(&mut self, loss: Tensor<ZeroAutodiff<I>, 1>) -> Result<(), EngineError> {
+        device_failure::check()?;
         self.timings.forward += self.last_step_end.elapsed();
         let profiled = self.profile_backward_start();
         let start = Instant::now();
@@ -291,6 +296,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         };
         drop(loss.backward());
         self.profile_backward_end(profiled);
+        device_failure::check()?;
         let mut state = self.state();
         if let Some(failure) = state.failure.take() {
             return Err(failure.into());
@@ -317,6 +323,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
 
     /// Ends a micro-step; at an accumulation boundary, clips and applies the optimizer.
     pub fn step(&mut self) -> Result<(), EngineError> {
+        device_failure::check()?;
         if !self.is_gradient_accumulation_boundary() {
             self.micro_steps += 1;
             self.last_step_end = Instant::now();
