@@ -241,9 +241,16 @@ where
                 println!("{line}");
             }
         }
+        // 1-bit Adam after `freeze_step`: what this rank's compressed exchange sent, beside
+        // an fp32 all-reduce of the same vector.
+        let exchange = engine.compressed_volume().map(|v| {
+            serde_json::json!({"compressed_bytes": v.compressed,
+                "fp32_allreduce_bytes": v.fp32_allreduce})
+        });
         let record = serde_json::json!({"step": step, "loss": global[0], "lr": lr,
             "tokens": step * tokens_per_step, "seconds": secs,
-            "grad_norm": engine.last_grad_norm(), "epoch": state.epoch});
+            "grad_norm": engine.last_grad_norm(), "epoch": state.epoch,
+            "onebit_exchange": exchange});
         writeln!(file, "{record}").map_err(|e| e.to_string())?;
     }
     let total = t0.elapsed().as_secs_f64() - save_secs;
