@@ -49,6 +49,22 @@ fn peak_flops() -> f64 {
 }
 
 /// Rank `rank`'s tokens `[micro, seq + 1]` of step `step` (a fixed LCG, the Python peer's too).
+/// cubecl's memory pool on `device` after `phase`: GiB reserved from the GPU and GiB in live
+/// buffers (their difference is what the pools hold free), also printed by rank 0 as it goes,
+/// so a run that dies of memory still shows how far it got.
+fn pool(device: &burn::tensor::Device<Cuda>, phase: &str, rank: usize) -> serde_json::Value {
+    <Cuda as Backend>::sync(device).expect("sync");
+    let usage = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(device)
+        .memory_usage()
+        .expect("memory usage");
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let (reserved, in_use) = (gib(usage.bytes_reserved), gib(usage.bytes_in_use));
+    if rank == 0 {
+        eprintln!("memory after {phase}: {reserved:.2} GiB reserved, {in_use:.2} GiB in use");
+    }
+    serde_json::json!({"phase": phase, "reserved_gib": reserved, "in_use_gib": in_use})
+}
+
 fn tokens(
     step: usize,
     rank: usize,
@@ -96,6 +112,7 @@ fn main() {
     let mut engine = initialize::<Cuda, _>(model, &ds, std::sync::Arc::new(nccl))
         .unwrap_or_else(|e| panic!("{e}"));
     let report = engine.memory_report();
+    let mut pools = vec![pool(&device, "initialize", rank)];
     let shape = (micro, seq, config.vocab_size);
     let (mut times, mut forward, mut losses) = (Vec::new(), Vec::new(), Vec::new());
     engine.take_timings();
@@ -106,10 +123,19 @@ fn main() {
         let loss = engine.model().loss(batch);
         <Cuda as Backend>::sync(&device).expect("sync");
         let forward_s = start.elapsed().as_secs_f64();
+        if step == 0 {
+            pools.push(pool(&device, "the first forward", rank));
+        }
         engine.backward(loss.clone()).expect("backward");
+        if step == 0 {
+            pools.push(pool(&device, "the first backward", rank));
+        }
         engine.step().expect("step");
         <Cuda as Backend>::sync(&device).expect("sync");
         let secs = start.elapsed().as_secs_f64();
+        if step == 0 {
+            pools.push(pool(&device, "the first step", rank));
+        }
         let l = loss.cast(burn::tensor::FloatDType::F32).into_scalar();
         if rank == 0 {
             eprintln!("step {step}: loss {l:.4}, {secs:.3} s (forward {forward_s:.3} s)");
@@ -125,6 +151,7 @@ fn main() {
         }
     }
     let timings = engine.take_timings();
+    pools.push(pool(&device, "the last step", rank));
     let timed = times.len().max(1) as f64;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
@@ -144,7 +171,7 @@ fn main() {
                 "breakdown_s": {"forward": forward.iter().sum::<f64>() / timed,
                     "backward": timings.backward.as_secs_f64() / timed,
                     "step": timings.step.as_secs_f64() / timed},
-                "losses": losses, "memory_report": report.to_string()})
+                "losses": losses, "memory_report": report.to_string(), "memory_pool": pools})
         );
     }
 }
