@@ -279,7 +279,9 @@ impl<I: Backend> Optim<I> {
                     1 => grad.pop().expect("one piece"),
                     _ => Tensor::cat(grad, 0),
                 };
-                *master = opt.step(master.clone(), grad, hp);
+                // The master's only reference goes to the step, so it may update it in place.
+                let old = core::mem::replace(master, Tensor::empty([1], &grad.device()));
+                *master = opt.step(old, grad, hp);
                 Ok(vec![compute.convert(master.clone())])
             }
             Optim::Host {

@@ -1,8 +1,10 @@
 //! The device optimizer's Adam/AdamW step as one CubeCL kernel on CUDA tensors
 //! (cubecl-kernels' fused AdamW): one read of master, gradient and moments and one write of
 //! the new ones, where burn's tensor ops would make several passes; and LAMB's step as two
-//! fused passes around the read-back of its norms. The new values go to new buffers: burn
-//! tensors are values that other tensors may share.
+//! fused passes around the read-back of its norms. AdamW runs as an operation of burn's fusion
+//! stream and writes master and moments in place when fusion hands them over as its to consume
+//! (their last use); otherwise, and for LAMB, the new values go to new buffers: burn tensors are
+//! values that other tensors may share.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -14,6 +16,121 @@ use cubecl_kernels::lamb::{LambConstants, LambPlan, LambPlanHandles, lamb_apply,
 
 use super::lamb::{FusedPlan, LambState};
 use crate::backend::cuda::{cube_tensor, from_cube};
+
+use core::any::{Any, TypeId};
+
+use burn::tensor::Shape;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::fusion::FusionCubeRuntime;
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{FusionRuntime, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+
+type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+type FusedCuda = FusionCubeRuntime<CudaRuntime>;
+
+/// Fused AdamW as an operation of the fusion stream: it runs in stream order on the tensors'
+/// own handles. Fusion hands an input over with its memory when this is its last use (the
+/// caller passed its only reference); such master and moments are written in place, so a step
+/// needs no second copy of the optimizer state. Others get new buffers.
+#[derive(Debug)]
+struct AdamwOp {
+    desc: CustomOpIr,
+    k: AdamConstants,
+}
+
+impl Operation<FusedCuda> for AdamwOp {
+    fn execute(&self, handles: &mut HandleContainer<<FusedCuda as FusionRuntime>::FusionHandle>) {
+        let ([w, g, m, v], [w_out, m_out, v_out]) = self.desc.as_fixed();
+        let inputs = [w, g, m, v]
+            .map(|t| burn_cubecl::kernel::into_contiguous(handles.get_float_tensor::<Cube>(t)));
+        let len = inputs[0].meta.shape().num_elements();
+        let outputs = [0, 2, 3].map(|i| match inputs[i].can_mut() {
+            true => inputs[i].clone(),
+            false => empty_like(&inputs[i], len),
+        });
+        let [a, b, c, d] = [0, 1, 2, 3].map(|i| &inputs[i].handle);
+        let [e, f, g] = [0, 1, 2].map(|i| &outputs[i].handle);
+        adamw_into::<CudaRuntime>(&inputs[0].client, &self.k, len, [a, b, c, d], [e, f, g]);
+        for (ir, out) in [w_out, m_out, v_out].into_iter().zip(outputs) {
+            handles.register_float_tensor::<Cube>(&ir.id, out);
+        }
+    }
+}
+
+/// The fusion tensor of a primitive of `B`, when `B`'s are burn-cuda's fused f32 tensors.
+fn fused_f32<B: Backend>(
+    p: B::FloatTensorPrimitive,
+) -> Result<FusionTensor<FusedCuda>, B::FloatTensorPrimitive> {
+    if TypeId::of::<B::FloatTensorPrimitive>() != TypeId::of::<FusionTensor<FusedCuda>>() {
+        return Err(p);
+    }
+    let boxed: Box<dyn Any> = Box::new(p);
+    let fused = *boxed
+        .downcast::<FusionTensor<FusedCuda>>()
+        .expect("checked type");
+    if fused.dtype == DType::F32 {
+        Ok(fused)
+    } else {
+        let boxed: Box<dyn Any> = Box::new(fused);
+        Err(*boxed
+            .downcast::<B::FloatTensorPrimitive>()
+            .expect("checked type"))
+    }
+}
+
+/// `(master, m, v)` after one step from `grad` as an operation of burn's fusion stream, in
+/// place where `master`, `m` and `v` are their tensors' only references; the inputs back when
+/// these are not burn-cuda's fused f32 tensors of one length.
+pub(crate) fn adamw_in_stream<B: Backend>(
+    [master, grad, m, v]: [Tensor<B, 1>; 4],
+    k: &AdamConstants,
+) -> Result<[Tensor<B, 1>; 3], [Tensor<B, 1>; 4]> {
+    let len = master.dims()[0];
+    let same = [&grad, &m, &v].iter().all(|t| t.dims()[0] == len);
+    let primitives = [master, grad, m, v].map(|t| t.into_primitive().tensor());
+    let back = |p: [B::FloatTensorPrimitive; 4]| {
+        p.map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
+    };
+    if !same {
+        return Err(back(primitives));
+    }
+    let fused = primitives.map(fused_f32::<B>);
+    if fused.iter().any(Result::is_err) {
+        let to_primitive = |f: Result<FusionTensor<FusedCuda>, B::FloatTensorPrimitive>| match f {
+            Err(p) => p,
+            Ok(t) => {
+                let boxed: Box<dyn Any> = Box::new(t);
+                *boxed
+                    .downcast::<B::FloatTensorPrimitive>()
+                    .expect("checked type")
+            }
+        };
+        return Err(back(fused.map(to_primitive)));
+    }
+    let [w, g, m, v] = fused.map(|f| f.unwrap_or_else(|_| unreachable!("checked above")));
+    let client = w.client.clone();
+    let streams = OperationStreams::with_inputs([&w, &g, &m, &v]);
+    let outputs = [0; 3]
+        .map(|_| TensorIr::uninit(client.create_empty_handle(), Shape::new([len]), DType::F32));
+    let inputs = [w.into_ir(), g.into_ir(), m.into_ir(), v.into_ir()];
+    let desc = CustomOpIr::new("burn_zero_fused_adamw", &inputs, &outputs);
+    let op = AdamwOp {
+        desc: desc.clone(),
+        k: *k,
+    };
+    let outs: [FusionTensor<FusedCuda>; 3] = client
+        .register(streams, OperationIr::Custom(desc), op)
+        .try_into()
+        .expect("three outputs");
+    Ok(outs.map(|t| {
+        let boxed: Box<dyn Any> = Box::new(t);
+        let p = *boxed
+            .downcast::<B::FloatTensorPrimitive>()
+            .expect("checked type");
+        Tensor::from_primitive(TensorPrimitive::Float(p))
+    }))
+}
 
 /// The CUDA tensors of `tensors` (f32, contiguous, `len` elements, one device), or `None`.
 fn cuda_inputs<B: Backend, const N: usize>(

@@ -266,27 +266,44 @@ impl<B: Backend> TensorOptimizer<B> {
                 let (bc1, bc2) = settings.corrections(*step, (b1, b2));
                 let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
                 #[cfg(feature = "cuda")]
-                if self.fused {
-                    let k = cubecl_kernels::adam::AdamConstants {
-                        beta1: b1,
-                        beta2: b2,
-                        eps,
-                        shrink: if settings.decoupled {
-                            1.0 - lr * wd
-                        } else {
-                            1.0
-                        },
-                        l2: if settings.decoupled { 0.0 } else { wd },
-                        bias_correction2_sqrt: bc2.sqrt(),
-                        step_size: lr / bc1,
-                    };
-                    if let Some([w, m_new, v_new]) =
-                        super::fused_cuda::adamw(&param, &grad, m, v, &k)
-                    {
-                        (*m, *v) = (m_new, v_new);
-                        return w;
+                let (param, grad) = match self.fused {
+                    true => {
+                        let k = cubecl_kernels::adam::AdamConstants {
+                            beta1: b1,
+                            beta2: b2,
+                            eps,
+                            shrink: if settings.decoupled {
+                                1.0 - lr * wd
+                            } else {
+                                1.0
+                            },
+                            l2: if settings.decoupled { 0.0 } else { wd },
+                            bias_correction2_sqrt: bc2.sqrt(),
+                            step_size: lr / bc1,
+                        };
+                        // The moments' only references go to the kernel: it may write in place.
+                        let device = param.device();
+                        let m_old = core::mem::replace(m, Tensor::empty([1], &device));
+                        let v_old = core::mem::replace(v, Tensor::empty([1], &device));
+                        match super::fused_cuda::adamw_in_stream([param, grad, m_old, v_old], &k) {
+                            Ok([w, m_new, v_new]) => {
+                                (*m, *v) = (m_new, v_new);
+                                return w;
+                            }
+                            Err([param, grad, m_old, v_old]) => {
+                                (*m, *v) = (m_old, v_old);
+                                match super::fused_cuda::adamw(&param, &grad, m, v, &k) {
+                                    Some([w, m_new, v_new]) => {
+                                        (*m, *v) = (m_new, v_new);
+                                        return w;
+                                    }
+                                    None => (param, grad),
+                                }
+                            }
+                        }
                     }
-                }
+                    false => (param, grad),
+                };
                 let g = if settings.decoupled || wd == 0.0 {
                     grad
                 } else {
