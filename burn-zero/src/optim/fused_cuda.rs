@@ -49,66 +49,45 @@ impl Operation<FusedCuda> for AdamwOp {
             true => inputs[i].clone(),
             false => empty_like(&inputs[i], len),
         });
-        let [a, b, c, d] = [0, 1, 2, 3].map(|i| &inputs[i].handle);
-        let [e, f, g] = [0, 1, 2].map(|i| &outputs[i].handle);
-        adamw_into::<CudaRuntime>(&inputs[0].client, &self.k, len, [a, b, c, d], [e, f, g]);
+        launch_adamw(&inputs, &outputs, &self.k);
         for (ir, out) in [w_out, m_out, v_out].into_iter().zip(outputs) {
             handles.register_float_tensor::<Cube>(&ir.id, out);
         }
     }
 }
 
-/// The fusion tensor of a primitive of `B`, when `B`'s are burn-cuda's fused f32 tensors.
-fn fused_f32<B: Backend>(
-    p: B::FloatTensorPrimitive,
-) -> Result<FusionTensor<FusedCuda>, B::FloatTensorPrimitive> {
-    if TypeId::of::<B::FloatTensorPrimitive>() != TypeId::of::<FusionTensor<FusedCuda>>() {
-        return Err(p);
-    }
-    let boxed: Box<dyn Any> = Box::new(p);
-    let fused = *boxed
-        .downcast::<FusionTensor<FusedCuda>>()
-        .expect("checked type");
-    if fused.dtype == DType::F32 {
-        Ok(fused)
-    } else {
-        let boxed: Box<dyn Any> = Box::new(fused);
-        Err(*boxed
-            .downcast::<B::FloatTensorPrimitive>()
-            .expect("checked type"))
-    }
+/// `value` as a `U` when it is one (the same type behind a generic parameter).
+fn cast<T: 'static, U: 'static>(value: T) -> Option<U> {
+    let boxed: Box<dyn Any> = Box::new(value);
+    boxed.downcast::<U>().ok().map(|b| *b)
 }
 
-/// `(master, m, v)` after one step from `grad` as an operation of burn's fusion stream, in
-/// place where `master`, `m` and `v` are their tensors' only references; the inputs back when
-/// these are not burn-cuda's fused f32 tensors of one length.
-pub(crate) fn adamw_in_stream<B: Backend>(
+/// `(master, m, v)` after one step from `grad`, the inputs back when these are not f32 CUDA
+/// tensors of one length (the tensor ops take them then). burn-cuda's fused tensors go through
+/// the fusion stream ([`AdamwOp`], in place where `master`, `m` and `v` are their tensors' only
+/// references); plain CUDA tensors get new buffers.
+pub(crate) fn adamw<B: Backend>(
     [master, grad, m, v]: [Tensor<B, 1>; 4],
     k: &AdamConstants,
 ) -> Result<[Tensor<B, 1>; 3], [Tensor<B, 1>; 4]> {
     let len = master.dims()[0];
-    let same = [&grad, &m, &v].iter().all(|t| t.dims()[0] == len);
-    let primitives = [master, grad, m, v].map(|t| t.into_primitive().tensor());
-    let back = |p: [B::FloatTensorPrimitive; 4]| {
-        p.map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
-    };
-    if !same {
-        return Err(back(primitives));
-    }
-    let fused = primitives.map(fused_f32::<B>);
-    if fused.iter().any(Result::is_err) {
-        let to_primitive = |f: Result<FusionTensor<FusedCuda>, B::FloatTensorPrimitive>| match f {
-            Err(p) => p,
-            Ok(t) => {
-                let boxed: Box<dyn Any> = Box::new(t);
-                *boxed
-                    .downcast::<B::FloatTensorPrimitive>()
-                    .expect("checked type")
-            }
+    let fits = [&master, &grad, &m, &v]
+        .iter()
+        .all(|t| t.dims()[0] == len && t.dtype() == DType::F32);
+    let in_stream =
+        TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FusionTensor<FusedCuda>>();
+    if !fits || !in_stream {
+        return match fits
+            .then(|| adamw_resolved(&master, &grad, &m, &v, k))
+            .flatten()
+        {
+            Some(out) => Ok(out),
+            None => Err([master, grad, m, v]),
         };
-        return Err(back(fused.map(to_primitive)));
     }
-    let [w, g, m, v] = fused.map(|f| f.unwrap_or_else(|_| unreachable!("checked above")));
+    let [w, g, m, v] = [master, grad, m, v].map(|t| {
+        cast::<_, FusionTensor<FusedCuda>>(t.into_primitive().tensor()).expect("checked type")
+    });
     let client = w.client.clone();
     let streams = OperationStreams::with_inputs([&w, &g, &m, &v]);
     let outputs = [0; 3]
@@ -124,12 +103,22 @@ pub(crate) fn adamw_in_stream<B: Backend>(
         .try_into()
         .expect("three outputs");
     Ok(outs.map(|t| {
-        let boxed: Box<dyn Any> = Box::new(t);
-        let p = *boxed
-            .downcast::<B::FloatTensorPrimitive>()
-            .expect("checked type");
-        Tensor::from_primitive(TensorPrimitive::Float(p))
+        let primitive = cast::<_, B::FloatTensorPrimitive>(t).expect("checked type");
+        Tensor::from_primitive(TensorPrimitive::Float(primitive))
     }))
+}
+
+/// One fused AdamW launch from `[master, grad, m, v]` into `[master, m, v]` (which may be the
+/// inputs themselves: the kernel is elementwise).
+fn launch_adamw(
+    inputs: &[CubeTensor<CudaRuntime>; 4],
+    outputs: &[CubeTensor<CudaRuntime>; 3],
+    k: &AdamConstants,
+) {
+    let len = inputs[0].meta.shape().num_elements();
+    let [a, b, c, d] = inputs.each_ref().map(|t| &t.handle);
+    let [e, f, g] = outputs.each_ref().map(|t| &t.handle);
+    adamw_into::<CudaRuntime>(&inputs[0].client, k, len, [a, b, c, d], [e, f, g]);
 }
 
 /// The CUDA tensors of `tensors` (f32, contiguous, `len` elements, one device), or `None`.
@@ -173,9 +162,9 @@ fn as_tensors<B: Backend, const N: usize>(
     tensors.try_into().ok()
 }
 
-/// `(master, m, v)` after one step from `grad`, or `None` when these are not contiguous f32
-/// CUDA tensors of one device (the tensor ops take them then).
-pub(crate) fn adamw<B: Backend>(
+/// `(master, m, v)` after one step from `grad` into new buffers, or `None` when these are not
+/// contiguous f32 CUDA tensors of one device.
+fn adamw_resolved<B: Backend>(
     master: &Tensor<B, 1>,
     grad: &Tensor<B, 1>,
     m: &Tensor<B, 1>,
@@ -185,9 +174,7 @@ pub(crate) fn adamw<B: Backend>(
     let inputs = cuda_inputs([master, grad, m, v])?;
     let len = master.dims()[0];
     let outputs = [0; 3].map(|_| empty_like(&inputs[0], len));
-    let [a, b, c, d] = [0, 1, 2, 3].map(|i| &inputs[i].handle);
-    let [e, f, g] = [0, 1, 2].map(|i| &outputs[i].handle);
-    adamw_into::<CudaRuntime>(&inputs[0].client, k, len, [a, b, c, d], [e, f, g]);
+    launch_adamw(&inputs, &outputs, k);
     as_tensors(master, outputs)
 }
 

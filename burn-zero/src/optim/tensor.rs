@@ -285,20 +285,14 @@ impl<B: Backend> TensorOptimizer<B> {
                         let device = param.device();
                         let m_old = core::mem::replace(m, Tensor::empty([1], &device));
                         let v_old = core::mem::replace(v, Tensor::empty([1], &device));
-                        match super::fused_cuda::adamw_in_stream([param, grad, m_old, v_old], &k) {
+                        match super::fused_cuda::adamw([param, grad, m_old, v_old], &k) {
                             Ok([w, m_new, v_new]) => {
                                 (*m, *v) = (m_new, v_new);
                                 return w;
                             }
                             Err([param, grad, m_old, v_old]) => {
                                 (*m, *v) = (m_old, v_old);
-                                match super::fused_cuda::adamw(&param, &grad, m, v, &k) {
-                                    Some([w, m_new, v_new]) => {
-                                        (*m, *v) = (m_new, v_new);
-                                        return w;
-                                    }
-                                    None => (param, grad),
-                                }
+                                (param, grad)
                             }
                         }
                     }
