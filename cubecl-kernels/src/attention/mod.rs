@@ -12,13 +12,16 @@
 //! Block-sparse attention is the same kernels with a [`BlockSparsity`] layout: tiles without a
 //! kept block are skipped, pairs outside kept blocks masked.
 //!
-//! The kernels run on the CUDA cores (no tensor-core tiles yet): a row per `lanes` units, each
-//! holding `head_dim / lanes` elements in registers.
+//! Two implementations: [`tensor_core`] (f16/bf16, head dimension a multiple of 16 up to 128,
+//! on CUDA) with every product on tensor-core fragments, and the CUDA-core kernels for the rest
+//! (any float type, any head dimension up to 256; the only ones WGSL can run): a row per
+//! `lanes` units, each holding `head_dim / lanes` elements in registers.
 
 mod backward;
 mod forward;
 mod lanes;
 mod sparse;
+pub mod tensor_core;
 
 use cubecl::prelude::*;
 
@@ -34,6 +37,9 @@ pub struct FlashOptions {
     pub causal: bool,
     /// Multiplies `q·k` before the softmax (usually `1/√head_dim`).
     pub scale: f32,
+    /// Use the tensor-core kernels where they apply ([`tensor_core::tensor_cores_apply`]);
+    /// `false` keeps the CUDA-core kernels (to compare the two).
+    pub tensor_cores: bool,
 }
 
 /// A block layout: `layout` is `[heads, blocks, blocks]` `u32`, nonzero where the
@@ -218,9 +224,13 @@ pub fn flash_forward<R: Runtime>(
     out: &TensorBinding<R>,
     lse: &TensorBinding<R>,
 ) {
+    let (layout, block, sparse) = layout_arg(client, sparsity);
+    if options.tensor_cores && tensor_core::tensor_cores_apply(client, dims, dtype) {
+        let layout = (&layout, block, sparse);
+        return tensor_core::forward(client, dims, dtype, options, layout, [q, k, v], out, lse);
+    }
     let keys = tile_for(client, dims.head_dim);
     let lanes = lanes(dims.head_dim);
-    let (layout, block, sparse) = layout_arg(client, sparsity);
     // SAFETY: the shapes were checked by `AttentionDims::of`, the bindings hold them, and
     // every access in the kernel is bounded by the shapes.
     unsafe {
@@ -260,8 +270,6 @@ pub fn flash_backward<R: Runtime>(
     [out, d_out, lse, delta]: [&TensorBinding<R>; 4],
     [dq, dk, dv]: [&TensorBinding<R>; 3],
 ) {
-    let tile = tile_for(client, dims.head_dim);
-    let lanes = lanes(dims.head_dim);
     let (layout, block, sparse) = layout_arg(client, sparsity);
     // SAFETY: as in `flash_forward`.
     unsafe {
@@ -275,6 +283,26 @@ pub fn flash_backward<R: Runtime>(
             dims.head_dim,
             dtype,
         );
+    }
+    if options.tensor_cores && tensor_core::tensor_cores_apply(client, dims, dtype) {
+        let layout = (&layout, block, sparse);
+        let stats = [d_out, lse, delta];
+        tensor_core::backward(
+            client,
+            dims,
+            dtype,
+            options,
+            layout,
+            [q, k, v],
+            stats,
+            [dq, dk, dv],
+        );
+        return;
+    }
+    let tile = tile_for(client, dims.head_dim);
+    let lanes = lanes(dims.head_dim);
+    // SAFETY: as in `flash_forward`.
+    unsafe {
         flash_dq_kernel::launch_unchecked::<R>(
             client,
             cubes(dims.seq_q, ROWS, dims.batch * dims.heads),

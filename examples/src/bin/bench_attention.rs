@@ -26,6 +26,7 @@ use burn_zero::attention::{
 };
 use burn_zero::backend::ZeroBackend;
 use burn_zero_examples::cli::{arg, values};
+use cubecl_kernels::attention::tensor_core::tensor_cores_apply;
 use cubecl_kernels::sparse::{BigBirdConfig, Direction, FixedConfig, SparsityConfig, SparsityMode};
 use serde_json::json;
 
@@ -223,11 +224,32 @@ fn check_case(c: &Case, layout: Option<&SparseLayout>, device: &Device) -> bool 
         "{}",
         json!({"check": {"dtype": c.name, "seq": c.seq, "head_dim": c.hd,
             "causal": c.causal, "heads": 4, "kv_heads": 2,
+            "kernels": kernels(c, q_shape, k_shape, device),
             "block_sparse_density": layout.map(SparseLayout::density),
             "out": errors[0], "dq": errors[1], "dk": errors[2], "dv": errors[3],
             "tolerance": c.tolerance, "pass": pass}})
     );
     pass
+}
+
+/// Which kernels the call ran on: tensor cores where they apply (and
+/// `BURN_ZERO_ATTENTION_TENSOR_CORES` is not `0`), CUDA cores otherwise.
+fn kernels(c: &Case, q: [usize; 4], k: [usize; 4], device: &Device) -> &'static str {
+    use cubecl::Runtime;
+    use cubecl::ir::{ElemType, FloatKind, StorageType};
+    let kind = match c.dtype {
+        FloatDType::BF16 => FloatKind::BF16,
+        FloatDType::F16 => FloatKind::F16,
+        _ => FloatKind::F32,
+    };
+    let dims = cubecl_kernels::attention::AttentionDims::of(&q, &k, &k).expect("shapes");
+    let client = cubecl::cuda::CudaRuntime::client(device);
+    let dtype = StorageType::Scalar(ElemType::Float(kind));
+    let allowed = std::env::var("BURN_ZERO_ATTENTION_TENSOR_CORES").map_or(true, |v| v != "0");
+    match allowed && tensor_cores_apply(&client, &dims, dtype) {
+        true => "tensor cores",
+        false => "cuda cores",
+    }
 }
 
 /// FLOPs of one causal forward + backward (FlashAttention's count).

@@ -1,0 +1,265 @@
+//! The tensor-core backward, as the CUDA-core one (`Δ` first, then `dq` and `dkdv`, no
+//! atomics): every product of 16×16×16 fragments with f32 accumulators, the probabilities
+//! `p = exp(s − lse)` and `ds = p (dp − Δ)` computed row-wise on scores in shared memory and
+//! rounded to the element type for the next product (as FlashAttention-2 does).
+
+// The launch items the `cube` macro generates carry no docs of their own.
+#[allow(missing_docs)]
+mod kernel {
+    use cubecl::prelude::*;
+
+    use super::super::super::lanes::last_of;
+    use super::super::super::sparse::{block_kept, tile_kept};
+    use super::super::tiles::{
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, padded, scores_of,
+        scores_of_frags, stage, stage_stat, write_rows, zero_accs,
+    };
+
+    /// `dq` on tensor cores (arguments as `flash_dq_kernel`'s): cube `(x, y)` holds query
+    /// rows `64·x ..` of head `y = b·heads + h` and walks the key tiles.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch_unchecked)]
+    pub fn tc_dq_kernel<F: Float>(
+        q: &Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        d_out: &Tensor<F>,
+        lse: &Tensor<f32>,
+        delta: &Tensor<f32>,
+        dq: &mut Tensor<F>,
+        layout: &Tensor<u32>,
+        scale: f32,
+        block: u32,
+        #[comptime] causal: bool,
+        #[comptime] sparse: bool,
+        #[comptime] head_dim: usize,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let dt = comptime!(head_dim / T);
+        let ds = comptime!(padded(head_dim));
+        let heads = q.shape(1);
+        let group = heads / k.shape(1);
+        let seq_q = q.shape(2);
+        let seq_k = k.shape(2);
+        let b = CUBE_POS_Y as usize / heads;
+        let h = CUBE_POS_Y as usize % heads;
+        let plane = UNIT_POS as usize / PLANE;
+        let lane = UNIT_POS as usize % PLANE;
+        let half = lane % 2usize;
+        let first_row = CUBE_POS_X as usize * ROWS;
+        let local = plane * T + lane / 2usize;
+        let row = first_row + local;
+        let live = row < seq_q;
+        let block = block as usize;
+
+        let mut k_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
+        let mut v_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
+        let mut s_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
+        let mut dp_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
+        let mut ds_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
+
+        stage::<F>(
+            q,
+            b * q.stride(0) + h * q.stride(1),
+            first_row,
+            seq_q,
+            &mut k_tile,
+            ROWS,
+            head_dim,
+            ds,
+        );
+        stage::<F>(
+            d_out,
+            b * d_out.stride(0) + h * d_out.stride(1),
+            first_row,
+            seq_q,
+            &mut v_tile,
+            ROWS,
+            head_dim,
+            ds,
+        );
+        // Q and dO pass through the K/V tiles into fragments held for the whole walk.
+        sync_cube();
+        let qf = frags_a::<F>(&k_tile, plane * T * ds, dt, ds);
+        let gf = frags_a::<F>(&v_tile, plane * T * ds, dt, ds);
+        sync_cube();
+        let mut row_lse = 0.0f32;
+        let mut row_delta = 0.0f32;
+        if live {
+            row_lse = lse[b * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)];
+            row_delta = delta[b * delta.stride(0) + h * delta.stride(1) + row * delta.stride(2)];
+        }
+        let acc = zero_accs(dt);
+
+        let mut kv_end = seq_k;
+        if causal {
+            kv_end = last_of(first_row, ROWS, seq_k) + 1;
+        }
+        let last_row = last_of(first_row, ROWS, seq_q);
+        let hk = h / group;
+        let k_at = b * k.stride(0) + hk * k.stride(1);
+        let v_at = b * v.stride(0) + hk * v.stride(1);
+        let s_row = local * SS + half * HALF;
+        let p_row = local * PS + half * HALF;
+        let mut start = 0;
+        while start < kv_end {
+            let last_key = last_of(start, KEYS, seq_k);
+            if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
+                stage::<F>(k, k_at, start, seq_k, &mut k_tile, KEYS, head_dim, ds);
+                stage::<F>(v, v_at, start, seq_k, &mut v_tile, KEYS, head_dim, ds);
+                sync_cube();
+                scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
+                scores_of_frags::<F>(&gf, &v_tile, &mut dp_tile, plane, dt, ds);
+                sync_plane();
+                #[unroll]
+                for j in 0..HALF {
+                    let key = start + half * HALF + j;
+                    let valid = live
+                        && key < seq_k
+                        && (!causal || key <= row)
+                        && (!sparse || block_kept(layout, h, block, row, key));
+                    let mut d = 0.0f32;
+                    if valid {
+                        let p = f32::exp(s_tile[s_row + j] * scale - row_lse);
+                        d = p * (dp_tile[s_row + j] - row_delta);
+                    }
+                    ds_tile[p_row + j] = F::cast_from(d);
+                }
+                sync_plane();
+                accumulate::<F>(&acc, &ds_tile, &k_tile, plane, dt, ds);
+                sync_cube();
+            }
+            start += KEYS;
+        }
+        let dq_at = b * dq.stride(0) + h * dq.stride(1) + row * dq.stride(2);
+        write_rows::<F>(&acc, &mut s_tile, dq, dq_at, live, plane, lane, scale, dt);
+    }
+
+    /// `dk`, `dv` on tensor cores (arguments as `flash_dkdv_kernel`'s): cube `(x, y)` holds key
+    /// rows `64·x ..` of K/V head `y = b·kv_heads + hk` and walks the query tiles of every
+    /// query head reading it.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch_unchecked)]
+    pub fn tc_dkdv_kernel<F: Float>(
+        q: &Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        d_out: &Tensor<F>,
+        lse: &Tensor<f32>,
+        delta: &Tensor<f32>,
+        dk: &mut Tensor<F>,
+        dv: &mut Tensor<F>,
+        layout: &Tensor<u32>,
+        scale: f32,
+        block: u32,
+        #[comptime] causal: bool,
+        #[comptime] sparse: bool,
+        #[comptime] head_dim: usize,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let dt = comptime!(head_dim / T);
+        let ds = comptime!(padded(head_dim));
+        let heads = q.shape(1);
+        let kv_heads = k.shape(1);
+        let group = heads / kv_heads;
+        let seq_q = q.shape(2);
+        let seq_k = k.shape(2);
+        let b = CUBE_POS_Y as usize / kv_heads;
+        let hk = CUBE_POS_Y as usize % kv_heads;
+        let plane = UNIT_POS as usize / PLANE;
+        let lane = UNIT_POS as usize % PLANE;
+        let half = lane % 2usize;
+        let first_key = CUBE_POS_X as usize * ROWS;
+        let local = plane * T + lane / 2usize;
+        let key = first_key + local;
+        let live = key < seq_k;
+        let block = block as usize;
+
+        let mut k_tile = SharedMemory::<F>::new_aligned(ROWS * ds, ALIGN);
+        let mut v_tile = SharedMemory::<F>::new_aligned(ROWS * ds, ALIGN);
+        let mut q_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
+        let mut g_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
+        let mut s_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
+        let mut dp_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
+        let mut p_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
+        let mut ds_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
+        let mut lse_tile = SharedMemory::<f32>::new(KEYS);
+        let mut delta_tile = SharedMemory::<f32>::new(KEYS);
+
+        let k_at = b * k.stride(0) + hk * k.stride(1);
+        let v_at = b * v.stride(0) + hk * v.stride(1);
+        stage::<F>(k, k_at, first_key, seq_k, &mut k_tile, ROWS, head_dim, ds);
+        stage::<F>(v, v_at, first_key, seq_k, &mut v_tile, ROWS, head_dim, ds);
+        let dk_acc = zero_accs(dt);
+        let dv_acc = zero_accs(dt);
+
+        let last_key = last_of(first_key, ROWS, seq_k);
+        // Causal: query rows before this cube's first key see none of its keys.
+        let mut first = 0;
+        if causal {
+            first = first_key;
+        }
+        let s_row = local * SS + half * HALF;
+        let p_row = local * PS + half * HALF;
+        let a_at = plane * T * ds;
+        for g in 0..group {
+            let h = hk * group + g;
+            let q_at = b * q.stride(0) + h * q.stride(1);
+            let g_at = b * d_out.stride(0) + h * d_out.stride(1);
+            let lse_at = b * lse.stride(0) + h * lse.stride(1);
+            let delta_at = b * delta.stride(0) + h * delta.stride(1);
+            let mut start = first;
+            while start < seq_q {
+                let last_row = last_of(start, KEYS, seq_q);
+                if !sparse || tile_kept(layout, h, block, start, last_row, first_key, last_key) {
+                    stage::<F>(q, q_at, start, seq_q, &mut q_tile, KEYS, head_dim, ds);
+                    stage::<F>(d_out, g_at, start, seq_q, &mut g_tile, KEYS, head_dim, ds);
+                    stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
+                    stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
+                    sync_cube();
+                    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: rows are this plane's keys.
+                    scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
+                    scores_of::<F>(&v_tile, a_at, &g_tile, &mut dp_tile, plane, dt, ds);
+                    sync_plane();
+                    #[unroll]
+                    for j in 0..HALF {
+                        let c = half * HALF + j;
+                        let qi = start + c;
+                        let valid = live
+                            && qi < seq_q
+                            && (!causal || key <= qi)
+                            && (!sparse || block_kept(layout, h, block, qi, key));
+                        let mut p = 0.0f32;
+                        let mut d = 0.0f32;
+                        if valid {
+                            p = f32::exp(s_tile[s_row + j] * scale - lse_tile[c]);
+                            d = p * (dp_tile[s_row + j] - delta_tile[c]);
+                        }
+                        p_tile[p_row + j] = F::cast_from(p);
+                        ds_tile[p_row + j] = F::cast_from(d);
+                    }
+                    sync_plane();
+                    accumulate::<F>(&dv_acc, &p_tile, &g_tile, plane, dt, ds);
+                    accumulate::<F>(&dk_acc, &ds_tile, &q_tile, plane, dt, ds);
+                    sync_cube();
+                }
+                start += KEYS;
+            }
+        }
+        let dk_at = b * dk.stride(0) + hk * dk.stride(1) + key * dk.stride(2);
+        let dv_at = b * dv.stride(0) + hk * dv.stride(1) + key * dv.stride(2);
+        write_rows::<F>(
+            &dk_acc,
+            &mut s_tile,
+            dk,
+            dk_at,
+            live,
+            plane,
+            lane,
+            scale,
+            dt,
+        );
+        write_rows::<F>(&dv_acc, &mut s_tile, dv, dv_at, live, plane, lane, 1.0, dt);
+    }
+}
+pub(crate) use kernel::{tc_dkdv_kernel, tc_dq_kernel};

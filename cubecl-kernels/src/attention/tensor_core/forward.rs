@@ -1,0 +1,166 @@
+//! The tensor-core forward: per cube 64 query rows (16 per plane) against key tiles of 64;
+//! `Q·Kᵀ` and `P·V` on 16×16×16 fragments with f32 accumulators, the online softmax on the
+//! scores in shared memory. The output accumulators stay in fragments: their rows are rescaled
+//! (through shared memory) only when a row's running maximum grows by more than [`SLACK`], so
+//! after the first tiles most tiles need no rescale.
+
+// The launch items the `cube` macro generates carry no docs of their own.
+#[allow(missing_docs)]
+mod kernel {
+    use cubecl::prelude::*;
+
+    use super::super::super::lanes::last_of;
+    use super::super::super::sparse::{block_kept, tile_kept};
+    use super::super::tiles::{
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, padded, scale_rows,
+        scores_of_frags, stage, write_rows, zero_accs,
+    };
+    use super::SLACK;
+
+    /// As `flash_forward_kernel` (same arguments and results) on tensor cores: elements of
+    /// `F` (f16 or bf16), `head_dim` a multiple of 16; cube `(x, y)`: query rows
+    /// `64·x ..`, head `y = b·heads + h`; 128 units.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch_unchecked)]
+    pub fn tc_forward_kernel<F: Float>(
+        q: &Tensor<F>,
+        k: &Tensor<F>,
+        v: &Tensor<F>,
+        out: &mut Tensor<F>,
+        lse: &mut Tensor<f32>,
+        layout: &Tensor<u32>,
+        scale: f32,
+        block: u32,
+        #[comptime] causal: bool,
+        #[comptime] sparse: bool,
+        #[comptime] head_dim: usize,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let dt = comptime!(head_dim / T);
+        let ds = comptime!(padded(head_dim));
+        let heads = q.shape(1);
+        let group = heads / k.shape(1);
+        let seq_q = q.shape(2);
+        let seq_k = k.shape(2);
+        let b = CUBE_POS_Y as usize / heads;
+        let h = CUBE_POS_Y as usize % heads;
+        let plane = UNIT_POS as usize / PLANE;
+        let lane = UNIT_POS as usize % PLANE;
+        let half = lane % 2usize;
+        let first_row = CUBE_POS_X as usize * ROWS;
+        let local = plane * T + lane / 2usize;
+        let row = first_row + local;
+        let live = row < seq_q;
+        let block = block as usize;
+
+        let mut k_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
+        let mut v_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
+        let mut s_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
+        let mut p_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
+
+        let q_at = b * q.stride(0) + h * q.stride(1);
+        // Q passes through the K tile into fragments held for the whole walk.
+        stage::<F>(q, q_at, first_row, seq_q, &mut k_tile, ROWS, head_dim, ds);
+        sync_cube();
+        let qf = frags_a::<F>(&k_tile, plane * T * ds, dt, ds);
+        sync_cube();
+        let o = zero_accs(dt);
+        // Stands for −∞ before any key is seen.
+        let mut m = f32::new(-1.0e30);
+        // This unit's half of the row's sum.
+        let mut l = 0.0f32;
+
+        let mut kv_end = seq_k;
+        if causal {
+            kv_end = last_of(first_row, ROWS, seq_k) + 1;
+        }
+        let last_row = last_of(first_row, ROWS, seq_q);
+        let hk = h / group;
+        let k_at = b * k.stride(0) + hk * k.stride(1);
+        let v_at = b * v.stride(0) + hk * v.stride(1);
+        let s_row = local * SS + half * HALF;
+        let p_row = local * PS + half * HALF;
+        let mut start = 0;
+        while start < kv_end {
+            let last_key = last_of(start, KEYS, seq_k);
+            if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
+                stage::<F>(k, k_at, start, seq_k, &mut k_tile, KEYS, head_dim, ds);
+                stage::<F>(v, v_at, start, seq_k, &mut v_tile, KEYS, head_dim, ds);
+                sync_cube();
+                scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
+                sync_plane();
+
+                // Masked scores become −∞ (−1e30) in place; the row's maximum over both halves.
+                let mut mx = f32::new(-1.0e30);
+                #[unroll]
+                for j in 0..HALF {
+                    let key = start + half * HALF + j;
+                    let valid = live
+                        && key < seq_k
+                        && (!causal || key <= row)
+                        && (!sparse || block_kept(layout, h, block, row, key));
+                    let mut s = f32::new(-1.0e30);
+                    if valid {
+                        s = s_tile[s_row + j] * scale;
+                        mx = f32::max(mx, s);
+                    }
+                    s_tile[s_row + j] = s;
+                }
+                mx = f32::max(mx, plane_shuffle_xor(mx, 1));
+                let mut factor = 1.0f32;
+                let grow = mx > m + SLACK;
+                if grow {
+                    factor = f32::exp(m - mx);
+                    l *= factor;
+                    m = mx;
+                }
+                #[unroll]
+                for j in 0..HALF {
+                    let s = s_tile[s_row + j];
+                    let mut p = 0.0f32;
+                    if s > -1.0e29 {
+                        p = f32::exp(s - m);
+                    }
+                    l += p;
+                    p_tile[p_row + j] = F::cast_from(p);
+                }
+                sync_plane();
+                if plane_any(grow) {
+                    scale_rows(&o, &mut s_tile, plane, lane, factor, dt);
+                }
+                accumulate::<F>(&o, &p_tile, &v_tile, plane, dt, ds);
+                sync_cube();
+            }
+            start += KEYS;
+        }
+        let total = l + plane_shuffle_xor(l, 1);
+        // A row that keeps no block (block-sparse only) gets zeros and a log-sum-exp of 0.
+        let mut norm = total;
+        if total == 0.0 {
+            norm = 1.0;
+            m = 0.0;
+        }
+        let o_at = b * out.stride(0) + h * out.stride(1) + row * out.stride(2);
+        write_rows::<F>(
+            &o,
+            &mut s_tile,
+            out,
+            o_at,
+            live,
+            plane,
+            lane,
+            1.0 / norm,
+            dt,
+        );
+        if live && half == 0 {
+            lse[b * lse.stride(0) + h * lse.stride(1) + row * lse.stride(2)] = m + f32::ln(norm);
+        }
+    }
+}
+pub(crate) use kernel::tc_forward_kernel;
+
+/// How far (in natural-log units) a row's maximum may grow before its output is rescaled:
+/// probabilities then reach at most e⁸ ≈ 2981 before normalization, far inside f16/bf16 and
+/// f32 range, and the rescale, a round trip of the accumulators through shared memory, is
+/// rare after a row's first tiles.
+const SLACK: f32 = 8.0;

@@ -1,0 +1,173 @@
+//! Flash attention on tensor cores: the same contract as the CUDA-core kernels (inputs,
+//! results, masks, block layouts, grouped-query attention), with every matrix product on
+//! 16×16×16 f16/bf16 fragments accumulating in f32. Taken for f16/bf16 inputs with a head
+//! dimension that is a multiple of 16 (up to 128) on a runtime with such fragments and
+//! 32-unit planes (CUDA); anything else runs on the CUDA-core kernels.
+
+mod backward;
+mod forward;
+mod tiles;
+
+use cubecl::ir::features::MmaConfig;
+use cubecl::ir::{ElemType, FloatKind, StorageType as IrStorage};
+use cubecl::prelude::*;
+
+use super::{AttentionDims, FlashOptions, arg, cubes};
+use backward::{tc_dkdv_kernel, tc_dq_kernel};
+use forward::tc_forward_kernel;
+use tiles::{KEYS, PLANE, PS, ROWS, SS, UNITS, padded};
+
+/// Largest head dimension the tensor-core kernels take (their accumulators live in registers).
+pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
+
+/// Shared memory of the largest of the three kernels (`dkdv`), in bytes.
+fn shared_bytes(head_dim: usize, elem: usize) -> usize {
+    let tiles = 4 * ROWS * padded(head_dim) * elem;
+    let scores = 2 * ROWS * SS * 4;
+    let probs = 2 * ROWS * PS * elem;
+    tiles + scores + probs + 2 * KEYS * 4
+}
+
+/// Whether the tensor-core kernels take a call of `dims` in `dtype` on `client`'s device.
+pub fn tensor_cores_apply<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    dtype: StorageType,
+) -> bool {
+    let elem = match dtype {
+        IrStorage::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16)) => 2,
+        _ => return false,
+    };
+    let props = client.properties();
+    let fragment = MmaConfig {
+        a_type: dtype,
+        b_type: dtype,
+        cd_type: IrStorage::Scalar(ElemType::Float(FloatKind::F32)),
+        m: 16,
+        n: 16,
+        k: 16,
+    };
+    dims.head_dim.is_multiple_of(16)
+        && dims.head_dim <= MAX_TENSOR_CORE_HEAD_DIM
+        && props.features.matmul.cmma.contains(&fragment)
+        && props.hardware.plane_size_min == PLANE as u32
+        && props.hardware.plane_size_max == PLANE as u32
+        && props.hardware.max_shared_memory_size >= shared_bytes(dims.head_dim, elem)
+}
+
+/// The forward on tensor cores (see [`super::flash_forward`]); `layout` and `block` as the
+/// CUDA-core launch takes them.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    dtype: StorageType,
+    options: FlashOptions,
+    (layout, block, sparse): (&TensorBinding<R>, u32, bool),
+    [q, k, v]: [&TensorBinding<R>; 3],
+    out: &TensorBinding<R>,
+    lse: &TensorBinding<R>,
+) {
+    // SAFETY: the shapes were checked by `AttentionDims::of` and `tensor_cores_apply`, the
+    // bindings hold them, and every access in the kernels is bounded by the shapes.
+    unsafe {
+        tc_forward_kernel::launch_unchecked::<R>(
+            client,
+            cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+            CubeDim::new_1d(UNITS as u32),
+            arg(q),
+            arg(k),
+            arg(v),
+            arg(out),
+            arg(lse),
+            arg(layout),
+            options.scale,
+            block,
+            options.causal,
+            sparse,
+            dims.head_dim,
+            dtype,
+        )
+    }
+}
+
+/// The `dq` and `dkdv` launches of the backward on tensor cores (after `delta`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    dtype: StorageType,
+    options: FlashOptions,
+    (layout, block, sparse): (&TensorBinding<R>, u32, bool),
+    [q, k, v]: [&TensorBinding<R>; 3],
+    [d_out, lse, delta]: [&TensorBinding<R>; 3],
+    [dq, dk, dv]: [&TensorBinding<R>; 3],
+) {
+    // SAFETY: as in `forward`.
+    unsafe {
+        tc_dq_kernel::launch_unchecked::<R>(
+            client,
+            cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+            CubeDim::new_1d(UNITS as u32),
+            arg(q),
+            arg(k),
+            arg(v),
+            arg(d_out),
+            arg(lse),
+            arg(delta),
+            arg(dq),
+            arg(layout),
+            options.scale,
+            block,
+            options.causal,
+            sparse,
+            dims.head_dim,
+            dtype,
+        );
+        tc_dkdv_kernel::launch_unchecked::<R>(
+            client,
+            cubes(dims.seq_k, ROWS, dims.batch * dims.kv_heads),
+            CubeDim::new_1d(UNITS as u32),
+            arg(q),
+            arg(k),
+            arg(v),
+            arg(d_out),
+            arg(lse),
+            arg(delta),
+            arg(dk),
+            arg(dv),
+            arg(layout),
+            options.scale,
+            block,
+            options.causal,
+            sparse,
+            dims.head_dim,
+            dtype,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_largest_kernel_fits_an_h100s_shared_memory() {
+        // dkdv at head dim 128 in bf16: four element tiles, two score and two probability
+        // tiles, two rows of statistics.
+        assert_eq!(shared_bytes(128, 2), 69_632 + 34_816 + 18_432 + 512);
+        assert!(shared_bytes(128, 2) <= 227 * 1024);
+    }
+
+    #[test]
+    fn fragments_start_32_byte_aligned() {
+        // Fragments start at rows that are multiples of 16 and columns that are multiples of
+        // 16: both offsets must be multiples of 32 bytes for the tensor-core loads.
+        for hd in (16..=MAX_TENSOR_CORE_HEAD_DIM).step_by(16) {
+            assert_eq!((16 * padded(hd) * 2) % 32, 0, "{hd}");
+        }
+        assert_eq!((16 * SS * 4) % 32, 0);
+        assert_eq!((16 * PS * 2) % 32, 0);
+        assert_eq!((16 * 4) % 32, 0);
+    }
+}

@@ -1,0 +1,367 @@
+//! Shared-memory tiles and 16×16×16 tensor-core fragments of the tensor-core kernels.
+//!
+//! A cube is four planes of 32 units; each plane owns 16 rows of the cube's 64. Element tiles
+//! (`F`) are padded to a row stride of `head_dim + 8` and score tiles (f32) to `KEYS + 4`,
+//! which keeps every fragment's first element 32-byte aligned (fragments start at rows that
+//! are multiples of 16) and spreads rows over the shared-memory banks.
+//!
+//! Row-wise work (softmax, masks, scaling) is done by plain units on f32 tiles a fragment was
+//! stored to: unit `lane` of a plane takes row `lane / 2` and half `lane % 2` of its columns.
+
+use cubecl::prelude::*;
+
+/// Rows (query rows, or key rows in `dkdv`) per cube: 16 per plane.
+pub(crate) const ROWS: usize = 64;
+/// Keys (or query rows in `dkdv`) per shared tile.
+pub(crate) const KEYS: usize = 64;
+/// Planes per cube.
+pub(crate) const PLANES: usize = 4;
+/// Units per plane (CUDA's warp).
+pub(crate) const PLANE: usize = 32;
+/// Units per cube.
+pub(crate) const UNITS: usize = PLANES * PLANE;
+/// Row stride of f32 score tiles.
+pub(crate) const SS: usize = KEYS + 4;
+/// Row stride of element probability tiles.
+pub(crate) const PS: usize = KEYS + 8;
+/// Alignment of the shared tiles, in bytes (the tensor-core loads' requirement).
+pub(crate) const ALIGN: usize = 32;
+/// Columns of a score tile one unit takes (half a row).
+pub(crate) const HALF: usize = KEYS / 2;
+/// Global loads a unit issues before storing them in [`stage`], out of the `per_unit` it
+/// stages: 16 where that divides them, else 8 (`64 · head_dim / 128` is a multiple of 8 for
+/// every head dimension that is a multiple of 16).
+pub(crate) const fn in_flight(per_unit: usize) -> usize {
+    if per_unit.is_multiple_of(16) { 16 } else { 8 }
+}
+/// Side of a fragment.
+pub(crate) const T: usize = 16;
+
+/// Row stride of element tiles of `head_dim` columns.
+pub(crate) const fn padded(head_dim: usize) -> usize {
+    head_dim + 8
+}
+
+/// Stages rows `first..first + count` of the `[.., seq, head_dim]` slab at `at` of `t` in
+/// `tile` (row stride `stride`), zeros past `seq`; every unit of the cube takes part. The loop
+/// is unrolled and each run of [`in_flight`] loads is issued before its stores, so a unit
+/// waits for global memory once per run instead of once per element.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage<F: Float>(
+    t: &Tensor<F>,
+    at: usize,
+    first: usize,
+    seq: usize,
+    tile: &mut SharedMemory<F>,
+    #[comptime] count: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let (rs, es) = (t.stride(2), t.stride(3));
+    let flight = comptime!(in_flight(count * head_dim / UNITS));
+    let runs = comptime!(count * head_dim / (UNITS * flight));
+    let mut held = Array::<F>::new(flight);
+    #[unroll]
+    for run in 0..runs {
+        #[unroll]
+        for i in 0..flight {
+            let e = (run * flight + i) * UNITS + UNIT_POS as usize;
+            let row = first + e / head_dim;
+            let mut value = F::new(0.0);
+            if row < seq {
+                value = t[at + row * rs + (e % head_dim) * es];
+            }
+            held[i] = value;
+        }
+        #[unroll]
+        for i in 0..flight {
+            let e = (run * flight + i) * UNITS + UNIT_POS as usize;
+            tile[(e / head_dim) * stride + e % head_dim] = held[i];
+        }
+    }
+}
+
+/// Stages `count` per-row f32 values (`lse`, `delta`) from `at` (row stride `t.stride(2)`),
+/// zeros past `seq`.
+#[cube]
+pub(crate) fn stage_stat(
+    t: &Tensor<f32>,
+    at: usize,
+    first: usize,
+    seq: usize,
+    tile: &mut SharedMemory<f32>,
+    #[comptime] count: usize,
+) {
+    let e = UNIT_POS as usize;
+    if e < count {
+        let mut value = 0.0f32;
+        if first + e < seq {
+            value = t[at + (first + e) * t.stride(2)];
+        }
+        tile[e] = value;
+    }
+}
+
+/// The 16×16 A fragment at `at` of a row-major tile of row stride `stride`.
+#[cube]
+pub(crate) fn frag_a<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    #[comptime] stride: usize,
+) -> cmma::Matrix<F> {
+    cmma::Matrix::<F>::from_slice(
+        cmma::MatrixIdent::A,
+        T,
+        T,
+        T,
+        cmma::MatrixLayout::RowMajor,
+        &tile.slice(at, at + (T - 1) * stride + T),
+        stride as u32,
+    )
+}
+
+/// The 16×16 B fragment at `at` of a row-major tile (rows are the reduced dimension).
+#[cube]
+pub(crate) fn frag_b<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    #[comptime] stride: usize,
+) -> cmma::Matrix<F> {
+    cmma::Matrix::<F>::from_slice(
+        cmma::MatrixIdent::B,
+        T,
+        T,
+        T,
+        cmma::MatrixLayout::RowMajor,
+        &tile.slice(at, at + (T - 1) * stride + T),
+        stride as u32,
+    )
+}
+
+/// The transpose of the 16×16 block at `at` of a row-major tile, as a B fragment: rows of
+/// the tile (keys) become its columns, as `Kᵀ` in `Q·Kᵀ`.
+#[cube]
+pub(crate) fn frag_b_transposed<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    #[comptime] stride: usize,
+) -> cmma::Matrix<F> {
+    cmma::Matrix::<F>::from_slice(
+        cmma::MatrixIdent::B,
+        T,
+        T,
+        T,
+        cmma::MatrixLayout::ColMajor,
+        &tile.slice(at, at + (T - 1) * stride + T),
+        stride as u32,
+    )
+}
+
+/// A zero 16×16 f32 accumulator.
+#[cube]
+pub(crate) fn zero_acc() -> cmma::Matrix<f32> {
+    cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        T,
+        T,
+        T,
+        cmma::MatrixLayout::Undefined,
+        0.0,
+    )
+}
+
+/// `dt` zero accumulators (a 16 × `16·dt` block).
+#[cube]
+pub(crate) fn zero_accs(#[comptime] dt: usize) -> Sequence<cmma::Matrix<f32>> {
+    let mut accs = Sequence::new();
+    #[unroll]
+    for _ in 0..dt {
+        accs.push(zero_acc());
+    }
+    accs
+}
+
+/// The plane's 16 rows of a row-major element tile (`at`, stride `stride`, `16·dt` wide) as
+/// `dt` A fragments, to keep in registers.
+#[cube]
+pub(crate) fn frags_a<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    #[comptime] dt: usize,
+    #[comptime] stride: usize,
+) -> Sequence<cmma::Matrix<F>> {
+    let mut frags = Sequence::new();
+    #[unroll]
+    for kk in 0..dt {
+        frags.push(frag_a::<F>(tile, at + kk * T, stride));
+    }
+    frags
+}
+
+/// As [`scores_of`] with `a` already in fragments ([`frags_a`]).
+#[cube]
+pub(crate) fn scores_of_frags<F: Float>(
+    a: &Sequence<cmma::Matrix<F>>,
+    b: &SharedMemory<F>,
+    scores: &mut SharedMemory<f32>,
+    plane: usize,
+    #[comptime] dt: usize,
+    #[comptime] stride: usize,
+) {
+    #[unroll]
+    for c in 0..KEYS / T {
+        let acc = zero_acc();
+        #[unroll]
+        for kk in 0..dt {
+            let bf = frag_b_transposed::<F>(b, c * T * stride + kk * T, stride);
+            cmma::execute::<F, F, f32, f32>(a.index(kk), &bf, &acc, &acc);
+        }
+        store_scores(&acc, scores, plane, c);
+    }
+}
+
+/// Stores score block `c` (16 × 16) of the plane's rows.
+#[cube]
+fn store_scores(
+    acc: &cmma::Matrix<f32>,
+    scores: &mut SharedMemory<f32>,
+    plane: usize,
+    #[comptime] c: usize,
+) {
+    let at = plane * T * SS + c * T;
+    cmma::store(
+        &mut scores.slice_mut(at, at + (T - 1) * SS + T),
+        acc,
+        SS as u32,
+        cmma::MatrixLayout::RowMajor,
+    );
+}
+
+/// Stores the plane's 16 × `KEYS` product `a·bᵀ` to its rows of `scores` (row stride [`SS`]):
+/// `a` is the plane's 16 rows of a row-major element tile (`a_at`, stride `stride`), `b` the
+/// `KEYS` rows of another (both `16·dt` wide). This is `Q·Kᵀ`, `dO·Vᵀ`, `K·Qᵀ` or `V·dOᵀ`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scores_of<F: Float>(
+    a: &SharedMemory<F>,
+    a_at: usize,
+    b: &SharedMemory<F>,
+    scores: &mut SharedMemory<f32>,
+    plane: usize,
+    #[comptime] dt: usize,
+    #[comptime] stride: usize,
+) {
+    #[unroll]
+    for c in 0..KEYS / T {
+        let acc = zero_acc();
+        #[unroll]
+        for kk in 0..dt {
+            let af = frag_a::<F>(a, a_at + kk * T, stride);
+            let bf = frag_b_transposed::<F>(b, c * T * stride + kk * T, stride);
+            cmma::execute::<F, F, f32, f32>(&af, &bf, &acc, &acc);
+        }
+        store_scores(&acc, scores, plane, c);
+    }
+}
+
+/// `accs += p·m`: `p` the plane's 16 × `KEYS` rows of a probability tile (row stride [`PS`]),
+/// `m` a `KEYS × 16·dt` element tile.
+#[cube]
+pub(crate) fn accumulate<F: Float>(
+    accs: &Sequence<cmma::Matrix<f32>>,
+    p: &SharedMemory<F>,
+    m: &SharedMemory<F>,
+    plane: usize,
+    #[comptime] dt: usize,
+    #[comptime] stride: usize,
+) {
+    #[unroll]
+    for kk in 0..KEYS / T {
+        let pf = frag_a::<F>(p, plane * T * PS + kk * T, PS);
+        #[unroll]
+        for dd in 0..dt {
+            let mf = frag_b::<F>(m, kk * T * stride + dd * T, stride);
+            cmma::execute::<F, F, f32, f32>(&pf, &mf, accs.index(dd), accs.index(dd));
+        }
+    }
+}
+
+/// Multiplies row `lane / 2` of the plane's accumulators by `factor` (a per-row value each
+/// unit holds for its row), through `bounce` (the plane's rows of an f32 tile, stride [`SS`]).
+/// Every unit of the plane must call it.
+#[cube]
+pub(crate) fn scale_rows(
+    accs: &Sequence<cmma::Matrix<f32>>,
+    bounce: &mut SharedMemory<f32>,
+    plane: usize,
+    lane: usize,
+    factor: f32,
+    #[comptime] dt: usize,
+) {
+    let at = plane * T * SS;
+    let mine = at + (lane / 2usize) * SS + (lane % 2usize) * 8usize;
+    #[unroll]
+    for dd in 0..dt {
+        let acc = accs.index(dd);
+        cmma::store(
+            &mut bounce.slice_mut(at, at + (T - 1) * SS + T),
+            acc,
+            SS as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        sync_plane();
+        #[unroll]
+        for c in 0..8usize {
+            bounce[mine + c] *= factor;
+        }
+        sync_plane();
+        cmma::load_with_layout(
+            acc,
+            &bounce.slice(at, at + (T - 1) * SS + T),
+            SS as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        sync_plane();
+    }
+}
+
+/// Writes row `row` (this unit's, `lane / 2` of the plane) of the accumulators times `factor`
+/// to the `[.., seq, head_dim]` slab at `at` of `t` if `live`, through `bounce` as
+/// [`scale_rows`]. Every unit of the plane must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write_rows<F: Float>(
+    accs: &Sequence<cmma::Matrix<f32>>,
+    bounce: &mut SharedMemory<f32>,
+    t: &mut Tensor<F>,
+    row_at: usize,
+    live: bool,
+    plane: usize,
+    lane: usize,
+    factor: f32,
+    #[comptime] dt: usize,
+) {
+    let at = plane * T * SS;
+    let half = lane % 2usize;
+    let mine = at + (lane / 2usize) * SS + half * 8usize;
+    let es = t.stride(3);
+    #[unroll]
+    for dd in 0..dt {
+        cmma::store(
+            &mut bounce.slice_mut(at, at + (T - 1) * SS + T),
+            accs.index(dd),
+            SS as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        sync_plane();
+        if live {
+            #[unroll]
+            for c in 0..8usize {
+                let d = dd * T + half * 8usize + c;
+                t[row_at + d * es] = F::cast_from(bounce[mine + c] * factor);
+            }
+        }
+        sync_plane();
+    }
+}
