@@ -19,11 +19,15 @@ mod kernel {
     /// rows `64·x ..` of head `y = b·heads + h` and walks the key tiles.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
-    pub fn tc_dq_kernel<F: Float>(
+    pub fn tc_dq_kernel<F: Float, N: Size>(
         q: &Tensor<F>,
+        q_vectors: &Tensor<Vector<F, N>>,
         k: &Tensor<F>,
+        k_vectors: &Tensor<Vector<F, N>>,
         v: &Tensor<F>,
+        v_vectors: &Tensor<Vector<F, N>>,
         d_out: &Tensor<F>,
+        d_out_vectors: &Tensor<Vector<F, N>>,
         lse: &Tensor<f32>,
         delta: &Tensor<f32>,
         dq: &mut Tensor<F>,
@@ -58,8 +62,9 @@ mod kernel {
         let mut dp_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
         let mut ds_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
 
-        stage::<F>(
+        stage::<F, N>(
             q,
+            q_vectors,
             b * q.stride(0) + h * q.stride(1),
             first_row,
             seq_q,
@@ -68,8 +73,9 @@ mod kernel {
             head_dim,
             ds,
         );
-        stage::<F>(
+        stage::<F, N>(
             d_out,
+            d_out_vectors,
             b * d_out.stride(0) + h * d_out.stride(1),
             first_row,
             seq_q,
@@ -105,8 +111,28 @@ mod kernel {
         while start < kv_end {
             let last_key = last_of(start, KEYS, seq_k);
             if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
-                stage::<F>(k, k_at, start, seq_k, &mut k_tile, KEYS, head_dim, ds);
-                stage::<F>(v, v_at, start, seq_k, &mut v_tile, KEYS, head_dim, ds);
+                stage::<F, N>(
+                    k,
+                    k_vectors,
+                    k_at,
+                    start,
+                    seq_k,
+                    &mut k_tile,
+                    KEYS,
+                    head_dim,
+                    ds,
+                );
+                stage::<F, N>(
+                    v,
+                    v_vectors,
+                    v_at,
+                    start,
+                    seq_k,
+                    &mut v_tile,
+                    KEYS,
+                    head_dim,
+                    ds,
+                );
                 sync_cube();
                 scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
                 scores_of_frags::<F>(&gf, &v_tile, &mut dp_tile, plane, dt, ds);
@@ -140,11 +166,15 @@ mod kernel {
     /// query head reading it.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
-    pub fn tc_dkdv_kernel<F: Float>(
+    pub fn tc_dkdv_kernel<F: Float, N: Size>(
         q: &Tensor<F>,
+        q_vectors: &Tensor<Vector<F, N>>,
         k: &Tensor<F>,
+        k_vectors: &Tensor<Vector<F, N>>,
         v: &Tensor<F>,
+        v_vectors: &Tensor<Vector<F, N>>,
         d_out: &Tensor<F>,
+        d_out_vectors: &Tensor<Vector<F, N>>,
         lse: &Tensor<f32>,
         delta: &Tensor<f32>,
         dk: &mut Tensor<F>,
@@ -188,8 +218,28 @@ mod kernel {
 
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
-        stage::<F>(k, k_at, first_key, seq_k, &mut k_tile, ROWS, head_dim, ds);
-        stage::<F>(v, v_at, first_key, seq_k, &mut v_tile, ROWS, head_dim, ds);
+        stage::<F, N>(
+            k,
+            k_vectors,
+            k_at,
+            first_key,
+            seq_k,
+            &mut k_tile,
+            ROWS,
+            head_dim,
+            ds,
+        );
+        stage::<F, N>(
+            v,
+            v_vectors,
+            v_at,
+            first_key,
+            seq_k,
+            &mut v_tile,
+            ROWS,
+            head_dim,
+            ds,
+        );
         let dk_acc = zero_accs(dt);
         let dv_acc = zero_accs(dt);
 
@@ -212,8 +262,28 @@ mod kernel {
             while start < seq_q {
                 let last_row = last_of(start, KEYS, seq_q);
                 if !sparse || tile_kept(layout, h, block, start, last_row, first_key, last_key) {
-                    stage::<F>(q, q_at, start, seq_q, &mut q_tile, KEYS, head_dim, ds);
-                    stage::<F>(d_out, g_at, start, seq_q, &mut g_tile, KEYS, head_dim, ds);
+                    stage::<F, N>(
+                        q,
+                        q_vectors,
+                        q_at,
+                        start,
+                        seq_q,
+                        &mut q_tile,
+                        KEYS,
+                        head_dim,
+                        ds,
+                    );
+                    stage::<F, N>(
+                        d_out,
+                        d_out_vectors,
+                        g_at,
+                        start,
+                        seq_q,
+                        &mut g_tile,
+                        KEYS,
+                        head_dim,
+                        ds,
+                    );
                     stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
                     stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
                     sync_cube();

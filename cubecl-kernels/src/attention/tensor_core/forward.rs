@@ -22,10 +22,13 @@ mod kernel {
     /// `64·x ..`, head `y = b·heads + h`; 128 units.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
-    pub fn tc_forward_kernel<F: Float>(
+    pub fn tc_forward_kernel<F: Float, N: Size>(
         q: &Tensor<F>,
+        q_vectors: &Tensor<Vector<F, N>>,
         k: &Tensor<F>,
+        k_vectors: &Tensor<Vector<F, N>>,
         v: &Tensor<F>,
+        v_vectors: &Tensor<Vector<F, N>>,
         out: &mut Tensor<F>,
         lse: &mut Tensor<f32>,
         layout: &Tensor<u32>,
@@ -60,7 +63,17 @@ mod kernel {
 
         let q_at = b * q.stride(0) + h * q.stride(1);
         // Q passes through the K tile into fragments held for the whole walk.
-        stage::<F>(q, q_at, first_row, seq_q, &mut k_tile, ROWS, head_dim, ds);
+        stage::<F, N>(
+            q,
+            q_vectors,
+            q_at,
+            first_row,
+            seq_q,
+            &mut k_tile,
+            ROWS,
+            head_dim,
+            ds,
+        );
         sync_cube();
         let qf = frags_a::<F>(&k_tile, plane * T * ds, dt, ds);
         sync_cube();
@@ -84,8 +97,28 @@ mod kernel {
         while start < kv_end {
             let last_key = last_of(start, KEYS, seq_k);
             if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
-                stage::<F>(k, k_at, start, seq_k, &mut k_tile, KEYS, head_dim, ds);
-                stage::<F>(v, v_at, start, seq_k, &mut v_tile, KEYS, head_dim, ds);
+                stage::<F, N>(
+                    k,
+                    k_vectors,
+                    k_at,
+                    start,
+                    seq_k,
+                    &mut k_tile,
+                    KEYS,
+                    head_dim,
+                    ds,
+                );
+                stage::<F, N>(
+                    v,
+                    v_vectors,
+                    v_at,
+                    start,
+                    seq_k,
+                    &mut v_tile,
+                    KEYS,
+                    head_dim,
+                    ds,
+                );
                 sync_cube();
                 scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
                 sync_plane();

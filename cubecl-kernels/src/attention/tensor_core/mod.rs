@@ -55,6 +55,23 @@ pub fn tensor_cores_apply<R: Runtime>(
         && props.hardware.max_shared_memory_size >= shared_bytes(dims.head_dim, elem)
 }
 
+/// Elements per global load of the staged tiles: 8 (16 bytes) where every operand's head
+/// dimension is contiguous and each of its rows starts 16-byte aligned, else 1.
+fn vector_size<R: Runtime>(dims: &AttentionDims, operands: &[&TensorBinding<R>]) -> usize {
+    const VECTOR: usize = 8;
+    let aligned = |t: &TensorBinding<R>| {
+        let offset = t.handle.offset_start.unwrap_or(0) as usize;
+        let strides: &[usize] = &t.strides;
+        strides[3] == 1
+            && strides[..3].iter().all(|s| s.is_multiple_of(VECTOR))
+            && offset.is_multiple_of(VECTOR * 2)
+    };
+    match dims.head_dim.is_multiple_of(VECTOR) && operands.iter().all(|t| aligned(t)) {
+        true => VECTOR,
+        false => 1,
+    }
+}
+
 /// The forward on tensor cores (see [`super::flash_forward`]); `layout` and `block` as the
 /// CUDA-core launch takes them.
 #[allow(clippy::too_many_arguments)]
@@ -70,13 +87,18 @@ pub(super) fn forward<R: Runtime>(
 ) {
     // SAFETY: the shapes were checked by `AttentionDims::of` and `tensor_cores_apply`, the
     // bindings hold them, and every access in the kernels is bounded by the shapes.
+    let vector = vector_size(dims, &[q, k, v]);
     unsafe {
         tc_forward_kernel::launch_unchecked::<R>(
             client,
             cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
             CubeDim::new_1d(UNITS as u32),
+            vector,
+            arg(q),
             arg(q),
             arg(k),
+            arg(k),
+            arg(v),
             arg(v),
             arg(out),
             arg(lse),
@@ -103,15 +125,21 @@ pub(super) fn backward<R: Runtime>(
     [d_out, lse, delta]: [&TensorBinding<R>; 3],
     [dq, dk, dv]: [&TensorBinding<R>; 3],
 ) {
+    let vector = vector_size(dims, &[q, k, v, d_out]);
     // SAFETY: as in `forward`.
     unsafe {
         tc_dq_kernel::launch_unchecked::<R>(
             client,
             cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
             CubeDim::new_1d(UNITS as u32),
+            vector,
+            arg(q),
             arg(q),
             arg(k),
+            arg(k),
             arg(v),
+            arg(v),
+            arg(d_out),
             arg(d_out),
             arg(lse),
             arg(delta),
@@ -128,9 +156,14 @@ pub(super) fn backward<R: Runtime>(
             client,
             cubes(dims.seq_k, ROWS, dims.batch * dims.kv_heads),
             CubeDim::new_1d(UNITS as u32),
+            vector,
+            arg(q),
             arg(q),
             arg(k),
+            arg(k),
             arg(v),
+            arg(v),
+            arg(d_out),
             arg(d_out),
             arg(lse),
             arg(delta),

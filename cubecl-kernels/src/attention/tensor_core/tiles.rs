@@ -28,12 +28,6 @@ pub(crate) const PS: usize = KEYS + 8;
 pub(crate) const ALIGN: usize = 32;
 /// Columns of a score tile one unit takes (half a row).
 pub(crate) const HALF: usize = KEYS / 2;
-/// Global loads a unit issues before storing them in [`stage`], out of the `per_unit` it
-/// stages: 16 where that divides them, else 8 (`64 · head_dim / 128` is a multiple of 8 for
-/// every head dimension that is a multiple of 16).
-pub(crate) const fn in_flight(per_unit: usize) -> usize {
-    if per_unit.is_multiple_of(16) { 16 } else { 8 }
-}
 /// Side of a fragment.
 pub(crate) const T: usize = 16;
 
@@ -43,13 +37,15 @@ pub(crate) const fn padded(head_dim: usize) -> usize {
 }
 
 /// Stages rows `first..first + count` of the `[.., seq, head_dim]` slab at `at` of `t` in
-/// `tile` (row stride `stride`), zeros past `seq`; every unit of the cube takes part. The loop
-/// is unrolled and each run of [`in_flight`] loads is issued before its stores, so a unit
-/// waits for global memory once per run instead of once per element.
+/// `tile` (row stride `stride`), zeros past `seq`; every unit of the cube takes part. The loads
+/// go through `tv`, the same memory in vectors of `N` (the launch picks `N > 1` only where the
+/// head dimension is contiguous and every row starts on a vector), and all of a unit's loads
+/// are issued before its stores, so it waits for global memory once per tile.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn stage<F: Float>(
+pub(crate) fn stage<F: Float, N: Size>(
     t: &Tensor<F>,
+    tv: &Tensor<Vector<F, N>>,
     at: usize,
     first: usize,
     seq: usize,
@@ -59,25 +55,28 @@ pub(crate) fn stage<F: Float>(
     #[comptime] stride: usize,
 ) {
     let (rs, es) = (t.stride(2), t.stride(3));
-    let flight = comptime!(in_flight(count * head_dim / UNITS));
-    let runs = comptime!(count * head_dim / (UNITS * flight));
-    let mut held = Array::<F>::new(flight);
+    let n = tv.vector_size();
+    let per_row = comptime!(head_dim / n);
+    let per_unit = comptime!(count * per_row / UNITS);
+    let mut held = Array::<Vector<F, N>>::new(per_unit);
     #[unroll]
-    for run in 0..runs {
-        #[unroll]
-        for i in 0..flight {
-            let e = (run * flight + i) * UNITS + UNIT_POS as usize;
-            let row = first + e / head_dim;
-            let mut value = F::new(0.0);
-            if row < seq {
-                value = t[at + row * rs + (e % head_dim) * es];
-            }
-            held[i] = value;
+    for i in 0..per_unit {
+        let e = i * UNITS + UNIT_POS as usize;
+        let row = first + e / per_row;
+        let mut value = Vector::<F, N>::new(F::new(0.0));
+        if row < seq {
+            value = tv[(at + row * rs + (e % per_row) * n * es) / n];
         }
+        held[i] = value;
+    }
+    #[unroll]
+    for i in 0..per_unit {
+        let e = i * UNITS + UNIT_POS as usize;
+        let to = (e / per_row) * stride + (e % per_row) * n;
+        let value = held[i];
         #[unroll]
-        for i in 0..flight {
-            let e = (run * flight + i) * UNITS + UNIT_POS as usize;
-            tile[(e / head_dim) * stride + e % head_dim] = held[i];
+        for j in 0..n {
+            tile[to + j] = value[j];
         }
     }
 }
