@@ -59,7 +59,8 @@ mod kernel {
         let mut k_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
         let mut v_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
         let mut s_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
-        let mut dp_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
+        // This unit's half row of probabilities, kept while dP takes the scores' place.
+        let mut probs = Array::<f32>::new(HALF);
         let mut ds_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
 
         stage::<F, N>(
@@ -135,7 +136,6 @@ mod kernel {
                 );
                 sync_cube();
                 scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
-                scores_of_frags::<F>(&gf, &v_tile, &mut dp_tile, plane, dt, ds);
                 sync_plane();
                 #[unroll]
                 for j in 0..HALF {
@@ -144,11 +144,19 @@ mod kernel {
                         && key < seq_k
                         && (!causal || key <= row)
                         && (!sparse || block_kept(layout, h, block, row, key));
-                    let mut d = 0.0f32;
+                    let mut p = 0.0f32;
                     if valid {
-                        let p = f32::exp(s_tile[s_row + j] * scale - row_lse);
-                        d = p * (dp_tile[s_row + j] - row_delta);
+                        p = f32::exp(s_tile[s_row + j] * scale - row_lse);
                     }
+                    probs[j] = p;
+                }
+                // dP goes where S was: this unit's probabilities wait in registers.
+                sync_plane();
+                scores_of_frags::<F>(&gf, &v_tile, &mut s_tile, plane, dt, ds);
+                sync_plane();
+                #[unroll]
+                for j in 0..HALF {
+                    let d = probs[j] * (s_tile[s_row + j] - row_delta);
                     ds_tile[p_row + j] = F::cast_from(d);
                 }
                 sync_plane();
@@ -210,7 +218,8 @@ mod kernel {
         let mut q_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
         let mut g_tile = SharedMemory::<F>::new_aligned(KEYS * ds, ALIGN);
         let mut s_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
-        let mut dp_tile = SharedMemory::<f32>::new_aligned(ROWS * SS, ALIGN);
+        // This unit's half row of probabilities, kept while dP takes the scores' place.
+        let mut probs = Array::<f32>::new(HALF);
         let mut p_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
         let mut ds_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
         let mut lse_tile = SharedMemory::<f32>::new(KEYS);
@@ -287,9 +296,8 @@ mod kernel {
                     stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
                     stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
                     sync_cube();
-                    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: rows are this plane's keys.
+                    // Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ in its place: rows are this plane's keys.
                     scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
-                    scores_of::<F>(&v_tile, a_at, &g_tile, &mut dp_tile, plane, dt, ds);
                     sync_plane();
                     #[unroll]
                     for j in 0..HALF {
@@ -300,12 +308,18 @@ mod kernel {
                             && (!causal || key <= qi)
                             && (!sparse || block_kept(layout, h, block, qi, key));
                         let mut p = 0.0f32;
-                        let mut d = 0.0f32;
                         if valid {
                             p = f32::exp(s_tile[s_row + j] * scale - lse_tile[c]);
-                            d = p * (dp_tile[s_row + j] - delta_tile[c]);
                         }
+                        probs[j] = p;
                         p_tile[p_row + j] = F::cast_from(p);
+                    }
+                    sync_plane();
+                    scores_of::<F>(&v_tile, a_at, &g_tile, &mut s_tile, plane, dt, ds);
+                    sync_plane();
+                    #[unroll]
+                    for j in 0..HALF {
+                        let d = probs[j] * (s_tile[s_row + j] - delta_tile[half * HALF + j]);
                         ds_tile[p_row + j] = F::cast_from(d);
                     }
                     sync_plane();

@@ -23,7 +23,7 @@ pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
 /// Shared memory of the largest of the three kernels (`dkdv`), in bytes.
 fn shared_bytes(head_dim: usize, elem: usize) -> usize {
     let tiles = 4 * ROWS * padded(head_dim) * elem;
-    let scores = 2 * ROWS * SS * 4;
+    let scores = ROWS * SS * 4;
     let probs = 2 * ROWS * PS * elem;
     tiles + scores + probs + 2 * KEYS * 4
 }
@@ -186,10 +186,11 @@ mod tests {
 
     #[test]
     fn the_largest_kernel_fits_an_h100s_shared_memory() {
-        // dkdv at head dim 128 in bf16: four element tiles, two score and two probability
-        // tiles, two rows of statistics.
-        assert_eq!(shared_bytes(128, 2), 69_632 + 34_816 + 18_432 + 512);
-        assert!(shared_bytes(128, 2) <= 227 * 1024);
+        // dkdv at head dim 128 in bf16: four element tiles, a score tile, two probability
+        // tiles, two rows of statistics; two cubes of it fit an SM of an H100/H200 (228 KiB,
+        // 1 KiB of it reserved per cube).
+        assert_eq!(shared_bytes(128, 2), 69_632 + 17_408 + 18_432 + 512);
+        assert!(2 * (shared_bytes(128, 2) + 1024) <= 228 * 1024);
     }
 
     #[test]
