@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device side of issue 10's flash attention benchmark, one call (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-attention):
-# bench-attention's check (flash and block-sparse vs an f32 materialized reference, exit 1 on a
-# miss), block-sparse against dense flash at seq 4k-16k, its
+# bench-attention's check (flash and block-sparse vs an f32 materialized reference, and a NaN
+# query element reaching its row's output; exit 1 on a miss), block-sparse against dense flash at seq 4k-16k, its
 # timings beside torch's SDPA flash backend (bench/attention_torch.py), and the memory of one
 # training step at seq 8k with the flash kernels and with burn's materialized fallback (each
 # in its own process: the fallback may run out of memory). Merged into $OUT/attention-<kind>.json.
@@ -48,6 +48,7 @@ for t in ours_time:
 result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
           "checks_passed": sum(c["pass"] for c in checks), "checks": len(checks),
           "check_cases": checks, "time": ours_time,
+          "nan_checks": [l["check_nan"] for l in ours if "check_nan" in l],
           "memory": [l["memory"] for l in ours if "memory" in l],
           "block_sparse": [l["sparse"] for l in ours if "sparse" in l],
           "torch": [l for l in torch if "time" not in l]}

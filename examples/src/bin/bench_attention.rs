@@ -137,8 +137,40 @@ fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     worst / scale
 }
 
+/// A NaN in one query element must reach that row's whole output (and no other row).
+fn nan_case(dtype: FloatDType, name: &str, hd: usize, device: &Device) -> bool {
+    let (seq, row) = (17, 5);
+    let shape = [1, 2, seq, hd];
+    let mut q = values(shape.iter().product(), 1);
+    q[row * hd] = f32::NAN;
+    let q = Tensor::<B, 4>::from_data(TensorData::new(q, shape), device).cast(dtype);
+    let [k, v] = [2, 3].map(|seed| tensor([1, 1, seq, hd], seed, dtype, device));
+    let out = flash_attention(q, k, v, false).expect("flash");
+    let out: Vec<f32> = out.cast(FloatDType::F32).into_data().to_vec().expect("f32");
+    let nan_rows: Vec<usize> = (0..2 * seq)
+        .filter(|r| out[r * hd..(r + 1) * hd].iter().any(|x| x.is_nan()))
+        .collect();
+    let whole_row = out[row * hd..(row + 1) * hd].iter().all(|x| x.is_nan());
+    let pass = nan_rows == [row] && whole_row;
+    println!(
+        "{}",
+        json!({"check_nan": {"dtype": name, "head_dim": hd, "nan_rows": nan_rows,
+            "whole_row_nan": whole_row, "pass": pass}})
+    );
+    pass
+}
+
 fn check(device: &Device) -> bool {
     let mut all = true;
+    for (dtype, name) in [
+        (FloatDType::F32, "f32"),
+        (FloatDType::BF16, "bf16"),
+        (FloatDType::F16, "f16"),
+    ] {
+        for hd in [64, 128] {
+            all &= nan_case(dtype, name, hd, device);
+        }
+    }
     for (dtype, name, tolerance) in [
         // The f32 reference's matmuls run on burn's CUDA matmul, which may take TF32 tensor
         // cores (measured differences 2e-4 to 7e-4 on an H200); the kernels' f32 arithmetic is

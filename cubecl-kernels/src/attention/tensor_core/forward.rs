@@ -151,7 +151,8 @@ mod kernel {
                 for j in 0..HALF {
                     let s = s_tile[s_row + j];
                     let mut p = 0.0f32;
-                    if s > -1.0e29 {
+                    // Written so that a NaN score gives a NaN probability, never 0.
+                    if !(s <= -1.0e29) {
                         p = f32::exp(s - m);
                     }
                     l += p;
