@@ -341,3 +341,34 @@ fn block_sparse_attention_equals_masked_dense_attention() {
     }
     run(&client, case(40, false), Some(&holes));
 }
+
+#[test]
+fn the_tensor_core_kernels_take_only_half_precision_heads_of_sixteens() {
+    use super::tensor_core::tensor_cores_apply;
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let dims = |hd| AttentionDims::of(&[1, 2, 9, hd], &[1, 1, 9, hd], &[1, 1, 9, hd]).unwrap();
+    let float = |kind| StorageType::Scalar(ElemType::Float(kind));
+    // f32, or a head dim that is not a multiple of 16 or above 128, never takes them.
+    assert!(!tensor_cores_apply(
+        &client,
+        &dims(64),
+        float(FloatKind::F32)
+    ));
+    assert!(!tensor_cores_apply(
+        &client,
+        &dims(72),
+        float(FloatKind::F16)
+    ));
+    assert!(!tensor_cores_apply(
+        &client,
+        &dims(144),
+        float(FloatKind::F16)
+    ));
+    // WGSL has no tensor-core fragments: on this runtime the CUDA-core kernels run (and are
+    // what the other tests here check); the tensor-core ones are checked on the device.
+    assert!(!tensor_cores_apply(
+        &client,
+        &dims(64),
+        float(FloatKind::F16)
+    ));
+}
