@@ -106,8 +106,16 @@ mod kernel {
         let hk = h / group;
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
-        let s_row = local * SS + half * HALF;
-        let p_row = local * PS + half * HALF;
+        // Every other column from `half`, as the forward; keys below `limit` seen.
+        let s_row = local * SS + half;
+        let p_row = local * PS + half;
+        let mut limit = seq_k;
+        if causal && row + 1 < limit {
+            limit = row + 1;
+        }
+        if !live {
+            limit = 0;
+        }
         let mut start = 0;
         while start < kv_end {
             let last_key = last_of(start, KEYS, seq_k);
@@ -139,14 +147,10 @@ mod kernel {
                 sync_plane();
                 #[unroll]
                 for j in 0..HALF {
-                    let key = start + half * HALF + j;
-                    let valid = live
-                        && key < seq_k
-                        && (!causal || key <= row)
-                        && (!sparse || block_kept(layout, h, block, row, key));
+                    let key = start + 2 * j + half;
                     let mut p = 0.0f32;
-                    if valid {
-                        p = f32::exp(s_tile[s_row + j] * scale - row_lse);
+                    if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
+                        p = f32::exp(s_tile[s_row + 2 * j] * scale - row_lse);
                     }
                     probs[j] = p;
                 }
@@ -156,8 +160,8 @@ mod kernel {
                 sync_plane();
                 #[unroll]
                 for j in 0..HALF {
-                    let d = probs[j] * (s_tile[s_row + j] - row_delta);
-                    ds_tile[p_row + j] = F::cast_from(d);
+                    let d = probs[j] * (s_tile[s_row + 2 * j] - row_delta);
+                    ds_tile[p_row + 2 * j] = F::cast_from(d);
                 }
                 sync_plane();
                 accumulate::<F>(&acc, &ds_tile, &k_tile, plane, dt, ds);
@@ -258,8 +262,18 @@ mod kernel {
         if causal {
             first = first_key;
         }
-        let s_row = local * SS + half * HALF;
-        let p_row = local * PS + half * HALF;
+        // Causal: query rows from this unit's key on see it.
+        let mut low = 0;
+        if causal {
+            low = key;
+        }
+        // Every other column from `half`, as the forward; query rows `low..high` see this key.
+        let s_row = local * SS + half;
+        let p_row = local * PS + half;
+        let mut high = seq_q;
+        if !live {
+            high = 0;
+        }
         let a_at = plane * T * ds;
         for g in 0..group {
             let h = hk * group + g;
@@ -301,26 +315,25 @@ mod kernel {
                     sync_plane();
                     #[unroll]
                     for j in 0..HALF {
-                        let c = half * HALF + j;
+                        let c = 2 * j + half;
                         let qi = start + c;
-                        let valid = live
-                            && qi < seq_q
-                            && (!causal || key <= qi)
-                            && (!sparse || block_kept(layout, h, block, qi, key));
                         let mut p = 0.0f32;
-                        if valid {
-                            p = f32::exp(s_tile[s_row + j] * scale - lse_tile[c]);
+                        if qi >= low
+                            && qi < high
+                            && (!sparse || block_kept(layout, h, block, qi, key))
+                        {
+                            p = f32::exp(s_tile[s_row + 2 * j] * scale - lse_tile[c]);
                         }
                         probs[j] = p;
-                        p_tile[p_row + j] = F::cast_from(p);
+                        p_tile[p_row + 2 * j] = F::cast_from(p);
                     }
                     sync_plane();
                     scores_of::<F>(&v_tile, a_at, &g_tile, &mut s_tile, plane, dt, ds);
                     sync_plane();
                     #[unroll]
                     for j in 0..HALF {
-                        let d = probs[j] * (s_tile[s_row + j] - delta_tile[half * HALF + j]);
-                        ds_tile[p_row + j] = F::cast_from(d);
+                        let d = probs[j] * (s_tile[s_row + 2 * j] - delta_tile[2 * j + half]);
+                        ds_tile[p_row + 2 * j] = F::cast_from(d);
                     }
                     sync_plane();
                     accumulate::<F>(&dv_acc, &p_tile, &g_tile, plane, dt, ds);

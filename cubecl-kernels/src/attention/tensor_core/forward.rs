@@ -20,8 +20,7 @@ mod kernel {
     /// As `flash_forward_kernel` (same arguments and results) on tensor cores: elements of
     /// `F` (f16 or bf16), `head_dim` a multiple of 16; cube `(x, y)`: query rows
     /// `64·x ..`, head `y = b·heads + h`; 128 units.
-    // `!(s <= x)` keeps NaN scores (cube code has no `partial_cmp`).
-    #[allow(clippy::too_many_arguments, clippy::neg_cmp_op_on_partial_ord)]
+    #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn tc_forward_kernel<F: Float, N: Size>(
         q: &Tensor<F>,
@@ -92,8 +91,18 @@ mod kernel {
         let hk = h / group;
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
-        let s_row = local * SS + half * HALF;
-        let p_row = local * PS + half * HALF;
+        // This unit's columns: every other one, from `half` (the plane's 32 units then meet
+        // 16 banks, not 8).
+        let s_row = local * SS + half;
+        let p_row = local * PS + half;
+        // Keys this unit's row sees: those below `limit`.
+        let mut limit = seq_k;
+        if causal && row + 1 < limit {
+            limit = row + 1;
+        }
+        if !live {
+            limit = 0;
+        }
         let mut start = 0;
         while start < kv_end {
             let last_key = last_of(start, KEYS, seq_k);
@@ -124,21 +133,14 @@ mod kernel {
                 scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
                 sync_plane();
 
-                // Masked scores become −∞ (−1e30) in place; the row's maximum over both halves.
+                // The row's maximum over the keys it sees, both units' columns.
                 let mut mx = f32::new(-1.0e30);
                 #[unroll]
                 for j in 0..HALF {
-                    let key = start + half * HALF + j;
-                    let valid = live
-                        && key < seq_k
-                        && (!causal || key <= row)
-                        && (!sparse || block_kept(layout, h, block, row, key));
-                    let mut s = f32::new(-1.0e30);
-                    if valid {
-                        s = s_tile[s_row + j] * scale;
-                        mx = f32::max(mx, s);
+                    let key = start + 2 * j + half;
+                    if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
+                        mx = f32::max(mx, s_tile[s_row + 2 * j] * scale);
                     }
-                    s_tile[s_row + j] = s;
                 }
                 mx = f32::max(mx, plane_shuffle_xor(mx, 1));
                 let mut factor = 1.0f32;
@@ -150,14 +152,14 @@ mod kernel {
                 }
                 #[unroll]
                 for j in 0..HALF {
-                    let s = s_tile[s_row + j];
+                    let key = start + 2 * j + half;
                     let mut p = 0.0f32;
-                    // Written so that a NaN score gives a NaN probability, never 0.
-                    if !(s <= -1.0e29) {
-                        p = f32::exp(s - m);
+                    // A NaN score (not compared against anything) gives a NaN probability.
+                    if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
+                        p = f32::exp(s_tile[s_row + 2 * j] * scale - m);
                     }
                     l += p;
-                    p_tile[p_row + j] = F::cast_from(p);
+                    p_tile[p_row + 2 * j] = F::cast_from(p);
                 }
                 sync_plane();
                 if plane_any(grow) {

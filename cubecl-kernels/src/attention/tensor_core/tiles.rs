@@ -6,7 +6,8 @@
 //! are multiples of 16) and spreads rows over the shared-memory banks.
 //!
 //! Row-wise work (softmax, masks, scaling) is done by plain units on f32 tiles a fragment was
-//! stored to: unit `lane` of a plane takes row `lane / 2` and half `lane % 2` of its columns.
+//! stored to: unit `lane` of a plane takes row `lane / 2`, every other column from `lane % 2`
+//! (so that the plane's 32 units meet 16 banks of shared memory, not 8).
 
 use cubecl::prelude::*;
 
