@@ -103,6 +103,20 @@ pub(crate) fn stage_stat(
     }
 }
 
+/// The 16×16 block at `at` of a row-major tile of row stride `stride`, as fragment `ident`
+/// read in `layout` (column-major reads the block transposed).
+#[cube]
+fn fragment<F: Float>(
+    tile: &SharedMemory<F>,
+    at: usize,
+    #[comptime] ident: cmma::MatrixIdent,
+    #[comptime] layout: cmma::MatrixLayout,
+    #[comptime] stride: usize,
+) -> cmma::Matrix<F> {
+    let end = at + (T - 1) * stride + T;
+    cmma::Matrix::<F>::from_slice(ident, T, T, T, layout, &tile.slice(at, end), stride as u32)
+}
+
 /// The 16×16 A fragment at `at` of a row-major tile of row stride `stride`.
 #[cube]
 pub(crate) fn frag_a<F: Float>(
@@ -110,14 +124,12 @@ pub(crate) fn frag_a<F: Float>(
     at: usize,
     #[comptime] stride: usize,
 ) -> cmma::Matrix<F> {
-    cmma::Matrix::<F>::from_slice(
+    fragment::<F>(
+        tile,
+        at,
         cmma::MatrixIdent::A,
-        T,
-        T,
-        T,
         cmma::MatrixLayout::RowMajor,
-        &tile.slice(at, at + (T - 1) * stride + T),
-        stride as u32,
+        stride,
     )
 }
 
@@ -128,14 +140,12 @@ pub(crate) fn frag_b<F: Float>(
     at: usize,
     #[comptime] stride: usize,
 ) -> cmma::Matrix<F> {
-    cmma::Matrix::<F>::from_slice(
+    fragment::<F>(
+        tile,
+        at,
         cmma::MatrixIdent::B,
-        T,
-        T,
-        T,
         cmma::MatrixLayout::RowMajor,
-        &tile.slice(at, at + (T - 1) * stride + T),
-        stride as u32,
+        stride,
     )
 }
 
@@ -147,14 +157,12 @@ pub(crate) fn frag_b_transposed<F: Float>(
     at: usize,
     #[comptime] stride: usize,
 ) -> cmma::Matrix<F> {
-    cmma::Matrix::<F>::from_slice(
+    fragment::<F>(
+        tile,
+        at,
         cmma::MatrixIdent::B,
-        T,
-        T,
-        T,
         cmma::MatrixLayout::ColMajor,
-        &tile.slice(at, at + (T - 1) * stride + T),
-        stride as u32,
+        stride,
     )
 }
 
