@@ -152,18 +152,9 @@ impl Options {
         FlashOptions {
             causal: self.causal,
             scale: 1.0 / (self.dims.head_dim as f32).sqrt(),
-            tensor_cores: tensor_cores_allowed(),
+            tensor_cores: super::tensor_cores_allowed(),
         }
     }
-}
-
-/// `BURN_ZERO_ATTENTION_TENSOR_CORES=0` (read once) keeps the CUDA-core kernels where the
-/// tensor-core ones apply, to compare the two.
-fn tensor_cores_allowed() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| {
-        std::env::var("BURN_ZERO_ATTENTION_TENSOR_CORES").map_or(true, |v| v != "0")
-    })
 }
 
 /// Runs `launch` with the call's block layout, if any, as the kernels take it.

@@ -17,6 +17,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 pub use cubecl_kernels::sparse::SparseLayout;
 
+use cubecl_kernels::attention::tensor_core::tensor_core_head;
+
 use crate::config::SparseAttentionConfig;
 
 /// The configured choice: 0 automatic, 1 always, 2 never.
@@ -64,10 +66,19 @@ pub fn flash_chosen(head_dim: usize, seq: usize, half_precision: bool) -> bool {
     }) {
         Some(choice) => choice,
         None => {
-            let tensor_cores = half_precision && head_dim.is_multiple_of(16) && head_dim <= 128;
+            let tensor_cores = half_precision && tensor_core_head(head_dim);
             sparse || tensor_cores || head_dim <= 64 || seq >= 4096
         }
     }
+}
+
+/// Whether the tensor-core kernels may run where they apply: `BURN_ZERO_ATTENTION_TENSOR_CORES=0`
+/// (read once) keeps the CUDA-core kernels, to compare the two.
+pub fn tensor_cores_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| {
+        std::env::var("BURN_ZERO_ATTENTION_TENSOR_CORES").map_or(true, |v| v != "0")
+    })
 }
 
 /// The `sparse_attention` section in force and the layout of the last (heads, seq) it made.

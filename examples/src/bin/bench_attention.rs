@@ -22,7 +22,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation::softmax};
 use burn_zero::attention::{
     SparseLayout, block_sparse_attention, flash_attention, flash_attention_calls,
-    set_flash_attention,
+    set_flash_attention, tensor_cores_allowed,
 };
 use burn_zero::backend::ZeroBackend;
 use burn_zero_examples::cli::{arg, values};
@@ -277,8 +277,7 @@ fn kernels(c: &Case, q: [usize; 4], k: [usize; 4], device: &Device) -> &'static 
     let dims = cubecl_kernels::attention::AttentionDims::of(&q, &k, &k).expect("shapes");
     let client = cubecl::cuda::CudaRuntime::client(device);
     let dtype = StorageType::Scalar(ElemType::Float(kind));
-    let allowed = std::env::var("BURN_ZERO_ATTENTION_TENSOR_CORES").map_or(true, |v| v != "0");
-    match allowed && tensor_cores_apply(&client, &dims, dtype) {
+    match tensor_cores_allowed() && tensor_cores_apply(&client, &dims, dtype) {
         true => "tensor cores",
         false => "cuda cores",
     }

@@ -20,6 +20,12 @@ use tiles::{KEYS, PLANE, PS, ROWS, SS, UNITS, padded};
 /// Largest head dimension the tensor-core kernels take (their accumulators live in registers).
 pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
 
+/// Whether the tensor-core kernels take heads of `head_dim` (in f16/bf16): multiples of 16
+/// up to [`MAX_TENSOR_CORE_HEAD_DIM`]. The device's side is [`tensor_cores_apply`].
+pub fn tensor_core_head(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(16) && head_dim <= MAX_TENSOR_CORE_HEAD_DIM
+}
+
 /// Shared memory of the largest of the three kernels (`dkdv`), in bytes.
 fn shared_bytes(head_dim: usize, elem: usize) -> usize {
     let tiles = 4 * ROWS * padded(head_dim) * elem;
@@ -47,8 +53,7 @@ pub fn tensor_cores_apply<R: Runtime>(
         n: 16,
         k: 16,
     };
-    dims.head_dim.is_multiple_of(16)
-        && dims.head_dim <= MAX_TENSOR_CORE_HEAD_DIM
+    tensor_core_head(dims.head_dim)
         && props.features.matmul.cmma.contains(&fragment)
         && props.hardware.plane_size_min == PLANE as u32
         && props.hardware.plane_size_max == PLANE as u32
