@@ -10,6 +10,8 @@
 //! Ordering: cubecl 0.10 does not expose its compute stream, so cuBLASLt runs on its own and
 //! the two streams wait for each other through flags in device memory (`stream_order.rs`): the
 //! host never waits for the GPU. If the flag kernels cannot be loaded, each call synchronizes.
+//! Behind burn's fusion (burn-cuda's default) a product is an operation of fusion's stream:
+//! the caller registers it and goes on (`matmul_cuda.rs`).
 
 use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,9 +63,15 @@ pub fn matmul_policy() -> MatmulPolicy {
         .get_or_insert_with(MatmulPolicy::default)
 }
 
-/// Matmuls that ran through cuBLASLt in this process so far.
+/// Matmuls that ran through cuBLASLt in this process so far (those in fusion's stream count
+/// once fusion ran them: after a read or a sync).
 pub fn cublaslt_calls() -> u64 {
     CUBLASLT_CALLS.load(Ordering::Relaxed)
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn count_cublaslt_call() {
+    CUBLASLT_CALLS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Where the time of cuBLASLt calls went since the last [`take_matmul_profile`].
@@ -71,9 +79,10 @@ pub fn cublaslt_calls() -> u64 {
 pub struct MatmulProfile {
     /// cuBLASLt calls.
     pub calls: u64,
-    /// Host microseconds per phase: fusion (operands resolved, output allocated), cubecl
-    /// (addresses, reached through one call into its thread), ordering before, the cuBLASLt
-    /// call, ordering after.
+    /// Host microseconds per phase: operands (resolved through fusion, or taken from its
+    /// handles when the product runs in fusion's stream), cubecl (output allocated,
+    /// addresses, reached through one call into its thread), ordering before, the cuBLASLt
+    /// call, ordering after (and, off fusion's stream, the output handed to fusion).
     pub host_us: [f64; 5],
     /// Summed GPU microseconds of the GEMMs themselves (with `BURN_ZERO_MATMUL_PROFILE=1`).
     pub gemm_gpu_us: f64,
@@ -119,7 +128,6 @@ pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
 fn matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     #[cfg(feature = "cuda")]
     if let Some(out) = crate::backend::matmul_cuda::try_cublaslt::<B>(&lhs, &rhs, matmul_policy()) {
-        CUBLASLT_CALLS.fetch_add(1, Ordering::Relaxed);
         return out;
     }
     B::float_matmul(lhs, rhs)

@@ -3,17 +3,26 @@
 //!
 //! Host cost is the whole game for the GEMMs of a small model (a 2048×576×1536 bf16 GEMM takes
 //! ~15 µs on an H200), and every blocking call into burn's fusion or cubecl threads costs a
-//! cross-thread round trip. So a call makes three: fusion resolves each operand (fusion's
-//! service cannot be re-entered from its own thread), then one visit to cubecl's thread does
-//! the rest (output allocation, addresses, `raise` on burn's stream, the cuBLASLt call,
-//! `await_done`), where cubecl runs each request at once instead of queueing it. The output
-//! enters fusion without a wait.
+//! cross-thread round trip. Behind fusion a product is an operation of fusion's stream
+//! ([`MatmulOp`]): the caller only registers it, and fusion's thread, running it in stream
+//! order, makes one visit to cubecl's thread for the rest (output allocation, addresses,
+//! `raise` on burn's stream, the cuBLASLt call, `await_done`), where cubecl runs each request
+//! at once instead of queueing it. Plain cubecl tensors make that visit from the caller.
 
+use core::any::Any;
+
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::fusion::FusionCubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{FusionRuntime, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use cubecl::cuda::CudaRuntime;
 
 use super::matmul::{MatmulPolicy, PROFILE};
 use crate::backend::cublaslt::{self, Gemm, Operand};
-use burn_cubecl::tensor::CubeTensor;
 
 use crate::backend::cuda::{CudaView, cube_tensor, from_cube, view_of};
 use crate::backend::stream_order;
@@ -161,7 +170,8 @@ impl Product {
 }
 
 /// `lhs · rhs` through cuBLASLt, or `None` when it cannot take them (the caller then uses the
-/// inner backend's matmul).
+/// inner backend's matmul). Tensors behind burn's fusion get a [`MatmulOp`] in fusion's stream
+/// and the caller does not wait; plain cubecl tensors run here.
 pub(crate) fn try_cublaslt<B: Backend>(
     lhs: &FloatTensor<B>,
     rhs: &FloatTensor<B>,
@@ -171,15 +181,64 @@ pub(crate) fn try_cublaslt<B: Backend>(
         return None;
     }
     let product = Product::of::<B>(lhs, rhs, policy)?;
+    if in_stream() {
+        if let Some(out) = register_in_stream::<B>(lhs, rhs, &product, policy) {
+            return Some(out);
+        }
+    }
     let mut clock = PhaseClock::start();
     let (a, b) = (cube_tensor::<B>(lhs)?, cube_tensor::<B>(rhs)?);
+    clock.lap(0);
+    match gemm_on_cube(a, b, &product, policy, &mut clock) {
+        Ok(out) => {
+            let out = from_cube::<B>(lhs, out)?;
+            clock.lap(4);
+            clock.record();
+            super::matmul::count_cublaslt_call();
+            Some(out)
+        }
+        Err(declined) => {
+            declined.warn();
+            None
+        }
+    }
+}
+
+/// Why a product did not run through cuBLASLt.
+enum Declined {
+    /// A layout it cannot take (no unit stride, batch dims that do not flatten): quietly.
+    Layout,
+    /// cuBLASLt or the stream ordering failed: said once per call.
+    Failed(String),
+}
+
+impl Declined {
+    fn warn(&self) {
+        if let Self::Failed(e) = self {
+            crate::log::warn(&format!(
+                "cuBLASLt failed, using the inner backend's matmul: {e}"
+            ));
+        }
+    }
+}
+
+/// cuBLASLt's `a · b` on cubecl's thread (one blocking visit): output allocation, addresses,
+/// `raise` on burn's stream, the GEMM, `await_done`. Runs where cubecl's stream for the current
+/// [`StreamId`](cubecl::stream_id::StreamId) is the operands' (the caller's thread, or fusion's
+/// thread running an operation of that stream).
+fn gemm_on_cube(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    product: &Product,
+    policy: MatmulPolicy,
+    clock: &mut PhaseClock,
+) -> Result<CubeTensor<CudaRuntime>, Declined> {
     let ordinal = a.device.index;
     let ordered = !host_sync_forced() && cublaslt::supports_handshake(ordinal).unwrap_or(false);
-    if !ordered {
-        B::sync(&B::float_device(lhs)).ok()?;
-    }
-    clock.lap(0);
     let client = a.client.clone();
+    if !ordered {
+        cubecl::future::block_on(client.sync()).map_err(|e| Declined::Failed(format!("{e:?}")))?;
+    }
     let outcome = client.exclusive(|| {
         // Allocated here, not through fusion: contiguous, and no extra round trip.
         let mut shape = product.batch_dims.clone();
@@ -193,11 +252,19 @@ pub(crate) fn try_cublaslt<B: Backend>(
             client.empty(bytes),
             dtype,
         );
-        let (a, b, d) = (view_of(a)?, view_of(b)?, view_of(out.clone())?);
-        let gemm = product.gemm(&a, &b, &d, policy.allow_tf32)?;
+        let views = (view_of(a), view_of(b), view_of(out.clone()));
+        let (Some(a), Some(b), Some(d)) = views else {
+            return Err(Declined::Layout);
+        };
+        let gemm = product
+            .gemm(&a, &b, &d, policy.allow_tf32)
+            .ok_or(Declined::Layout)?;
         clock.lap(1);
         let handshake = match ordered {
-            true => Some(stream_order::begin(&client, ordinal)?),
+            true => Some(
+                stream_order::begin(&client, ordinal)
+                    .ok_or_else(|| Declined::Failed("the ordering flags".into()))?,
+            ),
             false => None,
         };
         clock.lap(2);
@@ -210,22 +277,91 @@ pub(crate) fn try_cublaslt<B: Backend>(
         if let (Ok(()), Some(h)) = (&ran, handshake) {
             stream_order::end(&client, ordinal, h);
         }
-        Some(ran.map(|()| out))
+        ran.map(|()| out)
+            .map_err(|e| Declined::Failed(e.to_string()))
     });
-    match outcome.ok()?? {
-        Ok(out) => {
-            let out = from_cube::<B>(lhs, out)?;
-            clock.lap(4);
-            clock.record();
-            Some(out)
-        }
-        Err(e) => {
-            crate::log::warn(&format!(
-                "cuBLASLt failed, using the inner backend's matmul: {e}"
-            ));
-            None
-        }
+    outcome.map_err(|e| Declined::Failed(format!("{e:?}")))?
+}
+
+/// `BURN_ZERO_CUBLASLT_IN_STREAM=0` (read once): resolve fused operands and run on the
+/// caller's thread, as before [`MatmulOp`], to compare the two.
+fn in_stream() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_IN_STREAM").map_or(true, |v| v != "0"))
+}
+
+type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+type FusedCuda = FusionCubeRuntime<CudaRuntime>;
+
+/// A cuBLASLt product as an operation of burn's fusion stream: registering it costs the caller
+/// no wait (resolving the operands cost two blocking trips into fusion's thread, and drained
+/// its stream); fusion runs it in stream order on the operands' own handles. A layout cuBLASLt
+/// cannot take, or a failed call, runs burn's own matmul there instead.
+#[derive(Debug)]
+struct MatmulOp {
+    desc: CustomOpIr,
+    product: Product,
+    policy: MatmulPolicy,
+}
+
+impl Operation<FusedCuda> for MatmulOp {
+    fn execute(&self, handles: &mut HandleContainer<<FusedCuda as FusionRuntime>::FusionHandle>) {
+        let ([lhs, rhs], [out_ir]) = self.desc.as_fixed();
+        let mut clock = PhaseClock::start();
+        let a = handles.get_float_tensor::<Cube>(lhs);
+        let b = handles.get_float_tensor::<Cube>(rhs);
+        clock.lap(0);
+        let out = match gemm_on_cube(a.clone(), b.clone(), &self.product, self.policy, &mut clock) {
+            Ok(out) => {
+                clock.lap(4);
+                clock.record();
+                super::matmul::count_cublaslt_call();
+                out
+            }
+            Err(declined) => {
+                declined.warn();
+                <Cube as FloatTensorOps<Cube>>::float_matmul(a, b)
+            }
+        };
+        handles.register_float_tensor::<Cube>(&out_ir.id, out);
     }
+}
+
+/// Registers [`MatmulOp`] when `lhs` and `rhs` are tensors of burn-cuda's fusion; `None`
+/// otherwise.
+fn register_in_stream<B: Backend>(
+    lhs: &FloatTensor<B>,
+    rhs: &FloatTensor<B>,
+    product: &Product,
+    policy: MatmulPolicy,
+) -> Option<FloatTensor<B>> {
+    let fused = |t: &FloatTensor<B>| {
+        (t as &dyn Any)
+            .downcast_ref::<FusionTensor<FusedCuda>>()
+            .cloned()
+    };
+    let (a, b) = (fused(lhs)?, fused(rhs)?);
+    let client = a.client.clone();
+    let streams = OperationStreams::with_inputs([&a, &b]);
+    let mut shape = product.batch_dims.clone();
+    shape.extend([product.m, product.n]);
+    let out = TensorIr::uninit(client.create_empty_handle(), shape.into(), a.dtype);
+    let desc = CustomOpIr::new(
+        "burn_zero_cublaslt_matmul",
+        &[a.into_ir(), b.into_ir()],
+        &[out],
+    );
+    let op = MatmulOp {
+        desc: desc.clone(),
+        product: product.clone(),
+        policy,
+    };
+    let out = client
+        .register(streams, OperationIr::Custom(desc), op)
+        .into_iter()
+        .next()?;
+    let boxed: Box<dyn Any> = Box::new(out);
+    boxed.downcast::<FloatTensor<B>>().ok().map(|b| *b)
 }
 
 /// Host time per phase of one cuBLASLt call, added to [`PROFILE`] when it succeeds.

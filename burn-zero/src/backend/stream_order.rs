@@ -12,8 +12,10 @@
 //! CUDA's lazy loading, a first launch may wait for the running kernels.
 //!
 //! Equality (not `≥`) keeps it correct across `u32` wraparound: each flag keeps its value until
-//! the other side has seen it. Flags are per thread because cubecl gives each thread its own
-//! stream; one call's steps 1 and 3 must land on the same stream.
+//! the other side has seen it. Flags are per burn stream (cubecl gives each thread its own, and
+//! fusion runs an operation on the stream of the thread that registered it): two streams
+//! sharing flags could overwrite a `ready` before our stream saw it. One call's steps 1 and 3
+//! land on the same stream.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -21,6 +23,7 @@ use std::collections::HashMap;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
+use cubecl::stream_id::StreamId;
 
 const READY: usize = 0;
 const DONE: usize = 1;
@@ -57,8 +60,9 @@ struct Flags {
 }
 
 thread_local! {
-    /// Per GPU ordinal, this thread's flags.
-    static FLAGS: RefCell<HashMap<usize, Flags>> = RefCell::new(HashMap::new());
+    /// Per GPU ordinal and burn stream, the flags. Only cubecl's thread touches them (inside
+    /// `ComputeClient::exclusive`), so a thread-local holds them all.
+    static FLAGS: RefCell<HashMap<(usize, StreamId), Flags>> = RefCell::new(HashMap::new());
 }
 
 /// Step 1 on burn's stream of `client` (GPU `ordinal`): returns the handshake for our stream.
@@ -70,7 +74,7 @@ thread_local! {
 pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Option<Handshake> {
     FLAGS.with(|flags| {
         let mut flags = flags.borrow_mut();
-        let entry = match flags.entry(ordinal) {
+        let entry = match flags.entry((ordinal, StreamId::current())) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 let handle = client.create_from_slice(u32::as_bytes(&[0, 0]));
@@ -114,7 +118,9 @@ pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Opti
 pub(crate) fn end(client: &ComputeClient<CudaRuntime>, ordinal: usize, handshake: Handshake) {
     FLAGS.with(|flags| {
         let flags = flags.borrow();
-        let entry = flags.get(&ordinal).expect("begin ran on this thread");
+        let entry = flags
+            .get(&(ordinal, StreamId::current()))
+            .expect("begin ran on this stream");
         await_done::launch::<CudaRuntime>(
             client,
             CubeCount::Static(1, 1, 1),
