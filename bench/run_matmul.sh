@@ -2,8 +2,15 @@
 # Device side: burn's CUDA matmul and torch.matmul on the same shapes, one call; writes
 # $OUT/matmul-<kind>.json. Needs .gpu/bin/bench-matmul (scripts/gpu-stage.sh bench-matmul).
 #   bash bench/run_matmul.sh KIND [burn-zero|burn-cuda]   (default: both)
+# RESOLVE=1 also runs burn-zero with BURN_ZERO_CUBLASLT_IN_STREAM=0 (operands resolved on the
+# caller's thread instead of a fusion operation) as system "burn-zero-resolve".
 source bench/prelude.sh "$@"
 .gpu/bin/bench-matmul "${@:2}" > "$out/burn.log" 2>&1; echo "burn exit $?"
+if [ "${RESOLVE:-0}" = 1 ]; then
+  BURN_ZERO_CUBLASLT_IN_STREAM=0 .gpu/bin/bench-matmul burn-zero 2>&1 \
+    | sed 's/"system": "burn-zero"/"system": "burn-zero-resolve"/' >> "$out/burn.log"
+  echo "burn-zero-resolve exit ${PIPESTATUS[0]}"
+fi
 python3 bench/matmul_torch.py > "$out/torch.log" 2>&1; echo "torch exit $?"
 python3 - "$kind" "$out" <<'PY'
 import json, subprocess, sys
@@ -23,7 +30,7 @@ for b in burn:
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
 doc = {"benchmark": "matmul", "kind": kind, "device": smi, "commit": open(".gpu/commit").read().split(),
        "burn": "0.21.0; burn-zero: ZeroBackend<Cuda> (cuBLASLt, TF32 allowed for f32); burn-cuda: burn::backend::Cuda alone (fusion + autotune)", "torch": torch.__version__,
-       "method": "2mkn/t; 3 warmup + 20 timed calls with device sync; gemm_gpu_us: CUDA events around each cuBLASLt GEMM (BURN_ZERO_MATMUL_PROFILE=1); host_us_per_phase: fusion (operands resolved, output allocated), cubecl (one call to its thread, addresses), ordering before, cuBLASLt call, ordering after; uniform(-1,1) inputs; first_call_ms includes kernel compile/autotune; torch f32 is strict fp32 (TF32 column: allow_tf32)",
+       "method": "2mkn/t; 3 warmup + 20 timed calls with device sync; gemm_gpu_us: CUDA events around each cuBLASLt GEMM (BURN_ZERO_MATMUL_PROFILE=1); host_us_per_phase: operands (taken from fusion's handles on its thread; burn-zero-resolve: resolved by the caller), cubecl (one call to its thread: output allocated, addresses), ordering before, cuBLASLt call, ordering after; time_us from the caller's thread, 20 calls then one sync; uniform(-1,1) inputs; first_call_ms includes kernel compile/autotune; torch f32 is strict fp32 (TF32 column: allow_tf32)",
        "results": results}
 json.dump(doc, open(f"{out}/matmul-{kind}.json", "w"), indent=1)
 for r in results:
