@@ -1,5 +1,6 @@
 //! The flash kernels on `ZeroBackend<burn::backend::Cuda>` tensors: the forward on the
-//! primitives, and the autodiff op whose backward runs the backward kernels.
+//! primitives, and the autodiff op whose backward runs the backward kernels. Both run as
+//! operations of burn's fusion stream (`backend::fused_op`): the caller never waits.
 
 use core::any::{Any, TypeId};
 
@@ -21,7 +22,7 @@ use cubecl_kernels::attention::{
 
 use super::SparseLayout;
 
-use crate::backend::cuda::{cube_tensor, from_cube};
+use crate::backend::fused_op::{CudaCube, Fused, run_fused};
 use crate::backend::{ZeroBackend, ZeroTensor};
 
 type Inner = burn::backend::Cuda;
@@ -53,10 +54,10 @@ pub(super) fn flash_attention<B: Backend>(
     }
     if TypeId::of::<B>() == TypeId::of::<Zero>() {
         let [q, k, v] = [q, k, v].map(|t| cast::<Tensor<Zero, 4>>(t).map(float));
-        let [q, k, v] = [Cube::of(&q?)?, Cube::of(&k?)?, Cube::of(&v?)?];
+        let [q, k, v] = [fused(&q?)?, fused(&k?)?, fused(&v?)?];
         let (out, _) = forward(&q, &k, &v, &Options::new([&q, &k, &v], causal, layout)?);
         return cast(Tensor::<Zero, 4>::from_primitive(TensorPrimitive::Float(
-            out.zero,
+            ZeroTensor::local(out),
         )));
     }
     None
@@ -66,44 +67,31 @@ fn float<B: Backend>(t: Tensor<B, 4>) -> B::FloatTensorPrimitive {
     t.into_primitive().tensor()
 }
 
-/// A `ZeroTensor<Cuda>` with its cubecl CUDA tensor (fusion's pending work on it done).
-#[derive(Clone, Debug)]
-struct Cube {
-    zero: ZeroTensor<Inner>,
-    cube: CubeTensor<CudaRuntime>,
+/// The fused tensor of a `ZeroTensor<Cuda>`, `None` for dtypes the kernels do not take.
+fn fused(zero: &ZeroTensor<Inner>) -> Option<Fused> {
+    let t = zero.inner();
+    matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16).then(|| t.clone())
 }
 
-impl Cube {
-    /// `None` for dtypes the kernels do not take.
-    fn of(zero: &ZeroTensor<Inner>) -> Option<Self> {
-        let cube = cube_tensor::<Inner>(zero.inner())?;
-        matches!(cube.dtype, DType::F32 | DType::BF16 | DType::F16).then(|| Self {
-            zero: zero.clone(),
-            cube,
-        })
-    }
+fn dims_of(t: &Fused) -> Vec<usize> {
+    t.shape.iter().copied().collect()
+}
 
-    fn shape(&self) -> Vec<usize> {
-        self.cube.meta.shape().iter().copied().collect()
-    }
+/// `BURN_ZERO_ATTENTION_IN_STREAM=0` (read once): resolve the operands on the caller's thread
+/// instead of running the kernels as operations of fusion's stream, to compare the two.
+fn in_stream() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BURN_ZERO_ATTENTION_IN_STREAM").map_or(true, |v| v != "0"))
+}
 
-    /// A new uninitialized tensor on the same device.
-    fn empty(&self, shape: &[usize], dtype: DType) -> CubeTensor<CudaRuntime> {
-        empty_device_dtype::<CudaRuntime>(
-            self.cube.client.clone(),
-            self.cube.device.clone(),
-            Shape::from(shape.to_vec()),
-            dtype,
-        )
-    }
-
-    /// `cube` as a `ZeroTensor` of the same backend as this one.
-    fn wrap(&self, cube: CubeTensor<CudaRuntime>) -> ZeroTensor<Inner> {
-        ZeroTensor::local(
-            from_cube::<Inner>(self.zero.inner(), cube)
-                .expect("a CUDA tensor converts back to its own backend"),
-        )
-    }
+/// A new uninitialized tensor beside `like`.
+fn empty(like: &CudaCube, shape: &[usize], dtype: DType) -> CudaCube {
+    empty_device_dtype::<CudaRuntime>(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::from(shape.to_vec()),
+        dtype,
+    )
 }
 
 /// What one call computes beyond its inputs: its sizes, the mask, and a block layout in
@@ -113,7 +101,7 @@ struct Options {
     dims: AttentionDims,
     causal: bool,
     /// The layout (`[heads, blocks, blocks]` `u32`) and its block.
-    layout: Option<(CubeTensor<CudaRuntime>, usize)>,
+    layout: Option<(CudaCube, usize)>,
 }
 
 impl Options {
@@ -121,20 +109,23 @@ impl Options {
     ///
     /// # Panics
     /// On shapes attention cannot take, or a layout that does not cover them, naming them.
-    fn new([q, k, v]: [&Cube; 3], causal: bool, layout: Option<&SparseLayout>) -> Option<Self> {
-        if q.cube.dtype != k.cube.dtype || q.cube.dtype != v.cube.dtype {
+    fn new([q, k, v]: [&Fused; 3], causal: bool, layout: Option<&SparseLayout>) -> Option<Self> {
+        if q.dtype != k.dtype || q.dtype != v.dtype {
             return None;
         }
-        let dims =
-            AttentionDims::of(&q.shape(), &k.shape(), &v.shape()).unwrap_or_else(|e| panic!("{e}"));
+        let dims = AttentionDims::of(&dims_of(q), &dims_of(k), &dims_of(v))
+            .unwrap_or_else(|e| panic!("{e}"));
         let layout = layout.map(|l| {
             let shape = [l.heads, l.blocks, l.blocks];
             dims.check_layout(&shape, l.block)
                 .unwrap_or_else(|e| panic!("{e}"));
-            let handle = q.cube.client.create_from_slice(u32::as_bytes(&l.kept));
+            // Uploaded on this thread's stream, the one fusion runs the kernels on.
+            let device = q.client.device().clone();
+            let client = <CudaRuntime as cubecl::Runtime>::client(&device);
+            let handle = client.create_from_slice(u32::as_bytes(&l.kept));
             let tensor = CubeTensor::new_contiguous(
-                q.cube.client.clone(),
-                q.cube.device.clone(),
+                client,
+                device,
                 Shape::from(shape.to_vec()),
                 handle,
                 DType::U32,
@@ -173,30 +164,47 @@ fn with_sparsity<T>(
 }
 
 /// The output and the f32 log-sum-exp of each row (`[b, h, s]`).
-fn forward(q: &Cube, k: &Cube, v: &Cube, options: &Options) -> (Cube, CubeTensor<CudaRuntime>) {
-    let dims = &options.dims;
-    let out = q.empty(&q.shape(), q.cube.dtype);
-    let lse = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
+fn forward(q: &Fused, k: &Fused, v: &Fused, options: &Options) -> (Fused, Fused) {
     if crate::profile::recording() {
-        crate::profile::record_macs(super::forward_macs(&q.shape(), &k.shape()));
+        crate::profile::record_macs(super::forward_macs(&dims_of(q), &dims_of(k)));
     }
-    with_sparsity(options, |sparsity| {
-        flash_forward(
-            &q.cube.client,
-            dims,
-            q.cube.dtype.into(),
-            options.kernel(),
-            sparsity,
-            [q, k, v].map(|t| t.cube.clone().binding()).each_ref(),
-            &out.clone().binding(),
-            &lse.clone().binding(),
-        )
-    });
-    let out = Cube {
-        zero: q.wrap(out.clone()),
-        cube: out,
-    };
+    let dims = options.dims;
+    let dtype = q.dtype;
+    let lse_shape = [dims.batch, dims.heads, dims.seq_q];
+    let outputs = [
+        (q.shape.clone(), dtype),
+        (Shape::from(lse_shape.to_vec()), DType::F32),
+    ];
+    let options = options.clone();
+    let [out, lse] = run_fused(
+        "burn_zero_flash_forward",
+        [q, k, v],
+        outputs,
+        in_stream(),
+        move |[q, k, v]| {
+            let out = empty(&q, &dims_of_cube(&q), dtype);
+            let lse = empty(&q, &lse_shape, DType::F32);
+            let client = q.client.clone();
+            with_sparsity(&options, |sparsity| {
+                flash_forward(
+                    &client,
+                    &options.dims,
+                    dtype.into(),
+                    options.kernel(),
+                    sparsity,
+                    [q, k, v].map(CubeTensor::binding).each_ref(),
+                    &out.clone().binding(),
+                    &lse.clone().binding(),
+                )
+            });
+            [out, lse]
+        },
+    );
     (out, lse)
+}
+
+fn dims_of_cube(t: &CudaCube) -> Vec<usize> {
+    t.meta.shape().iter().copied().collect()
 }
 
 /// The autodiff op: forward through the kernel, its state what the backward kernels read.
@@ -207,26 +215,26 @@ fn autodiff_attention(
     causal: bool,
     layout: Option<&SparseLayout>,
 ) -> Option<<ZeroAd as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive> {
-    let [cq, ck, cv] = [&q, &k, &v].map(|t| Cube::of(&t.primitive));
-    let (cq, ck, cv) = (cq?, ck?, cv?);
-    let options = Options::new([&cq, &ck, &cv], causal, layout)?;
-    let (out, lse) = forward(&cq, &ck, &cv, &options);
+    let [fq, fk, fv] = [&q, &k, &v].map(|t| fused(&t.primitive));
+    let (fq, fk, fv) = (fq?, fk?, fv?);
+    let options = Options::new([&fq, &fk, &fv], causal, layout)?;
+    let (out, lse) = forward(&fq, &fk, &fv, &options);
     let prep = FlashBackward
         .prepare::<NoCheckpointing>([q.node.clone(), k.node.clone(), v.node.clone()])
         .compute_bound()
         .stateful();
+    let primitive = ZeroTensor::local(out.clone());
     Some(match prep {
         OpsKind::Tracked(prep) => {
-            let primitive = out.zero.clone();
             let state = FlashState {
-                inputs: [cq, ck, cv],
+                inputs: [fq, fk, fv],
                 out,
                 lse,
                 options,
             };
             prep.finish(state, primitive)
         }
-        OpsKind::UnTracked(prep) => prep.finish(out.zero),
+        OpsKind::UnTracked(prep) => prep.finish(primitive),
     })
 }
 
@@ -235,9 +243,9 @@ struct FlashBackward;
 
 #[derive(Clone, Debug)]
 struct FlashState {
-    inputs: [Cube; 3],
-    out: Cube,
-    lse: CubeTensor<CudaRuntime>,
+    inputs: [Fused; 3],
+    out: Fused,
+    lse: Fused,
     options: Options,
 }
 
@@ -252,36 +260,45 @@ impl Backward<Zero, 3> for FlashBackward {
             options,
         } = ops.state;
         let d_out = grads.consume::<Zero>(&ops.node);
-        let d_out = Cube::of(&d_out).expect("the gradient of a CUDA tensor is one");
-        let dims = &options.dims;
+        let d_out = fused(&d_out).expect("the gradient of a CUDA tensor is one");
         if crate::profile::recording() {
             // Scores recomputed, dP, dV, dQ, dK: five products of the forward's size each.
-            let macs = super::forward_macs(&q.shape(), &k.shape()) / 2 * 5;
+            let macs = super::forward_macs(&dims_of(&q), &dims_of(&k)) / 2 * 5;
             crate::profile::record_macs(macs);
         }
-        let delta = q.empty(&[dims.batch, dims.heads, dims.seq_q], DType::F32);
-        let dtype = q.cube.dtype;
-        let [dq, dk, dv] = [&q, &k, &v].map(|t| t.empty(&t.shape(), dtype));
-        with_sparsity(&options, |sparsity| {
-            flash_backward(
-                &q.cube.client,
-                dims,
-                dtype.into(),
-                options.kernel(),
-                sparsity,
-                [&q, &k, &v].map(|t| t.cube.clone().binding()).each_ref(),
-                [out.cube.clone(), d_out.cube.clone(), lse, delta]
-                    .map(CubeTensor::binding)
-                    .each_ref(),
-                [dq.clone(), dk.clone(), dv.clone()]
-                    .map(CubeTensor::binding)
-                    .each_ref(),
-            )
-        });
+        let dtype = q.dtype;
+        let outputs = [&q, &k, &v].map(|t| (t.shape.clone(), dtype));
+        let [dq, dk, dv] = run_fused(
+            "burn_zero_flash_backward",
+            [&q, &k, &v, &out, &d_out, &lse],
+            outputs,
+            in_stream(),
+            move |[q, k, v, out, d_out, lse]| {
+                let dims = &options.dims;
+                let delta = empty(&q, &[dims.batch, dims.heads, dims.seq_q], DType::F32);
+                let [dq, dk, dv] = [&q, &k, &v].map(|t| empty(t, &dims_of_cube(t), dtype));
+                let client = q.client.clone();
+                with_sparsity(&options, |sparsity| {
+                    flash_backward(
+                        &client,
+                        dims,
+                        dtype.into(),
+                        options.kernel(),
+                        sparsity,
+                        [q, k, v].map(CubeTensor::binding).each_ref(),
+                        [out, d_out, lse, delta].map(CubeTensor::binding).each_ref(),
+                        [dq.clone(), dk.clone(), dv.clone()]
+                            .map(CubeTensor::binding)
+                            .each_ref(),
+                    )
+                });
+                [dq, dk, dv]
+            },
+        );
         let parents: [Option<NodeId>; 3] = ops.parents.map(|p| p.map(|node| node.id));
         for (parent, grad) in parents.into_iter().zip([dq, dk, dv]) {
             if let Some(id) = parent {
-                grads.register::<Zero>(id, q.wrap(grad));
+                grads.register::<Zero>(id, ZeroTensor::local(grad));
             }
         }
     }

@@ -93,17 +93,27 @@ pub(crate) fn from_cube<I: Backend>(
     let out: Box<dyn Any> = if any.is::<CubeTensor<CudaRuntime>>() {
         Box::new(cube)
     } else {
-        type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
         let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
-        let client = fused.client.clone();
-        let (shape, dtype) = (cube.shape(), cube.dtype);
-        let handle = <Cube as BackendIr>::float_tensor_handle(cube);
-        let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
-        let op = OperationIr::Init(init);
-        let registered = client.register(OperationStreams::default(), op, NoOp::<Cube>::new());
-        Box::new(registered.into_iter().next()?)
+        Box::new(fused_from_cube(&fused.client, cube))
     };
     out.downcast::<I::FloatTensorPrimitive>().ok().map(|b| *b)
+}
+
+/// `cube` registered with fusion's `client` as a new tensor (no wait for fusion's thread).
+pub(crate) fn fused_from_cube(
+    client: &burn_fusion::Client<FusionCubeRuntime<CudaRuntime>>,
+    cube: CubeTensor<CudaRuntime>,
+) -> FusionTensor<FusionCubeRuntime<CudaRuntime>> {
+    type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+    let (shape, dtype) = (cube.shape(), cube.dtype);
+    let handle = <Cube as BackendIr>::float_tensor_handle(cube);
+    let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    let op = OperationIr::Init(init);
+    let registered = client.register(OperationStreams::default(), op, NoOp::<Cube>::new());
+    registered
+        .into_iter()
+        .next()
+        .expect("an init operation has one output")
 }
 
 /// The memory and layout of a cubecl CUDA tensor of f32, bf16 or f16 (one blocking call into

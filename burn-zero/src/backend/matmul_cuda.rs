@@ -4,7 +4,7 @@
 //! Host cost is the whole game for the GEMMs of a small model (a 2048×576×1536 bf16 GEMM takes
 //! ~15 µs on an H200), and every blocking call into burn's fusion or cubecl threads costs a
 //! cross-thread round trip. Behind fusion a product is an operation of fusion's stream
-//! ([`MatmulOp`]): the caller only registers it, and fusion's thread, running it in stream
+//! (`fused_op.rs`): the caller only registers it, and fusion's thread, running it in stream
 //! order, makes one visit to cubecl's thread for the rest (output allocation, addresses,
 //! `raise` on burn's stream, the cuBLASLt call, `await_done`), where cubecl runs each request
 //! at once instead of queueing it. Plain cubecl tensors make that visit from the caller.
@@ -14,17 +14,14 @@ use core::any::Any;
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn_cubecl::CubeBackend;
-use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
-use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{FusionRuntime, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use cubecl::cuda::CudaRuntime;
 
 use super::matmul::{MatmulPolicy, PROFILE};
 use crate::backend::cublaslt::{self, Gemm, Operand};
 
 use crate::backend::cuda::{CudaView, cube_tensor, from_cube, view_of};
+use crate::backend::fused_op::{Fused, run_fused};
 use crate::backend::stream_order;
 
 /// A matrix `rows × cols` with strides `(rs, cs)` as the column-major operand that yields
@@ -170,7 +167,7 @@ impl Product {
 }
 
 /// `lhs · rhs` through cuBLASLt, or `None` when it cannot take them (the caller then uses the
-/// inner backend's matmul). Tensors behind burn's fusion get a [`MatmulOp`] in fusion's stream
+/// inner backend's matmul). Tensors behind burn's fusion get an operation in fusion's stream
 /// and the caller does not wait; plain cubecl tensors run here.
 pub(crate) fn try_cublaslt<B: Backend>(
     lhs: &FloatTensor<B>,
@@ -181,10 +178,10 @@ pub(crate) fn try_cublaslt<B: Backend>(
         return None;
     }
     let product = Product::of::<B>(lhs, rhs, policy)?;
-    if in_stream() {
-        if let Some(out) = register_in_stream::<B>(lhs, rhs, &product, policy) {
-            return Some(out);
-        }
+    if in_stream()
+        && let Some(out) = register_in_stream::<B>(lhs, rhs, &product, policy)
+    {
+        return Some(out);
     }
     let mut clock = PhaseClock::start();
     let (a, b) = (cube_tensor::<B>(lhs)?, cube_tensor::<B>(rhs)?);
@@ -284,82 +281,57 @@ fn gemm_on_cube(
 }
 
 /// `BURN_ZERO_CUBLASLT_IN_STREAM=0` (read once): resolve fused operands and run on the
-/// caller's thread, as before [`MatmulOp`], to compare the two.
+/// caller's thread, as before products ran in fusion's stream, to compare the two.
 fn in_stream() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_IN_STREAM").map_or(true, |v| v != "0"))
 }
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
-type FusedCuda = FusionCubeRuntime<CudaRuntime>;
 
-/// A cuBLASLt product as an operation of burn's fusion stream: registering it costs the caller
-/// no wait (resolving the operands cost two blocking trips into fusion's thread, and drained
-/// its stream); fusion runs it in stream order on the operands' own handles. A layout cuBLASLt
-/// cannot take, or a failed call, runs burn's own matmul there instead.
-#[derive(Debug)]
-struct MatmulOp {
-    desc: CustomOpIr,
-    product: Product,
+/// A product in fusion's stream: cuBLASLt, or burn's own matmul for a layout cuBLASLt cannot
+/// take or a failed call.
+fn gemm_or_inner(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    product: &Product,
     policy: MatmulPolicy,
-}
-
-impl Operation<FusedCuda> for MatmulOp {
-    fn execute(&self, handles: &mut HandleContainer<<FusedCuda as FusionRuntime>::FusionHandle>) {
-        let ([lhs, rhs], [out_ir]) = self.desc.as_fixed();
-        let mut clock = PhaseClock::start();
-        let a = handles.get_float_tensor::<Cube>(lhs);
-        let b = handles.get_float_tensor::<Cube>(rhs);
-        clock.lap(0);
-        let out = match gemm_on_cube(a.clone(), b.clone(), &self.product, self.policy, &mut clock) {
-            Ok(out) => {
-                clock.lap(4);
-                clock.record();
-                super::matmul::count_cublaslt_call();
-                out
-            }
-            Err(declined) => {
-                declined.warn();
-                <Cube as FloatTensorOps<Cube>>::float_matmul(a, b)
-            }
-        };
-        handles.register_float_tensor::<Cube>(&out_ir.id, out);
+) -> CubeTensor<CudaRuntime> {
+    let mut clock = PhaseClock::start();
+    match gemm_on_cube(a.clone(), b.clone(), product, policy, &mut clock) {
+        Ok(out) => {
+            clock.lap(4);
+            clock.record();
+            super::matmul::count_cublaslt_call();
+            out
+        }
+        Err(declined) => {
+            declined.warn();
+            <Cube as FloatTensorOps<Cube>>::float_matmul(a, b)
+        }
     }
 }
 
-/// Registers [`MatmulOp`] when `lhs` and `rhs` are tensors of burn-cuda's fusion; `None`
-/// otherwise.
+/// The product as an operation of fusion's stream (see `fused_op.rs`) when `lhs` and `rhs` are
+/// burn-cuda's fused tensors; `None` otherwise.
 fn register_in_stream<B: Backend>(
     lhs: &FloatTensor<B>,
     rhs: &FloatTensor<B>,
     product: &Product,
     policy: MatmulPolicy,
 ) -> Option<FloatTensor<B>> {
-    let fused = |t: &FloatTensor<B>| {
-        (t as &dyn Any)
-            .downcast_ref::<FusionTensor<FusedCuda>>()
-            .cloned()
-    };
+    let fused = |t: &FloatTensor<B>| (t as &dyn Any).downcast_ref::<Fused>().cloned();
     let (a, b) = (fused(lhs)?, fused(rhs)?);
-    let client = a.client.clone();
-    let streams = OperationStreams::with_inputs([&a, &b]);
     let mut shape = product.batch_dims.clone();
     shape.extend([product.m, product.n]);
-    let out = TensorIr::uninit(client.create_empty_handle(), shape.into(), a.dtype);
-    let desc = CustomOpIr::new(
+    let product = product.clone();
+    let [out] = run_fused(
         "burn_zero_cublaslt_matmul",
-        &[a.into_ir(), b.into_ir()],
-        &[out],
+        [&a, &b],
+        [(shape.into(), a.dtype)],
+        true,
+        move |[a, b]| [gemm_or_inner(a, b, &product, policy)],
     );
-    let op = MatmulOp {
-        desc: desc.clone(),
-        product: product.clone(),
-        policy,
-    };
-    let out = client
-        .register(streams, OperationIr::Custom(desc), op)
-        .into_iter()
-        .next()?;
     let boxed: Box<dyn Any> = Box::new(out);
     boxed.downcast::<FloatTensor<B>>().ok().map(|b| *b)
 }

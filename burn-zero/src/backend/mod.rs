@@ -9,6 +9,8 @@ mod cublaslt;
 pub(crate) mod cuda;
 mod distributed;
 pub(crate) mod forward;
+#[cfg(feature = "cuda")]
+pub(crate) mod fused_op;
 pub mod hooks;
 pub mod matmul;
 #[cfg(feature = "cuda")]
