@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device side of issue 12, one call: bench-e2e (ours) and bench/e2e_fsdp2.py (PyTorch FSDP2) on
-# the same machine, SIZE at ZeRO STAGE, on 1, 2 and 4 GPUs (those the machine has), with each
+# the same machine, SIZE at ZeRO STAGE, on 1, 2, 4 and 8 GPUs (those the machine has), with each
 # run's peak GPU memory from nvidia-smi; merged into $OUT/e2e-<kind>.json with the ratios.
 #   bash bench/run_e2e.sh KIND [SIZE] [STAGE]    (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, MICRO, SEQ, RUN_TIMEOUT)
@@ -31,7 +31,8 @@ run.update({"name": name, "gpus": n, "exit": rc, "peak_gpu_mib": int(peak) if pe
 print(json.dumps(run))
 PY
 }
-for n in 1 2 4; do
+# GPU_COUNTS picks the sizes (default 1 2 4 8, those the machine has).
+for n in ${GPU_COUNTS:-1 2 4 8}; do
   [ "$n" -le "$gpus" ] || continue
   port=$((port + 1))
   measure ours "$n" .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port "$port" \
@@ -52,11 +53,15 @@ for (name, n), r in by.items():
                      r["tokens_per_s_per_gpu"] / peer["tokens_per_s_per_gpu"],
                      "mfu_ours": r["mfu"], "mfu_fsdp2": peer["mfu"],
                      "final_loss_ours": r["losses"][-1], "final_loss_fsdp2": peer["losses"][-1]}
-one = by.get(("ours", 1), {}).get("tokens_per_s_per_gpu")
-four = by.get(("ours", 4), {}).get("tokens_per_s_per_gpu")
+def scaling(name, n):
+    one = by.get((name, 1), {}).get("tokens_per_s_per_gpu")
+    many = by.get((name, n), {}).get("tokens_per_s_per_gpu")
+    return many / one if one and many else None
 result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0], "runs": runs,
           "ratios_by_gpus": ratios,
-          "scaling_4_gpus_of_linear_ours": (four / one) if one and four else None}
+          "scaling_4_gpus_of_linear_ours": scaling("ours", 4),
+          "scaling_of_linear": {f"{name}_{n}_gpus": scaling(name, n)
+                                for (name, n) in by if n > 1}}
 json.dump(result, open(sys.argv[2], "w"), indent=1)
 print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 PY
