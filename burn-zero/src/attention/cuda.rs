@@ -80,8 +80,7 @@ fn dims_of(t: &Fused) -> Vec<usize> {
 /// `BURN_ZERO_ATTENTION_IN_STREAM=0` (read once): resolve the operands on the caller's thread
 /// instead of running the kernels as operations of fusion's stream, to compare the two.
 fn in_stream() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("BURN_ZERO_ATTENTION_IN_STREAM").map_or(true, |v| v != "0"))
+    crate::log::env_switch_on!("BURN_ZERO_ATTENTION_IN_STREAM")
 }
 
 /// A new uninitialized tensor beside `like`.

@@ -75,10 +75,7 @@ pub fn flash_chosen(head_dim: usize, seq: usize, half_precision: bool) -> bool {
 /// Whether the tensor-core kernels may run where they apply: `BURN_ZERO_ATTENTION_TENSOR_CORES=0`
 /// (read once) keeps the CUDA-core kernels, to compare the two.
 pub fn tensor_cores_allowed() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| {
-        std::env::var("BURN_ZERO_ATTENTION_TENSOR_CORES").map_or(true, |v| v != "0")
-    })
+    crate::log::env_switch_on!("BURN_ZERO_ATTENTION_TENSOR_CORES")
 }
 
 /// The `sparse_attention` section in force and the layout of the last (heads, seq) it made.

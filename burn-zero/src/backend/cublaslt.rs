@@ -376,8 +376,7 @@ impl Plan {
 /// Whether new GEMM shapes time cuBLASLt's top heuristic choices on their first call and keep
 /// the fastest (default; `BURN_ZERO_CUBLASLT_TUNE=0` takes the first choice untimed).
 fn tuning() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_TUNE").map_or(true, |v| v != "0"))
+    crate::log::env_switch_on!("BURN_ZERO_CUBLASLT_TUNE")
 }
 
 /// The candidate whose best of three runs on `stream` (after everything queued there) is

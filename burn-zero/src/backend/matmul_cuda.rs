@@ -189,9 +189,7 @@ pub(crate) fn try_cublaslt<B: Backend>(
     match gemm_on_cube(a, b, &product, policy, &mut clock) {
         Ok(out) => {
             let out = from_cube::<B>(lhs, out)?;
-            clock.lap(4);
-            clock.record();
-            super::matmul::count_cublaslt_call();
+            clock.finish();
             Some(out)
         }
         Err(declined) => {
@@ -283,8 +281,7 @@ fn gemm_on_cube(
 /// `BURN_ZERO_CUBLASLT_IN_STREAM=0` (read once): resolve fused operands and run on the
 /// caller's thread, as before products ran in fusion's stream, to compare the two.
 fn in_stream() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_IN_STREAM").map_or(true, |v| v != "0"))
+    crate::log::env_switch_on!("BURN_ZERO_CUBLASLT_IN_STREAM")
 }
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -300,9 +297,7 @@ fn gemm_or_inner(
     let mut clock = PhaseClock::start();
     match gemm_on_cube(a.clone(), b.clone(), product, policy, &mut clock) {
         Ok(out) => {
-            clock.lap(4);
-            clock.record();
-            super::matmul::count_cublaslt_call();
+            clock.finish();
             out
         }
         Err(declined) => {
@@ -354,6 +349,13 @@ impl PhaseClock {
         let now = std::time::Instant::now();
         self.us[phase] += (now - self.last).as_secs_f64() * 1e6;
         self.last = now;
+    }
+
+    /// Closes the last phase and counts the call as one that ran through cuBLASLt.
+    fn finish(&mut self) {
+        self.lap(4);
+        self.record();
+        super::matmul::count_cublaslt_call();
     }
 
     fn record(&self) {
