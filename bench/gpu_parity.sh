@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device side: the engine parity run (tests/src/cases.rs engine_run: 10 AdamW steps, clipping,
 # warmup) on CPU (1 rank, TCP; equal to plain burn within 1e-5, see engine_parity.rs), on 1 GPU,
-# and on all GPUs of the machine at ZeRO stages 0, 1, 2 over NCCL, in one call. Writes
+# and on all GPUs of the machine at ZeRO stages 0-3 over NCCL (collectives ordered by device flags;
+# stage 2 also with overlap_comm, and with the older device-sync ordering), in one call. Writes
 # $OUT/gpu-parity-<kind>.json with the largest relative differences and how many collectives
 # ran on device memory (0 for the host-staged control run).
 # Needs .gpu/bin/{burn-zero,dist-worker} (dist-worker built with --features nccl).
@@ -14,8 +15,12 @@ run() { # name nproc mode stage gas
 }
 run cpu 1 train 0 1
 run gpu1-stage0 1 train-gpu 0 1
-for stage in 0 1 2; do run "gpu$gpus-stage$stage" "$gpus" train-gpu "$stage" 1; done
+for stage in 0 1 2 3; do run "gpu$gpus-stage$stage" "$gpus" train-gpu "$stage" 1; done
 run "gpu$gpus-stage2-gas3" "$gpus" train-gpu 2 3
+# Collectives in flight while backward computes (stage 3 overlaps by default).
+OVERLAP_COMM=1 run "gpu$gpus-stage2-overlap" "$gpus" train-gpu 2 1
+# Collectives ordered by a device sync and host waits, as before they were ordered by flags.
+BURN_ZERO_COLLECTIVES_IN_STREAM=0 run "gpu$gpus-stage2-hostsync" "$gpus" train-gpu 2 1
 # The same stage-2 run with collectives staged through host memory: an independent path.
 BURN_ZERO_HOST_COLLECTIVES=1 run "gpu$gpus-stage2-host" "$gpus" train-gpu 2 1
 python3 - "$kind" "$gpus" "$out" <<'PY'

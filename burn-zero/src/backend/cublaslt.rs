@@ -13,6 +13,7 @@ use cudarc::cublaslt::sys;
 use cudarc::driver::sys as driver;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
+use crate::backend::flag_kernels;
 use crate::backend::stream_order::Handshake;
 use crate::comm::DType;
 
@@ -54,8 +55,8 @@ struct DeviceLt {
     /// Descriptors and algorithm per GEMM, keyed by the GEMM with its addresses cleared:
     /// creating them took ~10 µs of host time per call.
     plans: HashMap<Gemm, Plan>,
-    /// Our side of the handshake, if its kernels loaded.
-    flag_kernels: Option<FlagKernels>,
+    /// Whether our side of the handshake can run (its kernels loaded).
+    flags: bool,
     /// With profiling on: events around each call's GEMM, read by [`take_gpu_ms`].
     timings: Vec<(CudaEvent, CudaEvent)>,
 }
@@ -98,126 +99,26 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e:?}"))?;
     // SAFETY: uninitialized bytes are fine for a workspace.
     let workspace = unsafe { stream.alloc::<u8>(32 << 20) }.map_err(|e| format!("{e:?}"))?;
-    let flag_kernels = load_flag_kernels(stream.context())
-        .and_then(|k| warm_flag_kernels(k, &stream, &workspace).map(|()| k))
+    let flags = flag_kernels::available(&stream)
         .inspect_err(|e| crate::log::warn(&format!("cuBLASLt calls will synchronize: {e}")))
-        .ok();
+        .is_ok();
     let d = Arc::new(Mutex::new(DeviceLt {
         handle,
         stream,
         workspace,
         plans: HashMap::new(),
-        flag_kernels,
+        flags,
         timings: Vec::new(),
     }));
     all.insert(ordinal, d.clone());
     Ok(d)
 }
 
-/// Two one-thread kernels for our stream's side of a [`Handshake`]: `bz_wait` spins until
-/// `*flag == value`, `bz_signal` stores `value` once everything before it on the stream is done.
-/// Kernels, not `cuStreamWaitValue32`/`cuStreamWriteValue32`: with those, on cubecl's
-/// (stream-ordered pool) memory, the host was measured waiting about one GEMM per call.
-const FLAG_PTX: &str = r#"
-.version 7.0
-.target sm_70
-.address_size 64
-.visible .entry bz_wait(.param .u64 flag, .param .u32 value)
-{
-    .reg .pred %p;
-    .reg .b32 %v, %want;
-    .reg .b64 %a;
-    ld.param.u64 %a, [flag];
-    ld.param.u32 %want, [value];
-LOOP:
-    ld.volatile.global.u32 %v, [%a];
-    setp.ne.u32 %p, %v, %want;
-    @%p bra LOOP;
-    ret;
-}
-.visible .entry bz_signal(.param .u64 flag, .param .u32 value)
-{
-    .reg .b32 %v;
-    .reg .b64 %a;
-    ld.param.u64 %a, [flag];
-    ld.param.u32 %v, [value];
-    membar.gl;
-    st.volatile.global.u32 [%a], %v;
-    ret;
-}
-"#;
-
-/// The loaded flag kernels (`bz_wait`, `bz_signal`).
-#[derive(Clone, Copy)]
-struct FlagKernels {
-    wait: driver::CUfunction,
-    signal: driver::CUfunction,
-}
-
-fn load_flag_kernels(context: &Arc<CudaContext>) -> Result<FlagKernels, String> {
-    context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-    let src = std::ffi::CString::new(FLAG_PTX).expect("no NUL in PTX");
-    // SAFETY: a NUL-terminated PTX image; the module lives for the process.
-    unsafe {
-        let module = cudarc::driver::result::module::load_data(src.as_ptr() as *const _)
-            .map_err(|e| format!("loading the flag kernels: {e:?}"))?;
-        let function = |name: &str| {
-            cudarc::driver::result::module::get_function(
-                module,
-                std::ffi::CString::new(name).unwrap(),
-            )
-            .map_err(|e| format!("{name}: {e:?}"))
-        };
-        Ok(FlagKernels {
-            wait: function("bz_wait")?,
-            signal: function("bz_signal")?,
-        })
-    }
-}
-
-/// Runs both flag kernels once (signal, then a wait it satisfies) and waits: they are loaded
-/// before any of them spins. Under CUDA's lazy loading, loading a kernel may wait for the
-/// running ones, and a spinner waiting on that kernel would never finish.
-fn warm_flag_kernels(
-    k: FlagKernels,
-    stream: &Arc<CudaStream>,
-    workspace: &CudaSlice<u8>,
-) -> Result<(), String> {
-    let (ptr, _sync) = workspace.device_ptr(stream);
-    // SAFETY: the workspace holds at least one u32 of this GPU, used by this stream only.
-    unsafe {
-        launch_flag(k.signal, stream.cu_stream(), ptr, 0x5eed)?;
-        launch_flag(k.wait, stream.cu_stream(), ptr, 0x5eed)?;
-    }
-    stream.synchronize().map_err(|e| format!("{e:?}"))
-}
-
-/// Launches one flag kernel on `stream`: one thread, `(flag, value)`.
-///
-/// # Safety
-/// `flag` is a live `u32` of this GPU.
-unsafe fn launch_flag(
-    kernel: driver::CUfunction,
-    stream: driver::CUstream,
-    mut flag: u64,
-    mut value: u32,
-) -> Result<(), String> {
-    let mut params = [
-        (&mut flag) as *mut u64 as *mut std::ffi::c_void,
-        (&mut value) as *mut u32 as *mut std::ffi::c_void,
-    ];
-    // SAFETY: the parameters match the kernels' (u64, u32) signature.
-    unsafe {
-        cudarc::driver::result::launch_kernel(kernel, (1, 1, 1), (1, 1, 1), 0, stream, &mut params)
-    }
-    .map_err(|e| format!("flag kernel: {e:?}"))
-}
-
 /// Whether calls on GPU `ordinal` can be ordered by a [`Handshake`] instead of a host wait.
 pub(crate) fn supports_handshake(ordinal: usize) -> Result<bool, String> {
     let device = device(ordinal)?;
     let lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
-    Ok(lt_dev.flag_kernels.is_some())
+    Ok(lt_dev.flags)
 }
 
 /// A cuBLASLt object destroyed on drop.
@@ -487,14 +388,12 @@ pub(crate) unsafe fn run(
         }
         .map_err(err("cublasLtMatmul"))
     };
-    let flags = match (handshake, lt_dev.flag_kernels) {
-        (Some(h), Some(k)) => Some((h, k)),
-        (None, _) => None,
-        (Some(_), None) => return Err("no flag kernels for the handshake".into()),
-    };
-    if let Some((h, k)) = flags {
+    if handshake.is_some() && !lt_dev.flags {
+        return Err("no flag kernels for the handshake".into());
+    }
+    if let Some(h) = handshake {
         // SAFETY: `ready` is a live u32 of this GPU (the caller's flags).
-        unsafe { launch_flag(k.wait, cu_stream, h.ready, h.seq)? };
+        unsafe { flag_kernels::wait(&stream, h.ready, h.seq)? };
     }
     let timed = || {
         stream
@@ -518,10 +417,10 @@ pub(crate) unsafe fn run(
     if let Some(pair) = timing {
         lt_dev.timings.push(pair);
     }
-    match flags {
+    match handshake {
         // SAFETY: `done` is a live u32 of this GPU; the signal runs after the GEMM finished,
         // so its output is visible to whoever sees `done`.
-        Some((h, k)) => match unsafe { launch_flag(k.signal, cu_stream, h.done, h.seq) } {
+        Some(h) => match unsafe { flag_kernels::signal(&stream, h.done, h.seq) } {
             Ok(()) => Ok(()),
             // The GEMM is queued: burn's stream must not go on before it, and no `end` would
             // follow an error. Nothing can undo that but a failure here.

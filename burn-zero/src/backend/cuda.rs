@@ -15,7 +15,10 @@ use burn_fusion::stream::OperationStreams;
 use burn_fusion::{FusionTensor, NoOp};
 use burn_ir::{BackendIr, InitOperationIr, OperationIr};
 use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::ComputeClient;
+use cubecl::stream_id::StreamId;
 
+use crate::backend::stream_order::{self, Handshake};
 use crate::comm::{DType, DeviceBuf};
 
 /// A contiguous CUDA buffer and what keeps its memory from being freed or reused.
@@ -167,4 +170,83 @@ pub(crate) fn exact_size_allocations<I: Backend>(device: &I::Device, sizes: &[us
         drop(registered);
     }
     true
+}
+
+/// What burn's stream waits on for a device collective ordered by flags (see
+/// `stream_order.rs`): the last call's handshake covers every earlier one of its channel.
+pub(crate) struct Fence {
+    client: ComputeClient<CudaRuntime>,
+    ordinal: usize,
+    /// burn's stream the collective was ordered after.
+    stream: StreamId,
+    handshake: Handshake,
+}
+
+impl Fence {
+    /// Where the collective stream waits for burn's stream, and for which number.
+    pub(crate) fn ready(&self) -> (u64, u32) {
+        (self.handshake.ready, self.handshake.seq)
+    }
+
+    /// Where the collective stream signals that it is done, and with which number.
+    pub(crate) fn done(&self) -> (u64, u32) {
+        (self.handshake.done, self.handshake.seq)
+    }
+
+    /// Whether `other` orders against the same stream and channel, later (so it covers this).
+    pub(crate) fn covered_by(&self, other: &Fence) -> bool {
+        self.ordinal == other.ordinal
+            && self.stream == other.stream
+            && self.handshake.done == other.handshake.done
+    }
+
+    /// Makes burn's stream wait, from now on, until the collective stream signalled `done`
+    /// (one blocking visit to cubecl's thread, no device wait).
+    pub(crate) fn await_on_compute_stream(self) -> Result<(), String> {
+        let Fence {
+            client,
+            ordinal,
+            stream,
+            handshake,
+        } = self;
+        stream
+            .executes(|| client.exclusive(|| stream_order::end(&client, ordinal, handshake)))
+            .map_err(|e| format!("{e:?}"))
+    }
+}
+
+/// For a device collective on `input`'s memory ordered by flags, on `channel`: allocates its
+/// output of `len` elements on burn's stream and raises `ready` there after everything queued
+/// before (one blocking visit to cubecl's thread, no device wait). `None` if it cannot.
+pub(crate) fn ordered_output(
+    input: &CudaBuffer,
+    len: usize,
+    channel: u64,
+) -> Option<(CudaBuffer, Fence)> {
+    let cube = &input._keep;
+    let (client, device, dtype) = (cube.client.clone(), cube.device.clone(), cube.dtype);
+    let ordinal = device.index;
+    let outcome = client.exclusive(|| {
+        let handle = client.empty(len * dtype.size());
+        let out = CubeTensor::new_contiguous(client.clone(), device, [len].into(), handle, dtype);
+        let view = view_of(out)?;
+        let handshake = stream_order::begin(&client, ordinal, channel)?;
+        let output = CudaBuffer {
+            buf: DeviceBuf {
+                ptr: view.ptr,
+                len,
+                dtype: view.dtype,
+            },
+            _keep: view.keep,
+        };
+        Some((output, handshake))
+    });
+    let (output, handshake) = outcome.ok().flatten()?;
+    let fence = Fence {
+        client,
+        ordinal,
+        stream: StreamId::current(),
+        handshake,
+    };
+    Some((output, fence))
 }

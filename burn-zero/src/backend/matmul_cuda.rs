@@ -257,7 +257,7 @@ fn gemm_on_cube(
         clock.lap(1);
         let handshake = match ordered {
             true => Some(
-                stream_order::begin(&client, ordinal)
+                stream_order::begin(&client, ordinal, stream_order::GEMM_CHANNEL)
                     .ok_or_else(|| Declined::Failed("the ordering flags".into()))?,
             ),
             false => None,

@@ -8,6 +8,8 @@ mod cublaslt;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod distributed;
+#[cfg(feature = "cuda")]
+pub(crate) mod flag_kernels;
 pub(crate) mod forward;
 #[cfg(feature = "cuda")]
 pub(crate) mod fused_op;
@@ -18,7 +20,7 @@ mod matmul_cuda;
 mod ops_list;
 pub mod sharded;
 #[cfg(feature = "cuda")]
-mod stream_order;
+pub(crate) mod stream_order;
 mod tensor;
 
 pub use base::ZeroBackend;

@@ -1,24 +1,30 @@
-//! Orders work on a stream of our own (cuBLASLt's) against burn's CUDA stream, which cubecl
-//! 0.10 does not expose, without a host round trip: two flags in device memory.
+//! Orders work on a stream of our own (cuBLASLt's, NCCL's) against burn's CUDA stream, which
+//! cubecl 0.10 does not expose, without a host round trip: two flags in device memory.
 //!
 //! For one foreign call with sequence number `s`:
 //! 1. burn's stream runs [`raise`]: `flags[READY] = s` once everything before it is done;
-//! 2. our stream waits for `flags[READY] == s` (a one-thread spin kernel), runs the call, then
-//!    a one-thread kernel writes `flags[DONE] = s` (see `cublaslt.rs`);
-//! 3. burn's stream runs [`await_done`], one thread spinning until `flags[DONE] == s`, so every
-//!    later kernel of burn sees the call's output, and memory the call read is not reused early.
+//! 2. our stream waits until `flags[READY]` has reached `s` (`flag_kernels.rs`), runs the
+//!    call, then writes `flags[DONE] = s`;
+//! 3. burn's stream runs [`await_done`], one thread spinning until `flags[DONE]` has reached
+//!    `s`, so every later kernel of burn sees the call's output, and memory the call used is
+//!    not reused early. A GEMM takes this step at once; a collective when its output is first
+//!    needed ([`end`] with the last call's handshake covers every earlier one).
 //!
-//! Every kernel a spinner waits for is launched before the spinner (see `cublaslt.rs`): under
-//! CUDA's lazy loading, a first launch may wait for the running kernels.
+//! "Reached" is serial-number order (`flag - s` as a signed 32-bit number is not negative):
+//! several collectives may be in flight, so burn's stream may have raised later numbers before
+//! our stream looks, and it stays right across `u32` wraparound.
 //!
-//! Equality (not `≥`) keeps it correct across `u32` wraparound: each flag keeps its value until
-//! the other side has seen it. Flags are per burn stream (cubecl gives each thread its own, and
-//! fusion runs an operation on the stream of the thread that registered it): two streams
-//! sharing flags could overwrite a `ready` before our stream saw it. One call's steps 1 and 3
-//! land on the same stream.
+//! Every kernel a spinner waits for is launched before the spinner: under CUDA's lazy loading,
+//! a first launch may wait for the running kernels.
+//!
+//! Flags are per burn stream (cubecl gives each thread its own, and fusion runs an operation
+//! on the stream of the thread that registered it) and per channel (one per foreign stream:
+//! [`GEMM_CHANNEL`] for cuBLASLt, [`new_channel`] for each collective stream), so each pair's
+//! numbers grow in the order both streams see them.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -36,19 +42,31 @@ fn raise(flags: &mut Array<Atomic<u32>>, seq: u32) {
 #[cube(launch)]
 fn await_done(flags: &mut Array<Atomic<u32>>, seq: u32) {
     loop {
-        if flags[DONE].load() == seq {
+        // Serial-number order: `done - seq` (wrapping) below 2^31 means `done` reached `seq`.
+        let ahead = flags[DONE].load() - seq;
+        if ahead < 2147483648u32 {
             break;
         }
     }
 }
 
-/// The device addresses of one handshake: our stream waits for `ready == seq`, then writes
-/// `done = seq`. Free of burn types, for `cublaslt.rs`.
+/// The channel of cuBLASLt's stream.
+pub(crate) const GEMM_CHANNEL: u64 = 0;
+
+/// A channel of its own for one more foreign stream.
+pub(crate) fn new_channel() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(GEMM_CHANNEL + 1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The device addresses of one handshake: our stream waits until `ready` reached `seq`, then
+/// writes `done = seq`. Free of burn types, for `cublaslt.rs` and the collectives.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Handshake {
     pub(crate) ready: u64,
     pub(crate) done: u64,
     pub(crate) seq: u32,
+    channel: u64,
 }
 
 struct Flags {
@@ -60,21 +78,26 @@ struct Flags {
 }
 
 thread_local! {
-    /// Per GPU ordinal and burn stream, the flags. Only cubecl's thread touches them (inside
+    /// Per GPU ordinal, burn stream and channel, the flags. Only cubecl's thread touches them (inside
     /// `ComputeClient::exclusive`), so a thread-local holds them all.
-    static FLAGS: RefCell<HashMap<(usize, StreamId), Flags>> = RefCell::new(HashMap::new());
+    static FLAGS: RefCell<HashMap<(usize, StreamId, u64), Flags>> = RefCell::new(HashMap::new());
 }
 
-/// Step 1 on burn's stream of `client` (GPU `ordinal`): returns the handshake for our stream.
+/// Step 1 on burn's stream of `client` (GPU `ordinal`) for the foreign stream of `channel`:
+/// returns the handshake for that stream.
 ///
 /// Call it on cubecl's thread (inside `ComputeClient::exclusive`), where the launch of `raise`
 /// reaches CUDA before this returns: queued in cubecl instead, it might reach CUDA after our
 /// stream's spinner started, and loading it could then wait for that spinner, which waits for
 /// it.
-pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Option<Handshake> {
+pub(crate) fn begin(
+    client: &ComputeClient<CudaRuntime>,
+    ordinal: usize,
+    channel: u64,
+) -> Option<Handshake> {
     FLAGS.with(|flags| {
         let mut flags = flags.borrow_mut();
-        let entry = match flags.entry((ordinal, StreamId::current())) {
+        let entry = match flags.entry((ordinal, StreamId::current(), channel)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 let handle = client.create_from_slice(u32::as_bytes(&[0, 0]));
@@ -110,16 +133,18 @@ pub(crate) fn begin(client: &ComputeClient<CudaRuntime>, ordinal: usize) -> Opti
             ready: entry.ptr + (READY * 4) as u64,
             done: entry.ptr + (DONE * 4) as u64,
             seq: entry.seq,
+            channel,
         })
     })
 }
 
-/// Step 3 on burn's stream: later work waits until our stream wrote `done`.
+/// Step 3 on burn's stream: later work waits until our stream's `done` reached the
+/// handshake's number. Call it on cubecl's thread, on the stream `begin` ran on.
 pub(crate) fn end(client: &ComputeClient<CudaRuntime>, ordinal: usize, handshake: Handshake) {
     FLAGS.with(|flags| {
         let flags = flags.borrow();
         let entry = flags
-            .get(&(ordinal, StreamId::current()))
+            .get(&(ordinal, StreamId::current(), handshake.channel))
             .expect("begin ran on this stream");
         await_done::launch::<CudaRuntime>(
             client,

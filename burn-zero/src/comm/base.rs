@@ -346,9 +346,11 @@ pub struct DeviceBuf {
 /// Collectives on device buffers (same length rules as [`Communicator`]), enqueued on the
 /// communicator's own stream.
 ///
-/// Ordering contract: the caller makes the inputs complete before the call (today: the compute
-/// stream is synchronized first) and keeps both buffers alive and untouched until
-/// [`DeviceCollectives::synchronize`] returns; only then may anything read the outputs.
+/// Ordering contract: the inputs are complete when the collective starts, and both buffers stay
+/// alive and untouched until it has finished; only then may anything read the outputs. The
+/// caller either synchronizes (the compute stream before the call,
+/// [`DeviceCollectives::synchronize`] after it) or orders the streams on the device through
+/// flags ([`DeviceCollectives::wait_for_flag`], [`DeviceCollectives::raise_flag`]).
 pub trait DeviceCollectives: Send + Sync {
     /// Reduces `input` across ranks into `output` (may be the same buffer).
     ///
@@ -387,6 +389,33 @@ pub trait DeviceCollectives: Send + Sync {
     ) -> Result<(), CommError>;
     /// Blocks until every enqueued collective has finished.
     fn synchronize(&self) -> Result<(), CommError>;
+    /// Whether [`DeviceCollectives::wait_for_flag`] and [`DeviceCollectives::raise_flag`] work
+    /// here (their kernels loaded).
+    fn orders_by_flags(&self) -> bool {
+        false
+    }
+    /// Enqueues a wait on the collective stream: what follows starts once the `u32` at `flag`
+    /// has reached `value` (serial-number order).
+    ///
+    /// # Safety
+    /// `flag` is a live `u32` of the communicator's device until the wait has run.
+    unsafe fn wait_for_flag(&self, flag: u64, value: u32) -> Result<(), CommError> {
+        let _ = (flag, value);
+        Err(CommError::Aborted(
+            "this communicator cannot order its stream by flags".into(),
+        ))
+    }
+    /// Enqueues on the collective stream a store of `value` at `flag`, done once every
+    /// collective enqueued before it finished.
+    ///
+    /// # Safety
+    /// `flag` is a live `u32` of the communicator's device until the store has run.
+    unsafe fn raise_flag(&self, flag: u64, value: u32) -> Result<(), CommError> {
+        let _ = (flag, value);
+        Err(CommError::Aborted(
+            "this communicator cannot order its stream by flags".into(),
+        ))
+    }
 }
 
 /// Default time a rank waits for the others before failing.

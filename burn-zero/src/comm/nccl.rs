@@ -21,6 +21,7 @@ use super::base::*;
 use super::exchange::Exchange;
 use super::reduce::Payload;
 use super::tcp::TcpComm;
+use crate::backend::flag_kernels;
 
 /// One rank's NCCL communicator.
 pub struct NcclComm {
@@ -343,6 +344,22 @@ impl DeviceCollectives for NcclComm {
         self.stream
             .synchronize()
             .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e:?}", self.rank)))
+    }
+
+    fn orders_by_flags(&self) -> bool {
+        flag_kernels::available(&self.stream).is_ok()
+    }
+
+    unsafe fn wait_for_flag(&self, flag: u64, value: u32) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { flag_kernels::wait(&self.stream, flag, value) }
+            .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e}", self.rank)))
+    }
+
+    unsafe fn raise_flag(&self, flag: u64, value: u32) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { flag_kernels::signal(&self.stream, flag, value) }
+            .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e}", self.rank)))
     }
 }
 

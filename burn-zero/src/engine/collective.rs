@@ -2,20 +2,25 @@
 //!
 //! With a communicator that has [`DeviceCollectives`] (NCCL) and CUDA tensors, the collective
 //! runs on the tensors' device memory. Ordering, made explicit here:
-//! 1. the input's and a fresh output's addresses are taken (materializing fusion's pending
-//!    work and aligning this thread's compute stream after the stream that wrote them);
-//! 2. the compute stream is synchronized (`Backend::sync`), so the input is complete before
-//!    NCCL's stream reads it;
-//! 3. NCCL enqueues on its own stream; both buffers are held in `in_flight`;
-//! 4. before anything reads an output, [`FlatComm::wait`] blocks until NCCL's stream is done
-//!    and releases the buffers. Without `overlap_comm` that wait follows every collective;
-//!    with it, backward keeps computing while the gradients travel.
+//! 1. the input's address is taken (fusion's pending work is handed to cubecl first);
+//! 2. on burn's stream, the output is allocated and a flag raised once everything queued
+//!    before is done (one visit to cubecl's thread; the GPU is not waited for);
+//! 3. NCCL's stream waits for that flag, runs the collective and raises a flag of its own;
+//!    both buffers are held in `in_flight`;
+//! 4. before anything reads an output, [`FlatComm::wait`] makes burn's stream wait for NCCL's
+//!    flag and releases the buffers (their memory is reused only after that wait). The host
+//!    never waits. Without `overlap_comm` that wait follows every collective; with it,
+//!    backward keeps computing while the gradients travel.
 //!
-//! Every other case copies through the host and the plain [`Communicator`];
+//! Where the flag kernels are missing, or with `BURN_ZERO_COLLECTIVES_IN_STREAM=0` (to
+//! compare), step 2 synchronizes the device and step 4 waits on the host for NCCL's stream, as
+//! before. Every other case copies through the host and the plain [`Communicator`];
 //! `BURN_ZERO_HOST_COLLECTIVES=1` forces that path (to compare or to rule the device path out).
 
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
+use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
@@ -43,6 +48,16 @@ pub(crate) struct FlatComm<I: Backend> {
     /// Device buffers NCCL may still be reading or writing.
     #[cfg(feature = "cuda")]
     in_flight: Vec<crate::backend::cuda::CudaBuffer>,
+    /// What burn's stream must wait on before the outputs in flight are read: the last
+    /// collective ordered by flags per stream.
+    #[cfg(feature = "cuda")]
+    fences: Vec<crate::backend::cuda::Fence>,
+    /// A collective in flight was not ordered by flags: `wait` blocks for NCCL's stream.
+    #[cfg(feature = "cuda")]
+    host_wait: bool,
+    /// This communicator's flags (`stream_order.rs`).
+    #[cfg(feature = "cuda")]
+    channel: u64,
     /// Collectives that ran on device memory (for reports and tests).
     pub(crate) device_calls: usize,
 }
@@ -56,6 +71,12 @@ impl<I: Backend> FlatComm<I> {
             host_only: std::env::var("BURN_ZERO_HOST_COLLECTIVES").is_ok_and(|v| v == "1"),
             #[cfg(feature = "cuda")]
             in_flight: Vec::new(),
+            #[cfg(feature = "cuda")]
+            fences: Vec::new(),
+            #[cfg(feature = "cuda")]
+            host_wait: false,
+            #[cfg(feature = "cuda")]
+            channel: crate::backend::stream_order::new_channel(),
             device_calls: 0,
         }
     }
@@ -100,13 +121,23 @@ impl<I: Backend> FlatComm<I> {
         self.run(Op::Broadcast(root), t)
     }
 
-    /// Blocks until every device collective finished; their outputs may be read after this.
+    /// Orders every device collective before what reads its output: burn's stream waits for
+    /// them (the host does not, unless one was not ordered by flags). Their outputs may be used
+    /// after this.
     pub(crate) fn wait(&mut self) -> Result<(), CommError> {
         #[cfg(feature = "cuda")]
         if !self.in_flight.is_empty() {
-            if let Some(device) = self.comm.device() {
+            for fence in self.fences.drain(..) {
+                fence.await_on_compute_stream().map_err(|e| {
+                    CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}"))
+                })?;
+            }
+            if std::mem::take(&mut self.host_wait)
+                && let Some(device) = self.comm.device()
+            {
                 device.synchronize()?;
             }
+            // Released after burn's stream was told to wait: it reuses the memory after that.
             self.in_flight.clear();
         }
         Ok(())
@@ -170,29 +201,64 @@ impl<I: Backend> FlatComm<I> {
         op: Op,
         input: &Tensor<I, 1>,
     ) -> Result<Option<Tensor<I, 1>>, CommError> {
-        use crate::backend::cuda::cuda_buffer;
+        use crate::backend::cuda::{cuda_buffer, from_cube, ordered_output};
         let Some(device) = self.comm.device().filter(|_| !self.host_only) else {
             return Ok(None);
         };
-        let Some(src) = cuda_buffer::<I>(&input.clone().into_primitive().tensor()) else {
+        let primitive = input.clone().into_primitive().tensor();
+        let Some(src) = cuda_buffer::<I>(&primitive) else {
             return Ok(None);
         };
         let n = self.output_len(op, src.buf.len);
-        let output = Tensor::<I, 1>::empty([n], (&self.device, input.dtype()));
-        let dst = cuda_buffer::<I>(&output.clone().into_primitive().tensor())
-            .expect("a fresh tensor on the same CUDA device has an address");
-        I::sync(&self.device)
-            .map_err(|e| CommError::Aborted(format!("the compute stream failed: {e:?}")))?;
-        // SAFETY: both buffers are live CUDA allocations of this device, complete (synchronized
-        // above), and held in `in_flight` until `wait` has seen NCCL's stream finish.
-        unsafe {
+        let ordered = (in_stream() && n > 0 && device.orders_by_flags())
+            .then(|| ordered_output(&src, n, self.channel))
+            .flatten();
+        let (dst, output, fence) = match ordered {
+            Some((dst, fence)) => {
+                let output = from_cube::<I>(&primitive, dst._keep.clone())
+                    .map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
+                    .expect("a cubecl CUDA tensor converts back to the input's backend");
+                (dst, output, Some(fence))
+            }
+            None => {
+                let output = Tensor::<I, 1>::empty([n], (&self.device, input.dtype()));
+                let dst = cuda_buffer::<I>(&output.clone().into_primitive().tensor())
+                    .expect("a fresh tensor on the same CUDA device has an address");
+                I::sync(&self.device)
+                    .map_err(|e| CommError::Aborted(format!("the compute stream failed: {e:?}")))?;
+                (dst, output, None)
+            }
+        };
+        if let Some(fence) = &fence {
+            let (flag, seq) = fence.ready();
+            // SAFETY: the flag lives as long as the thread-local flags of cubecl's thread.
+            unsafe { device.wait_for_flag(flag, seq)? };
+        }
+        // SAFETY: both buffers are live CUDA allocations of this device, complete when NCCL's
+        // stream reaches the call (the flag above, or the sync), and held in `in_flight` until
+        // `wait` has ordered burn's stream after NCCL's (or seen NCCL's stream finish).
+        let ran = unsafe {
             match op {
                 Op::AllReduce(reduce) => device.all_reduce(src.buf, dst.buf, reduce),
                 Op::ReduceScatter(reduce) => device.reduce_scatter(src.buf, dst.buf, reduce),
                 Op::AllGather => device.all_gather(src.buf, dst.buf),
                 Op::Broadcast(root) => device.broadcast(src.buf, dst.buf, root),
-            }?;
+            }
+        };
+        match fence {
+            Some(fence) => {
+                let (flag, seq) = fence.done();
+                // Raised even when the call failed: burn's stream may be told to wait for it.
+                // SAFETY: as for `ready`.
+                if let Err(e) = unsafe { device.raise_flag(flag, seq) } {
+                    panic!("after a collective, NCCL's stream could not signal burn's: {e}");
+                }
+                self.fences.retain(|f| !f.covered_by(&fence));
+                self.fences.push(fence);
+            }
+            None => self.host_wait = true,
         }
+        ran?;
         self.in_flight.push(src);
         self.in_flight.push(dst);
         self.device_calls += 1;
@@ -201,4 +267,11 @@ impl<I: Backend> FlatComm<I> {
         }
         Ok(Some(output))
     }
+}
+
+/// `BURN_ZERO_COLLECTIVES_IN_STREAM=0` (read once): synchronize the device before each device
+/// collective and wait on the host for NCCL's stream, as before they were ordered by flags.
+#[cfg(feature = "cuda")]
+fn in_stream() -> bool {
+    crate::log::env_switch_on!("BURN_ZERO_COLLECTIVES_IN_STREAM")
 }

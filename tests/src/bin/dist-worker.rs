@@ -3,7 +3,8 @@
 //!   dist-worker train STAGE GAS      the engine parity run; rank 0 prints `RESULT` lines
 //!   dist-worker train-gpu STAGE GAS [PRECISION [STEPS]]
 //!                                    the same on `Cuda`, GPU `LOCAL_RANK`, NCCL (feature nccl);
-//!                                    PRECISION fp32 (default), bf16 or fp16
+//!                                    PRECISION fp32 (default), bf16 or fp16;
+//!                                    OVERLAP_COMM=0/1 overrides overlap_comm
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
 //!                                    a collective; the others sleep until stopped
 
@@ -66,12 +67,18 @@ fn train<I: burn::tensor::backend::Backend>(
         _ => "",
     };
     let (min, max, n) = WARMUP;
+    // `OVERLAP_COMM=0|1` overrides the stage's default (on at stage 3 only).
+    let overlap = match std::env::var("OVERLAP_COMM").as_deref() {
+        Ok("1") => r#", "overlap_comm": true"#,
+        Ok("0") => r#", "overlap_comm": false"#,
+        _ => "",
+    };
     let json = format!(
         r#"{{"train_batch_size": {GLOBAL_BATCH}, "gradient_accumulation_steps": {gas}, "gradient_clipping": {CLIP},
         "optimizer": {{"type": "AdamW", "params": {{"lr": {max}, "eps": {EPS}, "weight_decay": {WEIGHT_DECAY}}}}},
         "scheduler": {{"type": "WarmupLR", "params": {{"warmup_min_lr": {min}, "warmup_max_lr": {max}, "warmup_num_steps": {n}, "warmup_type": "linear"}}}},
         "zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 50, "allgather_bucket_size": 40,
-          "stage3_param_persistence_threshold": 16}}{precision}}}"#
+          "stage3_param_persistence_threshold": 16{overlap}}}{precision}}}"#
     );
     let config = DeepSpeedConfig::from_json(&json).unwrap().config;
     let (rank, world) = (comm.rank(), comm.world_size());
