@@ -2,7 +2,7 @@
 //! its weights from GGUF ([`gguf`], dequantized) or a Hugging Face directory ([`hf`]), its
 //! tokenizer ([`tokenizer`]), and text as packed, distributed training data ([`data`]);
 //! [`parallel`] slices the model over a model-parallel group; [`pipeline`] splits it into
-//! pipeline stages.
+//! pipeline stages; [`parallel_stage`] does both (pipe × data × model).
 //!
 //! The readers, the data pipeline and the sampler are free of burn types; only [`model`] and
 //! [`weights`] touch burn.
@@ -16,6 +16,7 @@ pub mod hf;
 pub mod lora;
 pub mod model;
 pub mod parallel;
+pub mod parallel_stage;
 pub mod pipeline;
 pub mod tokenizer;
 pub mod weights;

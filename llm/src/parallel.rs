@@ -48,7 +48,7 @@ pub struct ParallelLlama<B: Backend> {
 }
 
 /// Why a model cannot be sliced over a group.
-fn check<B: Backend>(model: &Llama<B>, ranks: usize) -> Result<(), String> {
+pub(crate) fn check<B: Backend>(model: &Llama<B>, ranks: usize) -> Result<(), String> {
     if model.num_kv_heads() < ranks {
         return Err(format!(
             "{} key/value heads cannot be sliced over {ranks} model-parallel ranks (each needs a \
@@ -72,7 +72,12 @@ fn part<B: Backend>(
 }
 
 impl<B: ModelParallelBackend> ParallelBlock<B> {
-    fn slice(block: &Block<B>, heads: usize, kv_heads: usize, group: &ModelGroup) -> Self {
+    pub(crate) fn slice(
+        block: &Block<B>,
+        heads: usize,
+        kv_heads: usize,
+        group: &ModelGroup,
+    ) -> Self {
         let hd = block.q.weight.dims()[1] / heads;
         let kv = slice_of(kv_heads, group.rank(), group.size());
         let per_group = heads / kv_heads;
@@ -94,7 +99,7 @@ impl<B: ModelParallelBackend> ParallelBlock<B> {
         }
     }
 
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,

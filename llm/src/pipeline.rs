@@ -46,21 +46,10 @@ impl<B: Backend> LlamaStage<B> {
         stage: usize,
         seq: usize,
     ) -> Result<Self, String> {
-        let n = stages.len();
-        let (first, last) = (stage == 0, stage + 1 == n);
+        let layers = stage_layers(stages, stage, model.blocks.len())?;
+        let stages = stages.len();
+        let (first, last) = (stage == 0, stage + 1 == stages);
         let tied = model.lm_head.is_none();
-        let contiguous = stages.first().is_some_and(|r| r.start == 0)
-            && stages.last().is_some_and(|r| r.end == model.blocks.len())
-            && stages.windows(2).all(|w| w[0].end == w[1].start)
-            && stages.iter().all(|r| r.start <= r.end);
-        if !contiguous || stage >= n {
-            return Err(format!(
-                "stages {stages:?} do not split {} layers (or have no stage {stage})",
-                model.blocks.len()
-            ));
-        }
-        let layers = stages[stage].clone();
-        let stages = n;
         Ok(Self {
             embed: first.then(|| model.embed.clone()),
             blocks: model.blocks[layers].to_vec(),
@@ -124,6 +113,25 @@ impl<B: AutodiffBackend> PipeStage<B> for LlamaStage<B> {
             (_, Some(w)) => Some(w.id),
             _ => None,
         }
+    }
+}
+
+/// The layers of stage `stage` when `stages` split `layers` decoder layers: an error unless
+/// they are contiguous, in order, and cover them all.
+pub(crate) fn stage_layers(
+    stages: &[Range<usize>],
+    stage: usize,
+    layers: usize,
+) -> Result<Range<usize>, String> {
+    let contiguous = stages.first().is_some_and(|r| r.start == 0)
+        && stages.last().is_some_and(|r| r.end == layers)
+        && stages.windows(2).all(|w| w[0].end == w[1].start)
+        && stages.iter().all(|r| r.start <= r.end);
+    match stages.get(stage) {
+        Some(range) if contiguous => Ok(range.clone()),
+        _ => Err(format!(
+            "stages {stages:?} do not split {layers} layers (or have no stage {stage})"
+        )),
     }
 }
 

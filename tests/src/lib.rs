@@ -4,4 +4,6 @@
 
 pub mod cases;
 pub mod engine_loop;
+pub mod llama_3d;
+pub mod processes;
 pub mod reference;

@@ -2,38 +2,21 @@
 //! short ZeRO training loop matching the single-process burn run; a rank that dies makes the
 //! launcher stop the others and name it, within a bounded time.
 
-use std::net::TcpListener;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use burn_zero_tests::cases::engine_run::STEPS;
+use burn_zero_tests::processes;
 use burn_zero_tests::reference::assert_close_to_reference;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// The launcher starting `nproc` dist-workers with `worker_args`.
 fn launcher(nproc: usize, worker_args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_launcher"));
-    command
-        .args([
-            "--nproc-per-node",
-            &nproc.to_string(),
-            "--master-port",
-            &free_port().to_string(),
-            "--grace",
-            "2",
-            "--",
-        ])
-        .arg(env!("CARGO_BIN_EXE_dist-worker"))
-        .args(worker_args)
-        .env("BURN_ZERO_TIMEOUT", "60");
-    command
+    processes::launcher(
+        env!("CARGO_BIN_EXE_launcher"),
+        env!("CARGO_BIN_EXE_dist-worker"),
+        nproc,
+        worker_args,
+    )
 }
 
 fn launch(nproc: usize, worker_args: &[&str]) -> (Output, Duration) {

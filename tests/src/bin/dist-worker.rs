@@ -5,6 +5,10 @@
 //!                                    the same on `Cuda`, GPU `LOCAL_RANK`, NCCL (feature nccl);
 //!                                    PRECISION fp32 (default), bf16 or fp16;
 //!                                    OVERLAP_COMM=0/1 overrides overlap_comm
+//!   dist-worker llama-3d tied|untied the tiny Llama in pipe 2 × data 2 × model 2 (8 ranks);
+//!                                    last-stage ranks print `LOSSES [pipe, data, model] [..]`
+//!   dist-worker llama-3d-gpu STEPS   the same with the recipe's model on `Cuda`, NCCL (nccl)
+//!   dist-worker llama-ref-gpu STEPS  its reference on one GPU: prints `REFERENCE [..]`
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
 //!                                    a collective; the others sleep until stopped
 
@@ -21,6 +25,7 @@ use burn_zero_tests::cases::engine_run::{
     self, CLIP, EPS, GLOBAL_BATCH, STEPS, WARMUP, WEIGHT_DECAY,
 };
 use burn_zero_tests::cases::{Mlp, param_data};
+use burn_zero_tests::llama_3d::{self, Run3d};
 
 fn values(rank: usize, n: usize) -> Vec<f32> {
     (0..n)
@@ -128,8 +133,41 @@ fn train<I: burn::tensor::backend::Backend>(
     }
 }
 
+/// This rank's part of `run`; the last stage prints its losses.
+fn run_llama_3d<B>(run: &Run3d, world: Arc<dyn Communicator>, device: B::Device)
+where
+    B: burn::tensor::backend::AutodiffBackend + burn_pipeline::ModelParallelBackend,
+{
+    let start = std::time::Instant::now();
+    let (coords, losses) = run
+        .rank::<B>(world, &device)
+        .unwrap_or_else(|e| panic!("{e}"));
+    if !losses.is_empty() {
+        println!("LOSSES {coords:?} {losses:?}");
+    }
+    eprintln!(
+        "{coords:?}: {} steps in {:.1} s",
+        run.steps,
+        start.elapsed().as_secs_f64()
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    #[cfg(feature = "nccl")]
+    if let Some(mode @ ("llama-3d-gpu" | "llama-ref-gpu")) = args.first().map(String::as_str) {
+        type G = ZeroAutodiff<burn::backend::Cuda>;
+        let run = llama_3d::smollm2(args.get(1).map_or(10, |s| s.parse().unwrap()));
+        if mode == "llama-ref-gpu" {
+            let device = burn::backend::cuda::CudaDevice::new(0);
+            println!("REFERENCE {:?}", run.reference::<G>(&device));
+            return;
+        }
+        let (env, nccl) = burn_zero::dist::init_nccl().unwrap_or_else(|e| panic!("{e}"));
+        let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
+        run_llama_3d::<G>(&run, Arc::new(nccl), device);
+        return;
+    }
     #[cfg(feature = "nccl")]
     if args.first().map(String::as_str) == Some("train-gpu") {
         let (env, nccl) = burn_zero::dist::init_nccl().unwrap_or_else(|e| panic!("{e}"));
@@ -153,6 +191,11 @@ fn main() {
             args[1].parse().unwrap(),
             args[2].parse().unwrap(),
             ("fp32", STEPS),
+            Default::default(),
+        ),
+        Some("llama-3d") => run_llama_3d::<ZeroAutodiff<NdArray>>(
+            &llama_3d::tiny(args[1] == "tied"),
+            dist.comm,
             Default::default(),
         ),
         Some("die") => {

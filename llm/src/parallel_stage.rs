@@ -1,0 +1,149 @@
+//! The Llama in 3D: a pipeline stage ([`crate::pipeline`]'s split into contiguous layers)
+//! whose layers are sliced over a model-parallel group ([`crate::parallel`]'s slices), for
+//! pipe × data × model runs. Between stages the activations are `[batch·seq, hidden]`, the same
+//! on every rank of the group; the first stage takes the token ids as floats `[batch, seq]`;
+//! the last returns this rank's vocabulary columns of the logits `[batch·seq, local vocab]`,
+//! for burn-pipeline's `vocab_parallel_cross_entropy` from [`ParallelLlamaStage::vocab_start`].
+
+use core::ops::Range;
+
+use burn::module::{Module, Param, ParamId};
+use burn::nn::RmsNorm;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Tensor};
+use burn_pipeline::PipeStage;
+use burn_pipeline::tensor_parallel::{
+    ColumnParallelLinear, ModelGroup, ModelParallelBackend, VocabParallelEmbedding, copy_to_group,
+};
+
+use crate::model::{Llama, Rope};
+use crate::parallel::{ParallelBlock, check};
+use crate::pipeline::stage_layers;
+
+/// Layers `layers` of a [`Llama`], sliced over a model group, as one pipeline stage.
+#[derive(Module, Debug)]
+pub struct ParallelLlamaStage<B: Backend> {
+    embed: Option<VocabParallelEmbedding<B>>,
+    blocks: Vec<ParallelBlock<B>>,
+    norm: Option<RmsNorm<B>>,
+    /// An untied output projection's vocabulary columns.
+    head: Option<ColumnParallelLinear<B>>,
+    /// The last stage's copy of this rank's rows of a tied embedding; the executor sums its
+    /// gradient with the first stage's (same model rank, same rows).
+    tied_head: Option<Param<Tensor<B, 2>>>,
+    /// Tied, and one stage only: the output projection is the embedding's own rows.
+    tied_here: bool,
+    /// Tied, and this is the first of several stages.
+    shares_embedding: bool,
+    /// The first vocabulary id of this rank's slice (of the embedding and of the logits).
+    vocab_start: usize,
+    head_dim: usize,
+    rope_theta: f64,
+    /// Positions per sequence (activations are `[batch·seq, hidden]` between stages).
+    seq: usize,
+    #[module(skip)]
+    group: ModelGroup,
+}
+
+impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
+    /// Stage `stage` of `model` split into `stages` (contiguous, in order, as burn-pipeline's
+    /// `split` returns them), this rank's slice over `group`, for sequences of `seq` tokens.
+    pub fn new(
+        model: &Llama<B>,
+        stages: &[Range<usize>],
+        stage: usize,
+        seq: usize,
+        group: ModelGroup,
+    ) -> Result<Self, String> {
+        check(model, group.size())?;
+        let layers = stage_layers(stages, stage, model.blocks.len())?;
+        let n = stages.len();
+        let (first, last) = (stage == 0, stage + 1 == n);
+        let tied = model.lm_head.is_none();
+        let (heads, kv_heads) = (model.num_heads(), model.num_kv_heads());
+        // The embedding's rows of this rank: the first stage's lookup table, and on the last
+        // stage of a tied model the output projection's columns.
+        let rows = VocabParallelEmbedding::from_embedding(&model.embed, &group);
+        let tied_head = (tied && last && n > 1).then(|| {
+            let require_grad = model.embed.weight.val().is_require_grad();
+            Param::from_tensor(rows.weight.val().detach().set_require_grad(require_grad))
+        });
+        Ok(Self {
+            vocab_start: rows.vocab_start,
+            embed: first.then_some(rows),
+            blocks: model.blocks[layers]
+                .iter()
+                .map(|b| ParallelBlock::slice(b, heads, kv_heads, &group))
+                .collect(),
+            norm: last.then(|| model.norm.clone()),
+            head: match (last, &model.lm_head) {
+                (true, Some(head)) => Some(ColumnParallelLinear::from_linear(head, &group)),
+                _ => None,
+            },
+            tied_head,
+            tied_here: tied && n == 1,
+            shares_embedding: tied && first && n > 1,
+            head_dim: model.embed.weight.dims()[1] / heads,
+            rope_theta: model.rope_theta(),
+            seq,
+            group,
+        })
+    }
+
+    /// The first vocabulary id of this rank's logit columns.
+    pub fn vocab_start(&self) -> usize {
+        self.vocab_start
+    }
+
+    /// The model-parallel group this stage is sliced over.
+    pub fn group(&self) -> &ModelGroup {
+        &self.group
+    }
+
+    /// This stage's layers on `x` (see the module doc for the shapes).
+    pub fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let (device, group) = (x.device(), &self.group);
+        let h = match &self.embed {
+            Some(embed) => embed.forward(x.int(), group),
+            None => {
+                let [rows, hidden] = x.dims();
+                x.reshape([rows / self.seq, self.seq, hidden])
+            }
+        };
+        let [batch, seq, _] = h.dims();
+        let rope = Rope::new(seq, self.head_dim, self.rope_theta, &device, h.dtype());
+        let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
+        let mut h = h;
+        for block in &self.blocks {
+            h = block.forward(h, &rope, &mask, group);
+        }
+        if let Some(norm) = &self.norm {
+            h = norm.forward(h);
+        }
+        let transposed = |w: Tensor<B, 2>| w.transpose().unsqueeze::<3>();
+        let h = match (&self.head, &self.tied_head, &self.embed) {
+            (Some(head), _, _) => head.forward(h, group),
+            (None, Some(w), _) => copy_to_group(h, group).matmul(transposed(w.val())),
+            (None, None, Some(embed)) if self.tied_here => {
+                copy_to_group(h, group).matmul(transposed(embed.weight.val()))
+            }
+            _ => h,
+        };
+        let width = h.dims()[2];
+        h.reshape([batch * seq, width])
+    }
+}
+
+impl<B: AutodiffBackend + ModelParallelBackend> PipeStage<B> for ParallelLlamaStage<B> {
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.apply(x)
+    }
+
+    fn tied(&self) -> Option<ParamId> {
+        match (&self.embed, &self.tied_head) {
+            (Some(embed), _) if self.shares_embedding => Some(embed.weight.id),
+            (_, Some(w)) => Some(w.id),
+            _ => None,
+        }
+    }
+}
