@@ -5,21 +5,25 @@
 # beside it on GPU 0 the unsplit model on the same whole batch (llama-ref-gpu). Losses compared
 # step by step → $OUT/3d-<kind>.json.
 #   bash bench/run_3d.sh KIND     (carry [".gpu"], staged by
-#   GPU_FEATURES=nccl scripts/gpu-stage.sh dist-worker; STEPS, RUN_TIMEOUT)
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh dist-worker; STEPS, RUN_TIMEOUT; GRID="PIPE DATA
+#   MODEL" for another layout, e.g. "2 1 2" on 4 GPUs)
 source bench/prelude.sh "$1"
 steps="${STEPS:-10}"
-[ "$gpus" -ge 8 ] || { echo "needs 8 GPUs, this machine has $gpus"; exit 2; }
-CUDA_VISIBLE_DEVICES=0 timeout "${RUN_TIMEOUT:-500}" .gpu/bin/dist-worker llama-ref-gpu "$steps" \
+read -r pipe data model <<< "${GRID:-2 2 2}"
+n=$((pipe * data * model))
+[ "$gpus" -ge "$n" ] || { echo "needs $n GPUs, this machine has $gpus"; exit 2; }
+CUDA_VISIBLE_DEVICES=0 timeout "${RUN_TIMEOUT:-500}" .gpu/bin/dist-worker llama-ref-gpu "$steps" $pipe $data $model \
   > /tmp/ref.out 2> "$out/3d-reference.log" &
 ref=$!
-timeout "${RUN_TIMEOUT:-500}" .gpu/bin/burn-zero run --nproc-per-node 8 --master-port 29870 \
-  -- .gpu/bin/dist-worker llama-3d-gpu "$steps" > /tmp/3d.out 2> "$out/3d-ranks.log"
+timeout "${RUN_TIMEOUT:-500}" .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port 29870 \
+  -- .gpu/bin/dist-worker llama-3d-gpu "$steps" $pipe $data $model > /tmp/3d.out 2> "$out/3d-ranks.log"
 echo "3d: exit $?"; wait $ref; echo "reference: exit $?"
 cat /tmp/3d.out /tmp/ref.out | grep -E "LOSSES|REFERENCE" | cut -c1-300
 grep -h "steps in" "$out/3d-ranks.log" | head -8
-python3 - "$kind" "$out/3d-$kind.json" <<'PY'
+python3 - "$kind" "$out/3d-$kind.json" $pipe $data $model <<'PY'
 import json, re, sys
 kind, path = sys.argv[1], sys.argv[2]
+pipe, data, model = map(int, sys.argv[3:6])
 def floats(s): return [float(v) for v in s.strip().strip("[]").split(",") if v.strip()]
 ranks = {}
 for line in open("/tmp/3d.out"):
@@ -30,11 +34,11 @@ for line in open("/tmp/ref.out"):
     if line.startswith("REFERENCE "): ref = floats(line[len("REFERENCE "):])
 result = {"device": kind, "commit": open(".gpu/commit").read().split(),
           "model": "SmolLM2-135M shape (30 layers, hidden 576, 9 heads, 3 kv heads, vocab 49152, tied), seeded",
-          "grid": {"pipe": 2, "data": 2, "model": 2}, "micro_batches": 4, "batch": 4, "seq": 256,
+          "grid": {"pipe": pipe, "data": data, "model": model}, "micro_batches": 4, "batch": 4, "seq": 256,
           "reference_1_gpu": ref, "last_stage_ranks_pipe_data_model": ranks}
 if ref and ranks:
     result["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for l in ranks.values() for a, b in zip(l, ref))
-    result["all_steps_reported"] = all(len(l) == len(ref) for l in ranks.values()) and len(ranks) == 4
+    result["all_steps_reported"] = all(len(l) == len(ref) for l in ranks.values()) and len(ranks) == data * model
 json.dump(result, open(path, "w"), indent=1)
 print(json.dumps({k: v for k, v in result.items() if k != "last_stage_ranks_pipe_data_model"}))
 PY

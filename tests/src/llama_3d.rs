@@ -178,13 +178,13 @@ pub fn tiny(tied: bool) -> Run3d {
 }
 
 /// The recipe's model (SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads, 3 key/value
-/// heads, vocabulary 49,152, tied embeddings) in 2 × 2 × 2, for 8 GPUs.
-pub fn smollm2(steps: usize) -> Run3d {
+/// heads, vocabulary 49,152, tied embeddings) in `grid` (2 × 2 × 2 on 8 GPUs).
+pub fn smollm2(steps: usize, grid: [usize; 3]) -> Run3d {
     Run3d {
         config: LlamaConfig::new(49152, 576, 1536, 30, 9, 3)
             .with_rope_theta(100000.0)
             .with_tie_embeddings(true),
-        grid: [2, 2, 2],
+        grid,
         micro: 4,
         batch: 4,
         seq: 256,

@@ -7,8 +7,11 @@
 //!                                    OVERLAP_COMM=0/1 overrides overlap_comm
 //!   dist-worker llama-3d tied|untied the tiny Llama in pipe 2 × data 2 × model 2 (8 ranks);
 //!                                    last-stage ranks print `LOSSES [pipe, data, model] [..]`
-//!   dist-worker llama-3d-gpu STEPS   the same with the recipe's model on `Cuda`, NCCL (nccl)
-//!   dist-worker llama-ref-gpu STEPS  its reference on one GPU: prints `REFERENCE [..]`
+//!   dist-worker llama-3d-gpu STEPS [PIPE DATA MODEL]
+//!                                    the same with the recipe's model on `Cuda`, NCCL (nccl),
+//!                                    in PIPE × DATA × MODEL (default 2 2 2)
+//!   dist-worker llama-ref-gpu STEPS [PIPE DATA MODEL]
+//!                                    its reference on one GPU: prints `REFERENCE [..]`
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
 //!                                    a collective; the others sleep until stopped
 
@@ -157,7 +160,8 @@ fn main() {
     #[cfg(feature = "nccl")]
     if let Some(mode @ ("llama-3d-gpu" | "llama-ref-gpu")) = args.first().map(String::as_str) {
         type G = ZeroAutodiff<burn::backend::Cuda>;
-        let run = llama_3d::smollm2(args.get(1).map_or(10, |s| s.parse().unwrap()));
+        let arg = |i: usize, default: usize| args.get(i).map_or(default, |s| s.parse().unwrap());
+        let run = llama_3d::smollm2(arg(1, 10), [arg(2, 2), arg(3, 2), arg(4, 2)]);
         if mode == "llama-ref-gpu" {
             let device = burn::backend::cuda::CudaDevice::new(0);
             println!("REFERENCE {:?}", run.reference::<G>(&device));
