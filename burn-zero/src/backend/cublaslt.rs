@@ -52,6 +52,9 @@ struct DeviceLt {
     handle: sys::cublasLtHandle_t,
     stream: Arc<CudaStream>,
     workspace: CudaSlice<u8>,
+    /// The workspace's address, taken once: only our stream uses it, and asking cudarc per
+    /// call records an event each time.
+    workspace_ptr: u64,
     /// Descriptors and algorithm per GEMM, keyed by the GEMM with its addresses cleared:
     /// creating them took ~10 µs of host time per call.
     plans: HashMap<Gemm, Plan>,
@@ -102,10 +105,14 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     let flags = flag_kernels::available(&stream)
         .inspect_err(|e| crate::log::warn(&format!("cuBLASLt calls will synchronize: {e}")))
         .is_ok();
+    // The event of this one access is recorded when `_sync` drops, right here.
+    let (workspace_ptr, _sync) = workspace.device_ptr(&stream);
+    drop(_sync);
     let d = Arc::new(Mutex::new(DeviceLt {
         handle,
         stream,
         workspace,
+        workspace_ptr,
         plans: HashMap::new(),
         flags,
         timings: Vec::new(),
@@ -361,7 +368,7 @@ pub(crate) unsafe fn run(
     };
     let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = lt_dev.stream.clone();
-    let (workspace, _sync) = lt_dev.workspace.device_ptr(&stream);
+    let workspace = lt_dev.workspace_ptr;
     let cu_stream = stream.cu_stream();
     let issue = |algo: &sys::cublasLtMatmulAlgo_t| {
         // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
@@ -413,7 +420,6 @@ pub(crate) unsafe fn run(
     let start = if profiling() { timed() } else { None };
     issue(&algo)?;
     let timing = start.zip(timed());
-    drop(_sync);
     if let Some(pair) = timing {
         lt_dev.timings.push(pair);
     }

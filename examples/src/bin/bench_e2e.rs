@@ -115,22 +115,30 @@ fn main() {
     let mut pools = vec![pool(&device, "initialize", rank)];
     let shape = (micro, seq, config.vocab_size);
     let (mut times, mut forward, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+    let mut host_calls: Vec<[f64; 3]> = Vec::new();
     engine.take_timings();
     for step in 0..steps {
         let batch = tokens(step, rank, shape, &device);
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
         let loss = engine.model().loss(batch);
+        // When each call returns, before any sync: how long the host takes to issue the work.
+        // Near the synced time, the host is what the GPU waits for.
+        let forward_call = start.elapsed().as_secs_f64();
         <Cuda as Backend>::sync(&device).expect("sync");
         let forward_s = start.elapsed().as_secs_f64();
         if step == 0 {
             pools.push(pool(&device, "the first forward", rank));
         }
+        let issued = Instant::now();
         engine.backward(loss.clone()).expect("backward");
+        let backward_call = issued.elapsed().as_secs_f64();
         if step == 0 {
             pools.push(pool(&device, "the first backward", rank));
         }
+        let issued = Instant::now();
         engine.step().expect("step");
+        let step_call = issued.elapsed().as_secs_f64();
         <Cuda as Backend>::sync(&device).expect("sync");
         let secs = start.elapsed().as_secs_f64();
         if step == 0 {
@@ -145,6 +153,7 @@ fn main() {
         if step >= 2 {
             times.push(secs);
             forward.push(forward_s);
+            host_calls.push([forward_call, backward_call, step_call]);
         }
         if step == 1 {
             engine.take_timings();
@@ -171,7 +180,14 @@ fn main() {
                 "breakdown_s": {"forward": forward.iter().sum::<f64>() / timed,
                     "backward": timings.backward.as_secs_f64() / timed,
                     "step": timings.step.as_secs_f64() / timed},
+                "host_call_s": {"forward": mean_of(&host_calls, 0),
+                    "backward": mean_of(&host_calls, 1), "step": mean_of(&host_calls, 2)},
                 "losses": losses, "memory_report": report.to_string(), "memory_pool": pools})
         );
     }
+}
+
+/// The mean of column `i` of `rows` (NaN when empty).
+fn mean_of(rows: &[[f64; 3]], i: usize) -> f64 {
+    rows.iter().map(|r| r[i]).sum::<f64>() / rows.len() as f64
 }
