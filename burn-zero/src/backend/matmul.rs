@@ -20,8 +20,8 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
 /// How `ZeroBackend` runs matmuls. Process-wide; `initialize` sets it from the config's
-/// `burn_zero.matmul` section; `BURN_ZERO_CUBLASLT=1` in the environment switches cuBLASLt on
-/// by default.
+/// `burn_zero.matmul` section; `BURN_ZERO_CUBLASLT=0` in the environment switches cuBLASLt off
+/// whatever the config says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatmulPolicy {
     /// Route eligible CUDA matmuls to cuBLASLt (off: always the inner backend).
@@ -35,9 +35,9 @@ pub struct MatmulPolicy {
 impl Default for MatmulPolicy {
     fn default() -> Self {
         Self {
-            // Off until the two streams are ordered without a host round trip per call: today
-            // cuBLASLt pays a synchronization each call (see the module doc).
-            cublaslt: std::env::var("BURN_ZERO_CUBLASLT").is_ok_and(|v| v == "1"),
+            // On: ordered by device flags and run in fusion's stream, a product costs the host
+            // no wait (see the module doc). `BURN_ZERO_CUBLASLT=0` keeps burn's matmul.
+            cublaslt: crate::log::env_switch_on!("BURN_ZERO_CUBLASLT"),
             allow_tf32: false,
             min_macs: 1 << 24,
         }

@@ -190,8 +190,8 @@ pub struct CpuAdamConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct MatmulConfig {
-    /// `cublaslt`: run eligible CUDA matmuls through cuBLASLt (default false: each call still
-    /// synchronizes the compute stream; `BURN_ZERO_CUBLASLT=1` also switches it on).
+    /// `cublaslt`: run eligible CUDA matmuls through cuBLASLt (default true;
+    /// `BURN_ZERO_CUBLASLT=0` switches it off).
     pub cublaslt: bool,
     /// `allow_tf32`: let f32 matmuls use TF32 tensor cores in cuBLASLt (default false).
     pub allow_tf32: bool,
@@ -202,7 +202,7 @@ pub struct MatmulConfig {
 impl Default for MatmulConfig {
     fn default() -> Self {
         Self {
-            cublaslt: false,
+            cublaslt: true,
             allow_tf32: false,
             min_macs: 1 << 24,
         }

@@ -20,7 +20,7 @@ use super::{
 use crate::ZeroTensor;
 use crate::backend::hooks;
 use crate::backend::install_gatherer;
-use crate::backend::matmul::{MatmulPolicy, matmul_policy, set_matmul_policy};
+use crate::backend::matmul::{MatmulPolicy, set_matmul_policy};
 use crate::comm::{BufMut, Communicator};
 use crate::config::DeepSpeedConfig;
 use crate::config::OffloadDevice;
@@ -54,7 +54,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     }
     let matmul = &resolved.config.burn_zero.matmul;
     set_matmul_policy(MatmulPolicy {
-        cublaslt: matmul.cublaslt || matmul_policy().cublaslt,
+        cublaslt: matmul.cublaslt && MatmulPolicy::default().cublaslt,
         allow_tf32: matmul.allow_tf32,
         min_macs: matmul.min_macs,
     });
