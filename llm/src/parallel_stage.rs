@@ -7,7 +7,7 @@
 
 use core::ops::Range;
 
-use burn::module::{Module, Param, ParamId};
+use burn::module::{Module, ParamId};
 use burn::nn::RmsNorm;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Tensor};
@@ -18,7 +18,7 @@ use burn_pipeline::tensor_parallel::{
 
 use crate::model::{Llama, Rope};
 use crate::parallel::{ParallelBlock, check};
-use crate::pipeline::stage_layers;
+use crate::pipeline::{TiedOutput, stage_layers};
 
 /// Layers `layers` of a [`Llama`], sliced over a model group, as one pipeline stage.
 #[derive(Module, Debug)]
@@ -28,13 +28,9 @@ pub struct ParallelLlamaStage<B: Backend> {
     norm: Option<RmsNorm<B>>,
     /// An untied output projection's vocabulary columns.
     head: Option<ColumnParallelLinear<B>>,
-    /// The last stage's copy of this rank's rows of a tied embedding; the executor sums its
-    /// gradient with the first stage's (same model rank, same rows).
-    tied_head: Option<Param<Tensor<B, 2>>>,
-    /// Tied, and one stage only: the output projection is the embedding's own rows.
-    tied_here: bool,
-    /// Tied, and this is the first of several stages.
-    shares_embedding: bool,
+    /// This rank's rows of a tied embedding as the output projection (the last stage's copy is
+    /// summed with the first stage's rows of the same model rank).
+    tied: TiedOutput<B>,
     /// The first vocabulary id of this rank's slice (of the embedding and of the logits).
     vocab_start: usize,
     head_dim: usize,
@@ -64,10 +60,7 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
         // The embedding's rows of this rank: the first stage's lookup table, and on the last
         // stage of a tied model the output projection's columns.
         let rows = VocabParallelEmbedding::from_embedding(&model.embed, &group);
-        let tied_head = (tied && last && n > 1).then(|| {
-            let require_grad = model.embed.weight.val().is_require_grad();
-            Param::from_tensor(rows.weight.val().detach().set_require_grad(require_grad))
-        });
+        let tied = TiedOutput::new(tied, stage, n, rows.weight.val());
         Ok(Self {
             vocab_start: rows.vocab_start,
             embed: first.then_some(rows),
@@ -80,9 +73,7 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
                 (true, Some(head)) => Some(ColumnParallelLinear::from_linear(head, &group)),
                 _ => None,
             },
-            tied_head,
-            tied_here: tied && n == 1,
-            shares_embedding: tied && first && n > 1,
+            tied,
             head_dim: model.embed.weight.dims()[1] / heads,
             rope_theta: model.rope_theta(),
             seq,
@@ -121,12 +112,12 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
             h = norm.forward(h);
         }
         let transposed = |w: Tensor<B, 2>| w.transpose().unsqueeze::<3>();
-        let h = match (&self.head, &self.tied_head, &self.embed) {
-            (Some(head), _, _) => head.forward(h, group),
-            (None, Some(w), _) => copy_to_group(h, group).matmul(transposed(w.val())),
-            (None, None, Some(embed)) if self.tied_here => {
-                copy_to_group(h, group).matmul(transposed(embed.weight.val()))
-            }
+        let h = match (
+            &self.head,
+            self.tied.weight(self.embed.as_ref().map(|e| &e.weight)),
+        ) {
+            (Some(head), _) => head.forward(h, group),
+            (None, Some(w)) => copy_to_group(h, group).matmul(transposed(w)),
             _ => h,
         };
         let width = h.dims()[2];
@@ -140,10 +131,6 @@ impl<B: AutodiffBackend + ModelParallelBackend> PipeStage<B> for ParallelLlamaSt
     }
 
     fn tied(&self) -> Option<ParamId> {
-        match (&self.embed, &self.tied_head) {
-            (Some(embed), _) if self.shares_embedding => Some(embed.weight.id),
-            (_, Some(w)) => Some(w.id),
-            _ => None,
-        }
+        self.tied.shared(self.embed.as_ref().map(|e| &e.weight))
     }
 }

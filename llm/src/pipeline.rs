@@ -21,13 +21,7 @@ pub struct LlamaStage<B: Backend> {
     blocks: Vec<Block<B>>,
     norm: Option<RmsNorm<B>>,
     head: Option<Linear<B>>,
-    /// The last stage's copy of a tied embedding (the output projection's weight, transposed);
-    /// the executor sums its gradient with the first stage's embedding's.
-    tied_head: Option<Param<Tensor<B, 2>>>,
-    /// Tied, and one stage only: the output projection is the embedding's own weight.
-    tied_here: bool,
-    /// Tied, and this is the first of several stages: the embedding is shared with the last.
-    shares_embedding: bool,
+    tied: TiedOutput<B>,
     num_heads: usize,
     num_kv_heads: usize,
     rope_theta: f64,
@@ -55,13 +49,7 @@ impl<B: Backend> LlamaStage<B> {
             blocks: model.blocks[layers].to_vec(),
             norm: last.then(|| model.norm.clone()),
             head: if last { model.lm_head.clone() } else { None },
-            tied_head: (tied && last && stages > 1).then(|| {
-                let w = model.embed.weight.val();
-                let require_grad = w.is_require_grad();
-                Param::from_tensor(w.detach().set_require_grad(require_grad))
-            }),
-            tied_here: tied && stages == 1,
-            shares_embedding: tied && first && stages > 1,
+            tied: TiedOutput::new(tied, stage, stages, model.embed.weight.val()),
             num_heads: model.num_heads(),
             num_kv_heads: model.num_kv_heads(),
             rope_theta: model.rope_theta(),
@@ -91,10 +79,12 @@ impl<B: Backend> LlamaStage<B> {
             h = norm.forward(h);
         }
         let transposed = |w: Tensor<B, 2>| w.transpose().unsqueeze::<3>();
-        let h = match (&self.head, &self.tied_head, &self.embed) {
-            (Some(head), _, _) => head.forward(h),
-            (None, Some(w), _) => h.matmul(transposed(w.val())),
-            (None, None, Some(embed)) if self.tied_here => h.matmul(transposed(embed.weight.val())),
+        let h = match (
+            &self.head,
+            self.tied.weight(self.embed.as_ref().map(|e| &e.weight)),
+        ) {
+            (Some(head), _) => head.forward(h),
+            (None, Some(w)) => h.matmul(transposed(w)),
             _ => h,
         };
         let width = h.dims()[2];
@@ -108,8 +98,52 @@ impl<B: AutodiffBackend> PipeStage<B> for LlamaStage<B> {
     }
 
     fn tied(&self) -> Option<ParamId> {
-        match (&self.embed, &self.tied_head) {
-            (Some(embed), _) if self.shares_embedding => Some(embed.weight.id),
+        self.tied.shared(self.embed.as_ref().map(|e| &e.weight))
+    }
+}
+
+/// A tied embedding's part in a stage's output projection: on the last of several stages a
+/// copy of the embedding's rows (the executor sums its gradient with the first stage's), on a
+/// single stage the embedding itself. Shared by [`LlamaStage`] and the sliced stage.
+#[derive(Module, Debug)]
+pub struct TiedOutput<B: Backend> {
+    /// The last stage's copy of the tied rows (the output projection's weight, transposed).
+    copy: Option<Param<Tensor<B, 2>>>,
+    /// Tied, and one stage only: the output projection is the embedding's own weight.
+    here: bool,
+    /// Tied, and this is the first of several stages: the embedding is shared with the last.
+    shares: bool,
+}
+
+impl<B: Backend> TiedOutput<B> {
+    /// For stage `stage` of `stages` of a model tied or not; `rows` are the embedding rows
+    /// this rank holds (the copy keeps their `require_grad`).
+    pub(crate) fn new(tied: bool, stage: usize, stages: usize, rows: Tensor<B, 2>) -> Self {
+        let last = stage + 1 == stages;
+        Self {
+            copy: (tied && last && stages > 1).then(|| {
+                let require_grad = rows.is_require_grad();
+                Param::from_tensor(rows.detach().set_require_grad(require_grad))
+            }),
+            here: tied && stages == 1,
+            shares: tied && stage == 0 && stages > 1,
+        }
+    }
+
+    /// The tied output projection's weight on this stage (`[rows, hidden]`), if it has one;
+    /// `embed` is the stage's embedding, if it holds one.
+    pub(crate) fn weight(&self, embed: Option<&Param<Tensor<B, 2>>>) -> Option<Tensor<B, 2>> {
+        match (&self.copy, embed) {
+            (Some(w), _) => Some(w.val()),
+            (None, Some(e)) if self.here => Some(e.val()),
+            _ => None,
+        }
+    }
+
+    /// The matrix this stage shares with the other end of the pipeline ([`PipeStage::tied`]).
+    pub(crate) fn shared(&self, embed: Option<&Param<Tensor<B, 2>>>) -> Option<ParamId> {
+        match (embed, &self.copy) {
+            (Some(e), _) if self.shares => Some(e.id),
             (_, Some(w)) => Some(w.id),
             _ => None,
         }
