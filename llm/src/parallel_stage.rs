@@ -55,12 +55,11 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
         let layers = stage_layers(stages, stage, model.blocks.len())?;
         let n = stages.len();
         let (first, last) = (stage == 0, stage + 1 == n);
-        let tied = model.lm_head.is_none();
         let (heads, kv_heads) = (model.num_heads(), model.num_kv_heads());
         // The embedding's rows of this rank: the first stage's lookup table, and on the last
         // stage of a tied model the output projection's columns.
         let rows = VocabParallelEmbedding::from_embedding(&model.embed, &group);
-        let tied = TiedOutput::new(tied, stage, n, rows.weight.val());
+        let tied = TiedOutput::new(model.lm_head.is_none(), stage, n, rows.weight.val());
         Ok(Self {
             vocab_start: rows.vocab_start,
             embed: first.then_some(rows),
@@ -84,11 +83,6 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
     /// The first vocabulary id of this rank's logit columns.
     pub fn vocab_start(&self) -> usize {
         self.vocab_start
-    }
-
-    /// The model-parallel group this stage is sliced over.
-    pub fn group(&self) -> &ModelGroup {
-        &self.group
     }
 
     /// This stage's layers on `x` (see the module doc for the shapes).

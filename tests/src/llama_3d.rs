@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_pipeline::{
     ModelGroup, ModelParallelBackend, Replicated, Schedule, SplitMethod, StageSpec, Topology,
     run_step, split, vocab_parallel_cross_entropy,
@@ -27,7 +27,7 @@ pub struct Run3d {
     pub config: LlamaConfig,
     /// pipe × data × model.
     pub grid: [usize; 3],
-    /// Micro-batches per step and data shard, sequences per micro-batch, tokens per sequence.
+    /// Micro-batches per step and data shard.
     pub micro: usize,
     /// Sequences per micro-batch.
     pub batch: usize,
@@ -71,7 +71,7 @@ impl Run3d {
         let mut losses = Vec::new();
         for step in 0..self.steps {
             let loss = model.loss(self.tokens(step, device));
-            losses.push(scalar(loss.clone()));
+            losses.push(loss.clone().into_scalar().elem::<f32>());
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(self.lr, model, grads);
         }
@@ -94,7 +94,7 @@ impl Run3d {
         let axis = |name| topo.axis_comm(world.clone(), name);
         let (pipe, data) = (axis("pipe")?, axis("data")?);
         let group = ModelGroup::new(Arc::new(axis("model")?));
-        // Layers balanced by parameters, as the recipe splits them.
+        // The decoder layers are alike: balanced by parameters is balanced by count.
         let weights = vec![1; self.config.num_layers];
         let layers = split(&weights, pipes, SplitMethod::Balanced);
         let full = self.model::<B>(device);
@@ -156,10 +156,6 @@ fn mean_over(comm: &dyn Communicator, value: f32) -> Result<f32, CommError> {
     let mut v = [value];
     comm.all_reduce(v.as_mut_slice().into(), ReduceOp::Avg)?;
     Ok(v[0])
-}
-
-fn scalar<B: Backend>(t: Tensor<B, 1>) -> f32 {
-    t.into_data().convert::<f32>().to_vec::<f32>().expect("f32")[0]
 }
 
 /// The CPU case of `tests/llama_3d.rs`: 2 × 2 × 2 on a tiny Llama whose shapes the model axis
