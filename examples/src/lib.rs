@@ -2,6 +2,8 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+#[cfg(feature = "host-profile")]
+pub mod host_profile;
 pub mod plot;
 
 use burn::module::{Module, ModuleMapper, Param};

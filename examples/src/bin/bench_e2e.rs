@@ -5,6 +5,8 @@
 //!   burn-zero run --nproc-per-node N -- bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ]
 //! SIZE is `125m`, `1b` or `3b` (Llama-3.2 shapes for 1b and 3b). Rank 0 prints one JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown and the losses.
+//! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
+//! over the timed steps and writes the summary to FILE (see `host_profile`).
 
 use std::time::Instant;
 
@@ -117,6 +119,7 @@ fn main() {
     let (mut times, mut forward, mut losses) = (Vec::new(), Vec::new(), Vec::new());
     let mut host_calls: Vec<[f64; 3]> = Vec::new();
     engine.take_timings();
+    let mut host_profile = HostProfileRun::from_env(rank);
     for step in 0..steps {
         let batch = tokens(step, rank, shape, &device);
         <Cuda as Backend>::sync(&device).expect("sync");
@@ -157,8 +160,10 @@ fn main() {
         }
         if step == 1 {
             engine.take_timings();
+            host_profile.start();
         }
     }
+    host_profile.finish();
     let timings = engine.take_timings();
     pools.push(pool(&device, "the last step", rank));
     let timed = times.len().max(1) as f64;
@@ -184,6 +189,44 @@ fn main() {
                     "backward": mean_of(&host_calls, 1), "step": mean_of(&host_calls, 2)},
                 "losses": losses, "memory_report": report.to_string(), "memory_pool": pools})
         );
+    }
+}
+
+/// `E2E_HOST_PROFILE=FILE` on rank 0: the host profile of the timed steps, written to FILE.
+struct HostProfileRun {
+    file: Option<String>,
+    #[cfg(feature = "host-profile")]
+    running: Option<burn_zero_examples::host_profile::HostProfile>,
+}
+
+impl HostProfileRun {
+    fn from_env(rank: usize) -> Self {
+        let file = std::env::var("E2E_HOST_PROFILE").ok().filter(|_| rank == 0);
+        if file.is_some() && !cfg!(feature = "host-profile") {
+            panic!("E2E_HOST_PROFILE needs bench-e2e built with feature `host-profile`");
+        }
+        Self {
+            file,
+            #[cfg(feature = "host-profile")]
+            running: None,
+        }
+    }
+
+    fn start(&mut self) {
+        #[cfg(feature = "host-profile")]
+        if self.file.is_some() {
+            self.running = Some(burn_zero_examples::host_profile::HostProfile::start(1999));
+        }
+    }
+
+    fn finish(self) {
+        #[cfg(feature = "host-profile")]
+        if let (Some(file), Some(profile)) = (self.file, self.running) {
+            profile
+                .write(std::path::Path::new(&file), 40)
+                .unwrap_or_else(|e| panic!("cannot write the host profile {file}: {e}"));
+            eprintln!("host profile written to {file}");
+        }
     }
 }
 
