@@ -15,6 +15,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_zero::DeepSpeedConfig;
+use burn_zero::backend::matmul::take_matmul_profile;
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::{ZeroAutodiff, initialize};
 use burn_zero_llm::data::synthetic_ids;
@@ -160,11 +161,15 @@ fn main() {
         }
         if step == 1 {
             engine.take_timings();
+            let _ = take_matmul_profile(env.local_rank);
             host_profile.start();
         }
     }
     host_profile.finish();
     let timings = engine.take_timings();
+    // cuBLASLt per timed step: calls, host µs per phase, GEMM GPU ms (the last only with
+    // BURN_ZERO_MATMUL_PROFILE=1).
+    let products = take_matmul_profile(env.local_rank);
     pools.push(pool(&device, "the last step", rank));
     let timed = times.len().max(1) as f64;
     let mut sorted = times.clone();
@@ -187,6 +192,9 @@ fn main() {
                     "step": timings.step.as_secs_f64() / timed},
                 "host_call_s": {"forward": mean_of(&host_calls, 0),
                     "backward": mean_of(&host_calls, 1), "step": mean_of(&host_calls, 2)},
+                "cublaslt_per_step": {"calls": products.calls as f64 / timed,
+                    "host_ms": products.host_us.iter().sum::<f64>() / timed / 1e3,
+                    "gemm_gpu_ms": products.gemm_gpu_us / timed / 1e3},
                 "losses": losses, "memory_report": report.to_string(), "memory_pool": pools})
         );
     }
