@@ -116,7 +116,9 @@ fn short_name(name: &str) -> String {
 /// The crate a demangled Rust name belongs to (`<burn_fusion::X as T>::f` → `burn_fusion`), or
 /// `other` for C symbols.
 fn crate_of(name: &str) -> String {
-    let path = name.trim_start_matches(['<', '_', '&']).trim_start_matches("mut ");
+    let path = name
+        .trim_start_matches(['<', '_', '&'])
+        .trim_start_matches("mut ");
     match path.find("::") {
         Some(i) if path[..i].chars().all(|c| c.is_alphanumeric() || c == '_') => {
             path[..i].to_string()
@@ -131,16 +133,26 @@ mod tests {
 
     #[test]
     fn names_lose_their_hash_and_know_their_crate() {
-        assert_eq!(short_name("burn_fusion::stream::execute::h0123abcd"), "burn_fusion::stream::execute");
+        assert_eq!(
+            short_name("burn_fusion::stream::execute::h0123abcd"),
+            "burn_fusion::stream::execute"
+        );
         assert_eq!(short_name("memcpy"), "memcpy");
-        assert_eq!(crate_of("<burn_fusion::Fusion<B> as burn_backend::Backend>::sync"), "burn_fusion");
+        assert_eq!(
+            crate_of("<burn_fusion::Fusion<B> as burn_backend::Backend>::sync"),
+            "burn_fusion"
+        );
         assert_eq!(crate_of("alloc::vec::Vec<T>::push"), "alloc");
         assert_eq!(crate_of("__memmove_avx_unaligned_erms"), "other");
     }
 
     #[test]
     fn largest_entries_come_first() {
-        let table = HashMap::from([("a".to_string(), 1), ("b".to_string(), 5), ("c".to_string(), 3)]);
+        let table = HashMap::from([
+            ("a".to_string(), 1),
+            ("b".to_string(), 5),
+            ("c".to_string(), 3),
+        ]);
         let names: Vec<String> = largest(&table, 2).into_iter().map(|(n, _)| n).collect();
         assert_eq!(names, ["b", "c"]);
     }

@@ -119,37 +119,45 @@ pub(crate) fn fused_from_cube(
         .expect("an init operation has one output")
 }
 
-/// The memory and layout of a cubecl CUDA tensor of f32, bf16 or f16 (one blocking call into
-/// cubecl, none when run on cubecl's own thread, inside `ComputeClient::exclusive`).
-pub(crate) fn view_of(cube: CubeTensor<CudaRuntime>) -> Option<CudaView> {
+/// The layout of a cubecl CUDA tensor of f32, bf16 or f16, its address left 0: what can be
+/// decided about a product without a call into cubecl.
+pub(crate) fn layout_of(cube: &CubeTensor<CudaRuntime>) -> Option<CudaView> {
     let dtype = match cube.dtype {
         BurnDType::F32 => DType::F32,
         BurnDType::BF16 => DType::Bf16,
         BurnDType::F16 => DType::F16,
         _ => return None,
     };
-    let shape: Vec<usize> = cube.meta.shape().iter().copied().collect();
-    let strides: Vec<usize> = cube.meta.strides().iter().copied().collect();
+    Some(CudaView {
+        ptr: 0,
+        shape: cube.meta.shape().iter().copied().collect(),
+        strides: cube.meta.strides().iter().copied().collect(),
+        dtype,
+        keep: cube.clone(),
+    })
+}
+
+/// The memory and layout of a cubecl CUDA tensor of f32, bf16 or f16 (one blocking call into
+/// cubecl, none when run on cubecl's own thread, inside `ComputeClient::exclusive` or a task
+/// queued there).
+pub(crate) fn view_of(cube: CubeTensor<CudaRuntime>) -> Option<CudaView> {
+    let mut view = layout_of(&cube)?;
     let resource = cube.client.get_resource(cube.handle.clone()).ok()?;
     let resource = resource.resource();
-    let span = shape
+    let span = view
+        .shape
         .iter()
-        .zip(&strides)
+        .zip(&view.strides)
         .map(|(d, s)| d.saturating_sub(1) * s)
         .sum::<usize>()
         + 1;
     assert!(
-        shape.contains(&0) || resource.size as usize >= span * cube.dtype.size(),
+        view.shape.contains(&0) || resource.size as usize >= span * cube.dtype.size(),
         "a CUDA tensor spanning {span} elements lies in {} bytes",
         resource.size
     );
-    Some(CudaView {
-        ptr: resource.ptr,
-        shape,
-        strides,
-        dtype,
-        keep: cube,
-    })
+    view.ptr = resource.ptr;
+    Some(view)
 }
 
 /// Makes every later allocation of exactly one of `sizes` bytes on `device` (when it is a CUDA

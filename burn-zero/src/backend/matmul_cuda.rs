@@ -14,13 +14,16 @@ use core::any::Any;
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::matmul::MatmulStrategy;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
+use cubecl::device::Device;
+use cubecl::device_handle::DeviceHandle;
 
 use super::matmul::{MatmulPolicy, PROFILE};
 use crate::backend::cublaslt::{self, Gemm, Operand};
 
-use crate::backend::cuda::{CudaView, cube_tensor, from_cube, view_of};
+use crate::backend::cuda::{CudaView, cube_tensor, from_cube, layout_of, view_of};
 use crate::backend::fused_op::{Fused, run_fused};
 use crate::backend::stream_order;
 
@@ -217,10 +220,8 @@ impl Declined {
     }
 }
 
-/// cuBLASLt's `a · b` on cubecl's thread (one blocking visit): output allocation, addresses,
-/// `raise` on burn's stream, the GEMM, `await_done`. Runs where cubecl's stream for the current
-/// [`StreamId`](cubecl::stream_id::StreamId) is the operands' (the caller's thread, or fusion's
-/// thread running an operation of that stream).
+/// cuBLASLt's `a · b`: queued on cubecl's thread when the stream ordering is available
+/// ([`gemm_queued`]), else one blocking visit there ([`gemm_visiting`]).
 fn gemm_on_cube(
     a: CubeTensor<CudaRuntime>,
     b: CubeTensor<CudaRuntime>,
@@ -230,23 +231,125 @@ fn gemm_on_cube(
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
     let ordinal = a.device.index;
     let ordered = !host_sync_forced() && cublaslt::supports_handshake(ordinal).unwrap_or(false);
+    if ordered && queued() {
+        gemm_queued(a, b, product, policy, clock)
+    } else {
+        gemm_visiting(a, b, product, policy, ordered, clock)
+    }
+}
+
+/// `BURN_ZERO_CUBLASLT_QUEUED=0` (read once): products visit cubecl's thread and wait for it,
+/// as before they were queued there, to compare the two.
+fn queued() -> bool {
+    crate::log::env_switch_on!("BURN_ZERO_CUBLASLT_QUEUED")
+}
+
+/// The contiguous output of `product` on `a`'s device, allocated through cubecl's client (no
+/// wait: the reservation is queued on cubecl's thread like a kernel).
+fn output_of(a: &CubeTensor<CudaRuntime>, product: &Product) -> CubeTensor<CudaRuntime> {
+    let mut shape = product.batch_dims.clone();
+    shape.extend([product.m, product.n]);
+    let bytes = shape.iter().product::<usize>() * a.dtype.size();
+    let client = a.client.clone();
+    let handle = client.empty(bytes);
+    CubeTensor::new_contiguous(client, a.device.clone(), shape.into(), handle, a.dtype)
+}
+
+/// cuBLASLt's `a · b` without waiting for cubecl's thread: the layout is checked and the output
+/// allocated here; a task queued on cubecl's thread, run in stream order after the kernels
+/// that write the operands were launched, takes the addresses, raises `ready` on burn's
+/// stream, runs the GEMM and makes burn's stream await it ([`run_queued`]).
+///
+/// Waiting for cubecl's thread stalls the caller behind every launch queued there (and behind
+/// the GPU whenever cubecl waits for it to recycle upload buffers); one step of a 1B model
+/// makes 339 products.
+fn gemm_queued(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    product: &Product,
+    policy: MatmulPolicy,
+    clock: &mut PhaseClock,
+) -> Result<CubeTensor<CudaRuntime>, Declined> {
+    let layouts = (layout_of(&a), layout_of(&b));
+    let (Some(la), Some(lb)) = layouts else {
+        return Err(Declined::Layout);
+    };
+    let out = output_of(&a, product);
+    let ld = layout_of(&out).ok_or(Declined::Layout)?;
+    if product.gemm(&la, &lb, &ld, policy.allow_tf32).is_none() {
+        return Err(Declined::Layout);
+    }
+    clock.lap(1);
+    let (product, result) = (product.clone(), out.clone());
+    let cubecl_thread = DeviceHandle::<CudaServer>::new(a.device.to_id());
+    cubecl_thread.submit(move |_| run_queued(a, b, result, &product, policy));
+    clock.lap(3);
+    Ok(out)
+}
+
+/// The queued half of [`gemm_queued`], on cubecl's thread. Should cuBLASLt fail there, burn's
+/// own matmul kernel writes the same output, so the call still returns the product.
+fn run_queued(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    out: CubeTensor<CudaRuntime>,
+    product: &Product,
+    policy: MatmulPolicy,
+) {
+    let ordinal = a.device.index;
+    let client = out.client.clone();
+    let ran = (|| {
+        let views = (view_of(a.clone()), view_of(b.clone()), view_of(out.clone()));
+        let (Some(va), Some(vb), Some(vd)) = views else {
+            return Err("no address for an operand".to_string());
+        };
+        let gemm = product
+            .gemm(&va, &vb, &vd, policy.allow_tf32)
+            .ok_or("the layout changed")?;
+        let handshake = stream_order::begin(&client, ordinal, stream_order::GEMM_CHANNEL)
+            .ok_or("the ordering flags")?;
+        // SAFETY: the views hold their memory until this task ends, after `end` ordered
+        // burn's later kernels behind the GEMM; the operands are complete once `ready` is
+        // raised (their kernels were launched before this task ran); the output has the
+        // extents described.
+        unsafe { cublaslt::run(ordinal, &gemm, Some(handshake)) }?;
+        stream_order::end(&client, ordinal, handshake);
+        Ok(())
+    })();
+    if let Err(e) = ran {
+        crate::log::warn(&format!(
+            "cuBLASLt failed, burn's matmul kernel computes the product instead: {e}"
+        ));
+        let dtype = out.dtype;
+        if let Err(e) =
+            burn_cubecl::kernel::matmul::matmul(a, b, Some(out), MatmulStrategy::Cube, dtype)
+        {
+            panic!("neither cuBLASLt nor burn's matmul kernel could compute a product: {e:?}");
+        }
+    }
+}
+
+/// cuBLASLt's `a · b` on cubecl's thread (one blocking visit): output allocation, addresses,
+/// `raise` on burn's stream, the GEMM, `await_done`; or, not `ordered`, after a device sync and
+/// to completion. Runs where cubecl's stream for the current
+/// [`StreamId`](cubecl::stream_id::StreamId) is the operands' (the caller's thread, or fusion's
+/// thread running an operation of that stream).
+fn gemm_visiting(
+    a: CubeTensor<CudaRuntime>,
+    b: CubeTensor<CudaRuntime>,
+    product: &Product,
+    policy: MatmulPolicy,
+    ordered: bool,
+    clock: &mut PhaseClock,
+) -> Result<CubeTensor<CudaRuntime>, Declined> {
+    let ordinal = a.device.index;
     let client = a.client.clone();
     if !ordered {
         cubecl::future::block_on(client.sync()).map_err(|e| Declined::Failed(format!("{e:?}")))?;
     }
     let outcome = client.exclusive(|| {
         // Allocated here, not through fusion: contiguous, and no extra round trip.
-        let mut shape = product.batch_dims.clone();
-        shape.extend([product.m, product.n]);
-        let bytes = shape.iter().product::<usize>() * a.dtype.size();
-        let (device, dtype) = (a.device.clone(), a.dtype);
-        let out = CubeTensor::new_contiguous(
-            client.clone(),
-            device,
-            shape.into(),
-            client.empty(bytes),
-            dtype,
-        );
+        let out = output_of(&a, product);
         let views = (view_of(a), view_of(b), view_of(out.clone()));
         let (Some(a), Some(b), Some(d)) = views else {
             return Err(Declined::Layout);
@@ -285,6 +388,8 @@ fn in_stream() -> bool {
 }
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+/// cubecl's CUDA server: the service its device thread runs.
+type CudaServer = <CudaRuntime as cubecl::Runtime>::Server;
 
 /// A product in fusion's stream: cuBLASLt, or burn's own matmul for a layout cuBLASLt cannot
 /// take or a failed call.
