@@ -121,6 +121,81 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     Ok(d)
 }
 
+impl Gemm {
+    /// The GEMM with its addresses cleared: the key of its [`Plan`].
+    fn without_addresses(&self) -> Gemm {
+        Gemm {
+            a: Operand { ptr: 0, ..self.a },
+            b: Operand { ptr: 0, ..self.b },
+            d: 0,
+            ..*self
+        }
+    }
+}
+
+impl DeviceLt {
+    /// The plan of `key` (a GEMM without addresses), made on first use.
+    fn plan(&mut self, key: &Gemm) -> Result<&mut Plan, String> {
+        let (handle, workspace_bytes) = (self.handle, self.workspace.len());
+        Ok(match self.plans.entry(*key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Plan::new(handle, workspace_bytes, key)?)
+            }
+        })
+    }
+}
+
+/// Makes the plan of `gemm`'s shape on GPU `ordinal` (its addresses are ignored), so that a
+/// shape cuBLASLt cannot take is refused here, where the caller can still fall back, and not
+/// inside a call queued for later.
+pub(crate) fn prepare(ordinal: usize, gemm: &Gemm) -> Result<(), String> {
+    let device = device(ordinal)?;
+    let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
+    let _ = lt_dev.stream.context().bind_to_thread();
+    lt_dev.plan(&gemm.without_addresses()).map(|_| ())
+}
+
+/// [`run`] with a handshake that burn's stream will await whatever happens: should the call
+/// fail, `done` is still raised (burn's stream goes on, the output is not written) and the
+/// error returned.
+///
+/// # Safety
+/// As for [`run`] with a handshake.
+pub(crate) unsafe fn run_or_release(
+    ordinal: usize,
+    gemm: &Gemm,
+    handshake: Handshake,
+) -> Result<(), String> {
+    // SAFETY: as the caller promised.
+    let Err(e) = (unsafe { run(ordinal, gemm, Some(handshake)) }) else {
+        return Ok(());
+    };
+    // SAFETY: as the caller promised.
+    if let Err(e2) = unsafe { release(ordinal, handshake) } {
+        panic!(
+            "a cuBLASLt call failed ({e}) and burn's stream, which awaits it, cannot go on: {e2}"
+        );
+    }
+    Err(e)
+}
+
+/// Raises `done` for `handshake` on our stream of GPU `ordinal` without a call, so that burn's
+/// stream, awaiting it, goes on.
+///
+/// # Safety
+/// `handshake.done` is a live u32 of that GPU.
+pub(crate) unsafe fn release(ordinal: usize, handshake: Handshake) -> Result<(), String> {
+    let device = device(ordinal)?;
+    let stream = device
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .stream
+        .clone();
+    // SAFETY: as the caller promised.
+    unsafe { flag_kernels::signal(&stream, handshake.done, handshake.seq) }
+}
+
 /// Whether calls on GPU `ordinal` can be ordered by a [`Handshake`] instead of a host wait.
 pub(crate) fn supports_handshake(ordinal: usize) -> Result<bool, String> {
     let device = device(ordinal)?;
@@ -346,20 +421,10 @@ pub(crate) unsafe fn run(
     let lt_dev = &mut *guard;
     let _ = lt_dev.stream.context().bind_to_thread();
     let g = gemm;
-    let key = Gemm {
-        a: Operand { ptr: 0, ..g.a },
-        b: Operand { ptr: 0, ..g.b },
-        d: 0,
-        ..*g
-    };
+    let key = g.without_addresses();
     let workspace_bytes = lt_dev.workspace.len();
     let handle = lt_dev.handle;
-    let plan = match lt_dev.plans.entry(key) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => {
-            v.insert(Plan::new(handle, workspace_bytes, &key)?)
-        }
-    };
+    let plan = lt_dev.plan(&key)?;
     let (desc, a, b, d, chosen) = (plan.desc.0, plan.a.0, plan.b.0, plan.d.0, plan.chosen);
     let candidates = if chosen.is_none() {
         plan.candidates.clone()

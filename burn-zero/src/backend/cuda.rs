@@ -16,6 +16,7 @@ use burn_fusion::{FusionTensor, NoOp};
 use burn_ir::{BackendIr, InitOperationIr, OperationIr};
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
+use cubecl::server::ComputeServer;
 use cubecl::stream_id::StreamId;
 
 use crate::backend::stream_order::{self, Handshake};
@@ -138,12 +139,26 @@ pub(crate) fn layout_of(cube: &CubeTensor<CudaRuntime>) -> Option<CudaView> {
 }
 
 /// The memory and layout of a cubecl CUDA tensor of f32, bf16 or f16 (one blocking call into
-/// cubecl, none when run on cubecl's own thread, inside `ComputeClient::exclusive` or a task
-/// queued there).
+/// cubecl, none when run on cubecl's own thread inside `ComputeClient::exclusive`).
 pub(crate) fn view_of(cube: CubeTensor<CudaRuntime>) -> Option<CudaView> {
-    let mut view = layout_of(&cube)?;
     let resource = cube.client.get_resource(cube.handle.clone()).ok()?;
     let resource = resource.resource();
+    with_address(layout_of(&cube)?, resource.ptr, resource.size)
+}
+
+/// [`view_of`] inside a task that holds cubecl's CUDA server on its thread, where a call through
+/// the client would re-enter the server and panic.
+pub(crate) fn view_on(server: &mut CudaServer, cube: &CubeTensor<CudaRuntime>) -> Option<CudaView> {
+    let binding = cube.handle.clone().binding();
+    let resource = server.get_resource(binding, StreamId::current()).ok()?;
+    let resource = resource.resource();
+    with_address(layout_of(cube)?, resource.ptr, resource.size)
+}
+
+/// cubecl's CUDA server: the service its device thread runs.
+pub(crate) type CudaServer = <CudaRuntime as cubecl::Runtime>::Server;
+
+fn with_address(mut view: CudaView, ptr: u64, size: u64) -> Option<CudaView> {
     let span = view
         .shape
         .iter()
@@ -151,12 +166,12 @@ pub(crate) fn view_of(cube: CubeTensor<CudaRuntime>) -> Option<CudaView> {
         .map(|(d, s)| d.saturating_sub(1) * s)
         .sum::<usize>()
         + 1;
+    let bytes = span * view.keep.dtype.size();
     assert!(
-        view.shape.contains(&0) || resource.size as usize >= span * cube.dtype.size(),
-        "a CUDA tensor spanning {span} elements lies in {} bytes",
-        resource.size
+        view.shape.contains(&0) || size as usize >= bytes,
+        "a CUDA tensor spanning {span} elements lies in {size} bytes"
     );
-    view.ptr = resource.ptr;
+    view.ptr = ptr;
     Some(view)
 }
 

@@ -14,7 +14,6 @@ use core::any::Any;
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn_cubecl::CubeBackend;
-use burn_cubecl::kernel::matmul::MatmulStrategy;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl::device::Device;
@@ -23,9 +22,11 @@ use cubecl::device_handle::DeviceHandle;
 use super::matmul::{MatmulPolicy, PROFILE};
 use crate::backend::cublaslt::{self, Gemm, Operand};
 
-use crate::backend::cuda::{CudaView, cube_tensor, from_cube, layout_of, view_of};
+use crate::backend::cuda::{
+    CudaServer, CudaView, cube_tensor, from_cube, layout_of, view_of, view_on,
+};
 use crate::backend::fused_op::{Fused, run_fused};
-use crate::backend::stream_order;
+use crate::backend::stream_order::{self, Handshake};
 
 /// A matrix `rows × cols` with strides `(rs, cs)` as the column-major operand that yields
 /// its transpose (`cols × rows`) in cuBLASLt, or `None` if neither dim is unit-stride.
@@ -255,10 +256,12 @@ fn output_of(a: &CubeTensor<CudaRuntime>, product: &Product) -> CubeTensor<CudaR
     CubeTensor::new_contiguous(client, a.device.clone(), shape.into(), handle, a.dtype)
 }
 
-/// cuBLASLt's `a · b` without waiting for cubecl's thread: the layout is checked and the output
-/// allocated here; a task queued on cubecl's thread, run in stream order after the kernels
-/// that write the operands were launched, takes the addresses, raises `ready` on burn's
-/// stream, runs the GEMM and makes burn's stream await it ([`run_queued`]).
+/// cuBLASLt's `a · b` without waiting for cubecl's thread. Here: the layout is checked, the
+/// cuBLASLt plan made, the output allocated, and three items queued on cubecl's thread in
+/// burn's stream order: `raise` on burn's stream, a task that takes the addresses from cubecl's
+/// server and issues the GEMM on our stream ([`run_queued`]), `await_done` on burn's stream.
+/// None of them waits for the GPU; the GEMM is issued before anything on burn's stream spins
+/// for it.
 ///
 /// Waiting for cubecl's thread stalls the caller behind every launch queued there (and behind
 /// the GPU whenever cubecl waits for it to recycle upload buffers); one step of a 1B model
@@ -270,61 +273,77 @@ fn gemm_queued(
     policy: MatmulPolicy,
     clock: &mut PhaseClock,
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
-    let layouts = (layout_of(&a), layout_of(&b));
-    let (Some(la), Some(lb)) = layouts else {
+    if let Some(e) = queued_failure().as_ref() {
+        panic!(
+            "an earlier cuBLASLt product queued on cubecl's thread failed, so a tensor was not \
+             computed: {e} (BURN_ZERO_CUBLASLT_QUEUED=0 runs products as blocking visits, \
+             with a fallback to burn's kernel)"
+        );
+    }
+    let ordinal = a.device.index;
+    let (Some(la), Some(lb)) = (layout_of(&a), layout_of(&b)) else {
         return Err(Declined::Layout);
     };
     let out = output_of(&a, product);
     let ld = layout_of(&out).ok_or(Declined::Layout)?;
-    if product.gemm(&la, &lb, &ld, policy.allow_tf32).is_none() {
-        return Err(Declined::Layout);
-    }
+    let shape = product
+        .gemm(&la, &lb, &ld, policy.allow_tf32)
+        .ok_or(Declined::Layout)?;
+    cublaslt::prepare(ordinal, &shape).map_err(Declined::Failed)?;
     clock.lap(1);
+    let client = a.client.clone();
+    let handshake = stream_order::begin(&client, ordinal, stream_order::GEMM_CHANNEL)
+        .ok_or_else(|| Declined::Failed("the ordering flags".into()))?;
+    clock.lap(2);
     let (product, result) = (product.clone(), out.clone());
-    let cubecl_thread = DeviceHandle::<CudaServer>::new(a.device.to_id());
-    cubecl_thread.submit(move |_| run_queued(a, b, result, &product, policy));
+    DeviceHandle::<CudaServer>::new(a.device.to_id()).submit(move |server| {
+        if let Err(e) = run_queued(server, [a, b, result], &product, policy, handshake) {
+            crate::log::warn(&format!("a queued cuBLASLt product failed: {e}"));
+            queued_failure().get_or_insert(e);
+        }
+    });
+    stream_order::end(&client, ordinal, handshake);
     clock.lap(3);
     Ok(out)
 }
 
-/// The queued half of [`gemm_queued`], on cubecl's thread. Should cuBLASLt fail there, burn's
-/// own matmul kernel writes the same output, so the call still returns the product.
+/// The first failure of a queued product: the next product panics with it (the failed one's
+/// output was never written, and its caller has long returned).
+fn queued_failure() -> std::sync::MutexGuard<'static, Option<String>> {
+    static FAILURE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+    FAILURE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The queued task of [`gemm_queued`], on cubecl's thread holding its `server` (so cubecl is
+/// reached through the server, never the client): the operands' and output's addresses, then
+/// the GEMM on our stream between `ready` and `done`, or, failing, `done` alone.
 fn run_queued(
-    a: CubeTensor<CudaRuntime>,
-    b: CubeTensor<CudaRuntime>,
-    out: CubeTensor<CudaRuntime>,
+    server: &mut CudaServer,
+    [a, b, out]: [CubeTensor<CudaRuntime>; 3],
     product: &Product,
     policy: MatmulPolicy,
-) {
+    handshake: Handshake,
+) -> Result<(), String> {
     let ordinal = a.device.index;
-    let client = out.client.clone();
-    let ran = (|| {
-        let views = (view_of(a.clone()), view_of(b.clone()), view_of(out.clone()));
-        let (Some(va), Some(vb), Some(vd)) = views else {
-            return Err("no address for an operand".to_string());
-        };
-        let gemm = product
-            .gemm(&va, &vb, &vd, policy.allow_tf32)
-            .ok_or("the layout changed")?;
-        let handshake = stream_order::begin(&client, ordinal, stream_order::GEMM_CHANNEL)
-            .ok_or("the ordering flags")?;
-        // SAFETY: the views hold their memory until this task ends, after `end` ordered
-        // burn's later kernels behind the GEMM; the operands are complete once `ready` is
-        // raised (their kernels were launched before this task ran); the output has the
-        // extents described.
-        unsafe { cublaslt::run(ordinal, &gemm, Some(handshake)) }?;
-        stream_order::end(&client, ordinal, handshake);
-        Ok(())
-    })();
-    if let Err(e) = ran {
-        crate::log::warn(&format!(
-            "cuBLASLt failed, burn's matmul kernel computes the product instead: {e}"
-        ));
-        let dtype = out.dtype;
-        if let Err(e) =
-            burn_cubecl::kernel::matmul::matmul(a, b, Some(out), MatmulStrategy::Cube, dtype)
-        {
-            panic!("neither cuBLASLt nor burn's matmul kernel could compute a product: {e:?}");
+    let views = (
+        view_on(server, &a),
+        view_on(server, &b),
+        view_on(server, &out),
+    );
+    let gemm = match views {
+        (Some(va), Some(vb), Some(vd)) => product.gemm(&va, &vb, &vd, policy.allow_tf32),
+        _ => None,
+    };
+    match gemm {
+        // SAFETY: the views hold their memory until this task ends, by when `await_done` is
+        // the next item of burn's stream; the operands are complete once `ready` is raised
+        // (their kernels were launched before this task ran); the output has the extents
+        // described.
+        Some(gemm) => unsafe { cublaslt::run_or_release(ordinal, &gemm, handshake) },
+        None => {
+            // SAFETY: no call was issued; `done` belongs to the handshake's live flags.
+            unsafe { cublaslt::release(ordinal, handshake) }?;
+            Err("no address for an operand, or its layout changed".into())
         }
     }
 }
@@ -388,8 +407,6 @@ fn in_stream() -> bool {
 }
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
-/// cubecl's CUDA server: the service its device thread runs.
-type CudaServer = <CudaRuntime as cubecl::Runtime>::Server;
 
 /// A product in fusion's stream: cuBLASLt, or burn's own matmul for a layout cuBLASLt cannot
 /// take or a failed call.

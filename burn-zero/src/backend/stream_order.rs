@@ -22,9 +22,9 @@
 //! [`GEMM_CHANNEL`] for cuBLASLt, [`new_channel`] for each collective stream), so each pair's
 //! numbers grow in the order both streams see them.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -77,82 +77,85 @@ struct Flags {
     seq: u32,
 }
 
-thread_local! {
-    /// Per GPU ordinal, burn stream and channel, the flags. Only cubecl's thread touches them (inside
-    /// `ComputeClient::exclusive`), so a thread-local holds them all.
-    static FLAGS: RefCell<HashMap<(usize, StreamId, u64), Flags>> = RefCell::new(HashMap::new());
+/// Per GPU ordinal, burn stream and channel, the flags. Shared by every thread: a product may
+/// take its handshake on cubecl's thread (a visit) or on the thread queueing it there.
+fn flags() -> MutexGuard<'static, HashMap<(usize, StreamId, u64), Flags>> {
+    type All = HashMap<(usize, StreamId, u64), Flags>;
+    static FLAGS: LazyLock<Mutex<All>> = LazyLock::new(Default::default);
+    FLAGS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Step 1 on burn's stream of `client` (GPU `ordinal`) for the foreign stream of `channel`:
 /// returns the handshake for that stream.
 ///
-/// Call it on cubecl's thread (inside `ComputeClient::exclusive`), where the launch of `raise`
-/// reaches CUDA before this returns: queued in cubecl instead, it might reach CUDA after our
-/// stream's spinner started, and loading it could then wait for that spinner, which waits for
-/// it.
+/// The launch of `raise` must reach CUDA before our stream's spinner for it starts: loading it
+/// lazily could otherwise wait for that spinner, which waits for it. So call it on cubecl's
+/// thread (inside `ComputeClient::exclusive`), where the launch happens before this returns,
+/// or queue the spinner's work on cubecl's thread after it (as a queued product does).
+///
+/// The flags' lock is never held across a call into cubecl: cubecl's thread may be running a
+/// visit that takes it.
 pub(crate) fn begin(
     client: &ComputeClient<CudaRuntime>,
     ordinal: usize,
     channel: u64,
 ) -> Option<Handshake> {
-    FLAGS.with(|flags| {
-        let mut flags = flags.borrow_mut();
-        let entry = match flags.entry((ordinal, StreamId::current(), channel)) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                let handle = client.create_from_slice(u32::as_bytes(&[0, 0]));
-                let ptr = client.get_resource(handle.clone()).ok()?.resource().ptr;
-                // Load `await_done` before anything spins (see `cublaslt.rs` on lazy
-                // loading): `done` is 0, so this returns at once.
-                await_done::launch::<CudaRuntime>(
-                    client,
-                    CubeCount::Static(1, 1, 1),
-                    CubeDim::new_1d(1),
-                    // SAFETY: the handle holds exactly two u32.
-                    unsafe { ArrayArg::from_raw_parts(handle.clone(), 2) },
-                    0,
-                );
-                v.insert(Flags {
-                    handle,
-                    ptr,
-                    seq: 0,
-                })
-            }
-        };
+    let key = (ordinal, StreamId::current(), channel);
+    if !flags().contains_key(&key) {
+        let handle = client.create_from_slice(u32::as_bytes(&[0, 0]));
+        let ptr = client.get_resource(handle.clone()).ok()?.resource().ptr;
+        // Load `await_done` before anything spins (see `cublaslt.rs` on lazy loading): `done`
+        // is 0, so this returns at once.
+        launch_await_done(client, &handle, 0);
+        flags().entry(key).or_insert(Flags {
+            handle,
+            ptr,
+            seq: 0,
+        });
+    }
+    let (handle, handshake) = {
+        let mut all = flags();
+        let entry = all.get_mut(&key)?;
         // Skip 0, the flags' initial value.
         entry.seq = entry.seq.wrapping_add(1).max(1);
-        raise::launch::<CudaRuntime>(
-            client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(1),
-            // SAFETY: the handle holds exactly two u32.
-            unsafe { ArrayArg::from_raw_parts(entry.handle.clone(), 2) },
-            entry.seq,
-        );
-        Some(Handshake {
+        let handshake = Handshake {
             ready: entry.ptr + (READY * 4) as u64,
             done: entry.ptr + (DONE * 4) as u64,
             seq: entry.seq,
             channel,
-        })
-    })
+        };
+        (entry.handle.clone(), handshake)
+    };
+    raise::launch::<CudaRuntime>(
+        client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        // SAFETY: the handle holds exactly two u32.
+        unsafe { ArrayArg::from_raw_parts(handle, 2) },
+        handshake.seq,
+    );
+    Some(handshake)
 }
 
 /// Step 3 on burn's stream: later work waits until our stream's `done` reached the
-/// handshake's number. Call it on cubecl's thread, on the stream `begin` ran on.
+/// handshake's number. Call it on the stream `begin` ran on, after our stream's work for the
+/// handshake was issued.
 pub(crate) fn end(client: &ComputeClient<CudaRuntime>, ordinal: usize, handshake: Handshake) {
-    FLAGS.with(|flags| {
-        let flags = flags.borrow();
-        let entry = flags
-            .get(&(ordinal, StreamId::current(), handshake.channel))
-            .expect("begin ran on this stream");
-        await_done::launch::<CudaRuntime>(
-            client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(1),
-            // SAFETY: the handle holds exactly two u32.
-            unsafe { ArrayArg::from_raw_parts(entry.handle.clone(), 2) },
-            handshake.seq,
-        );
-    })
+    let handle = flags()
+        .get(&(ordinal, StreamId::current(), handshake.channel))
+        .expect("begin ran on this stream")
+        .handle
+        .clone();
+    launch_await_done(client, &handle, handshake.seq);
+}
+
+fn launch_await_done(client: &ComputeClient<CudaRuntime>, flags: &Handle, seq: u32) {
+    await_done::launch::<CudaRuntime>(
+        client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        // SAFETY: the handle holds exactly two u32.
+        unsafe { ArrayArg::from_raw_parts(flags.clone(), 2) },
+        seq,
+    );
 }

@@ -202,6 +202,7 @@ fn main() {
 
 /// `E2E_HOST_PROFILE=FILE` on rank 0: the host profile of the timed steps, written to FILE.
 struct HostProfileRun {
+    #[cfg(feature = "host-profile")]
     file: Option<String>,
     #[cfg(feature = "host-profile")]
     running: Option<burn_zero_examples::host_profile::HostProfile>,
@@ -214,6 +215,7 @@ impl HostProfileRun {
             panic!("E2E_HOST_PROFILE needs bench-e2e built with feature `host-profile`");
         }
         Self {
+            #[cfg(feature = "host-profile")]
             file,
             #[cfg(feature = "host-profile")]
             running: None,
