@@ -60,6 +60,8 @@ struct DeviceLt {
     plans: HashMap<Gemm, Plan>,
     /// Whether our side of the handshake can run (its kernels loaded).
     flags: bool,
+    /// The SMs cuBLASLt plans for (see [`sm_target`]); `None`: all.
+    sm_target: Option<i32>,
     /// With profiling on: events around each call's GEMM, read by [`take_gpu_ms`].
     timings: Vec<(CudaEvent, CudaEvent)>,
 }
@@ -108,6 +110,10 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     // The event of this one access is recorded when `_sync` drops, right here.
     let (workspace_ptr, _sync) = workspace.device_ptr(&stream);
     drop(_sync);
+    let sms = context
+        .attribute(driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| format!("{e:?}"))?;
+    let sm_target = flags.then(|| sm_target(sms)).flatten();
     let d = Arc::new(Mutex::new(DeviceLt {
         handle,
         stream,
@@ -115,6 +121,7 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
         workspace_ptr,
         plans: HashMap::new(),
         flags,
+        sm_target,
         timings: Vec::new(),
     }));
     all.insert(ordinal, d.clone());
@@ -137,10 +144,11 @@ impl DeviceLt {
     /// The plan of `key` (a GEMM without addresses), made on first use.
     fn plan(&mut self, key: &Gemm) -> Result<&mut Plan, String> {
         let (handle, workspace_bytes) = (self.handle, self.workspace.len());
+        let sm_target = self.sm_target;
         Ok(match self.plans.entry(*key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(Plan::new(handle, workspace_bytes, key)?)
+                v.insert(Plan::new(handle, workspace_bytes, sm_target, key)?)
             }
         })
     }
@@ -276,6 +284,7 @@ impl Plan {
     fn new(
         handle: sys::cublasLtHandle_t,
         workspace_bytes: usize,
+        sm_target: Option<i32>,
         g: &Gemm,
     ) -> Result<Self, String> {
         let (a_rows, a_cols) = if g.a.trans { (g.k, g.m) } else { (g.m, g.k) };
@@ -301,6 +310,18 @@ impl Plan {
             unsafe {
                 lt::set_matmul_desc_attribute(desc.0, attr, (&op) as *const _ as *const _, 4)
                     .map_err(err("transpose"))?;
+            }
+        }
+        if let Some(sms) = sm_target {
+            // SAFETY: an attribute of a live descriptor, an i32 as documented.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc.0,
+                    D::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                    (&sms) as *const i32 as *const _,
+                    4,
+                )
+                .map_err(err("SM count target"))?;
             }
         }
         let pref = lt::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
@@ -358,6 +379,25 @@ impl Plan {
 
 /// Whether new GEMM shapes time cuBLASLt's top heuristic choices on their first call and keep
 /// the fastest (default; `BURN_ZERO_CUBLASLT_TUNE=0` takes the first choice untimed).
+/// The SMs a GEMM may plan for on a GPU of `sms`: all but `BURN_ZERO_CUBLASLT_SM_MARGIN`
+/// (default 1; read once), or `None` for all of them.
+///
+/// While a handshake's GEMM runs, burn's stream holds one block spinning in `await_done`. On
+/// Hopper cuBLASLt's persistent kernels launch one block per SM, each needing a whole SM, and
+/// assign tiles to blocks up front: the block that finds no room starts only when another one
+/// has finished all its tiles, doubling the GEMM's time (measured: a 4096×2048×2048 bf16 GEMM
+/// took 98 µs of GPU time, torch's 47). Planned for one SM fewer, every block has room.
+fn sm_target(sms: i32) -> Option<i32> {
+    static MARGIN: OnceLock<i32> = OnceLock::new();
+    let margin = *MARGIN.get_or_init(|| {
+        std::env::var("BURN_ZERO_CUBLASLT_SM_MARGIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+    });
+    (margin > 0 && margin < sms).then_some(sms - margin)
+}
+
 fn tuning() -> bool {
     crate::log::env_switch_on!("BURN_ZERO_CUBLASLT_TUNE")
 }
