@@ -41,7 +41,8 @@ checks = [l["check"] for l in ours if "check" in l]
 ours_time = [l["time"] for l in ours if "time" in l]
 torch_time = [l["time"] for l in torch if "time" in l]
 for t in ours_time:
-    peer = next((p for p in torch_time if p["seq"] == t["seq"] and p["head_dim"] == t["head_dim"]), None)
+    same = lambda p: all(p.get(k) == t.get(k) for k in ("seq", "head_dim", "batch", "heads", "kv_heads"))
+    peer = next((p for p in torch_time if same(p)), None)
     if peer:
         t["torch_tflops"] = peer["tflops"]
         t["over_torch_throughput"] = t["tflops"] / peer["tflops"]

@@ -289,33 +289,48 @@ fn causal_flops(b: usize, h: usize, s: usize, d: usize) -> f64 {
     forward * 3.5
 }
 
-fn time(device: &Device, iterations: usize) {
+/// The timed sizes: 16k tokens per call at hidden 2048 (`kv_heads = heads`), then the
+/// end-to-end benchmark's 1B call (micro-batch 2 × 1024, 32 query and 8 K/V heads).
+fn time_cases() -> Vec<[usize; 5]> {
+    let mut cases = Vec::new();
     for seq in [1024usize, 4096, 8192] {
         for hd in [64usize, 128] {
             let (b, h) = (16384 / seq, 2048 / hd);
-            let shape = [b, h, seq, hd];
-            let median = fwd_bwd_seconds(device, shape, iterations, |q, k, v| {
-                flash_attention(q, k, v, true).expect("flash")
-            });
-            let flops = causal_flops(b, h, seq, hd);
-            println!(
-                "{}",
-                json!({"time": {"seq": seq, "head_dim": hd, "batch": b, "heads": h,
-                    "causal": true, "dtype": "bf16", "fwd_bwd_ms": median * 1e3,
-                    "tflops": flops / median / 1e12}})
-            );
+            cases.push([b, h, h, seq, hd]);
         }
+    }
+    cases.push([2, 32, 8, 1024, 64]);
+    cases
+}
+
+fn time(device: &Device, iterations: usize) {
+    for [b, h, kv, seq, hd] in time_cases() {
+        let median = fwd_bwd_seconds(device, [b, h, seq, hd], kv, iterations, |q, k, v| {
+            flash_attention(q, k, v, true).expect("flash")
+        });
+        let flops = causal_flops(b, h, seq, hd);
+        println!(
+            "{}",
+            json!({"time": {"seq": seq, "head_dim": hd, "batch": b, "heads": h,
+                "kv_heads": kv, "causal": true, "dtype": "bf16", "fwd_bwd_ms": median * 1e3,
+                "tflops": flops / median / 1e12}})
+        );
     }
 }
 
-/// Median seconds of forward + backward of `attend` over `iterations` (after one warm-up).
+/// Median seconds of forward + backward of `attend` over `iterations` (after one warm-up);
+/// queries of `shape`, keys and values with `kv_heads` heads.
 fn fwd_bwd_seconds(
     device: &Device,
     shape: [usize; 4],
+    kv_heads: usize,
     iterations: usize,
     attend: impl Fn(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) -> Tensor<B, 4>,
 ) -> f64 {
-    let inputs = [1, 2, 3].map(|seed| tensor(shape, seed, FloatDType::BF16, device));
+    let [b, _, seq, hd] = shape;
+    let kv_shape = [b, kv_heads, seq, hd];
+    let inputs = [(shape, 1), (kv_shape, 2), (kv_shape, 3)]
+        .map(|(shape, seed)| tensor(shape, seed, FloatDType::BF16, device));
     let g = tensor(shape, 4, FloatDType::BF16, device);
     let mut times = Vec::new();
     for i in 0..=iterations {
@@ -361,10 +376,10 @@ fn sparse(device: &Device, iterations: usize) {
                 mode,
             };
             let layout = SparseLayout::new(&config, seq).expect("layout");
-            let sparse_s = fwd_bwd_seconds(device, shape, iterations, |q, k, v| {
+            let sparse_s = fwd_bwd_seconds(device, shape, 16, iterations, |q, k, v| {
                 block_sparse_attention(q, k, v, &layout, causal).expect("flash")
             });
-            let dense_s = fwd_bwd_seconds(device, shape, iterations, |q, k, v| {
+            let dense_s = fwd_bwd_seconds(device, shape, 16, iterations, |q, k, v| {
                 flash_attention(q, k, v, causal).expect("flash")
             });
             println!(

@@ -9,10 +9,11 @@ mod kernel {
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::super::sparse::{block_kept, tile_kept};
+    use super::super::super::sparse::block_kept;
     use super::super::tiles::{
-        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, padded, scores_of,
-        scores_of_frags, stage, stage_stat, write_rows, zero_accs,
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, load_rows, load_stat,
+        next_tile, padded, prefetch, scores_of, scores_of_frags, stage, store_rows, store_stat,
+        tile_registers, write_rows, zero_accs,
     };
 
     /// `dq` on tensor cores (arguments as `flash_dq_kernel`'s): cube `(x, y)` holds query
@@ -116,69 +117,80 @@ mod kernel {
         if !live {
             limit = 0;
         }
-        let mut start = 0;
+        // K/V tiles pass through registers, loaded a tile ahead with `prefetch` (as the
+        // forward).
+        let pre = comptime!(prefetch(head_dim));
+        let mut kh = tile_registers::<F, N>(k_vectors, KEYS, head_dim);
+        let mut vh = tile_registers::<F, N>(v_vectors, KEYS, head_dim);
+        let mut start = next_tile(
+            layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
+        );
+        if pre && start < kv_end {
+            load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
+            load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
+        }
         while start < kv_end {
-            let last_key = last_of(start, KEYS, seq_k);
-            if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
-                stage::<F, N>(
-                    k,
-                    k_vectors,
-                    k_at,
-                    start,
-                    seq_k,
-                    &mut k_tile,
-                    KEYS,
-                    head_dim,
-                    ds,
-                );
-                stage::<F, N>(
-                    v,
-                    v_vectors,
-                    v_at,
-                    start,
-                    seq_k,
-                    &mut v_tile,
-                    KEYS,
-                    head_dim,
-                    ds,
-                );
-                sync_cube();
-                scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
-                sync_plane();
-                #[unroll]
-                for j in 0..HALF {
-                    let key = start + 2 * j + half;
-                    let mut p = 0.0f32;
-                    if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
-                        p = f32::exp(s_tile[s_row + 2 * j] * scale - row_lse);
-                    }
-                    probs[j] = p;
-                }
-                // dP goes where S was: this unit's probabilities wait in registers.
-                sync_plane();
-                scores_of_frags::<F>(&gf, &v_tile, &mut s_tile, plane, dt, ds);
-                sync_plane();
-                #[unroll]
-                for j in 0..HALF {
-                    let d = probs[j] * (s_tile[s_row + 2 * j] - row_delta);
-                    ds_tile[p_row + 2 * j] = F::cast_from(d);
-                }
-                sync_plane();
-                accumulate::<F>(&acc, &ds_tile, &k_tile, plane, dt, ds);
-                sync_cube();
+            if !pre {
+                load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
+                load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
             }
-            start += KEYS;
+            store_rows::<F, N>(&kh, &mut k_tile, KEYS, head_dim, ds);
+            store_rows::<F, N>(&vh, &mut v_tile, KEYS, head_dim, ds);
+            sync_cube();
+            let next = next_tile(
+                layout,
+                h,
+                block,
+                first_row,
+                last_row,
+                start + KEYS,
+                kv_end,
+                seq_k,
+                sparse,
+                false,
+            );
+            if pre && next < kv_end {
+                load_rows::<F, N>(k, k_vectors, k_at, next, seq_k, &mut kh, KEYS, head_dim);
+                load_rows::<F, N>(v, v_vectors, v_at, next, seq_k, &mut vh, KEYS, head_dim);
+            }
+            scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let key = start + 2 * j + half;
+                let mut p = 0.0f32;
+                if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
+                    p = f32::exp(s_tile[s_row + 2 * j] * scale - row_lse);
+                }
+                probs[j] = p;
+            }
+            // dP goes where S was: this unit's probabilities wait in registers.
+            sync_plane();
+            scores_of_frags::<F>(&gf, &v_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let d = probs[j] * (s_tile[s_row + 2 * j] - row_delta);
+                ds_tile[p_row + 2 * j] = F::cast_from(d);
+            }
+            sync_plane();
+            accumulate::<F>(&acc, &ds_tile, &k_tile, plane, dt, ds);
+            sync_cube();
+            start = next;
         }
         let dq_at = b * dq.stride(0) + h * dq.stride(1) + row * dq.stride(2);
         write_rows::<F>(&acc, &mut s_tile, dq, dq_at, live, plane, lane, scale, dt);
     }
 
     /// `dk`, `dv` on tensor cores (arguments as `flash_dkdv_kernel`'s): cube `(x, y)` holds key
-    /// rows `64·x ..` of K/V head `y = b·kv_heads + hk` and walks the query tiles of every
-    /// query head reading it.
+    /// rows `64·x ..` of the K/V head that query head `y = b·heads + h` reads, walks that query
+    /// head's tiles and writes its share to head `h` of `dk`, `dv` (`[batch, heads, ..]`, of
+    /// element `O`). One cube per query head, not per K/V head: under grouped-query attention
+    /// the launch sums the group's shares after (a cube walking the whole group was the
+    /// backward's longest chain, 4× the forward's at Llama's 32/8 heads).
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
-    pub fn tc_dkdv_kernel<F: Float, N: Size>(
+    pub fn tc_dkdv_kernel<F: Float, O: Float, N: Size>(
         q: &Tensor<F>,
         q_vectors: &Tensor<Vector<F, N>>,
         k: &Tensor<F>,
@@ -189,25 +201,25 @@ mod kernel {
         d_out_vectors: &Tensor<Vector<F, N>>,
         lse: &Tensor<f32>,
         delta: &Tensor<f32>,
-        dk: &mut Tensor<F>,
-        dv: &mut Tensor<F>,
+        dk: &mut Tensor<O>,
+        dv: &mut Tensor<O>,
         layout: &Tensor<u32>,
         scale: f32,
         block: u32,
         #[comptime] causal: bool,
         #[comptime] sparse: bool,
         #[comptime] head_dim: usize,
-        #[define(F)] _dtype: StorageType,
+        #[define(F, O)] _dtypes: [StorageType; 2],
     ) {
         let dt = comptime!(head_dim / T);
         let ds = comptime!(padded(head_dim));
         let heads = q.shape(1);
-        let kv_heads = k.shape(1);
-        let group = heads / kv_heads;
+        let group = heads / k.shape(1);
         let seq_q = q.shape(2);
         let seq_k = k.shape(2);
-        let b = CUBE_POS_Y as usize / kv_heads;
-        let hk = CUBE_POS_Y as usize % kv_heads;
+        let b = CUBE_POS_Y as usize / heads;
+        let h = CUBE_POS_Y as usize % heads;
+        let hk = h / group;
         let plane = UNIT_POS as usize / PLANE;
         let lane = UNIT_POS as usize % PLANE;
         let half = lane % 2usize;
@@ -275,77 +287,114 @@ mod kernel {
             high = 0;
         }
         let a_at = plane * T * ds;
-        for g in 0..group {
-            let h = hk * group + g;
-            let q_at = b * q.stride(0) + h * q.stride(1);
-            let g_at = b * d_out.stride(0) + h * d_out.stride(1);
-            let lse_at = b * lse.stride(0) + h * lse.stride(1);
-            let delta_at = b * delta.stride(0) + h * delta.stride(1);
-            let mut start = first;
-            while start < seq_q {
-                let last_row = last_of(start, KEYS, seq_q);
-                if !sparse || tile_kept(layout, h, block, start, last_row, first_key, last_key) {
-                    stage::<F, N>(
-                        q,
-                        q_vectors,
-                        q_at,
-                        start,
-                        seq_q,
-                        &mut q_tile,
-                        KEYS,
-                        head_dim,
-                        ds,
-                    );
-                    stage::<F, N>(
-                        d_out,
-                        d_out_vectors,
-                        g_at,
-                        start,
-                        seq_q,
-                        &mut g_tile,
-                        KEYS,
-                        head_dim,
-                        ds,
-                    );
-                    stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
-                    stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
-                    sync_cube();
-                    // Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ in its place: rows are this plane's keys.
-                    scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
-                    sync_plane();
-                    #[unroll]
-                    for j in 0..HALF {
-                        let c = 2 * j + half;
-                        let qi = start + c;
-                        let mut p = 0.0f32;
-                        if qi >= low
-                            && qi < high
-                            && (!sparse || block_kept(layout, h, block, qi, key))
-                        {
-                            p = f32::exp(s_tile[s_row + 2 * j] * scale - lse_tile[c]);
-                        }
-                        probs[j] = p;
-                        p_tile[p_row + 2 * j] = F::cast_from(p);
-                    }
-                    sync_plane();
-                    scores_of::<F>(&v_tile, a_at, &g_tile, &mut s_tile, plane, dt, ds);
-                    sync_plane();
-                    #[unroll]
-                    for j in 0..HALF {
-                        let d = probs[j] * (s_tile[s_row + 2 * j] - delta_tile[2 * j + half]);
-                        ds_tile[p_row + 2 * j] = F::cast_from(d);
-                    }
-                    sync_plane();
-                    accumulate::<F>(&dv_acc, &p_tile, &g_tile, plane, dt, ds);
-                    accumulate::<F>(&dk_acc, &ds_tile, &q_tile, plane, dt, ds);
-                    sync_cube();
-                }
-                start += KEYS;
-            }
+        let q_at = b * q.stride(0) + h * q.stride(1);
+        let g_at = b * d_out.stride(0) + h * d_out.stride(1);
+        let lse_at = b * lse.stride(0) + h * lse.stride(1);
+        let delta_at = b * delta.stride(0) + h * delta.stride(1);
+        // Query and dO tiles, and their rows' statistics, pass through registers, loaded a tile
+        // ahead with `prefetch` (as the forward).
+        let pre = comptime!(prefetch(head_dim));
+        let mut qh = tile_registers::<F, N>(q_vectors, KEYS, head_dim);
+        let mut gh = tile_registers::<F, N>(d_out_vectors, KEYS, head_dim);
+        let mut lse_held = 0.0f32;
+        let mut delta_held = 0.0f32;
+        let mut start = next_tile(
+            layout, h, block, first_key, last_key, first, seq_q, seq_q, sparse, true,
+        );
+        if pre && start < seq_q {
+            load_rows::<F, N>(q, q_vectors, q_at, start, seq_q, &mut qh, KEYS, head_dim);
+            load_rows::<F, N>(
+                d_out,
+                d_out_vectors,
+                g_at,
+                start,
+                seq_q,
+                &mut gh,
+                KEYS,
+                head_dim,
+            );
+            lse_held = load_stat(lse, lse_at, start, seq_q, KEYS);
+            delta_held = load_stat(delta, delta_at, start, seq_q, KEYS);
         }
-        let dk_at = b * dk.stride(0) + hk * dk.stride(1) + key * dk.stride(2);
-        let dv_at = b * dv.stride(0) + hk * dv.stride(1) + key * dv.stride(2);
-        write_rows::<F>(
+        while start < seq_q {
+            if !pre {
+                load_rows::<F, N>(q, q_vectors, q_at, start, seq_q, &mut qh, KEYS, head_dim);
+                load_rows::<F, N>(
+                    d_out,
+                    d_out_vectors,
+                    g_at,
+                    start,
+                    seq_q,
+                    &mut gh,
+                    KEYS,
+                    head_dim,
+                );
+                lse_held = load_stat(lse, lse_at, start, seq_q, KEYS);
+                delta_held = load_stat(delta, delta_at, start, seq_q, KEYS);
+            }
+            store_rows::<F, N>(&qh, &mut q_tile, KEYS, head_dim, ds);
+            store_rows::<F, N>(&gh, &mut g_tile, KEYS, head_dim, ds);
+            store_stat(lse_held, &mut lse_tile, KEYS);
+            store_stat(delta_held, &mut delta_tile, KEYS);
+            sync_cube();
+            let next = next_tile(
+                layout,
+                h,
+                block,
+                first_key,
+                last_key,
+                start + KEYS,
+                seq_q,
+                seq_q,
+                sparse,
+                true,
+            );
+            if pre && next < seq_q {
+                load_rows::<F, N>(q, q_vectors, q_at, next, seq_q, &mut qh, KEYS, head_dim);
+                load_rows::<F, N>(
+                    d_out,
+                    d_out_vectors,
+                    g_at,
+                    next,
+                    seq_q,
+                    &mut gh,
+                    KEYS,
+                    head_dim,
+                );
+                lse_held = load_stat(lse, lse_at, next, seq_q, KEYS);
+                delta_held = load_stat(delta, delta_at, next, seq_q, KEYS);
+            }
+            // Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ in its place: rows are this plane's keys.
+            scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let c = 2 * j + half;
+                let qi = start + c;
+                let mut p = 0.0f32;
+                if qi >= low && qi < high && (!sparse || block_kept(layout, h, block, qi, key)) {
+                    p = f32::exp(s_tile[s_row + 2 * j] * scale - lse_tile[c]);
+                }
+                probs[j] = p;
+                p_tile[p_row + 2 * j] = F::cast_from(p);
+            }
+            sync_plane();
+            scores_of::<F>(&v_tile, a_at, &g_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let d = probs[j] * (s_tile[s_row + 2 * j] - delta_tile[2 * j + half]);
+                ds_tile[p_row + 2 * j] = F::cast_from(d);
+            }
+            sync_plane();
+            accumulate::<F>(&dv_acc, &p_tile, &g_tile, plane, dt, ds);
+            accumulate::<F>(&dk_acc, &ds_tile, &q_tile, plane, dt, ds);
+            sync_cube();
+            start = next;
+        }
+        let dk_at = b * dk.stride(0) + h * dk.stride(1) + key * dk.stride(2);
+        let dv_at = b * dv.stride(0) + h * dv.stride(1) + key * dv.stride(2);
+        write_rows::<O>(
             &dk_acc,
             &mut s_tile,
             dk,
@@ -356,7 +405,7 @@ mod kernel {
             scale,
             dt,
         );
-        write_rows::<F>(&dv_acc, &mut s_tile, dv, dv_at, live, plane, lane, 1.0, dt);
+        write_rows::<O>(&dv_acc, &mut s_tile, dv, dv_at, live, plane, lane, 1.0, dt);
     }
 }
 pub(crate) use kernel::{tc_dkdv_kernel, tc_dq_kernel};

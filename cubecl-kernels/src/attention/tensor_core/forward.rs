@@ -10,10 +10,11 @@ mod kernel {
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::super::sparse::{block_kept, tile_kept};
+    use super::super::super::sparse::block_kept;
     use super::super::tiles::{
-        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, padded, scale_rows,
-        scores_of_frags, stage, write_rows, zero_accs,
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, load_rows, next_tile,
+        padded, prefetch, scale_rows, scores_of_frags, stage, store_rows, tile_registers,
+        write_rows, zero_accs,
     };
     use super::SLACK;
 
@@ -103,72 +104,80 @@ mod kernel {
         if !live {
             limit = 0;
         }
-        let mut start = 0;
+        // K/V tiles pass through registers: with `prefetch`, the next tile's loads are issued
+        // before this tile's products, so their latency hides behind them.
+        let pre = comptime!(prefetch(head_dim));
+        let mut kh = tile_registers::<F, N>(k_vectors, KEYS, head_dim);
+        let mut vh = tile_registers::<F, N>(v_vectors, KEYS, head_dim);
+        let mut start = next_tile(
+            layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
+        );
+        if pre && start < kv_end {
+            load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
+            load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
+        }
         while start < kv_end {
-            let last_key = last_of(start, KEYS, seq_k);
-            if !sparse || tile_kept(layout, h, block, first_row, last_row, start, last_key) {
-                stage::<F, N>(
-                    k,
-                    k_vectors,
-                    k_at,
-                    start,
-                    seq_k,
-                    &mut k_tile,
-                    KEYS,
-                    head_dim,
-                    ds,
-                );
-                stage::<F, N>(
-                    v,
-                    v_vectors,
-                    v_at,
-                    start,
-                    seq_k,
-                    &mut v_tile,
-                    KEYS,
-                    head_dim,
-                    ds,
-                );
-                sync_cube();
-                scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
-                sync_plane();
-
-                // The row's maximum over the keys it sees, both units' columns.
-                let mut mx = f32::new(-1.0e30);
-                #[unroll]
-                for j in 0..HALF {
-                    let key = start + 2 * j + half;
-                    if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
-                        mx = f32::max(mx, s_tile[s_row + 2 * j] * scale);
-                    }
-                }
-                mx = f32::max(mx, plane_shuffle_xor(mx, 1));
-                let mut factor = 1.0f32;
-                let grow = mx > m + SLACK;
-                if grow {
-                    factor = f32::exp(m - mx);
-                    l *= factor;
-                    m = mx;
-                }
-                #[unroll]
-                for j in 0..HALF {
-                    let key = start + 2 * j + half;
-                    let mut p = 0.0f32;
-                    // A NaN score (not compared against anything) gives a NaN probability.
-                    if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
-                        p = f32::exp(s_tile[s_row + 2 * j] * scale - m);
-                    }
-                    l += p;
-                    p_tile[p_row + 2 * j] = F::cast_from(p);
-                }
-                sync_plane();
-                if plane_any(grow) {
-                    scale_rows(&o, &mut s_tile, plane, lane, factor, dt);
-                }
-                accumulate::<F>(&o, &p_tile, &v_tile, plane, dt, ds);
-                sync_cube();
+            if !pre {
+                load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
+                load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
             }
-            start += KEYS;
+            store_rows::<F, N>(&kh, &mut k_tile, KEYS, head_dim, ds);
+            store_rows::<F, N>(&vh, &mut v_tile, KEYS, head_dim, ds);
+            sync_cube();
+            let next = next_tile(
+                layout,
+                h,
+                block,
+                first_row,
+                last_row,
+                start + KEYS,
+                kv_end,
+                seq_k,
+                sparse,
+                false,
+            );
+            if pre && next < kv_end {
+                load_rows::<F, N>(k, k_vectors, k_at, next, seq_k, &mut kh, KEYS, head_dim);
+                load_rows::<F, N>(v, v_vectors, v_at, next, seq_k, &mut vh, KEYS, head_dim);
+            }
+            scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+
+            // The row's maximum over the keys it sees, both units' columns.
+            let mut mx = f32::new(-1.0e30);
+            #[unroll]
+            for j in 0..HALF {
+                let key = start + 2 * j + half;
+                if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
+                    mx = f32::max(mx, s_tile[s_row + 2 * j] * scale);
+                }
+            }
+            mx = f32::max(mx, plane_shuffle_xor(mx, 1));
+            let mut factor = 1.0f32;
+            let grow = mx > m + SLACK;
+            if grow {
+                factor = f32::exp(m - mx);
+                l *= factor;
+                m = mx;
+            }
+            #[unroll]
+            for j in 0..HALF {
+                let key = start + 2 * j + half;
+                let mut p = 0.0f32;
+                // A NaN score (not compared against anything) gives a NaN probability.
+                if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
+                    p = f32::exp(s_tile[s_row + 2 * j] * scale - m);
+                }
+                l += p;
+                p_tile[p_row + 2 * j] = F::cast_from(p);
+            }
+            sync_plane();
+            if plane_any(grow) {
+                scale_rows(&o, &mut s_tile, plane, lane, factor, dt);
+            }
+            accumulate::<F>(&o, &p_tile, &v_tile, plane, dt, ds);
+            sync_cube();
+            start = next;
         }
         let total = l + plane_shuffle_xor(l, 1);
         // A row that keeps no block (block-sparse only) gets zeros and a log-sum-exp of 0.

@@ -6,6 +6,7 @@
 
 mod backward;
 mod forward;
+mod group_sum;
 mod tiles;
 
 use cubecl::ir::features::MmaConfig;
@@ -157,9 +158,25 @@ pub(super) fn backward<R: Runtime>(
             dims.head_dim,
             dtype,
         );
+    }
+    // One `dkdv` cube per query head; under grouped-query attention each writes an f32
+    // share, summed per group after.
+    let grouped = dims.heads > dims.kv_heads;
+    let share_shape = [dims.batch, dims.heads, dims.seq_k, dims.head_dim];
+    let shares = grouped.then(|| [0; 2].map(|_| group_sum::shares(client, share_shape)));
+    let (dk_to, dv_to, out_dtype) = match &shares {
+        Some([dk_s, dv_s]) => (
+            dk_s,
+            dv_s,
+            IrStorage::Scalar(ElemType::Float(FloatKind::F32)),
+        ),
+        None => (dk, dv, dtype),
+    };
+    // SAFETY: as in `forward`; the shares hold `[batch, heads, seq_k, head_dim]`.
+    unsafe {
         tc_dkdv_kernel::launch_unchecked::<R>(
             client,
-            cubes(dims.seq_k, ROWS, dims.batch * dims.kv_heads),
+            cubes(dims.seq_k, ROWS, dims.batch * dims.heads),
             CubeDim::new_1d(UNITS as u32),
             vector,
             arg(q),
@@ -172,16 +189,20 @@ pub(super) fn backward<R: Runtime>(
             arg(d_out),
             arg(lse),
             arg(delta),
-            arg(dk),
-            arg(dv),
+            arg(dk_to),
+            arg(dv_to),
             arg(layout),
             options.scale,
             block,
             options.causal,
             sparse,
             dims.head_dim,
-            dtype,
+            [dtype, out_dtype],
         );
+    }
+    if let Some([dk_s, dv_s]) = &shares {
+        group_sum::sum_groups(client, dtype, dk_s, dk);
+        group_sum::sum_groups(client, dtype, dv_s, dv);
     }
 }
 

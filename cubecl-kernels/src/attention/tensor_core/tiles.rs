@@ -11,6 +11,9 @@
 
 use cubecl::prelude::*;
 
+use super::super::lanes::last_of;
+use super::super::sparse::tile_kept;
+
 /// Rows (query rows, or key rows in `dkdv`) per cube: 16 per plane.
 pub(crate) const ROWS: usize = 64;
 /// Keys (or query rows in `dkdv`) per shared tile.
@@ -38,10 +41,8 @@ pub(crate) const fn padded(head_dim: usize) -> usize {
 }
 
 /// Stages rows `first..first + count` of the `[.., seq, head_dim]` slab at `at` of `t` in
-/// `tile` (row stride `stride`), zeros past `seq`; every unit of the cube takes part. The loads
-/// go through `tv`, the same memory in vectors of `N` (the launch picks `N > 1` only where the
-/// head dimension is contiguous and every row starts on a vector), and all of a unit's loads
-/// are issued before its stores, so it waits for global memory once per tile.
+/// `tile` (row stride `stride`), zeros past `seq`; every unit of the cube takes part: a
+/// [`load_rows`] into [`tile_registers`] then a [`store_rows`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn stage<F: Float, N: Size>(
@@ -55,11 +56,44 @@ pub(crate) fn stage<F: Float, N: Size>(
     #[comptime] head_dim: usize,
     #[comptime] stride: usize,
 ) {
+    let mut held = tile_registers::<F, N>(tv, count, head_dim);
+    load_rows::<F, N>(t, tv, at, first, seq, &mut held, count, head_dim);
+    store_rows::<F, N>(&held, tile, count, head_dim, stride);
+}
+
+/// This unit's registers for its share of a `count × head_dim` tile in vectors of `N`.
+#[cube]
+pub(crate) fn tile_registers<F: Float, N: Size>(
+    tv: &Tensor<Vector<F, N>>,
+    #[comptime] count: usize,
+    #[comptime] head_dim: usize,
+) -> Array<Vector<F, N>> {
+    let n = tv.vector_size();
+    let per_unit = comptime!(count * head_dim / UNITS / n);
+    Array::<Vector<F, N>>::new(per_unit)
+}
+
+/// Loads this unit's share of rows `first..first + count` of the slab at `at` of `t` (zeros
+/// past `seq`) into `held` ([`tile_registers`]). The loads go through `tv`, the same memory in
+/// vectors of `N` (the launch picks `N > 1` only where the head dimension is contiguous and
+/// every row starts on a vector). Nothing waits for them until `held` is read, so a kernel
+/// loads its next tile here before working on the current one.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_rows<F: Float, N: Size>(
+    t: &Tensor<F>,
+    tv: &Tensor<Vector<F, N>>,
+    at: usize,
+    first: usize,
+    seq: usize,
+    held: &mut Array<Vector<F, N>>,
+    #[comptime] count: usize,
+    #[comptime] head_dim: usize,
+) {
     let (rs, es) = (t.stride(2), t.stride(3));
     let n = tv.vector_size();
     let per_row = comptime!(head_dim / n);
     let per_unit = comptime!(count * per_row / UNITS);
-    let mut held = Array::<Vector<F, N>>::new(per_unit);
     #[unroll]
     for i in 0..per_unit {
         let e = i * UNITS + UNIT_POS as usize;
@@ -70,6 +104,20 @@ pub(crate) fn stage<F: Float, N: Size>(
         }
         held[i] = value;
     }
+}
+
+/// Stores what [`load_rows`] put in `held` to `tile` (row stride `stride`).
+#[cube]
+pub(crate) fn store_rows<F: Float, N: Size>(
+    held: &Array<Vector<F, N>>,
+    tile: &mut SharedMemory<F>,
+    #[comptime] count: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let n = held.vector_size();
+    let per_row = comptime!(head_dim / n);
+    let per_unit = comptime!(count * per_row / UNITS);
     #[unroll]
     for i in 0..per_unit {
         let e = i * UNITS + UNIT_POS as usize;
@@ -82,23 +130,35 @@ pub(crate) fn stage<F: Float, N: Size>(
     }
 }
 
-/// Stages `count` per-row f32 values (`lse`, `delta`) from `at` (row stride `t.stride(2)`),
-/// zeros past `seq`.
+/// Whether the kernels load a key (or query) tile ahead, while working on the one before:
+/// at head dimensions up to 64, where the two tiles' registers leave room for the rest.
+pub(crate) const fn prefetch(head_dim: usize) -> bool {
+    head_dim <= 64
+}
+
+/// This unit's one of `count` per-row f32 values (`lse`, `delta`) of rows `first..` from
+/// `at` (row stride `t.stride(2)`), zero past `seq` or for units past `count`.
 #[cube]
-pub(crate) fn stage_stat(
+pub(crate) fn load_stat(
     t: &Tensor<f32>,
     at: usize,
     first: usize,
     seq: usize,
-    tile: &mut SharedMemory<f32>,
     #[comptime] count: usize,
-) {
+) -> f32 {
+    let e = UNIT_POS as usize;
+    let mut value = 0.0f32;
+    if e < count && first + e < seq {
+        value = t[at + (first + e) * t.stride(2)];
+    }
+    value
+}
+
+/// Stores what [`load_stat`] returned to `tile`.
+#[cube]
+pub(crate) fn store_stat(value: f32, tile: &mut SharedMemory<f32>, #[comptime] count: usize) {
     let e = UNIT_POS as usize;
     if e < count {
-        let mut value = 0.0f32;
-        if first + e < seq {
-            value = t[at + (first + e) * t.stride(2)];
-        }
         tile[e] = value;
     }
 }
@@ -372,4 +432,46 @@ pub(crate) fn write_rows<F: Float>(
         }
         sync_plane();
     }
+}
+
+/// The first tile of `KEYS` rows from `from` (below `end`) that a block-sparse layout keeps
+/// (dense: `from` itself). The walked tiles are key tiles against query rows `a..=a_last`, or
+/// with `walk_queries` query tiles (of `len` rows) against keys `a..=a_last`. `end` if none.
+#[cube]
+#[allow(clippy::too_many_arguments, unused_assignments)]
+pub(crate) fn next_tile(
+    layout: &Tensor<u32>,
+    h: usize,
+    block: usize,
+    a: usize,
+    a_last: usize,
+    from: usize,
+    end: usize,
+    len: usize,
+    #[comptime] sparse: bool,
+    #[comptime] walk_queries: bool,
+) -> usize {
+    let mut at = from;
+    if sparse {
+        let mut searching = true;
+        while searching {
+            if at >= end {
+                searching = false;
+            } else {
+                let last = last_of(at, KEYS, len);
+                let mut kept = false;
+                if walk_queries {
+                    kept = tile_kept(layout, h, block, at, last, a, a_last);
+                } else {
+                    kept = tile_kept(layout, h, block, a, a_last, at, last);
+                }
+                if kept {
+                    searching = false;
+                } else {
+                    at += KEYS;
+                }
+            }
+        }
+    }
+    at
 }
