@@ -11,9 +11,8 @@ mod kernel {
     use super::super::super::lanes::last_of;
     use super::super::super::sparse::block_kept;
     use super::super::tiles::{
-        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, load_rows, load_stat,
-        next_tile, padded, prefetch, scores_of, scores_of_frags, stage, store_rows, store_stat,
-        tile_registers, write_rows, zero_accs,
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, column, column_shift, frags_a,
+        next_tile, padded, scores_of, scores_of_frags, stage, stage_stat, write_rows, zero_accs,
     };
 
     /// `dq` on tensor cores (arguments as `flash_dq_kernel`'s): cube `(x, y)` holds query
@@ -50,7 +49,6 @@ mod kernel {
         let h = CUBE_POS_Y as usize % heads;
         let plane = UNIT_POS as usize / PLANE;
         let lane = UNIT_POS as usize % PLANE;
-        let half = lane % 2usize;
         let first_row = CUBE_POS_X as usize * ROWS;
         let local = plane * T + lane / 2usize;
         let row = first_row + local;
@@ -107,9 +105,10 @@ mod kernel {
         let hk = h / group;
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
-        // Every other column from `half`, as the forward; keys below `limit` seen.
-        let s_row = local * SS + half;
-        let p_row = local * PS + half;
+        // Every other column from `half` as the forward (`column`); keys below `limit` seen.
+        let s_at = local * SS;
+        let p_at = local * PS;
+        let shift = column_shift(lane);
         let mut limit = seq_k;
         if causal && row + 1 < limit {
             limit = row + 1;
@@ -117,27 +116,60 @@ mod kernel {
         if !live {
             limit = 0;
         }
-        // K/V tiles pass through registers, loaded a tile ahead with `prefetch` (as the
-        // forward).
-        let pre = comptime!(prefetch(head_dim));
-        let mut kh = tile_registers::<F, N>(k_vectors, KEYS, head_dim);
-        let mut vh = tile_registers::<F, N>(v_vectors, KEYS, head_dim);
+        // The key tiles (block-sparse: those the layout keeps for these rows).
         let mut start = next_tile(
             layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
         );
-        if pre && start < kv_end {
-            load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
-            load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
-        }
         while start < kv_end {
-            if !pre {
-                load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
-                load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
-            }
-            store_rows::<F, N>(&kh, &mut k_tile, KEYS, head_dim, ds);
-            store_rows::<F, N>(&vh, &mut v_tile, KEYS, head_dim, ds);
+            stage::<F, N>(
+                k,
+                k_vectors,
+                k_at,
+                start,
+                seq_k,
+                &mut k_tile,
+                KEYS,
+                head_dim,
+                ds,
+            );
+            stage::<F, N>(
+                v,
+                v_vectors,
+                v_at,
+                start,
+                seq_k,
+                &mut v_tile,
+                KEYS,
+                head_dim,
+                ds,
+            );
             sync_cube();
-            let next = next_tile(
+            scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let c = column(j, shift);
+                let key = start + c;
+                let mut p = 0.0f32;
+                if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
+                    p = f32::exp(s_tile[s_at + c] * scale - row_lse);
+                }
+                probs[j] = p;
+            }
+            // dP goes where S was: this unit's probabilities wait in registers.
+            sync_plane();
+            scores_of_frags::<F>(&gf, &v_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let c = column(j, shift);
+                let d = probs[j] * (s_tile[s_at + c] - row_delta);
+                ds_tile[p_at + c] = F::cast_from(d);
+            }
+            sync_plane();
+            accumulate::<F>(&acc, &ds_tile, &k_tile, plane, dt, ds);
+            sync_cube();
+            start = next_tile(
                 layout,
                 h,
                 block,
@@ -149,34 +181,6 @@ mod kernel {
                 sparse,
                 false,
             );
-            if pre && next < kv_end {
-                load_rows::<F, N>(k, k_vectors, k_at, next, seq_k, &mut kh, KEYS, head_dim);
-                load_rows::<F, N>(v, v_vectors, v_at, next, seq_k, &mut vh, KEYS, head_dim);
-            }
-            scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
-            sync_plane();
-            #[unroll]
-            for j in 0..HALF {
-                let key = start + 2 * j + half;
-                let mut p = 0.0f32;
-                if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
-                    p = f32::exp(s_tile[s_row + 2 * j] * scale - row_lse);
-                }
-                probs[j] = p;
-            }
-            // dP goes where S was: this unit's probabilities wait in registers.
-            sync_plane();
-            scores_of_frags::<F>(&gf, &v_tile, &mut s_tile, plane, dt, ds);
-            sync_plane();
-            #[unroll]
-            for j in 0..HALF {
-                let d = probs[j] * (s_tile[s_row + 2 * j] - row_delta);
-                ds_tile[p_row + 2 * j] = F::cast_from(d);
-            }
-            sync_plane();
-            accumulate::<F>(&acc, &ds_tile, &k_tile, plane, dt, ds);
-            sync_cube();
-            start = next;
         }
         let dq_at = b * dq.stride(0) + h * dq.stride(1) + row * dq.stride(2);
         write_rows::<F>(&acc, &mut s_tile, dq, dq_at, live, plane, lane, scale, dt);
@@ -222,7 +226,6 @@ mod kernel {
         let hk = h / group;
         let plane = UNIT_POS as usize / PLANE;
         let lane = UNIT_POS as usize % PLANE;
-        let half = lane % 2usize;
         let first_key = CUBE_POS_X as usize * ROWS;
         let local = plane * T + lane / 2usize;
         let key = first_key + local;
@@ -279,9 +282,11 @@ mod kernel {
         if causal {
             low = key;
         }
-        // Every other column from `half`, as the forward; query rows `low..high` see this key.
-        let s_row = local * SS + half;
-        let p_row = local * PS + half;
+        // Every other column from `half` as the forward (`column`); query rows `low..high`
+        // see this key.
+        let s_at = local * SS;
+        let p_at = local * PS;
+        let shift = column_shift(lane);
         let mut high = seq_q;
         if !live {
             high = 0;
@@ -291,53 +296,64 @@ mod kernel {
         let g_at = b * d_out.stride(0) + h * d_out.stride(1);
         let lse_at = b * lse.stride(0) + h * lse.stride(1);
         let delta_at = b * delta.stride(0) + h * delta.stride(1);
-        // Query and dO tiles, and their rows' statistics, pass through registers, loaded a tile
-        // ahead with `prefetch` (as the forward).
-        let pre = comptime!(prefetch(head_dim));
-        let mut qh = tile_registers::<F, N>(q_vectors, KEYS, head_dim);
-        let mut gh = tile_registers::<F, N>(d_out_vectors, KEYS, head_dim);
-        let mut lse_held = 0.0f32;
-        let mut delta_held = 0.0f32;
+        // The query tiles (block-sparse: those the layout keeps for these keys).
         let mut start = next_tile(
             layout, h, block, first_key, last_key, first, seq_q, seq_q, sparse, true,
         );
-        if pre && start < seq_q {
-            load_rows::<F, N>(q, q_vectors, q_at, start, seq_q, &mut qh, KEYS, head_dim);
-            load_rows::<F, N>(
+        while start < seq_q {
+            stage::<F, N>(
+                q,
+                q_vectors,
+                q_at,
+                start,
+                seq_q,
+                &mut q_tile,
+                KEYS,
+                head_dim,
+                ds,
+            );
+            stage::<F, N>(
                 d_out,
                 d_out_vectors,
                 g_at,
                 start,
                 seq_q,
-                &mut gh,
+                &mut g_tile,
                 KEYS,
                 head_dim,
+                ds,
             );
-            lse_held = load_stat(lse, lse_at, start, seq_q, KEYS);
-            delta_held = load_stat(delta, delta_at, start, seq_q, KEYS);
-        }
-        while start < seq_q {
-            if !pre {
-                load_rows::<F, N>(q, q_vectors, q_at, start, seq_q, &mut qh, KEYS, head_dim);
-                load_rows::<F, N>(
-                    d_out,
-                    d_out_vectors,
-                    g_at,
-                    start,
-                    seq_q,
-                    &mut gh,
-                    KEYS,
-                    head_dim,
-                );
-                lse_held = load_stat(lse, lse_at, start, seq_q, KEYS);
-                delta_held = load_stat(delta, delta_at, start, seq_q, KEYS);
-            }
-            store_rows::<F, N>(&qh, &mut q_tile, KEYS, head_dim, ds);
-            store_rows::<F, N>(&gh, &mut g_tile, KEYS, head_dim, ds);
-            store_stat(lse_held, &mut lse_tile, KEYS);
-            store_stat(delta_held, &mut delta_tile, KEYS);
+            stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
+            stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
             sync_cube();
-            let next = next_tile(
+            // Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ in its place: rows are this plane's keys.
+            scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let c = column(j, shift);
+                let qi = start + c;
+                let mut p = 0.0f32;
+                if qi >= low && qi < high && (!sparse || block_kept(layout, h, block, qi, key)) {
+                    p = f32::exp(s_tile[s_at + c] * scale - lse_tile[c]);
+                }
+                probs[j] = p;
+                p_tile[p_at + c] = F::cast_from(p);
+            }
+            sync_plane();
+            scores_of::<F>(&v_tile, a_at, &g_tile, &mut s_tile, plane, dt, ds);
+            sync_plane();
+            #[unroll]
+            for j in 0..HALF {
+                let c = column(j, shift);
+                let d = probs[j] * (s_tile[s_at + c] - delta_tile[c]);
+                ds_tile[p_at + c] = F::cast_from(d);
+            }
+            sync_plane();
+            accumulate::<F>(&dv_acc, &p_tile, &g_tile, plane, dt, ds);
+            accumulate::<F>(&dk_acc, &ds_tile, &q_tile, plane, dt, ds);
+            sync_cube();
+            start = next_tile(
                 layout,
                 h,
                 block,
@@ -349,48 +365,6 @@ mod kernel {
                 sparse,
                 true,
             );
-            if pre && next < seq_q {
-                load_rows::<F, N>(q, q_vectors, q_at, next, seq_q, &mut qh, KEYS, head_dim);
-                load_rows::<F, N>(
-                    d_out,
-                    d_out_vectors,
-                    g_at,
-                    next,
-                    seq_q,
-                    &mut gh,
-                    KEYS,
-                    head_dim,
-                );
-                lse_held = load_stat(lse, lse_at, next, seq_q, KEYS);
-                delta_held = load_stat(delta, delta_at, next, seq_q, KEYS);
-            }
-            // Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ in its place: rows are this plane's keys.
-            scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
-            sync_plane();
-            #[unroll]
-            for j in 0..HALF {
-                let c = 2 * j + half;
-                let qi = start + c;
-                let mut p = 0.0f32;
-                if qi >= low && qi < high && (!sparse || block_kept(layout, h, block, qi, key)) {
-                    p = f32::exp(s_tile[s_row + 2 * j] * scale - lse_tile[c]);
-                }
-                probs[j] = p;
-                p_tile[p_row + 2 * j] = F::cast_from(p);
-            }
-            sync_plane();
-            scores_of::<F>(&v_tile, a_at, &g_tile, &mut s_tile, plane, dt, ds);
-            sync_plane();
-            #[unroll]
-            for j in 0..HALF {
-                let d = probs[j] * (s_tile[s_row + 2 * j] - delta_tile[2 * j + half]);
-                ds_tile[p_row + 2 * j] = F::cast_from(d);
-            }
-            sync_plane();
-            accumulate::<F>(&dv_acc, &p_tile, &g_tile, plane, dt, ds);
-            accumulate::<F>(&dk_acc, &ds_tile, &q_tile, plane, dt, ds);
-            sync_cube();
-            start = next;
         }
         let dk_at = b * dk.stride(0) + h * dk.stride(1) + key * dk.stride(2);
         let dv_at = b * dv.stride(0) + h * dv.stride(1) + key * dv.stride(2);

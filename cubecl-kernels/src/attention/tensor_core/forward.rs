@@ -12,9 +12,8 @@ mod kernel {
     use super::super::super::lanes::last_of;
     use super::super::super::sparse::block_kept;
     use super::super::tiles::{
-        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, frags_a, load_rows, next_tile,
-        padded, prefetch, scale_rows, scores_of_frags, stage, store_rows, tile_registers,
-        write_rows, zero_accs,
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, column, column_shift, frags_a,
+        next_tile, padded, scale_rows, scores_of_frags, stage, write_rows, zero_accs,
     };
     use super::SLACK;
 
@@ -92,10 +91,10 @@ mod kernel {
         let hk = h / group;
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
-        // This unit's columns: every other one, from `half` (the plane's 32 units then meet
-        // 16 banks, not 8).
-        let s_row = local * SS + half;
-        let p_row = local * PS + half;
+        // This unit's columns: every other one from `half`, in the order of `column`.
+        let s_at = local * SS;
+        let p_at = local * PS;
+        let shift = column_shift(lane);
         // Keys this unit's row sees: those below `limit`.
         let mut limit = seq_k;
         if causal && row + 1 < limit {
@@ -104,42 +103,34 @@ mod kernel {
         if !live {
             limit = 0;
         }
-        // K/V tiles pass through registers: with `prefetch`, the next tile's loads are issued
-        // before this tile's products, so their latency hides behind them.
-        let pre = comptime!(prefetch(head_dim));
-        let mut kh = tile_registers::<F, N>(k_vectors, KEYS, head_dim);
-        let mut vh = tile_registers::<F, N>(v_vectors, KEYS, head_dim);
+        // The key tiles (block-sparse: those the layout keeps for these rows).
         let mut start = next_tile(
             layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
         );
-        if pre && start < kv_end {
-            load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
-            load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
-        }
         while start < kv_end {
-            if !pre {
-                load_rows::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kh, KEYS, head_dim);
-                load_rows::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vh, KEYS, head_dim);
-            }
-            store_rows::<F, N>(&kh, &mut k_tile, KEYS, head_dim, ds);
-            store_rows::<F, N>(&vh, &mut v_tile, KEYS, head_dim, ds);
-            sync_cube();
-            let next = next_tile(
-                layout,
-                h,
-                block,
-                first_row,
-                last_row,
-                start + KEYS,
-                kv_end,
+            stage::<F, N>(
+                k,
+                k_vectors,
+                k_at,
+                start,
                 seq_k,
-                sparse,
-                false,
+                &mut k_tile,
+                KEYS,
+                head_dim,
+                ds,
             );
-            if pre && next < kv_end {
-                load_rows::<F, N>(k, k_vectors, k_at, next, seq_k, &mut kh, KEYS, head_dim);
-                load_rows::<F, N>(v, v_vectors, v_at, next, seq_k, &mut vh, KEYS, head_dim);
-            }
+            stage::<F, N>(
+                v,
+                v_vectors,
+                v_at,
+                start,
+                seq_k,
+                &mut v_tile,
+                KEYS,
+                head_dim,
+                ds,
+            );
+            sync_cube();
             scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
             sync_plane();
 
@@ -147,9 +138,10 @@ mod kernel {
             let mut mx = f32::new(-1.0e30);
             #[unroll]
             for j in 0..HALF {
-                let key = start + 2 * j + half;
+                let c = column(j, shift);
+                let key = start + c;
                 if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
-                    mx = f32::max(mx, s_tile[s_row + 2 * j] * scale);
+                    mx = f32::max(mx, s_tile[s_at + c] * scale);
                 }
             }
             mx = f32::max(mx, plane_shuffle_xor(mx, 1));
@@ -162,14 +154,15 @@ mod kernel {
             }
             #[unroll]
             for j in 0..HALF {
-                let key = start + 2 * j + half;
+                let c = column(j, shift);
+                let key = start + c;
                 let mut p = 0.0f32;
                 // A NaN score (not compared against anything) gives a NaN probability.
                 if key < limit && (!sparse || block_kept(layout, h, block, row, key)) {
-                    p = f32::exp(s_tile[s_row + 2 * j] * scale - m);
+                    p = f32::exp(s_tile[s_at + c] * scale - m);
                 }
                 l += p;
-                p_tile[p_row + 2 * j] = F::cast_from(p);
+                p_tile[p_at + c] = F::cast_from(p);
             }
             sync_plane();
             if plane_any(grow) {
@@ -177,7 +170,18 @@ mod kernel {
             }
             accumulate::<F>(&o, &p_tile, &v_tile, plane, dt, ds);
             sync_cube();
-            start = next;
+            start = next_tile(
+                layout,
+                h,
+                block,
+                first_row,
+                last_row,
+                start + KEYS,
+                kv_end,
+                seq_k,
+                sparse,
+                false,
+            );
         }
         let total = l + plane_shuffle_xor(l, 1);
         // A row that keeps no block (block-sparse only) gets zeros and a log-sum-exp of 0.

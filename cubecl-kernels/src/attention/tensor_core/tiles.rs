@@ -6,8 +6,8 @@
 //! are multiples of 16) and spreads rows over the shared-memory banks.
 //!
 //! Row-wise work (softmax, masks, scaling) is done by plain units on f32 tiles a fragment was
-//! stored to: unit `lane` of a plane takes row `lane / 2`, every other column from `lane % 2`
-//! (so that the plane's 32 units meet 16 banks of shared memory, not 8).
+//! stored to: unit `lane` of a plane takes row `lane / 2`, every other column from `lane % 2`,
+//! in the order of [`column`] (so that the plane's 32 units meet 32 banks of shared memory).
 
 use cubecl::prelude::*;
 
@@ -118,47 +118,53 @@ pub(crate) fn store_rows<F: Float, N: Size>(
     let n = held.vector_size();
     let per_row = comptime!(head_dim / n);
     let per_unit = comptime!(count * per_row / UNITS);
+    // One store per vector: rows start on vectors (`stride` is a multiple of 8, and so is the
+    // tile's alignment in elements).
+    let mut vectors = tile
+        .slice_mut(0, count * stride)
+        .into_vectorized()
+        .with_vector_size::<N>();
     #[unroll]
     for i in 0..per_unit {
         let e = i * UNITS + UNIT_POS as usize;
         let to = (e / per_row) * stride + (e % per_row) * n;
-        let value = held[i];
-        #[unroll]
-        for j in 0..n {
-            tile[to + j] = value[j];
-        }
+        vectors[to / n] = held[i];
     }
 }
 
-/// Whether the kernels load a key (or query) tile ahead, while working on the one before:
-/// at head dimensions up to 64, where the two tiles' registers leave room for the rest.
-pub(crate) const fn prefetch(head_dim: usize) -> bool {
-    head_dim <= 64
+/// Where unit `lane`'s walk over its half row starts ([`column`]): its parity `lane % 2`, two
+/// columns further in the plane's rows 8..15 (`lane ≥ 16`).
+#[cube]
+pub(crate) fn column_shift(lane: usize) -> usize {
+    lane % 2usize + 2 * (lane / 16usize)
 }
 
-/// This unit's one of `count` per-row f32 values (`lse`, `delta`) of rows `first..` from
-/// `at` (row stride `t.stride(2)`), zero past `seq` or for units past `count`.
+/// Column `j` (of [`HALF`]) of a unit's walk over every other column of its row, from `shift`
+/// ([`column_shift`]), wrapping. Rows 8 apart of an f32 tile of stride [`SS`] (or an element
+/// tile of stride [`PS`]) fall on the same banks; the two-column offset of rows 8..15 puts the
+/// plane's 32 units on 32 different banks at every `j` (without it, two units met per bank).
 #[cube]
-pub(crate) fn load_stat(
+pub(crate) fn column(j: usize, shift: usize) -> usize {
+    (2 * j + shift) % KEYS
+}
+
+/// Stages `count` per-row f32 values (`lse`, `delta`) of rows `first..` from `at` (row
+/// stride `t.stride(2)`) in `tile`, zeros past `seq`.
+#[cube]
+pub(crate) fn stage_stat(
     t: &Tensor<f32>,
     at: usize,
     first: usize,
     seq: usize,
+    tile: &mut SharedMemory<f32>,
     #[comptime] count: usize,
-) -> f32 {
-    let e = UNIT_POS as usize;
-    let mut value = 0.0f32;
-    if e < count && first + e < seq {
-        value = t[at + (first + e) * t.stride(2)];
-    }
-    value
-}
-
-/// Stores what [`load_stat`] returned to `tile`.
-#[cube]
-pub(crate) fn store_stat(value: f32, tile: &mut SharedMemory<f32>, #[comptime] count: usize) {
+) {
     let e = UNIT_POS as usize;
     if e < count {
+        let mut value = 0.0f32;
+        if first + e < seq {
+            value = t[at + (first + e) * t.stride(2)];
+        }
         tile[e] = value;
     }
 }
