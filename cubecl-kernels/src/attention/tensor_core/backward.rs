@@ -12,7 +12,8 @@ mod kernel {
     use super::super::super::sparse::block_kept;
     use super::super::tiles::{
         ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, column, column_shift, frags_a,
-        next_tile, padded, scores_of, scores_of_frags, stage, stage_stat, write_rows, zero_accs,
+        next_tile, padded, scores_of, scores_of_frags, stage, stage_pair, stage_stat, write_rows,
+        zero_accs,
     };
 
     /// `dq` on tensor cores (arguments as `flash_dq_kernel`'s): cube `(x, y)` holds query
@@ -62,30 +63,24 @@ mod kernel {
         let mut probs = Array::<f32>::new(HALF);
         let mut ds_tile = SharedMemory::<F>::new_aligned(ROWS * PS, ALIGN);
 
-        stage::<F, N>(
+        // Q and dO pass through the K/V tiles into fragments held for the whole walk.
+        let q_at = b * q.stride(0) + h * q.stride(1);
+        let g_at = b * d_out.stride(0) + h * d_out.stride(1);
+        stage_pair::<F, N>(
             q,
             q_vectors,
-            b * q.stride(0) + h * q.stride(1),
+            q_at,
+            d_out,
+            d_out_vectors,
+            g_at,
             first_row,
             seq_q,
             &mut k_tile,
-            ROWS,
-            head_dim,
-            ds,
-        );
-        stage::<F, N>(
-            d_out,
-            d_out_vectors,
-            b * d_out.stride(0) + h * d_out.stride(1),
-            first_row,
-            seq_q,
             &mut v_tile,
             ROWS,
             head_dim,
             ds,
         );
-        // Q and dO pass through the K/V tiles into fragments held for the whole walk.
-        sync_cube();
         let qf = frags_a::<F>(&k_tile, plane * T * ds, dt, ds);
         let gf = frags_a::<F>(&v_tile, plane * T * ds, dt, ds);
         sync_cube();
@@ -121,29 +116,21 @@ mod kernel {
             layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
         );
         while start < kv_end {
-            stage::<F, N>(
+            stage_pair::<F, N>(
                 k,
                 k_vectors,
                 k_at,
-                start,
-                seq_k,
-                &mut k_tile,
-                KEYS,
-                head_dim,
-                ds,
-            );
-            stage::<F, N>(
                 v,
                 v_vectors,
                 v_at,
                 start,
                 seq_k,
+                &mut k_tile,
                 &mut v_tile,
                 KEYS,
                 head_dim,
                 ds,
             );
-            sync_cube();
             scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
             sync_plane();
             #[unroll]
@@ -246,23 +233,16 @@ mod kernel {
 
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
-        stage::<F, N>(
+        stage_pair::<F, N>(
             k,
             k_vectors,
             k_at,
-            first_key,
-            seq_k,
-            &mut k_tile,
-            ROWS,
-            head_dim,
-            ds,
-        );
-        stage::<F, N>(
             v,
             v_vectors,
             v_at,
             first_key,
             seq_k,
+            &mut k_tile,
             &mut v_tile,
             ROWS,
             head_dim,
@@ -301,31 +281,23 @@ mod kernel {
             layout, h, block, first_key, last_key, first, seq_q, seq_q, sparse, true,
         );
         while start < seq_q {
-            stage::<F, N>(
+            stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
+            stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
+            stage_pair::<F, N>(
                 q,
                 q_vectors,
                 q_at,
-                start,
-                seq_q,
-                &mut q_tile,
-                KEYS,
-                head_dim,
-                ds,
-            );
-            stage::<F, N>(
                 d_out,
                 d_out_vectors,
                 g_at,
                 start,
                 seq_q,
+                &mut q_tile,
                 &mut g_tile,
                 KEYS,
                 head_dim,
                 ds,
             );
-            stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
-            stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
-            sync_cube();
             // Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ in its place: rows are this plane's keys.
             scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
             sync_plane();

@@ -13,7 +13,7 @@ mod kernel {
     use super::super::super::sparse::block_kept;
     use super::super::tiles::{
         ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, column, column_shift, frags_a,
-        next_tile, padded, scale_rows, scores_of_frags, stage, write_rows, zero_accs,
+        next_tile, padded, scale_rows, scores_of_frags, stage, stage_pair, write_rows, zero_accs,
     };
     use super::SLACK;
 
@@ -108,29 +108,21 @@ mod kernel {
             layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
         );
         while start < kv_end {
-            stage::<F, N>(
+            stage_pair::<F, N>(
                 k,
                 k_vectors,
                 k_at,
-                start,
-                seq_k,
-                &mut k_tile,
-                KEYS,
-                head_dim,
-                ds,
-            );
-            stage::<F, N>(
                 v,
                 v_vectors,
                 v_at,
                 start,
                 seq_k,
+                &mut k_tile,
                 &mut v_tile,
                 KEYS,
                 head_dim,
                 ds,
             );
-            sync_cube();
             scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
             sync_plane();
 

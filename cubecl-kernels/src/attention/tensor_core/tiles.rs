@@ -61,6 +61,34 @@ pub(crate) fn stage<F: Float, N: Size>(
     store_rows::<F, N>(&held, tile, count, head_dim, stride);
 }
 
+/// [`stage`]s the same `count` rows from `first` of two slabs (K and V, or Q and dO: `a` at
+/// `a_at`, `b` at `b_at`) in `a_tile` and `b_tile`, then waits for the whole cube.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_pair<F: Float, N: Size>(
+    a: &Tensor<F>,
+    a_vectors: &Tensor<Vector<F, N>>,
+    a_at: usize,
+    b: &Tensor<F>,
+    b_vectors: &Tensor<Vector<F, N>>,
+    b_at: usize,
+    first: usize,
+    seq: usize,
+    a_tile: &mut SharedMemory<F>,
+    b_tile: &mut SharedMemory<F>,
+    #[comptime] count: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    stage::<F, N>(
+        a, a_vectors, a_at, first, seq, a_tile, count, head_dim, stride,
+    );
+    stage::<F, N>(
+        b, b_vectors, b_at, first, seq, b_tile, count, head_dim, stride,
+    );
+    sync_cube();
+}
+
 /// This unit's registers for its share of a `count × head_dim` tile in vectors of `N`.
 #[cube]
 pub(crate) fn tile_registers<F: Float, N: Size>(
