@@ -12,7 +12,7 @@ mod kernel {
     use super::super::super::sparse::block_kept;
     use super::super::tiles::{
         ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, column, column_shift, frags_a,
-        next_tile, padded, scores_of, scores_of_frags, stage, stage_pair, stage_stat, write_rows,
+        next_tile, padded, scores_of, scores_of_frags, stage_pair, stage_stat, write_rows,
         zero_accs,
     };
 
