@@ -403,14 +403,13 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             }),
         };
         let working = match grad {
-            Some(grad) => {
-                let grad = match factor {
-                    Some(f) => grad.into_iter().map(|g| g.mul_scalar(f)).collect(),
-                    None => grad,
-                };
-                self.optim
-                    .step(GradSource::Device(grad), hp, self.precision.compute)
-            }
+            // Clipped inside the optimizer's update (no pass of its own where it is fused).
+            Some(grad) => self.optim.step(
+                GradSource::Device(grad),
+                hp,
+                self.precision.compute,
+                factor.unwrap_or(1.0),
+            ),
             None => {
                 let mut host = state.host.as_ref().expect("checked above").grads();
                 // Multiplying by a power-of-two loss scale's inverse divides exactly.
@@ -419,7 +418,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     grads: &mut host,
                     scale: [unscale, factor.unwrap_or(1.0)],
                 };
-                self.optim.step(source, hp, self.precision.compute)
+                self.optim.step(source, hp, self.precision.compute, 1.0)
             }
         };
         // A failing swap on one rank must not leave the others waiting in the gathers below.

@@ -43,7 +43,7 @@ pub(crate) fn out_dtype(compute: Format) -> OutDtype {
 
 /// Where an offloaded step reads this rank's fp32 gradient partition.
 pub(crate) enum GradSource<'a, I: Backend> {
-    /// On the device, in consecutive pieces, unscaled and clipped.
+    /// On the device, in consecutive pieces, unscaled (and clipped by the time it is read).
     Device(Vec<Tensor<I, 1>>),
     /// In host memory: CPU-Adam reads each sub-group where it lies, multiplied by `scale`
     /// (inverse loss scale, clipping factor) as it goes.

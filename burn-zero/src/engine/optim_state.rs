@@ -263,12 +263,15 @@ impl<I: Backend> Optim<I> {
     }
 
     /// Applies the gradient of this rank's partition and returns the new weights in the
-    /// compute format, on the device, in consecutive pieces.
+    /// compute format, on the device, in consecutive pieces. Device gradients are multiplied
+    /// by `grad_scale` first (the clipping factor: the fused AdamW kernel does it in its own
+    /// pass); host gradients carry their scale with them.
     pub(crate) fn step(
         &mut self,
         source: GradSource<'_, I>,
         hp: StepParams,
         compute: Format,
+        grad_scale: f32,
     ) -> Result<Vec<Tensor<I, 1>>, EngineError> {
         match self {
             Optim::Device { master, opt } => {
@@ -281,8 +284,12 @@ impl<I: Backend> Optim<I> {
                 };
                 // The master's only reference goes to the step, so it may update it in place.
                 let old = core::mem::replace(master, Tensor::empty([1], &grad.device()));
-                *master = opt.step(old, grad, hp);
-                Ok(vec![compute.convert(master.clone())])
+                let (new, working) =
+                    opt.step_scaled(old, grad, hp, grad_scale, compute.native_dtype());
+                *master = new;
+                Ok(vec![
+                    working.unwrap_or_else(|| compute.convert(master.clone())),
+                ])
             }
             Optim::Host {
                 opt,
@@ -291,6 +298,12 @@ impl<I: Backend> Optim<I> {
                 timings,
             } => {
                 let start = Instant::now();
+                let source = match source {
+                    GradSource::Device(grad) if grad_scale != 1.0 => GradSource::Device(
+                        grad.into_iter().map(|g| g.mul_scalar(grad_scale)).collect(),
+                    ),
+                    source => source,
+                };
                 let opt = opt.get_mut().unwrap_or_else(|e| e.into_inner());
                 let (lr, betas) = hp.f32();
                 let (out, t) = offload_io::step(opt, ring, source, lr, betas, device, compute)?;

@@ -53,6 +53,11 @@ impl Format {
         }
     }
 
+    /// The dtype when it is held natively and is not f32 (a kernel may write it directly).
+    pub(crate) fn native_dtype(&self) -> Option<DType> {
+        (!self.emulated && self.dtype != FloatDType::F32).then(|| self.dtype.into())
+    }
+
     /// The storage dtype.
     pub(crate) fn storage(&self) -> DType {
         if self.emulated {

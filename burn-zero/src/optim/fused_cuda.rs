@@ -32,7 +32,8 @@ type FusedCuda = FusionCubeRuntime<CudaRuntime>;
 /// Fused AdamW as an operation of the fusion stream: it runs in stream order on the tensors'
 /// own handles. Fusion hands an input over with its memory when this is its last use (the
 /// caller passed its only reference); such master and moments are written in place, so a step
-/// needs no second copy of the optimizer state. Others get new buffers.
+/// needs no second copy of the optimizer state. Others get new buffers. A fourth output, when
+/// there is one, is the new master in its dtype (the model's compute-dtype copy).
 #[derive(Debug)]
 struct AdamwOp {
     desc: CustomOpIr,
@@ -41,20 +42,35 @@ struct AdamwOp {
 
 impl Operation<FusedCuda> for AdamwOp {
     fn execute(&self, handles: &mut HandleContainer<<FusedCuda as FusionRuntime>::FusionHandle>) {
-        let ([w, g, m, v], [w_out, m_out, v_out]) = self.desc.as_fixed();
-        let inputs = [w, g, m, v]
-            .map(|t| burn_cubecl::kernel::into_contiguous(handles.get_float_tensor::<Cube>(t)));
+        let inputs: [CubeTensor<CudaRuntime>; 4] = core::array::from_fn(|i| {
+            let t = handles.get_float_tensor::<Cube>(&self.desc.inputs[i]);
+            burn_cubecl::kernel::into_contiguous(t)
+        });
         let len = inputs[0].meta.shape().num_elements();
         let outputs = [0, 2, 3].map(|i| match inputs[i].can_mut() {
             true => inputs[i].clone(),
-            false => empty_like(&inputs[i], len),
+            false => empty_like(&inputs[i], len, DType::F32),
         });
-        launch_adamw(&inputs, &outputs, &self.k);
-        for (ir, out) in [w_out, m_out, v_out].into_iter().zip(outputs) {
+        let working = self
+            .desc
+            .outputs
+            .get(3)
+            .map(|ir| empty_like(&inputs[0], len, ir.dtype));
+        launch_adamw(&inputs, &outputs, working.as_ref(), &self.k);
+        for (ir, out) in self
+            .desc
+            .outputs
+            .iter()
+            .zip(outputs.into_iter().chain(working))
+        {
             handles.register_float_tensor::<Cube>(&ir.id, out);
         }
     }
 }
+
+/// The new master, m and v of a fused step, and the new master in the working dtype when
+/// it was asked for and written.
+pub(crate) type AdamwOutputs<B> = ([Tensor<B, 1>; 3], Option<Tensor<B, 1>>);
 
 /// `value` as a `U` when it is one (the same type behind a generic parameter).
 fn cast<T: 'static, U: 'static>(value: T) -> Option<U> {
@@ -62,15 +78,18 @@ fn cast<T: 'static, U: 'static>(value: T) -> Option<U> {
     boxed.downcast::<U>().ok().map(|b| *b)
 }
 
-/// `(master, m, v)` after one step from `grad`, the inputs back when these are not f32 CUDA
-/// tensors of one length (the tensor ops take them then). burn-cuda's fused tensors go through
-/// the fusion stream ([`AdamwOp`], in place where `master`, `m` and `v` are their tensors' only
-/// references); plain CUDA tensors get new buffers.
+/// `(master, m, v)` after one step from `grad` (and the new master in `working`'s dtype when
+/// that is bf16 or f16), the inputs back when these are not f32 CUDA tensors of one length
+/// (the tensor ops take them then). burn-cuda's fused tensors go through the fusion stream
+/// ([`AdamwOp`], in place where `master`, `m` and `v` are their tensors' only references);
+/// plain CUDA tensors get new buffers.
 pub(crate) fn adamw<B: Backend>(
     [master, grad, m, v]: [Tensor<B, 1>; 4],
     k: &AdamConstants,
-) -> Result<[Tensor<B, 1>; 3], [Tensor<B, 1>; 4]> {
+    working: Option<DType>,
+) -> Result<AdamwOutputs<B>, [Tensor<B, 1>; 4]> {
     let len = master.dims()[0];
+    let working = working.filter(|d| matches!(d, DType::BF16 | DType::F16));
     let fits = [&master, &grad, &m, &v]
         .iter()
         .all(|t| t.dims()[0] == len && t.dtype() == DType::F32);
@@ -78,7 +97,7 @@ pub(crate) fn adamw<B: Backend>(
         TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FusionTensor<FusedCuda>>();
     if !fits || !in_stream {
         return match fits
-            .then(|| adamw_resolved(&master, &grad, &m, &v, k))
+            .then(|| adamw_resolved(&master, &grad, &m, &v, k, working))
             .flatten()
         {
             Some(out) => Ok(out),
@@ -90,35 +109,41 @@ pub(crate) fn adamw<B: Backend>(
     });
     let client = w.client.clone();
     let streams = OperationStreams::with_inputs([&w, &g, &m, &v]);
-    let outputs = [0; 3]
-        .map(|_| TensorIr::uninit(client.create_empty_handle(), Shape::new([len]), DType::F32));
+    let dtypes = [DType::F32; 3].into_iter().chain(working);
+    let outputs: Vec<TensorIr> = dtypes
+        .map(|d| TensorIr::uninit(client.create_empty_handle(), Shape::new([len]), d))
+        .collect();
     let inputs = [w.into_ir(), g.into_ir(), m.into_ir(), v.into_ir()];
     let desc = CustomOpIr::new("burn_zero_fused_adamw", &inputs, &outputs);
     let op = AdamwOp {
         desc: desc.clone(),
         k: *k,
     };
-    let outs: [FusionTensor<FusedCuda>; 3] = client
+    let mut outs = client
         .register(streams, OperationIr::Custom(desc), op)
-        .try_into()
-        .expect("three outputs");
-    Ok(outs.map(|t| {
-        let primitive = cast::<_, B::FloatTensorPrimitive>(t).expect("checked type");
-        Tensor::from_primitive(TensorPrimitive::Float(primitive))
-    }))
+        .into_iter()
+        .map(|t| {
+            let primitive = cast::<_, B::FloatTensorPrimitive>(t).expect("checked type");
+            Tensor::from_primitive(TensorPrimitive::Float(primitive))
+        });
+    let mut next = || outs.next().expect("an output per TensorIr");
+    Ok(([next(), next(), next()], working.map(|_| next())))
 }
 
 /// One fused AdamW launch from `[master, grad, m, v]` into `[master, m, v]` (which may be the
-/// inputs themselves: the kernel is elementwise).
+/// inputs themselves: the kernel is elementwise) and, with `working`, the new master in its
+/// dtype.
 fn launch_adamw(
     inputs: &[CubeTensor<CudaRuntime>; 4],
     outputs: &[CubeTensor<CudaRuntime>; 3],
+    working: Option<&CubeTensor<CudaRuntime>>,
     k: &AdamConstants,
 ) {
     let len = inputs[0].meta.shape().num_elements();
     let [a, b, c, d] = inputs.each_ref().map(|t| &t.handle);
     let [e, f, g] = outputs.each_ref().map(|t| &t.handle);
-    adamw_into::<CudaRuntime>(&inputs[0].client, k, len, [a, b, c, d], [e, f, g]);
+    let working = working.map(|w| (&w.handle, w.dtype.into()));
+    adamw_into::<CudaRuntime>(&inputs[0].client, k, len, [a, b, c, d], [e, f, g], working);
 }
 
 /// The CUDA tensors of `tensors` (f32, contiguous, `len` elements, one device), or `None`.
@@ -137,15 +162,15 @@ fn cuda_inputs<B: Backend, const N: usize>(
     inputs.try_into().ok()
 }
 
-/// A new contiguous f32 CUDA tensor of `len` elements beside `like`.
-fn empty_like(like: &CubeTensor<CudaRuntime>, len: usize) -> CubeTensor<CudaRuntime> {
-    let handle = like.client.empty(4 * len);
+/// A new contiguous CUDA tensor of `len` elements of `dtype` beside `like`.
+fn empty_like(like: &CubeTensor<CudaRuntime>, len: usize, dtype: DType) -> CubeTensor<CudaRuntime> {
+    let handle = like.client.empty(dtype.size() * len);
     CubeTensor::new_contiguous(
         like.client.clone(),
         like.device.clone(),
         [len].into(),
         handle,
-        DType::F32,
+        dtype,
     )
 }
 
@@ -162,20 +187,26 @@ fn as_tensors<B: Backend, const N: usize>(
     tensors.try_into().ok()
 }
 
-/// `(master, m, v)` after one step from `grad` into new buffers, or `None` when these are not
-/// contiguous f32 CUDA tensors of one device.
+/// `(master, m, v)` after one step from `grad` into new buffers (and the new master in
+/// `working`'s dtype), or `None` when these are not contiguous f32 CUDA tensors of one device.
 fn adamw_resolved<B: Backend>(
     master: &Tensor<B, 1>,
     grad: &Tensor<B, 1>,
     m: &Tensor<B, 1>,
     v: &Tensor<B, 1>,
     k: &AdamConstants,
-) -> Option<[Tensor<B, 1>; 3]> {
+    working: Option<DType>,
+) -> Option<AdamwOutputs<B>> {
     let inputs = cuda_inputs([master, grad, m, v])?;
     let len = master.dims()[0];
-    let outputs = [0; 3].map(|_| empty_like(&inputs[0], len));
-    launch_adamw(&inputs, &outputs, k);
-    as_tensors(master, outputs)
+    let outputs = [0; 3].map(|_| empty_like(&inputs[0], len, DType::F32));
+    let working = working.map(|d| empty_like(&inputs[0], len, d));
+    launch_adamw(&inputs, &outputs, working.as_ref(), k);
+    let working = match working {
+        Some(w) => Some(as_tensors(master, [w])?.into_iter().next()?),
+        None => None,
+    };
+    Some((as_tensors(master, outputs)?, working))
 }
 
 /// The fused LAMB passes' plan of one partition: its pieces (the segments of
@@ -236,7 +267,7 @@ pub(crate) fn lamb<B: Backend>(
         .cuda
         .get_or_insert_with(|| Box::new(LambCache::new(state, len, &client)));
     let [w, g, m_old, v_old] = [0, 1, 2, 3].map(|i| &inputs[i].handle);
-    let moments = [0; 2].map(|_| empty_like(&inputs[0], len));
+    let moments = [0; 2].map(|_| empty_like(&inputs[0], len, DType::F32));
     let sums = lamb_moments(
         &client,
         k,
@@ -263,7 +294,7 @@ pub(crate) fn lamb<B: Backend>(
             None => 0.0,
         })
         .collect();
-    let weights = empty_like(&inputs[0], len);
+    let weights = empty_like(&inputs[0], len, DType::F32);
     let [m_new, v_new] = &moments;
     lamb_apply(
         &client,

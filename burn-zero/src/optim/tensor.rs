@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use cubecl_kernels::lamb::LambConstants;
 
 use super::lamb::FusedPlan;
@@ -249,11 +249,105 @@ impl<B: Backend> TensorOptimizer<B> {
         grad: Tensor<B, 1>,
         hp: StepParams,
     ) -> Tensor<B, 1> {
+        self.step_scaled(param, grad, hp, 1.0, None).0
+    }
+
+    /// The updated partition from `param` and `grad` multiplied by `grad_scale` (the clipping
+    /// factor). Asked for a `working` dtype, the fused AdamW kernel also writes the new weights
+    /// in it in the same pass (the model's compute-dtype copy); `None` comes back where it did
+    /// not, and the caller converts.
+    pub fn step_scaled(
+        &mut self,
+        param: Tensor<B, 1>,
+        grad: Tensor<B, 1>,
+        hp: StepParams,
+        grad_scale: f32,
+        working: Option<DType>,
+    ) -> (Tensor<B, 1>, Option<Tensor<B, 1>>) {
         assert_eq!(
             (param.dims()[0], grad.dims()[0]),
             (self.len, self.len),
             "parameter, gradient and optimizer state differ in length"
         );
+        #[cfg(feature = "cuda")]
+        let (param, grad) = match self.fused_adam(param, grad, hp, grad_scale, working) {
+            Ok(stepped) => return stepped,
+            Err(inputs) => inputs,
+        };
+        let _ = working;
+        let grad = if grad_scale == 1.0 {
+            grad
+        } else {
+            grad.mul_scalar(grad_scale)
+        };
+        (self.step_ops(param, grad, hp), None)
+    }
+
+    /// Adam/AdamW as one fused kernel (`burn_zero.fused_adam`, CUDA tensors), the gradient
+    /// scaled inside it; the inputs back, the state untouched, where it does not apply.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::type_complexity)]
+    fn fused_adam(
+        &mut self,
+        param: Tensor<B, 1>,
+        grad: Tensor<B, 1>,
+        hp: StepParams,
+        grad_scale: f32,
+        working: Option<DType>,
+    ) -> Result<(Tensor<B, 1>, Option<Tensor<B, 1>>), (Tensor<B, 1>, Tensor<B, 1>)> {
+        let State::Adam {
+            m,
+            v,
+            step,
+            settings,
+        } = &mut self.state
+        else {
+            return Err((param, grad));
+        };
+        if !self.fused {
+            return Err((param, grad));
+        }
+        let (lr, (b1, b2)) = hp.f32();
+        let (bc1, bc2) = settings.corrections(*step + 1, (b1, b2));
+        let wd = settings.weight_decay as f32;
+        let k = cubecl_kernels::adam::AdamConstants {
+            beta1: b1,
+            beta2: b2,
+            eps: settings.eps as f32,
+            shrink: if settings.decoupled {
+                1.0 - lr * wd
+            } else {
+                1.0
+            },
+            l2: if settings.decoupled { 0.0 } else { wd },
+            bias_correction2_sqrt: bc2.sqrt(),
+            step_size: lr / bc1,
+            grad_scale,
+        };
+        // The moments' only references go to the kernel: it may write in place.
+        let device = param.device();
+        let m_old = core::mem::replace(m, Tensor::empty([1], &device));
+        let v_old = core::mem::replace(v, Tensor::empty([1], &device));
+        match super::fused_cuda::adamw([param, grad, m_old, v_old], &k, working) {
+            Ok(([w, m_new, v_new], working)) => {
+                (*m, *v) = (m_new, v_new);
+                *step += 1;
+                Ok((w, working))
+            }
+            Err([param, grad, m_old, v_old]) => {
+                (*m, *v) = (m_old, v_old);
+                Err((param, grad))
+            }
+        }
+    }
+
+    /// The step as tensor ops (the reference of the fused kernels, and every other backend).
+    fn step_ops(
+        &mut self,
+        param: Tensor<B, 1>,
+        grad: Tensor<B, 1>,
+        hp: StepParams,
+    ) -> Tensor<B, 1> {
         let (lr, (b1, b2)) = hp.f32();
         match &mut self.state {
             State::Adam {
@@ -265,39 +359,6 @@ impl<B: Backend> TensorOptimizer<B> {
                 *step += 1;
                 let (bc1, bc2) = settings.corrections(*step, (b1, b2));
                 let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
-                #[cfg(feature = "cuda")]
-                let (param, grad) = match self.fused {
-                    true => {
-                        let k = cubecl_kernels::adam::AdamConstants {
-                            beta1: b1,
-                            beta2: b2,
-                            eps,
-                            shrink: if settings.decoupled {
-                                1.0 - lr * wd
-                            } else {
-                                1.0
-                            },
-                            l2: if settings.decoupled { 0.0 } else { wd },
-                            bias_correction2_sqrt: bc2.sqrt(),
-                            step_size: lr / bc1,
-                        };
-                        // The moments' only references go to the kernel: it may write in place.
-                        let device = param.device();
-                        let m_old = core::mem::replace(m, Tensor::empty([1], &device));
-                        let v_old = core::mem::replace(v, Tensor::empty([1], &device));
-                        match super::fused_cuda::adamw([param, grad, m_old, v_old], &k) {
-                            Ok([w, m_new, v_new]) => {
-                                (*m, *v) = (m_new, v_new);
-                                return w;
-                            }
-                            Err([param, grad, m_old, v_old]) => {
-                                (*m, *v) = (m_old, v_old);
-                                (param, grad)
-                            }
-                        }
-                    }
-                    false => (param, grad),
-                };
                 let g = if settings.decoupled || wd == 0.0 {
                     grad
                 } else {
