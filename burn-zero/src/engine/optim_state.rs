@@ -275,15 +275,13 @@ impl<I: Backend> Optim<I> {
     ) -> Result<Vec<Tensor<I, 1>>, EngineError> {
         match self {
             Optim::Device { master, opt } => {
-                let GradSource::Device(mut grad) = source else {
+                let GradSource::Device(grad) = source else {
                     unreachable!("gradients live in host memory only beside an offloaded optimizer")
                 };
-                let grad = match grad.len() {
-                    1 => grad.pop().expect("one piece"),
-                    _ => Tensor::cat(grad, 0),
-                };
-                // The master's only reference goes to the step, so it may update it in place.
-                let old = core::mem::replace(master, Tensor::empty([1], &grad.device()));
+                // The master's only reference goes to the step, so it may update it in place;
+                // the gradient's pieces are read where they lie (no concatenated copy).
+                let device = master.device();
+                let old = core::mem::replace(master, Tensor::empty([1], &device));
                 let (new, working) =
                     opt.step_scaled(old, grad, hp, grad_scale, compute.native_dtype());
                 *master = new;

@@ -42,21 +42,25 @@ struct AdamwOp {
 
 impl Operation<FusedCuda> for AdamwOp {
     fn execute(&self, handles: &mut HandleContainer<<FusedCuda as FusionRuntime>::FusionHandle>) {
-        let inputs: [CubeTensor<CudaRuntime>; 4] = core::array::from_fn(|i| {
-            let t = handles.get_float_tensor::<Cube>(&self.desc.inputs[i]);
-            burn_cubecl::kernel::into_contiguous(t)
-        });
-        let len = inputs[0].meta.shape().num_elements();
-        let outputs = [0, 2, 3].map(|i| match inputs[i].can_mut() {
-            true => inputs[i].clone(),
-            false => empty_like(&inputs[i], len, DType::F32),
+        // Inputs: master, m, v, then the gradient's pieces in order.
+        let mut inputs =
+            self.desc.inputs.iter().map(|ir| {
+                burn_cubecl::kernel::into_contiguous(handles.get_float_tensor::<Cube>(ir))
+            });
+        let state: [CubeTensor<CudaRuntime>; 3] =
+            core::array::from_fn(|_| inputs.next().expect("master, m and v"));
+        let grads: Vec<CubeTensor<CudaRuntime>> = inputs.collect();
+        let len = state[0].meta.shape().num_elements();
+        let outputs = state.each_ref().map(|t| match t.can_mut() {
+            true => t.clone(),
+            false => empty_like(t, len, DType::F32),
         });
         let working = self
             .desc
             .outputs
             .get(3)
-            .map(|ir| empty_like(&inputs[0], len, ir.dtype));
-        launch_adamw(&inputs, &outputs, working.as_ref(), &self.k);
+            .map(|ir| empty_like(&state[0], len, ir.dtype));
+        launch_adamw(&state, &grads, &outputs, working.as_ref(), &self.k);
         for (ir, out) in self
             .desc
             .outputs
@@ -78,42 +82,63 @@ fn cast<T: 'static, U: 'static>(value: T) -> Option<U> {
     boxed.downcast::<U>().ok().map(|b| *b)
 }
 
-/// `(master, m, v)` after one step from `grad` (and the new master in `working`'s dtype when
-/// that is bf16 or f16), the inputs back when these are not f32 CUDA tensors of one length
-/// (the tensor ops take them then). burn-cuda's fused tensors go through the fusion stream
+/// Elements a gradient piece starts at a multiple of, for the kernel to run on it in place:
+/// offsets of 256 bytes in f32 (128 in bf16/f16) keep every binding aligned.
+const PIECE_ALIGN: usize = 64;
+
+/// `(master, m, v)` after one step from the gradient in `grads` (its consecutive pieces, read
+/// where they lie: no concatenated copy) and the new master in `working`'s dtype when that is
+/// bf16 or f16; the inputs back when these are not f32 CUDA tensors whose lengths add up (the
+/// tensor ops take them then). burn-cuda's fused tensors go through the fusion stream
 /// ([`AdamwOp`], in place where `master`, `m` and `v` are their tensors' only references);
 /// plain CUDA tensors get new buffers.
+#[allow(clippy::type_complexity)]
 pub(crate) fn adamw<B: Backend>(
-    [master, grad, m, v]: [Tensor<B, 1>; 4],
+    [master, m, v]: [Tensor<B, 1>; 3],
+    grads: Vec<Tensor<B, 1>>,
     k: &AdamConstants,
     working: Option<DType>,
-) -> Result<AdamwOutputs<B>, [Tensor<B, 1>; 4]> {
+) -> Result<AdamwOutputs<B>, ([Tensor<B, 1>; 3], Vec<Tensor<B, 1>>)> {
     let len = master.dims()[0];
     let working = working.filter(|d| matches!(d, DType::BF16 | DType::F16));
-    let fits = [&master, &grad, &m, &v]
-        .iter()
-        .all(|t| t.dims()[0] == len && t.dtype() == DType::F32);
+    let mut at = 0;
+    let pieces_fit = grads.iter().all(|g| {
+        let aligned = at % PIECE_ALIGN == 0;
+        at += g.dims()[0];
+        aligned && g.dtype() == DType::F32
+    });
+    let fits = pieces_fit
+        && at == len
+        && [&master, &m, &v]
+            .iter()
+            .all(|t| t.dims()[0] == len && t.dtype() == DType::F32);
     let in_stream =
         TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FusionTensor<FusedCuda>>();
     if !fits || !in_stream {
-        return match fits
-            .then(|| adamw_resolved(&master, &grad, &m, &v, k, working))
-            .flatten()
-        {
-            Some(out) => Ok(out),
-            None => Err([master, grad, m, v]),
+        let grad = match (fits, grads.len()) {
+            (true, 1) => Some(grads[0].clone()),
+            (true, _) => Some(Tensor::cat(grads.clone(), 0)),
+            (false, _) => None,
         };
+        let out = grad.and_then(|g| adamw_resolved(&master, &g, &m, &v, k, working));
+        return out.ok_or(([master, m, v], grads));
     }
-    let [w, g, m, v] = [master, grad, m, v].map(|t| {
+    let fused = |t: Tensor<B, 1>| {
         cast::<_, FusionTensor<FusedCuda>>(t.into_primitive().tensor()).expect("checked type")
-    });
-    let client = w.client.clone();
-    let streams = OperationStreams::with_inputs([&w, &g, &m, &v]);
+    };
+    let state = [master, m, v].map(fused);
+    let grads: Vec<FusionTensor<FusedCuda>> = grads.into_iter().map(fused).collect();
+    let client = state[0].client.clone();
+    let streams = OperationStreams::with_inputs(state.iter().chain(&grads));
     let dtypes = [DType::F32; 3].into_iter().chain(working);
     let outputs: Vec<TensorIr> = dtypes
         .map(|d| TensorIr::uninit(client.create_empty_handle(), Shape::new([len]), d))
         .collect();
-    let inputs = [w.into_ir(), g.into_ir(), m.into_ir(), v.into_ir()];
+    let inputs: Vec<TensorIr> = state
+        .into_iter()
+        .chain(grads)
+        .map(|t| t.into_ir())
+        .collect();
     let desc = CustomOpIr::new("burn_zero_fused_adamw", &inputs, &outputs);
     let op = AdamwOp {
         desc: desc.clone(),
@@ -130,20 +155,37 @@ pub(crate) fn adamw<B: Backend>(
     Ok(([next(), next(), next()], working.map(|_| next())))
 }
 
-/// One fused AdamW launch from `[master, grad, m, v]` into `[master, m, v]` (which may be the
-/// inputs themselves: the kernel is elementwise) and, with `working`, the new master in its
-/// dtype.
+/// The fused AdamW launches from `[master, m, v]` and the gradient's consecutive `grads` into
+/// `[master, m, v]` (which may be the inputs themselves: the kernel is elementwise) and, with
+/// `working`, the new master in its dtype: one launch per piece, on the state's buffers at
+/// the piece's offset.
 fn launch_adamw(
-    inputs: &[CubeTensor<CudaRuntime>; 4],
+    state: &[CubeTensor<CudaRuntime>; 3],
+    grads: &[CubeTensor<CudaRuntime>],
     outputs: &[CubeTensor<CudaRuntime>; 3],
     working: Option<&CubeTensor<CudaRuntime>>,
     k: &AdamConstants,
 ) {
-    let len = inputs[0].meta.shape().num_elements();
-    let [a, b, c, d] = inputs.each_ref().map(|t| &t.handle);
-    let [e, f, g] = outputs.each_ref().map(|t| &t.handle);
-    let working = working.map(|w| (&w.handle, w.dtype.into()));
-    adamw_into::<CudaRuntime>(&inputs[0].client, k, len, [a, b, c, d], [e, f, g], working);
+    let mut at = 0;
+    for grad in grads {
+        let n = grad.meta.shape().num_elements();
+        let piece = |t: &CubeTensor<CudaRuntime>| match at {
+            0 => t.handle.clone(),
+            _ => t.handle.clone().offset_start((at * t.dtype.size()) as u64),
+        };
+        let [w, m, v] = state.each_ref().map(piece);
+        let [w_out, m_out, v_out] = outputs.each_ref().map(piece);
+        let working = working.map(|t| (piece(t), t.dtype.into()));
+        adamw_into::<CudaRuntime>(
+            &grad.client,
+            k,
+            n,
+            [&w, &grad.handle, &m, &v],
+            [&w_out, &m_out, &v_out],
+            working.as_ref().map(|(h, d)| (h, *d)),
+        );
+        at += n;
+    }
 }
 
 /// The CUDA tensors of `tensors` (f32, contiguous, `len` elements, one device), or `None`.
@@ -197,11 +239,11 @@ fn adamw_resolved<B: Backend>(
     k: &AdamConstants,
     working: Option<DType>,
 ) -> Option<AdamwOutputs<B>> {
-    let inputs = cuda_inputs([master, grad, m, v])?;
+    let [w, g, m_in, v_in] = cuda_inputs([master, grad, m, v])?;
     let len = master.dims()[0];
-    let outputs = [0; 3].map(|_| empty_like(&inputs[0], len, DType::F32));
-    let working = working.map(|d| empty_like(&inputs[0], len, d));
-    launch_adamw(&inputs, &outputs, working.as_ref(), k);
+    let outputs = [0; 3].map(|_| empty_like(&w, len, DType::F32));
+    let working = working.map(|d| empty_like(&w, len, d));
+    launch_adamw(&[w, m_in, v_in], &[g], &outputs, working.as_ref(), k);
     let working = match working {
         Some(w) => Some(as_tensors(master, [w])?.into_iter().next()?),
         None => None,

@@ -249,32 +249,38 @@ impl<B: Backend> TensorOptimizer<B> {
         grad: Tensor<B, 1>,
         hp: StepParams,
     ) -> Tensor<B, 1> {
-        self.step_scaled(param, grad, hp, 1.0, None).0
+        self.step_scaled(param, vec![grad], hp, 1.0, None).0
     }
 
-    /// The updated partition from `param` and `grad` multiplied by `grad_scale` (the clipping
-    /// factor). Asked for a `working` dtype, the fused AdamW kernel also writes the new weights
-    /// in it in the same pass (the model's compute-dtype copy); `None` comes back where it did
-    /// not, and the caller converts.
+    /// The updated partition from `param` and the gradient, given as its consecutive pieces
+    /// `grads`, multiplied by `grad_scale` (the clipping factor). The fused AdamW kernel reads
+    /// the pieces where they lie; the tensor ops get them concatenated. Asked for a `working`
+    /// dtype, the fused kernel also writes the new weights in it in the same pass (the model's
+    /// compute-dtype copy); `None` comes back where it did not, and the caller converts.
     pub fn step_scaled(
         &mut self,
         param: Tensor<B, 1>,
-        grad: Tensor<B, 1>,
+        grads: Vec<Tensor<B, 1>>,
         hp: StepParams,
         grad_scale: f32,
         working: Option<DType>,
     ) -> (Tensor<B, 1>, Option<Tensor<B, 1>>) {
         assert_eq!(
-            (param.dims()[0], grad.dims()[0]),
+            (param.dims()[0], grads.iter().map(|g| g.dims()[0]).sum()),
             (self.len, self.len),
             "parameter, gradient and optimizer state differ in length"
         );
         #[cfg(feature = "cuda")]
-        let (param, grad) = match self.fused_adam(param, grad, hp, grad_scale, working) {
+        let (param, grads) = match self.fused_adam(param, grads, hp, grad_scale, working) {
             Ok(stepped) => return stepped,
             Err(inputs) => inputs,
         };
         let _ = working;
+        let mut grads = grads;
+        let grad = match grads.len() {
+            1 => grads.pop().expect("one piece"),
+            _ => Tensor::cat(grads, 0),
+        };
         let grad = if grad_scale == 1.0 {
             grad
         } else {
@@ -290,11 +296,11 @@ impl<B: Backend> TensorOptimizer<B> {
     fn fused_adam(
         &mut self,
         param: Tensor<B, 1>,
-        grad: Tensor<B, 1>,
+        grads: Vec<Tensor<B, 1>>,
         hp: StepParams,
         grad_scale: f32,
         working: Option<DType>,
-    ) -> Result<(Tensor<B, 1>, Option<Tensor<B, 1>>), (Tensor<B, 1>, Tensor<B, 1>)> {
+    ) -> Result<(Tensor<B, 1>, Option<Tensor<B, 1>>), (Tensor<B, 1>, Vec<Tensor<B, 1>>)> {
         let State::Adam {
             m,
             v,
@@ -302,10 +308,10 @@ impl<B: Backend> TensorOptimizer<B> {
             settings,
         } = &mut self.state
         else {
-            return Err((param, grad));
+            return Err((param, grads));
         };
         if !self.fused {
-            return Err((param, grad));
+            return Err((param, grads));
         }
         let (lr, (b1, b2)) = hp.f32();
         let (bc1, bc2) = settings.corrections(*step + 1, (b1, b2));
@@ -328,15 +334,15 @@ impl<B: Backend> TensorOptimizer<B> {
         let device = param.device();
         let m_old = core::mem::replace(m, Tensor::empty([1], &device));
         let v_old = core::mem::replace(v, Tensor::empty([1], &device));
-        match super::fused_cuda::adamw([param, grad, m_old, v_old], &k, working) {
+        match super::fused_cuda::adamw([param, m_old, v_old], grads, &k, working) {
             Ok(([w, m_new, v_new], working)) => {
                 (*m, *v) = (m_new, v_new);
                 *step += 1;
                 Ok((w, working))
             }
-            Err([param, grad, m_old, v_old]) => {
+            Err(([param, m_old, v_old], grads)) => {
                 (*m, *v) = (m_old, v_old);
-                Err((param, grad))
+                Err((param, grads))
             }
         }
     }

@@ -6,7 +6,8 @@
 //!    (never zero) gradients, every third scaled by a clipping factor (see `check`): master and
 //!    moments within 1e-6 relative (LAMB 1e-5: its norms are summed in another order), Adam's
 //!    bf16 working copy within one bf16 step of the reference's master rounded; a NaN in the
-//!    gradient stays NaN in the weights;
+//!    gradient stays NaN in the weights; the longest gradient reaches the fused kernel in two
+//!    pieces, as the engine hands over a large one;
 //! 2. time: one step over N parameters (default 2^28; LAMB's cut into 200 tensors) fused and as
 //!    burn's tensor ops (fused by burn's fusion where it can), per 1e9 parameters with the bytes
 //!    each moves; AdamW also with the bf16 copy of the weights the engine publishes.
@@ -150,9 +151,18 @@ fn check(len: usize, kind: Kind, device: &Device) -> (f64, Option<f64>) {
             }
         }
         let copy;
-        (a, copy) = fused.step_scaled(a, tensor(g.clone(), device), hp, scale, working);
+        // The engine hands over a large gradient in pieces: the fused kernel reads the longest
+        // one's in two (split at a multiple of 64 elements, the second of odd length).
+        let pieces = match len {
+            1_000_003 => vec![
+                tensor(g[..500_032].to_vec(), device),
+                tensor(g[500_032..].to_vec(), device),
+            ],
+            _ => vec![tensor(g.clone(), device)],
+        };
+        (a, copy) = fused.step_scaled(a, pieces, hp, scale, working);
         b = reference
-            .step_scaled(b, tensor(g, device), hp, scale, None)
+            .step_scaled(b, vec![tensor(g, device)], hp, scale, None)
             .0;
         if working.is_some() {
             let copy = copy.expect("the fused AdamW kernel writes the bf16 copy");
@@ -186,7 +196,7 @@ fn time(len: usize, kind: Kind, fused: bool, working: bool, steps: usize, device
         B::sync(device).expect("sync");
         let start = Instant::now();
         let copy;
-        (w, copy) = opt.step_scaled(w, g.clone(), hp, 1.0, working.then_some(DType::BF16));
+        (w, copy) = opt.step_scaled(w, vec![g.clone()], hp, 1.0, working.then_some(DType::BF16));
         let copy = match (working, copy) {
             (true, None) => Some(w.clone().cast(FloatDType::BF16)),
             (_, copy) => copy,
