@@ -15,7 +15,9 @@ use cubecl_kernels::adam::{AdamConstants, adamw_into};
 use cubecl_kernels::lamb::{LambConstants, LambPlan, LambPlanHandles, lamb_apply, lamb_moments};
 
 use super::lamb::{FusedPlan, LambState};
+use super::{AdamSettings, StepParams};
 use crate::backend::cuda::{cube_tensor, from_cube};
+use burn_offload::AdamStep;
 
 use core::any::{Any, TypeId};
 
@@ -82,6 +84,46 @@ fn cast<T: 'static, U: 'static>(value: T) -> Option<U> {
     boxed.downcast::<U>().ok().map(|b| *b)
 }
 
+/// Adam's moments, step count and settings of one partition, as [`adam`] updates them.
+pub(crate) type AdamState<'a, B> = ([&'a mut Tensor<B, 1>; 2], &'a mut u64, &'a AdamSettings);
+
+/// One Adam/AdamW step of `param` as the fused kernel, the gradient (its consecutive pieces
+/// `grads`) multiplied by `grad_scale` inside it, and the new weights in `working` too when
+/// asked for; the inputs back, the state untouched, where the kernel does not apply.
+#[allow(clippy::type_complexity)]
+pub(crate) fn adam<B: Backend>(
+    param: Tensor<B, 1>,
+    grads: Vec<Tensor<B, 1>>,
+    ([m, v], step, settings): AdamState<'_, B>,
+    hp: StepParams,
+    grad_scale: f32,
+    working: Option<DType>,
+) -> Result<(Tensor<B, 1>, Option<Tensor<B, 1>>), (Tensor<B, 1>, Vec<Tensor<B, 1>>)> {
+    let (lr, betas) = hp.f32();
+    let (eps, wd) = (settings.eps as f32, settings.weight_decay as f32);
+    let (decoupled, corrected) = (settings.decoupled, settings.bias_correction);
+    let next = AdamStep::at(*step + 1, lr, betas, eps, wd, decoupled, corrected);
+    let k = AdamConstants {
+        grad_scale,
+        ..AdamConstants::from(&next)
+    };
+    // The moments' only references go to the kernel: it may write in place.
+    let device = param.device();
+    let m_old = core::mem::replace(m, Tensor::empty([1], &device));
+    let v_old = core::mem::replace(v, Tensor::empty([1], &device));
+    match adamw([param, m_old, v_old], grads, &k, working) {
+        Ok(([w, m_new, v_new], working)) => {
+            (*m, *v) = (m_new, v_new);
+            *step += 1;
+            Ok((w, working))
+        }
+        Err(([param, m_old, v_old], grads)) => {
+            (*m, *v) = (m_old, v_old);
+            Err((param, grads))
+        }
+    }
+}
+
 /// Elements a gradient piece starts at a multiple of, for the kernel to run on it in place:
 /// offsets of 256 bytes in f32 (128 in bf16/f16) keep every binding aligned.
 const PIECE_ALIGN: usize = 64;
@@ -93,7 +135,7 @@ const PIECE_ALIGN: usize = 64;
 /// ([`AdamwOp`], in place where `master`, `m` and `v` are their tensors' only references);
 /// plain CUDA tensors get new buffers.
 #[allow(clippy::type_complexity)]
-pub(crate) fn adamw<B: Backend>(
+fn adamw<B: Backend>(
     [master, m, v]: [Tensor<B, 1>; 3],
     grads: Vec<Tensor<B, 1>>,
     k: &AdamConstants,

@@ -270,10 +270,22 @@ impl<B: Backend> TensorOptimizer<B> {
             (self.len, self.len),
             "parameter, gradient and optimizer state differ in length"
         );
+        // Adam/AdamW as one fused kernel (`burn_zero.fused_adam`) where the tensors allow.
         #[cfg(feature = "cuda")]
-        let (param, grads) = match self.fused_adam(param, grads, hp, grad_scale, working) {
-            Ok(stepped) => return stepped,
-            Err(inputs) => inputs,
+        let (param, grads) = match &mut self.state {
+            State::Adam {
+                m,
+                v,
+                step,
+                settings,
+            } if self.fused => {
+                let state = ([m, v], step, &*settings);
+                match super::fused_cuda::adam(param, grads, state, hp, grad_scale, working) {
+                    Ok(stepped) => return stepped,
+                    Err(inputs) => inputs,
+                }
+            }
+            _ => (param, grads),
         };
         let _ = working;
         let mut grads = grads;
@@ -287,64 +299,6 @@ impl<B: Backend> TensorOptimizer<B> {
             grad.mul_scalar(grad_scale)
         };
         (self.step_ops(param, grad, hp), None)
-    }
-
-    /// Adam/AdamW as one fused kernel (`burn_zero.fused_adam`, CUDA tensors), the gradient
-    /// scaled inside it; the inputs back, the state untouched, where it does not apply.
-    #[cfg(feature = "cuda")]
-    #[allow(clippy::type_complexity)]
-    fn fused_adam(
-        &mut self,
-        param: Tensor<B, 1>,
-        grads: Vec<Tensor<B, 1>>,
-        hp: StepParams,
-        grad_scale: f32,
-        working: Option<DType>,
-    ) -> Result<(Tensor<B, 1>, Option<Tensor<B, 1>>), (Tensor<B, 1>, Vec<Tensor<B, 1>>)> {
-        let State::Adam {
-            m,
-            v,
-            step,
-            settings,
-        } = &mut self.state
-        else {
-            return Err((param, grads));
-        };
-        if !self.fused {
-            return Err((param, grads));
-        }
-        let (lr, (b1, b2)) = hp.f32();
-        let (bc1, bc2) = settings.corrections(*step + 1, (b1, b2));
-        let wd = settings.weight_decay as f32;
-        let k = cubecl_kernels::adam::AdamConstants {
-            beta1: b1,
-            beta2: b2,
-            eps: settings.eps as f32,
-            shrink: if settings.decoupled {
-                1.0 - lr * wd
-            } else {
-                1.0
-            },
-            l2: if settings.decoupled { 0.0 } else { wd },
-            bias_correction2_sqrt: bc2.sqrt(),
-            step_size: lr / bc1,
-            grad_scale,
-        };
-        // The moments' only references go to the kernel: it may write in place.
-        let device = param.device();
-        let m_old = core::mem::replace(m, Tensor::empty([1], &device));
-        let v_old = core::mem::replace(v, Tensor::empty([1], &device));
-        match super::fused_cuda::adamw([param, m_old, v_old], grads, &k, working) {
-            Ok(([w, m_new, v_new], working)) => {
-                (*m, *v) = (m_new, v_new);
-                *step += 1;
-                Ok((w, working))
-            }
-            Err(([param, m_old, v_old], grads)) => {
-                (*m, *v) = (m_old, v_old);
-                Err((param, grads))
-            }
-        }
     }
 
     /// The step as tensor ops (the reference of the fused kernels, and every other backend).
