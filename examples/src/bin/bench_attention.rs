@@ -21,7 +21,7 @@ use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation::softmax};
 use burn_zero::attention::{
-    SparseLayout, block_sparse_attention, flash_attention, flash_attention_calls,
+    SparseLayout, block_sparse_attention, flash_attention, flash_attention_calls, prefetch_allowed,
     set_flash_attention, tensor_cores_allowed,
 };
 use burn_zero::backend::ZeroBackend;
@@ -308,12 +308,14 @@ fn time(device: &Device, iterations: usize) {
         let median = fwd_bwd_seconds(device, [b, h, seq, hd], kv, iterations, |q, k, v| {
             flash_attention(q, k, v, true).expect("flash")
         });
+        let forward = forward_seconds(device, [b, h, seq, hd], kv, iterations);
         let flops = causal_flops(b, h, seq, hd);
         println!(
             "{}",
             json!({"time": {"seq": seq, "head_dim": hd, "batch": b, "heads": h,
                 "kv_heads": kv, "causal": true, "dtype": "bf16", "fwd_bwd_ms": median * 1e3,
-                "tflops": flops / median / 1e12}})
+                "tflops": flops / median / 1e12, "fwd_ms": forward * 1e3,
+                "fwd_tflops": flops / 3.5 / forward / 1e12, "prefetch": prefetch_allowed()}})
         );
     }
 }
@@ -342,6 +344,28 @@ fn fwd_bwd_seconds(
         let dq = q.grad(&grads).expect("dq");
         B::sync(device).expect("sync");
         drop(dq);
+        if i > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// Median seconds of the causal forward alone (inputs without gradients: nothing is kept for
+/// a backward) over `iterations` (after one warm-up).
+fn forward_seconds(device: &Device, shape: [usize; 4], kv_heads: usize, iterations: usize) -> f64 {
+    let [b, _, seq, hd] = shape;
+    let kv_shape = [b, kv_heads, seq, hd];
+    let [q, k, v] = [(shape, 1), (kv_shape, 2), (kv_shape, 3)]
+        .map(|(shape, seed)| tensor(shape, seed, FloatDType::BF16, device));
+    let mut times = Vec::new();
+    for i in 0..=iterations {
+        B::sync(device).expect("sync");
+        let start = Instant::now();
+        let out = flash_attention(q.clone(), k.clone(), v.clone(), true).expect("flash");
+        B::sync(device).expect("sync");
+        drop(out);
         if i > 0 {
             times.push(start.elapsed().as_secs_f64());
         }

@@ -114,6 +114,7 @@ pub(super) fn forward<R: Runtime>(
             options.causal,
             sparse,
             dims.head_dim,
+            options.prefetch,
             dtype,
         )
     }
@@ -156,6 +157,7 @@ pub(super) fn backward<R: Runtime>(
             options.causal,
             sparse,
             dims.head_dim,
+            options.prefetch,
             dtype,
         );
     }
@@ -197,6 +199,7 @@ pub(super) fn backward<R: Runtime>(
             options.causal,
             sparse,
             dims.head_dim,
+            options.prefetch,
             [dtype, out_dtype],
         );
     }
