@@ -25,6 +25,24 @@ def step(q, k, v, g):
     out.backward(g)
 
 
+def forward_seconds(q, k, v, iterations):
+    """Median seconds of the forward alone (no graph kept), on the backend `step` uses."""
+    times = []
+    with torch.no_grad():
+        for i in range(iterations + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            if q.shape[1] != k.shape[1]:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.cuda.synchronize()
+            if i > 0:
+                times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def cases():
     """bench-attention's `time_cases`: 16k tokens at hidden 2048, then the 1B e2e call
     (batch 2 x 1024, 32 query and 8 K/V heads)."""
@@ -51,11 +69,14 @@ def main():
             if i > 0:
                 times.append(time.perf_counter() - start)
         median = sorted(times)[len(times) // 2]
+        forward = forward_seconds(q, k, v, iterations)
         flops = 4.0 * b * h * hd * seq * seq / 2.0 * 3.5
         print(json.dumps({"time": {"seq": seq, "head_dim": hd, "batch": b, "heads": h,
                                    "kv_heads": kv, "causal": True, "dtype": "bf16",
                                    "fwd_bwd_ms": median * 1e3,
-                                   "tflops": flops / median / 1e12}}), flush=True)
+                                   "tflops": flops / median / 1e12,
+                                   "fwd_ms": forward * 1e3,
+                                   "fwd_tflops": flops / 3.5 / forward / 1e12}}), flush=True)
         del q, k, v, g
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
