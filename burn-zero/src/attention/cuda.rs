@@ -143,7 +143,6 @@ impl Options {
             causal: self.causal,
             scale: 1.0 / (self.dims.head_dim as f32).sqrt(),
             tensor_cores: super::tensor_cores_allowed(),
-            prefetch: super::prefetch_allowed(),
         }
     }
 }

@@ -78,12 +78,6 @@ pub fn tensor_cores_allowed() -> bool {
     crate::log::env_switch_on!("BURN_ZERO_ATTENTION_TENSOR_CORES")
 }
 
-/// Whether the tensor-core kernels load the next tile while working on the current one:
-/// `BURN_ZERO_ATTENTION_PREFETCH=0` (read once) loads each tile where it is stored, to compare.
-pub fn prefetch_allowed() -> bool {
-    crate::log::env_switch_on!("BURN_ZERO_ATTENTION_PREFETCH")
-}
-
 /// The `sparse_attention` section in force and the layout of the last (heads, seq) it made.
 struct SparseState {
     config: Option<SparseAttentionConfig>,

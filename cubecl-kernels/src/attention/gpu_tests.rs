@@ -158,7 +158,6 @@ fn launch(
         causal: c.causal,
         scale: 1.0 / (c.head_dim as f32).sqrt(),
         tensor_cores: true,
-        prefetch: true,
     };
     let f32_type = StorageType::Scalar(ElemType::Float(FloatKind::F32));
     let [bq, bk, bv, bg] = [(q, q_shape), (k, k_shape), (v, k_shape), (g, q_shape)]

@@ -40,9 +40,6 @@ pub struct FlashOptions {
     /// Use the tensor-core kernels where they apply ([`tensor_core::tensor_cores_apply`]);
     /// `false` keeps the CUDA-core kernels (to compare the two).
     pub tensor_cores: bool,
-    /// The tensor-core kernels load the next K/V (or Q/dO) tile into registers while they work
-    /// on the current one; `false` loads each tile where it is stored (to compare the two).
-    pub prefetch: bool,
 }
 
 /// A block layout: `layout` is `[heads, blocks, blocks]` `u32`, nonzero where the

@@ -315,7 +315,7 @@ fn time(device: &Device, iterations: usize) {
             json!({"time": {"seq": seq, "head_dim": hd, "batch": b, "heads": h,
                 "kv_heads": kv, "causal": true, "dtype": "bf16", "fwd_bwd_ms": median * 1e3,
                 "tflops": flops / median / 1e12, "fwd_ms": forward * 1e3,
-                "fwd_tflops": flops / 3.5 / forward / 1e12, "prefetch": prefetch_allowed()}})
+                "fwd_tflops": flops / 3.5 / forward / 1e12}})
         );
     }
 }

@@ -11,9 +11,9 @@ mod kernel {
     use super::super::super::lanes::last_of;
     use super::super::super::sparse::block_kept;
     use super::super::tiles::{
-        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, TilePair, accumulate, column, column_shift,
-        frags_a, load_stat, next_tile, padded, scores_of, scores_of_frags, stage_pair, store_stat,
-        write_rows, zero_accs,
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, column, column_shift, frags_a,
+        next_tile, padded, scores_of, scores_of_frags, stage_pair, stage_stat, write_rows,
+        zero_accs,
     };
 
     /// `dq` on tensor cores (arguments as `flash_dq_kernel`'s): cube `(x, y)` holds query
@@ -38,7 +38,6 @@ mod kernel {
         #[comptime] causal: bool,
         #[comptime] sparse: bool,
         #[comptime] head_dim: usize,
-        #[comptime] prefetch: bool,
         #[define(F)] _dtype: StorageType,
     ) {
         let dt = comptime!(head_dim / T);
@@ -116,34 +115,22 @@ mod kernel {
         let mut start = next_tile(
             layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
         );
-        let mut kv = TilePair::<F, N>::new(
-            k, k_vectors, k_at, v, v_vectors, v_at, start, seq_k, KEYS, head_dim, prefetch,
-        );
         while start < kv_end {
-            kv.store(
+            stage_pair::<F, N>(
                 k,
                 k_vectors,
+                k_at,
                 v,
                 v_vectors,
+                v_at,
                 start,
                 seq_k,
                 &mut k_tile,
                 &mut v_tile,
+                KEYS,
+                head_dim,
                 ds,
             );
-            let next = next_tile(
-                layout,
-                h,
-                block,
-                first_row,
-                last_row,
-                start + KEYS,
-                kv_end,
-                seq_k,
-                sparse,
-                false,
-            );
-            kv.fetch(k, k_vectors, v, v_vectors, next, seq_k);
             scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
             sync_plane();
             #[unroll]
@@ -169,7 +156,18 @@ mod kernel {
             sync_plane();
             accumulate::<F>(&acc, &ds_tile, &k_tile, plane, dt, ds);
             sync_cube();
-            start = next;
+            start = next_tile(
+                layout,
+                h,
+                block,
+                first_row,
+                last_row,
+                start + KEYS,
+                kv_end,
+                seq_k,
+                sparse,
+                false,
+            );
         }
         let dq_at = b * dq.stride(0) + h * dq.stride(1) + row * dq.stride(2);
         write_rows::<F>(&acc, &mut s_tile, dq, dq_at, live, plane, lane, scale, dt);
@@ -202,7 +200,6 @@ mod kernel {
         #[comptime] causal: bool,
         #[comptime] sparse: bool,
         #[comptime] head_dim: usize,
-        #[comptime] prefetch: bool,
         #[define(F, O)] _dtypes: [StorageType; 2],
     ) {
         let dt = comptime!(head_dim / T);
@@ -283,57 +280,24 @@ mod kernel {
         let mut start = next_tile(
             layout, h, block, first_key, last_key, first, seq_q, seq_q, sparse, true,
         );
-        let mut qg = TilePair::<F, N>::new(
-            q,
-            q_vectors,
-            q_at,
-            d_out,
-            d_out_vectors,
-            g_at,
-            start,
-            seq_q,
-            KEYS,
-            head_dim,
-            prefetch,
-        );
-        // This unit's share of the tile's `lse` and `Δ` (with `prefetch`, loaded a tile ahead).
-        let mut row_lse = load_stat(lse, lse_at, start, seq_q, KEYS);
-        let mut row_delta = load_stat(delta, delta_at, start, seq_q, KEYS);
         while start < seq_q {
-            if !prefetch {
-                row_lse = load_stat(lse, lse_at, start, seq_q, KEYS);
-                row_delta = load_stat(delta, delta_at, start, seq_q, KEYS);
-            }
-            store_stat(row_lse, &mut lse_tile, KEYS);
-            store_stat(row_delta, &mut delta_tile, KEYS);
-            qg.store(
+            stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
+            stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
+            stage_pair::<F, N>(
                 q,
                 q_vectors,
+                q_at,
                 d_out,
                 d_out_vectors,
+                g_at,
                 start,
                 seq_q,
                 &mut q_tile,
                 &mut g_tile,
+                KEYS,
+                head_dim,
                 ds,
             );
-            let next = next_tile(
-                layout,
-                h,
-                block,
-                first_key,
-                last_key,
-                start + KEYS,
-                seq_q,
-                seq_q,
-                sparse,
-                true,
-            );
-            qg.fetch(q, q_vectors, d_out, d_out_vectors, next, seq_q);
-            if prefetch {
-                row_lse = load_stat(lse, lse_at, next, seq_q, KEYS);
-                row_delta = load_stat(delta, delta_at, next, seq_q, KEYS);
-            }
             // Sᵀ = K·Qᵀ, then dPᵀ = V·dOᵀ in its place: rows are this plane's keys.
             scores_of::<F>(&k_tile, a_at, &q_tile, &mut s_tile, plane, dt, ds);
             sync_plane();
@@ -361,7 +325,18 @@ mod kernel {
             accumulate::<F>(&dv_acc, &p_tile, &g_tile, plane, dt, ds);
             accumulate::<F>(&dk_acc, &ds_tile, &q_tile, plane, dt, ds);
             sync_cube();
-            start = next;
+            start = next_tile(
+                layout,
+                h,
+                block,
+                first_key,
+                last_key,
+                start + KEYS,
+                seq_q,
+                seq_q,
+                sparse,
+                true,
+            );
         }
         let dk_at = b * dk.stride(0) + h * dk.stride(1) + key * dk.stride(2);
         let dv_at = b * dv.stride(0) + h * dv.stride(1) + key * dv.stride(2);

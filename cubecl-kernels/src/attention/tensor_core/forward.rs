@@ -12,8 +12,8 @@ mod kernel {
     use super::super::super::lanes::last_of;
     use super::super::super::sparse::block_kept;
     use super::super::tiles::{
-        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, TilePair, accumulate, column, column_shift,
-        frags_a, next_tile, padded, scale_rows, scores_of_frags, stage, write_rows, zero_accs,
+        ALIGN, HALF, KEYS, PLANE, PS, ROWS, SS, T, accumulate, column, column_shift, frags_a,
+        next_tile, padded, scale_rows, scores_of_frags, stage, stage_pair, write_rows, zero_accs,
     };
     use super::SLACK;
 
@@ -37,7 +37,6 @@ mod kernel {
         #[comptime] causal: bool,
         #[comptime] sparse: bool,
         #[comptime] head_dim: usize,
-        #[comptime] prefetch: bool,
         #[define(F)] _dtype: StorageType,
     ) {
         let dt = comptime!(head_dim / T);
@@ -108,34 +107,22 @@ mod kernel {
         let mut start = next_tile(
             layout, h, block, first_row, last_row, 0, kv_end, seq_k, sparse, false,
         );
-        let mut kv = TilePair::<F, N>::new(
-            k, k_vectors, k_at, v, v_vectors, v_at, start, seq_k, KEYS, head_dim, prefetch,
-        );
         while start < kv_end {
-            kv.store(
+            stage_pair::<F, N>(
                 k,
                 k_vectors,
+                k_at,
                 v,
                 v_vectors,
+                v_at,
                 start,
                 seq_k,
                 &mut k_tile,
                 &mut v_tile,
+                KEYS,
+                head_dim,
                 ds,
             );
-            let next = next_tile(
-                layout,
-                h,
-                block,
-                first_row,
-                last_row,
-                start + KEYS,
-                kv_end,
-                seq_k,
-                sparse,
-                false,
-            );
-            kv.fetch(k, k_vectors, v, v_vectors, next, seq_k);
             scores_of_frags::<F>(&qf, &k_tile, &mut s_tile, plane, dt, ds);
             sync_plane();
 
@@ -175,7 +162,18 @@ mod kernel {
             }
             accumulate::<F>(&o, &p_tile, &v_tile, plane, dt, ds);
             sync_cube();
-            start = next;
+            start = next_tile(
+                layout,
+                h,
+                block,
+                first_row,
+                last_row,
+                start + KEYS,
+                kv_end,
+                seq_k,
+                sparse,
+                false,
+            );
         }
         let total = l + plane_shuffle_xor(l, 1);
         // A row that keeps no block (block-sparse only) gets zeros and a log-sum-exp of 0.

@@ -114,7 +114,6 @@ pub(super) fn forward<R: Runtime>(
             options.causal,
             sparse,
             dims.head_dim,
-            options.prefetch,
             dtype,
         )
     }
@@ -157,7 +156,6 @@ pub(super) fn backward<R: Runtime>(
             options.causal,
             sparse,
             dims.head_dim,
-            options.prefetch,
             dtype,
         );
     }
@@ -199,7 +197,6 @@ pub(super) fn backward<R: Runtime>(
             options.causal,
             sparse,
             dims.head_dim,
-            options.prefetch,
             [dtype, out_dtype],
         );
     }

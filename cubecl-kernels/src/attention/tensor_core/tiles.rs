@@ -89,130 +89,6 @@ pub(crate) fn stage_pair<F: Float, N: Size>(
     sync_cube();
 }
 
-/// Walks a kernel's tiles of two slabs (K and V, or Q and dO) with the next tile's global
-/// loads in flight while the current one is worked on (`prefetch`), or loaded where it is
-/// stored (not `prefetch`): [`TilePair::new`] holds the first tile's rows, [`TilePair::store`]
-/// puts them in the shared tiles, [`TilePair::fetch`] starts the next tile's loads.
-#[derive(CubeType)]
-pub(crate) struct TilePair<F: Float, N: Size> {
-    a: Array<Vector<F, N>>,
-    b: Array<Vector<F, N>>,
-    a_at: usize,
-    b_at: usize,
-    #[cube(comptime)]
-    count: usize,
-    #[cube(comptime)]
-    head_dim: usize,
-    #[cube(comptime)]
-    prefetch: bool,
-}
-
-#[cube]
-impl<F: Float, N: Size> TilePair<F, N> {
-    /// Registers for `count` rows of the slabs at `a_at` of `a` and `b_at` of `b`; with
-    /// `prefetch`, the loads of rows `first..` are started.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        a: &Tensor<F>,
-        a_vectors: &Tensor<Vector<F, N>>,
-        a_at: usize,
-        b: &Tensor<F>,
-        b_vectors: &Tensor<Vector<F, N>>,
-        b_at: usize,
-        first: usize,
-        seq: usize,
-        #[comptime] count: usize,
-        #[comptime] head_dim: usize,
-        #[comptime] prefetch: bool,
-    ) -> TilePair<F, N> {
-        let mut pair = TilePair::<F, N> {
-            a: tile_registers::<F, N>(a_vectors, count, head_dim),
-            b: tile_registers::<F, N>(b_vectors, count, head_dim),
-            a_at,
-            b_at,
-            count,
-            head_dim,
-            prefetch,
-        };
-        if prefetch {
-            pair.load(a, a_vectors, b, b_vectors, first, seq);
-        }
-        pair
-    }
-
-    fn load(
-        &mut self,
-        a: &Tensor<F>,
-        a_vectors: &Tensor<Vector<F, N>>,
-        b: &Tensor<F>,
-        b_vectors: &Tensor<Vector<F, N>>,
-        first: usize,
-        seq: usize,
-    ) {
-        load_rows::<F, N>(
-            a,
-            a_vectors,
-            self.a_at,
-            first,
-            seq,
-            &mut self.a,
-            self.count,
-            self.head_dim,
-        );
-        load_rows::<F, N>(
-            b,
-            b_vectors,
-            self.b_at,
-            first,
-            seq,
-            &mut self.b,
-            self.count,
-            self.head_dim,
-        );
-    }
-
-    /// Rows `first..` (those of the last [`TilePair::fetch`] with `prefetch`) to the shared
-    /// tiles (row stride `stride`), then waits for the whole cube.
-    #[allow(clippy::too_many_arguments)]
-    pub fn store(
-        &mut self,
-        a: &Tensor<F>,
-        a_vectors: &Tensor<Vector<F, N>>,
-        b: &Tensor<F>,
-        b_vectors: &Tensor<Vector<F, N>>,
-        first: usize,
-        seq: usize,
-        a_tile: &mut SharedMemory<F>,
-        b_tile: &mut SharedMemory<F>,
-        #[comptime] stride: usize,
-    ) {
-        // (`prefetch` is known when the kernel is built: one of the branches is expanded.)
-        if self.prefetch {
-        } else {
-            self.load(a, a_vectors, b, b_vectors, first, seq);
-        }
-        store_rows::<F, N>(&self.a, a_tile, self.count, self.head_dim, stride);
-        store_rows::<F, N>(&self.b, b_tile, self.count, self.head_dim, stride);
-        sync_cube();
-    }
-
-    /// With `prefetch`, starts the loads of rows `next..` (zeros past `seq`), which nothing
-    /// waits for before the next [`TilePair::store`].
-    pub fn fetch(
-        &mut self,
-        a: &Tensor<F>,
-        a_vectors: &Tensor<Vector<F, N>>,
-        b: &Tensor<F>,
-        b_vectors: &Tensor<Vector<F, N>>,
-        next: usize,
-        seq: usize,
-    ) {
-        if self.prefetch {
-            self.load(a, a_vectors, b, b_vectors, next, seq);
-        }
-    }
-}
-
 /// This unit's registers for its share of a `count × head_dim` tile in vectors of `N`.
 #[cube]
 pub(crate) fn tile_registers<F: Float, N: Size>(
@@ -300,29 +176,23 @@ pub(crate) fn column(j: usize, shift: usize) -> usize {
     (2 * j + shift) % KEYS
 }
 
-/// The per-row f32 value (`lse`, `delta`) of row `first + UNIT_POS` (units below `count`;
-/// row stride `t.stride(2)` from `at`), 0 past `seq`: this unit's share of a [`store_stat`].
+/// Stages `count` per-row f32 values (`lse`, `delta`) of rows `first..` from `at` (row
+/// stride `t.stride(2)`) in `tile`, zeros past `seq`.
 #[cube]
-pub(crate) fn load_stat(
+pub(crate) fn stage_stat(
     t: &Tensor<f32>,
     at: usize,
     first: usize,
     seq: usize,
+    tile: &mut SharedMemory<f32>,
     #[comptime] count: usize,
-) -> f32 {
-    let e = UNIT_POS as usize;
-    let mut value = 0.0f32;
-    if e < count && first + e < seq {
-        value = t[at + (first + e) * t.stride(2)];
-    }
-    value
-}
-
-/// Stores this unit's [`load_stat`] value to `tile` (units below `count`).
-#[cube]
-pub(crate) fn store_stat(value: f32, tile: &mut SharedMemory<f32>, #[comptime] count: usize) {
+) {
     let e = UNIT_POS as usize;
     if e < count {
+        let mut value = 0.0f32;
+        if first + e < seq {
+            value = t[at + (first + e) * t.stride(2)];
+        }
         tile[e] = value;
     }
 }
