@@ -21,7 +21,7 @@ use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation::softmax};
 use burn_zero::attention::{
-    SparseLayout, block_sparse_attention, flash_attention, flash_attention_calls, prefetch_allowed,
+    SparseLayout, block_sparse_attention, flash_attention, flash_attention_calls,
     set_flash_attention, tensor_cores_allowed,
 };
 use burn_zero::backend::ZeroBackend;
