@@ -49,13 +49,28 @@ impl LaunchOptions {
             grace: Duration::from_secs(5),
             command: Vec::new(),
         };
+        let mut master_addr_given = false;
         let mut it = args.iter();
-        while let Some(flag) = it.next() {
-            if flag == "--" {
+        while let Some(arg) = it.next() {
+            if arg == "--" {
                 opts.command = it.cloned().collect();
                 break;
             }
-            let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            if !arg.starts_with('-') {
+                return Err(format!(
+                    "{arg:?} is not an option: put the program and its arguments after `--` \
+                     ({RUN_USAGE})"
+                ));
+            }
+            // `--flag value` or torchrun's `--flag=value`.
+            let (flag, value) = match arg.split_once('=') {
+                Some((flag, value)) => (flag.to_string(), value.to_string()),
+                None => {
+                    let value = it.next().ok_or_else(|| format!("{arg} needs a value"))?;
+                    (arg.clone(), value.clone())
+                }
+            };
+            let value = &value;
             let number = |v: &str| {
                 v.parse::<usize>()
                     .map_err(|_| format!("{flag} {v:?} is not a whole number"))
@@ -64,7 +79,10 @@ impl LaunchOptions {
                 "--nproc-per-node" | "--nproc_per_node" => opts.nproc_per_node = number(value)?,
                 "--nnodes" => opts.nnodes = number(value)?,
                 "--node-rank" | "--node_rank" => opts.node_rank = number(value)?,
-                "--master-addr" | "--master_addr" => opts.master_addr = value.clone(),
+                "--master-addr" | "--master_addr" => {
+                    opts.master_addr = value.clone();
+                    master_addr_given = true;
+                }
                 "--master-port" | "--master_port" => {
                     opts.master_port = value
                         .parse()
@@ -74,8 +92,7 @@ impl LaunchOptions {
                     opts.grace = value
                         .parse::<f64>()
                         .ok()
-                        .filter(|s| *s >= 0.0)
-                        .map(Duration::from_secs_f64)
+                        .and_then(|s| Duration::try_from_secs_f64(s).ok())
                         .ok_or_else(|| format!("--grace {value:?} is not a number of seconds"))?
                 }
                 other => return Err(format!("unknown option {other:?}")),
@@ -88,6 +105,13 @@ impl LaunchOptions {
             return Err(format!(
                 "--node-rank {} must be below --nnodes {}",
                 opts.node_rank, opts.nnodes
+            ));
+        }
+        if opts.nnodes > 1 && !master_addr_given {
+            return Err(format!(
+                "--nnodes {} needs --master-addr (the host of node 0): without it every node \
+                 would wait for itself",
+                opts.nnodes
             ));
         }
         if opts.command.is_empty() {
@@ -187,12 +211,12 @@ pub fn run(opts: &LaunchOptions) -> i32 {
         let stdout = child.stdout.take().expect("piped stdout");
         let stderr = child.stderr.take().expect("piped stderr");
         printers.push(std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            for line in output_lines(BufReader::new(stdout)) {
                 println!("[rank {rank}] {line}");
             }
         }));
         printers.push(std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            for line in output_lines(BufReader::new(stderr)) {
                 eprintln!("[rank {rank}] {line}");
             }
         }));
@@ -204,7 +228,7 @@ pub fn run(opts: &LaunchOptions) -> i32 {
         if signal != 0 {
             eprintln!("burn-zero run: received signal {signal}: forwarding it to every rank");
             stop_all(&mut children, signal, opts.grace);
-            break 128 + signal;
+            break Ok(128 + signal);
         }
         let mut failed = None;
         let mut running = 0;
@@ -228,21 +252,44 @@ pub fn run(opts: &LaunchOptions) -> i32 {
                 describe(status)
             );
             stop_all(&mut children, libc::SIGTERM, opts.grace);
-            eprintln!("burn-zero run: failed: rank {rank} {}", describe(status));
-            break status
-                .code()
-                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-                .max(1);
+            break Err((rank, status));
         }
         if running == 0 {
-            break 0;
+            break Ok(0);
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    // Every rank's last lines are printed before the verdict.
     for printer in printers {
         let _ = printer.join();
     }
-    code
+    match code {
+        Ok(code) => code,
+        Err((rank, status)) => {
+            eprintln!("burn-zero run: failed: rank {rank} {}", describe(status));
+            status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+                .max(1)
+        }
+    }
+}
+
+/// The lines of a rank's output, bytes that are not UTF-8 replaced (a rank's output is never
+/// cut short by them: a reader that stopped would leave the rank blocked on a full pipe).
+fn output_lines(mut reader: impl BufRead) -> impl Iterator<Item = String> {
+    let mut buf = Vec::new();
+    std::iter::from_fn(move || {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => None,
+            Ok(_) => {
+                let line = buf.strip_suffix(b"\n").unwrap_or(&buf);
+                let line = line.strip_suffix(b"\r").unwrap_or(line);
+                Some(String::from_utf8_lossy(line).into_owned())
+            }
+        }
+    })
 }
 
 #[cfg(test)]
@@ -283,5 +330,29 @@ mod tests {
                 .unwrap_err()
                 .contains("\"x\"")
         );
+    }
+
+    #[test]
+    fn torchrun_habits_are_understood_or_named() {
+        let o = parse("--nproc-per-node=3 --master_port=2345 -- prog").unwrap();
+        assert_eq!((o.nproc_per_node, o.master_port), (3, 2345));
+        let err = parse("--nproc-per-node 2 ./train --lr 3").unwrap_err();
+        assert!(
+            err.contains("\"./train\"") && err.contains("after `--`"),
+            "{err}"
+        );
+        for grace in ["inf", "1e300", "-1", "NaN"] {
+            let err = parse(&format!("--nproc-per-node 2 --grace {grace} -- p")).unwrap_err();
+            assert!(err.contains("--grace"), "{grace}: {err}");
+        }
+        let err = parse("--nproc-per-node 2 --nnodes 2 --node-rank 1 -- p").unwrap_err();
+        assert!(err.contains("--master-addr"), "{err}");
+    }
+
+    #[test]
+    fn output_lines_survive_bytes_that_are_not_utf8() {
+        let bytes: &[u8] = b"one\r\ntw\xffo\nthree";
+        let lines: Vec<String> = output_lines(bytes).collect();
+        assert_eq!(lines, vec!["one", "tw\u{fffd}o", "three"]);
     }
 }

@@ -46,6 +46,16 @@ pub enum StoreError {
     /// No checkpoint to load.
     #[error("no checkpoint in {0} (no `latest` file and no tag given)")]
     NoCheckpoint(PathBuf),
+    /// The tag asked for, or the one `latest` names, is not a checkpoint under the root.
+    #[error("{root} has no checkpoint `{tag}`{how}")]
+    NoTag {
+        /// The checkpoint root.
+        root: PathBuf,
+        /// The tag.
+        tag: String,
+        /// Where the tag came from, when from `latest`.
+        how: String,
+    },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -75,6 +85,19 @@ pub fn sha256_file(path: &Path) -> Result<(String, u64), StoreError> {
         .map(|b| format!("{b:02x}"))
         .collect();
     Ok((hex, bytes))
+}
+
+/// Flushes directory `path`'s entries (files created or renamed in it) to disk.
+fn sync_dir(path: &Path) -> Result<(), StoreError> {
+    fs::File::open(path)
+        .and_then(|dir| dir.sync_all())
+        .map_err(io(path))
+}
+
+/// Where a checkpoint of `tag` replaced by a newer save of the same tag waits until the new
+/// one and `latest` are on disk (a crash between the two renames leaves it the only copy).
+fn replaced(root: &Path, tag: &str) -> PathBuf {
+    root.join(format!(".{tag}.old"))
 }
 
 /// Writes `contents` to `path` and flushes it to disk.
@@ -140,22 +163,27 @@ impl Staging {
     pub fn commit(self, manifest: &Manifest) -> Result<PathBuf, StoreError> {
         verify_files(&self.dir, manifest)?;
         write_synced(&self.path(MANIFEST), manifest.to_json().as_bytes())?;
+        sync_dir(&self.dir)?;
         let target = self.root.join(&self.tag);
+        let old = replaced(&self.root, &self.tag);
         if target.exists() {
-            let old = self.root.join(format!(".{}.old", self.tag));
-            let _ = fs::remove_dir_all(&old);
+            if old.exists() {
+                // Left by a save whose new copy did reach `target`: the older one goes.
+                fs::remove_dir_all(&old).map_err(io(&old))?;
+            }
             fs::rename(&target, &old).map_err(io(&target))?;
-            fs::rename(&self.dir, &target).map_err(io(&self.dir))?;
-            fs::remove_dir_all(&old).map_err(io(&old))?;
-        } else {
-            fs::rename(&self.dir, &target).map_err(io(&self.dir))?;
         }
+        fs::rename(&self.dir, &target).map_err(io(&self.dir))?;
+        sync_dir(&self.root)?;
         let latest_tmp = self.root.join(format!(".{LATEST}.partial"));
         write_synced(&latest_tmp, self.tag.as_bytes())?;
         let latest = self.root.join(LATEST);
         fs::rename(&latest_tmp, &latest).map_err(io(&latest))?;
-        if let Ok(dir) = fs::File::open(&self.root) {
-            let _ = dir.sync_all();
+        sync_dir(&self.root)?;
+        // The checkpoint and `latest` are on disk: the copy it replaced is no longer needed,
+        // and failing to remove it loses nothing (the next save of the tag tries again).
+        if old.exists() {
+            let _ = fs::remove_dir_all(&old);
         }
         Ok(target)
     }
@@ -192,19 +220,47 @@ pub fn verify(
     Ok(())
 }
 
-/// The directory of checkpoint `tag` under `root`, or of the `latest` one.
+/// The directory of checkpoint `tag` under `root`, or of the `latest` one. A tag whose save
+/// was cut off between its two renames (see [`Staging::commit`]) is found in the copy it was
+/// replacing.
 pub fn resolve(root: &Path, tag: Option<&str>) -> Result<PathBuf, StoreError> {
-    let tag = match tag {
-        Some(t) => t.to_string(),
+    let (tag, how) = match tag {
+        Some(t) => (t.to_string(), String::new()),
         None => {
             let latest = root.join(LATEST);
-            fs::read_to_string(&latest)
-                .map_err(|_| StoreError::NoCheckpoint(root.to_path_buf()))?
-                .trim()
-                .to_string()
+            let named = match fs::read_to_string(&latest) {
+                Ok(named) => named.trim().to_string(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(StoreError::NoCheckpoint(root.to_path_buf()));
+                }
+                Err(source) => {
+                    return Err(StoreError::Io {
+                        path: latest,
+                        source,
+                    });
+                }
+            };
+            (named, format!(" (named by {})", latest.display()))
         }
     };
-    Ok(root.join(tag))
+    let plain = !tag.is_empty() && !tag.starts_with('.') && !tag.contains(['/', '\\']);
+    let missing = || StoreError::NoTag {
+        root: root.to_path_buf(),
+        tag: tag.clone(),
+        how: how.clone(),
+    };
+    if !plain {
+        return Err(missing());
+    }
+    let dir = root.join(&tag);
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let old = replaced(root, &tag);
+    match old.join(MANIFEST).is_file() {
+        true => Ok(old),
+        false => Err(missing()),
+    }
 }
 
 /// Reads and validates a checkpoint directory's manifest (its files unchecked: see [`verify`]).
@@ -289,6 +345,47 @@ mod tests {
         // The next save of that tag discards the leftovers and succeeds.
         save(&root, "step2", 2, 3);
         assert!(open_verified(&resolve(&root, None).unwrap()).is_ok());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_save_cut_between_its_renames_leaves_the_replaced_copy_loadable() {
+        let root = scratch("renames");
+        save(&root, "step1", 2, 1);
+        // As if a second save of `step1` died after moving the old copy aside.
+        fs::rename(root.join("step1"), root.join(".step1.old")).unwrap();
+        let dir = resolve(&root, None).unwrap();
+        assert_eq!(open_verified(&dir).unwrap().world_size, 2);
+        // The next save of the tag replaces it, and nothing is left aside.
+        save(&root, "step1", 3, 5);
+        assert_eq!(resolve(&root, None).unwrap(), root.join("step1"));
+        assert_eq!(open_verified(&root.join("step1")).unwrap().world_size, 3);
+        assert!(!root.join(".step1.old").exists());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_missing_or_odd_tag_is_named() {
+        let root = scratch("tags");
+        save(&root, "step1", 1, 1);
+        let err = resolve(&root, Some("step9")).unwrap_err().to_string();
+        assert!(err.contains("no checkpoint `step9`"), "{err}");
+        fs::write(root.join(LATEST), "step7\n").unwrap();
+        let err = resolve(&root, None).unwrap_err().to_string();
+        assert!(
+            err.contains("`step7`") && err.contains("named by") && err.contains(LATEST),
+            "{err}"
+        );
+        for odd in ["", "../step1", ".step1.partial"] {
+            fs::write(root.join(LATEST), odd).unwrap();
+            let err = resolve(&root, None).unwrap_err().to_string();
+            assert!(err.contains("no checkpoint"), "{odd}: {err}");
+        }
+        // `latest` that cannot be read (here: a directory) is an I/O error, not "no checkpoint".
+        fs::remove_file(root.join(LATEST)).unwrap();
+        fs::create_dir(root.join(LATEST)).unwrap();
+        let err = resolve(&root, None).unwrap_err();
+        assert!(matches!(err, StoreError::Io { .. }), "{err}");
         fs::remove_dir_all(&root).unwrap();
     }
 

@@ -1,14 +1,16 @@
 //! Reading `ds_config.json`: `"auto"` values, unknown keys, and errors that name the key.
 
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::base::SECTIONS_NOT_YET_IMPLEMENTED;
 use super::error::ConfigError;
 
-/// Deserializes `value` into `T`, appending a warning for every key `T` does not know.
-/// `prefix` is the dotted path of `value` in the document (empty for the root).
-pub(crate) fn parse_value<T: DeserializeOwned>(
+/// Deserializes `value` into `T`, appending a warning for every key `T` does not know (with
+/// the known key it is likely a typo of). `prefix` is the dotted path of `value` in the
+/// document (empty for the root).
+pub(crate) fn parse_value<T: DeserializeOwned + Serialize>(
     value: Value,
     prefix: &str,
     warnings: &mut Vec<String>,
@@ -27,7 +29,11 @@ pub(crate) fn parse_value<T: DeserializeOwned>(
             key: join(e.path().to_string()),
             reason: e.inner().to_string(),
         })?;
+    // The keys `T` knows, with their nesting: the parsed value written back.
+    let known = serde_json::to_value(&parsed).unwrap_or(Value::Null);
     for path in ignored {
+        let hint =
+            typo_of(&known, &path).map_or_else(String::new, |k| format!(" (did you mean `{k}`?)"));
         let key = join(path);
         let section = key.split('.').next().unwrap_or_default();
         if prefix.is_empty() && SECTIONS_NOT_YET_IMPLEMENTED.contains(&section) && key == section {
@@ -35,10 +41,47 @@ pub(crate) fn parse_value<T: DeserializeOwned>(
                 "`{key}` is a DeepSpeed section burn-zero does not implement yet: ignored"
             ));
         } else {
-            warnings.push(format!("unknown key `{key}`: ignored"));
+            warnings.push(format!("unknown key `{key}`: ignored{hint}"));
         }
     }
     Ok(parsed)
+}
+
+/// The key beside unknown key `path` (serde's dotted path in `known`) that it most likely
+/// misspells: at most two edits away, and fewer than a third of its length.
+fn typo_of(known: &Value, path: &str) -> Option<String> {
+    let mut segments: Vec<&str> = path
+        .split('.')
+        .filter(|s| !s.is_empty() && *s != "?")
+        .collect();
+    let unknown = segments.pop()?;
+    let siblings = segments
+        .iter()
+        .try_fold(known, |node, s| node.get(s))?
+        .as_object()?;
+    let limit = 2.min(unknown.chars().count() / 3);
+    siblings
+        .keys()
+        .map(|k| (edits(k, unknown), k))
+        .filter(|(d, _)| *d <= limit)
+        .min()
+        .map(|(_, k)| k.clone())
+}
+
+/// Levenshtein distance between `a` and `b`, in characters.
+fn edits(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substituted = diagonal + usize::from(ca != *cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substituted.min(row[j] + 1).min(diagonal + 1);
+        }
+    }
+    row[b.len()]
 }
 
 /// DeepSpeed's handling of `"auto"` (a value left to the framework): the key is dropped and

@@ -107,6 +107,30 @@ fn a_real_hugging_face_config_with_auto_values_loads() {
 }
 
 #[test]
+fn likely_typos_name_the_key_they_miss() {
+    let loaded = load(
+        r#"{"train_batch_size": 8, "zero_optimisation": {"stage": 3},
+        "fp16": {"enable": true},
+        "optimizer": {"type": "AdamW", "parms": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1, "reduce_bucket": 5}, "xyz": 1}"#,
+    );
+    let w = &loaded.warnings;
+    for (key, known) in [
+        ("zero_optimisation", "zero_optimization"),
+        ("fp16.enable", "enabled"),
+        ("optimizer.parms", "params"),
+    ] {
+        let expected = format!("unknown key `{key}`: ignored (did you mean `{known}`?)");
+        assert!(w.contains(&expected), "{expected} not in {w:?}");
+    }
+    // Nothing close: no guess.
+    for key in ["zero_optimization.reduce_bucket", "xyz"] {
+        let expected = format!("unknown key `{key}`: ignored");
+        assert!(w.contains(&expected), "{expected} not in {w:?}");
+    }
+}
+
+#[test]
 fn unknown_keys_are_warned_by_name() {
     let loaded = load(
         r#"{"train_batch_size": 8, "tran_batch_size": 8, "tensorboard": {"enabled": true},
@@ -115,7 +139,10 @@ fn unknown_keys_are_warned_by_name() {
     );
     let w = &loaded.warnings;
     assert!(
-        w.contains(&"unknown key `tran_batch_size`: ignored".to_string()),
+        w.contains(
+            &"unknown key `tran_batch_size`: ignored (did you mean `train_batch_size`?)"
+                .to_string()
+        ),
         "{w:?}"
     );
     assert!(
@@ -123,7 +150,9 @@ fn unknown_keys_are_warned_by_name() {
         "{w:?}"
     );
     assert!(
-        w.contains(&"unknown key `optimizer.params.beta`: ignored".to_string()),
+        w.contains(
+            &"unknown key `optimizer.params.beta`: ignored (did you mean `betas`?)".to_string()
+        ),
         "{w:?}"
     );
     assert!(
@@ -177,6 +206,18 @@ fn bad_values_name_the_key_and_the_allowed_range() {
         (
             r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}}"#,
             "cannot both be enabled",
+        ),
+        (
+            r#"{"fp16": {"enabled": true, "hysteresis": 0}}"#,
+            "`fp16.hysteresis` = 0 is invalid: allowed > 0",
+        ),
+        (
+            r#"{"fp16": {"enabled": true, "initial_scale_power": 200}}"#,
+            "`fp16.initial_scale_power` = 200 is invalid: allowed <= 127",
+        ),
+        (
+            r#"{"optimizer": {"type": "Lamb", "params": {"min_coeff": 2, "max_coeff": 1}}}"#,
+            "`optimizer.params.min_coeff` = 2 is invalid: allowed 0 <= min_coeff <= max_coeff (1)",
         ),
         (
             r#"{"communication_data_type": "int8"}"#,
@@ -322,7 +363,11 @@ fn sparse_attention_is_read_with_deepspeed_keys() {
         .expect("the section is read");
     assert_eq!(
         loaded.warnings,
-        vec!["unknown key `sparse_attention.num_slidng_window_blocks`: ignored".to_string()]
+        vec![
+            "unknown key `sparse_attention.num_slidng_window_blocks`: ignored (did you mean \
+             `num_sliding_window_blocks`?)"
+                .to_string()
+        ]
     );
     let s = sparse.sparsity(12).unwrap();
     assert_eq!((s.num_heads, s.block), (12, 32));

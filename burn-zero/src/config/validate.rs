@@ -220,6 +220,18 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         c.fp16.min_loss_scale,
         "> 0",
     )?;
+    check(
+        c.fp16.hysteresis.0 > 0,
+        "fp16.hysteresis",
+        c.fp16.hysteresis,
+        "> 0 (overflowing steps tolerated before the scale halves)",
+    )?;
+    check(
+        c.fp16.initial_scale_power <= 127,
+        "fp16.initial_scale_power",
+        c.fp16.initial_scale_power,
+        "<= 127 (the scale 2^n must be a finite f32)",
+    )?;
     if let Some(o) = &c.optimizer {
         optimizer_kind(o)?;
         let p = &o.params;
@@ -254,6 +266,18 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
             "optimizer.params.momentum",
             p.momentum,
             "0 to 1",
+        )?;
+        check(
+            p.min_coeff.is_finite()
+                && p.max_coeff.is_finite()
+                && 0.0 <= p.min_coeff
+                && p.min_coeff <= p.max_coeff,
+            "optimizer.params.min_coeff",
+            p.min_coeff,
+            &format!(
+                "0 <= min_coeff <= max_coeff ({}): LAMB's trust ratio range",
+                p.max_coeff
+            ),
         )?;
         check(
             (0.0..=1.0).contains(&p.dampening),

@@ -1,6 +1,6 @@
 //! `scheduler.params` of each DeepSpeed schedule, with DeepSpeed's names and defaults.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::{OneCycle, Schedule, Warmup, WarmupType};
 use crate::config::{ConfigError, Count, SchedulerConfig, parse_value};
@@ -8,7 +8,7 @@ use crate::config::{ConfigError, Count, SchedulerConfig, parse_value};
 /// The schedule types, as DeepSpeed spells them.
 pub const SCHEDULE_TYPES: &str = "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest";
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(default)]
 struct WarmupParams {
     warmup_min_lr: f64,
@@ -30,7 +30,7 @@ impl Default for WarmupParams {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(default)]
 struct CosineParams {
     total_num_steps: Option<Count>,
@@ -52,7 +52,7 @@ impl Default for CosineParams {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(default)]
 struct OneCycleParams {
     cycle_min_lr: Option<f64>,
@@ -88,7 +88,7 @@ impl Default for OneCycleParams {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 #[serde(default)]
 struct RangeTestParams {
     lr_range_test_min_lr: f64,

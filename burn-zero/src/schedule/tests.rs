@@ -292,4 +292,19 @@ fn bad_schedule_params_are_named() {
         warnings,
         vec!["unknown key `scheduler.params.warmup_steps`: ignored".to_string()]
     );
+    // One edit from a known key: named as the likely typo.
+    let mut warnings = Vec::new();
+    let config = SchedulerConfig {
+        kind: "WarmupLR".into(),
+        params: serde_json::json!({"warmup_num_step": 5}),
+    };
+    Schedule::from_config(Some(&config), 0.1, &mut warnings).unwrap();
+    assert_eq!(
+        warnings,
+        vec![
+            "unknown key `scheduler.params.warmup_num_step`: ignored (did you mean \
+             `warmup_num_steps`?)"
+                .to_string()
+        ]
+    );
 }
