@@ -160,6 +160,16 @@ where
         ));
     }
     let metrics_path = args.out.join("metrics.jsonl");
+    if args.resume.is_some() && job.lead && metrics_path.exists() {
+        let dropped = keep_metrics_before(&metrics_path, first)?;
+        if dropped > 0 {
+            println!(
+                "{}: dropped {dropped} record(s) from after the checkpoint (step {} on)",
+                metrics_path.display(),
+                first
+            );
+        }
+    }
     let mut metrics = job
         .lead
         .then(|| {
@@ -365,6 +375,38 @@ pub fn report<I: Backend>(
     Ok(())
 }
 
+/// Keeps the records of `metrics` (JSONL) from before step `first`, the first one a resumed
+/// run trains: those after the checkpoint would be logged twice, and a line a crash cut short
+/// would run into the next one. Rewritten through a temporary file and a rename. Returns how
+/// many lines were dropped.
+fn keep_metrics_before(metrics: &Path, first: usize) -> Result<usize, String> {
+    let fail = |e: std::io::Error| format!("{}: {e}", metrics.display());
+    let text = std::fs::read_to_string(metrics).map_err(fail)?;
+    let before = |line: &str| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| v["step"].as_u64())
+            .is_some_and(|step| step < first as u64)
+    };
+    let (mut kept, mut dropped) = (String::new(), 0);
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        if before(line) {
+            kept.push_str(line);
+            kept.push('\n');
+        } else {
+            dropped += 1;
+        }
+    }
+    if dropped > 0 {
+        let partial = metrics.with_extension("jsonl.partial");
+        let mut file = std::fs::File::create(&partial).map_err(fail)?;
+        file.write_all(kept.as_bytes()).map_err(fail)?;
+        file.sync_all().map_err(fail)?;
+        std::fs::rename(&partial, metrics).map_err(fail)?;
+    }
+    Ok(dropped)
+}
+
 /// Draws `metrics` (JSONL with `step` and `loss`) to `png`.
 pub fn draw_curve(metrics: &Path, png: &Path) -> Result<(), String> {
     let text =
@@ -391,4 +433,29 @@ pub fn draw_curve(metrics: &Path, png: &Path) -> Result<(), String> {
     burn_zero_examples::plot::loss_curve(&points, png)?;
     println!("loss curve: {}", png.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resume_keeps_only_the_records_before_its_first_step() {
+        let path = std::env::temp_dir().join(format!("bz-metrics-{}.jsonl", std::process::id()));
+        let lines = [
+            r#"{"step":1,"loss":3.0}"#,
+            r#"{"step":2,"loss":2.5}"#,
+            r#"{"step":3,"loss":2.0}"#,
+            r#"{"step":4,"lo"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        // Resumed from the checkpoint of step 2: steps 3 on are trained again.
+        assert_eq!(keep_metrics_before(&path, 3).unwrap(), 2);
+        let kept = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(kept, format!("{}\n{}\n", lines[0], lines[1]));
+        // Nothing after the checkpoint: the file is left as it is.
+        assert_eq!(keep_metrics_before(&path, 3).unwrap(), 0);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), kept);
+        std::fs::remove_file(&path).unwrap();
+    }
 }
