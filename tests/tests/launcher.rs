@@ -107,6 +107,15 @@ fn a_failing_rank_sets_the_exit_status() {
     let (_, err) = text(&output);
     assert_eq!(output.status.code(), Some(3), "{err}");
     assert!(err.contains("rank 2 exited with status 3"), "{err}");
+    // The verdict comes after every rank's last lines.
+    let last = err
+        .lines()
+        .rfind(|l| !l.trim().is_empty())
+        .unwrap_or_default();
+    assert!(
+        last.contains("burn-zero run: failed: rank 2 exited with status 3"),
+        "{err}"
+    );
     assert!(elapsed < Duration::from_secs(30));
 }
 

@@ -21,6 +21,59 @@ use crate::checkpoint::{
 use crate::comm::ReduceOp;
 use crate::precision::LossScaler;
 
+/// The engine's counters a checkpoint's manifest holds (`engine`, as `save_checkpoint` writes
+/// it). Each is required: a missing one would silently restart the step count, the schedule
+/// or the loss scale.
+struct EngineState {
+    global_steps: usize,
+    micro_steps: usize,
+    skipped_steps: usize,
+    optimizer_step: u64,
+    last_grad_norm: Option<f64>,
+    last_batch_iteration: i64,
+    loss_scaler: LossScaler,
+}
+
+impl EngineState {
+    fn read(engine: &serde_json::Value, dir: &Path) -> Result<Self, EngineError> {
+        let bad = |key: &str, what: &str| {
+            EngineError::Usage(format!(
+                "{}: engine field `{key}` is {what}",
+                dir.join(crate::checkpoint::MANIFEST).display()
+            ))
+        };
+        let count = |key: &str, value: &serde_json::Value| {
+            value
+                .as_u64()
+                .ok_or_else(|| bad(key, "missing or not a whole number"))
+        };
+        let last_grad_norm = match &engine["last_grad_norm"] {
+            serde_json::Value::Null => None,
+            v => Some(
+                v.as_f64()
+                    .ok_or_else(|| bad("last_grad_norm", "not a number"))?,
+            ),
+        };
+        Ok(Self {
+            global_steps: count("global_steps", &engine["global_steps"])? as usize,
+            micro_steps: count("micro_steps", &engine["micro_steps"])? as usize,
+            skipped_steps: count("skipped_steps", &engine["skipped_steps"])? as usize,
+            optimizer_step: count("optimizer.step", &engine["optimizer"]["step"])?,
+            last_grad_norm,
+            last_batch_iteration: engine["scheduler"]["last_batch_iteration"]
+                .as_i64()
+                .ok_or_else(|| {
+                    bad(
+                        "scheduler.last_batch_iteration",
+                        "missing or not a whole number",
+                    )
+                })?,
+            loss_scaler: serde_json::from_value(engine["loss_scaler"].clone())
+                .map_err(|e| bad("loss_scaler", &format!("unreadable ({e})")))?,
+        })
+    }
+}
+
 /// The compute-dtype copy of the parameters in bf16/fp16 runs (the master is the copy in fp32).
 const PARAMS: &str = "params";
 
@@ -295,22 +348,23 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             master,
             state,
         } = loaded;
+        // Every rank reads the same counters; a rank whose optimizer refuses the state makes
+        // every rank return an error (none waits in a collective for it).
+        let restored = EngineState::read(&manifest.engine, &dir).and_then(|counters| {
+            self.optim
+                .import(master, counters.optimizer_step, state)
+                .map_err(EngineError::Usage)?;
+            Ok(counters)
+        });
+        let counters = self.agree("restore the checkpoint's engine state", restored)?;
+        self.global_steps = counters.global_steps;
+        self.micro_steps = counters.micro_steps;
+        self.precision.skipped = counters.skipped_steps;
+        self.last_grad_norm = counters.last_grad_norm;
+        self.scheduler
+            .set_last_batch_iteration(counters.last_batch_iteration);
+        self.precision.scaler = counters.loss_scaler;
         let engine = &manifest.engine;
-        let field = |key: &str| engine.get(key).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
-        let optimizer_step = engine["optimizer"]["step"].as_u64().unwrap_or(0);
-        self.optim
-            .import(master, optimizer_step, state)
-            .map_err(EngineError::Usage)?;
-        self.global_steps = field("global_steps");
-        self.micro_steps = field("micro_steps");
-        self.precision.skipped = field("skipped_steps");
-        self.last_grad_norm = engine["last_grad_norm"].as_f64();
-        if let Some(i) = engine["scheduler"]["last_batch_iteration"].as_i64() {
-            self.scheduler.set_last_batch_iteration(i);
-        }
-        if let Ok(scaler) = serde_json::from_value::<LossScaler>(engine["loss_scaler"].clone()) {
-            self.precision.scaler = scaler;
-        }
         let grads = self.grads.clone();
         let mut state = grads.lock().expect("gradient state");
         state.clear();
@@ -497,5 +551,43 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             }
         };
         Ok((spans, len))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_manifest_missing_an_engine_counter_is_refused_by_name() {
+        let dir = Path::new("ckpt/global_step4");
+        let full = json!({
+            "global_steps": 4, "micro_steps": 8, "skipped_steps": 0, "last_grad_norm": 0.5,
+            "scheduler": {"last_batch_iteration": 3}, "loss_scaler": LossScaler::fixed(1.0),
+            "optimizer": {"step": 4},
+        });
+        let state = EngineState::read(&full, dir).unwrap();
+        assert_eq!(
+            (state.global_steps, state.micro_steps, state.optimizer_step),
+            (4, 8, 4)
+        );
+        assert_eq!(state.last_batch_iteration, 3);
+        for (key, pointer) in [
+            ("global_steps", "/global_steps"),
+            ("optimizer.step", "/optimizer/step"),
+            (
+                "scheduler.last_batch_iteration",
+                "/scheduler/last_batch_iteration",
+            ),
+            ("loss_scaler", "/loss_scaler"),
+        ] {
+            let mut engine = full.clone();
+            *engine.pointer_mut(pointer).unwrap() = json!("?");
+            let err = EngineState::read(&engine, dir).err().unwrap().to_string();
+            assert!(
+                err.contains(&format!("`{key}`")) && err.contains("manifest.json"),
+                "{key}: {err}"
+            );
+        }
     }
 }
