@@ -46,6 +46,14 @@ pub enum ConfigError {
         /// What the product would be, or why it cannot be formed.
         product: String,
     },
+    /// Any of the above, in the file `path`.
+    #[error("{path}: {source}")]
+    InFile {
+        /// The config file.
+        path: String,
+        /// What is wrong in it.
+        source: Box<ConfigError>,
+    },
     /// A feature this build or version does not provide yet.
     #[error("ds_config: `{key}` is not supported yet: {reason}")]
     Unsupported {

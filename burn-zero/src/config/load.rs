@@ -1,8 +1,8 @@
 //! Reading `ds_config.json`: `"auto"` values, unknown keys, and errors that name the key.
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-use serde_json::Value;
+use serde::de::{DeserializeOwned, Error as _, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
 
 use super::base::SECTIONS_NOT_YET_IMPLEMENTED;
 use super::error::ConfigError;
@@ -82,6 +82,73 @@ fn edits(a: &str, b: &str) -> usize {
         }
     }
     row[b.len()]
+}
+
+/// A JSON document read with DeepSpeed's rule that a key appears at most once in an object
+/// (a second `train_batch_size` would otherwise silently win); the error names the key and,
+/// through serde_json, its line and column.
+pub(crate) struct UniqueKeys(pub Value);
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(UniqueKeysVisitor)
+    }
+}
+
+struct UniqueKeysVisitor;
+
+impl<'de> Visitor<'de> for UniqueKeysVisitor {
+    type Value = UniqueKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys(Value::Bool(v)))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys(Value::from(v)))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys(Value::from(v)))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys(Value::from(v)))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys(Value::String(v.to_string())))
+    }
+
+    fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys(Value::Null))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<UniqueKeys, A::Error> {
+        let mut values = Vec::new();
+        while let Some(UniqueKeys(v)) = seq.next_element()? {
+            values.push(v);
+        }
+        Ok(UniqueKeys(Value::Array(values)))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<UniqueKeys, A::Error> {
+        let mut map = Map::new();
+        while let Some(key) = access.next_key::<String>()? {
+            if map.contains_key(&key) {
+                return Err(A::Error::custom(format!(
+                    "key `{key}` appears twice in one object"
+                )));
+            }
+            let UniqueKeys(value) = access.next_value()?;
+            map.insert(key, value);
+        }
+        Ok(UniqueKeys(Value::Object(map)))
+    }
 }
 
 /// DeepSpeed's handling of `"auto"` (a value left to the framework): the key is dropped and

@@ -79,11 +79,12 @@ pub struct ResolvedConfig {
 impl DeepSpeedConfig {
     /// Parses `ds_config.json` text.
     pub fn from_json(text: &str) -> Result<Loaded, ConfigError> {
-        let mut value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+        let mut value = serde_json::from_str::<load::UniqueKeys>(text)
+            .map_err(|e| ConfigError::Parse {
                 key: ".".into(),
                 reason: format!("not valid JSON: {e}"),
-            })?;
+            })?
+            .0;
         if !value.is_object() {
             return Err(ConfigError::Parse {
                 key: ".".into(),
@@ -112,7 +113,10 @@ impl DeepSpeedConfig {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        Self::from_json(&text)
+        Self::from_json(&text).map_err(|e| ConfigError::InFile {
+            path: path.display().to_string(),
+            source: Box::new(e),
+        })
     }
 
     /// Resolves the config for `world_size` data-parallel ranks: the batch triad, the optimizer

@@ -107,6 +107,31 @@ fn a_real_hugging_face_config_with_auto_values_loads() {
 }
 
 #[test]
+fn a_key_given_twice_is_refused_with_its_line() {
+    let e =
+        error("{\"train_batch_size\": 8,\n \"zero_optimization\": {\"stage\": 1, \"stage\": 3}}");
+    assert!(
+        e.contains("key `stage` appears twice") && e.contains("line 2"),
+        "{e}"
+    );
+    // Nested values and arrays still read as before.
+    let loaded = load(r#"{"optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.9]}}}"#);
+    assert_eq!(loaded.config.optimizer.unwrap().params.betas, [0.8, 0.9]);
+}
+
+#[test]
+fn a_file_s_errors_name_the_file() {
+    let path = std::env::temp_dir().join(format!("bz-ds-config-{}.json", std::process::id()));
+    std::fs::write(&path, r#"{"zero_optimization": {"stage": 5}}"#).unwrap();
+    let e = DeepSpeedConfig::from_file(&path).err().unwrap().to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        e.starts_with(&path.display().to_string()) && e.contains("`zero_optimization.stage` = 5"),
+        "{e}"
+    );
+}
+
+#[test]
 fn likely_typos_name_the_key_they_miss() {
     let loaded = load(
         r#"{"train_batch_size": 8, "zero_optimisation": {"stage": 3},

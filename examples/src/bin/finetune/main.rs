@@ -271,8 +271,7 @@ fn run() -> Result<(), String> {
     }
     let start = Instant::now();
     let config_path = args.config_path();
-    let loaded = DeepSpeedConfig::from_file(&config_path)
-        .map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let loaded = DeepSpeedConfig::from_file(&config_path).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
     match args.device {
         Device::Cpu => run_cpu(&args, &loaded.config, start),
