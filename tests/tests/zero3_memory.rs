@@ -296,10 +296,12 @@ fn parameters_take_a_quarter_per_rank_and_gathers_stay_in_the_live_budget() {
         small.live <= 2 * layer && all.live == LAYERS * layer,
         "{report}"
     );
-    // The allocator agrees: a forward holds the two live layers plus one all-gather's
+    // The allocator agrees: a forward holds the two live layers plus the all-gathers'
     // buffers (nothing gathered stays in the autodiff graph: else it would hold all eight),
-    // the unbounded run holds every layer.
-    assert!(per_rank(small.forward) < (2 + 2) * layer_bytes, "{report}");
+    // the unbounded run holds every layer. The four ranks' peaks add up differently with how
+    // their all-gathers overlap in time: 3.3-3.8 layers per rank here, 4.2 once under CI's
+    // load, so the bound is 5 layers, still well below the 8 a kept graph would hold.
+    assert!(per_rank(small.forward) < (2 + 3) * layer_bytes, "{report}");
     assert!(per_rank(all.forward) >= LAYERS * layer_bytes, "{report}");
     // Backward adds a layer's gradient and the reduce-scatter's buffers (host copies on this
     // CPU path) to the live layers.
