@@ -84,8 +84,8 @@ impl<B: Backend> Llama<B> {
         out
     }
 
-    /// Writes `dir/config.json` and `dir/model.safetensors` (f32). The safetensors file is
-    /// written to a temporary name and renamed, so a crash never leaves a torn checkpoint.
+    /// Writes `dir/model.safetensors` (f32) and `dir/config.json`, each to a temporary name,
+    /// flushed and renamed (weights first), so a crash never leaves a torn file.
     pub fn save_hf(&self, config: &LlamaConfig, dir: &Path) -> Result<(), LoadError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
@@ -104,8 +104,6 @@ impl<B: Backend> Llama<B> {
             "tie_word_embeddings": config.tie_embeddings,
             "attention_bias": false, "mlp_bias": false, "torch_dtype": "float32",
         });
-        let config_path = dir.join("config.json");
-        std::fs::write(&config_path, format!("{json:#}")).map_err(io(&config_path))?;
         let tensors = self.hf_tensors(config);
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
             .into_iter()
@@ -123,11 +121,33 @@ impl<B: Backend> Llama<B> {
                     .map_err(|e| fail(e.to_string()))
             })
             .collect::<Result<HashMap<_, _>, _>>()?;
+        // Each file goes in whole (written beside, flushed, renamed), the weights before the
+        // config: a crash leaves each file either old or new, never cut short.
         let tmp = dir.join("model.safetensors.partial");
         safetensors::serialize_to_file(views, &None, &tmp).map_err(|e| fail(e.to_string()))?;
-        let dst = dir.join("model.safetensors");
-        std::fs::rename(&tmp, &dst).map_err(io(&dst))
+        replace_synced(&tmp, &dir.join("model.safetensors"))?;
+        let tmp = dir.join("config.json.partial");
+        std::fs::write(&tmp, format!("{json:#}")).map_err(io(&tmp))?;
+        replace_synced(&tmp, &dir.join("config.json"))
     }
+}
+
+/// Flushes `tmp` to disk and renames it to `dst`, then flushes the directory's entry.
+fn replace_synced(tmp: &Path, dst: &Path) -> Result<(), LoadError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LoadError::Io { path, source }
+    };
+    std::fs::File::open(tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(io(tmp))?;
+    std::fs::rename(tmp, dst).map_err(io(dst))?;
+    if let Some(parent) = dst.parent() {
+        std::fs::File::open(parent)
+            .and_then(|d| d.sync_all())
+            .map_err(io(parent))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

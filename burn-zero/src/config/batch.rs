@@ -54,21 +54,29 @@ impl BatchSizes {
                 Err(triad_error(format!("{total} / {by} is not a whole number")))
             }
         };
+        // Products of given numbers, which may be too large for any batch.
+        let times = |factors: &[u64]| {
+            factors
+                .iter()
+                .try_fold(1u64, |acc, f| acc.checked_mul(*f))
+                .ok_or_else(|| triad_error(format!("{factors:?} multiply beyond 2^64")))
+        };
         let (tb, mb, gas) = match (train_batch_size, micro_batch, gas) {
             (Some(tb), Some(mb), Some(gas)) => (tb, mb, gas),
-            (Some(tb), Some(mb), None) => (tb, mb, divide(tb, mb * world)?),
-            (Some(tb), None, Some(gas)) => (tb, divide(tb, gas * world)?, gas),
-            (None, Some(mb), Some(gas)) => (mb * gas * world, mb, gas),
+            (Some(tb), Some(mb), None) => (tb, mb, divide(tb, times(&[mb, world])?)?),
+            (Some(tb), None, Some(gas)) => (tb, divide(tb, times(&[gas, world])?)?, gas),
+            (None, Some(mb), Some(gas)) => (times(&[mb, gas, world])?, mb, gas),
             (Some(tb), None, None) => (tb, divide(tb, world)?, 1),
-            (None, Some(mb), None) => (mb * world, mb, 1),
+            (None, Some(mb), None) => (times(&[mb, world])?, mb, 1),
             (None, None, _) => {
                 return Err(triad_error(
                     "unknown: give train_batch_size or train_micro_batch_size_per_gpu".into(),
                 ));
             }
         };
-        if tb != mb * gas * world {
-            return Err(triad_error((mb * gas * world).to_string()));
+        let product = times(&[mb, gas, world])?;
+        if tb != product {
+            return Err(triad_error(product.to_string()));
         }
         Ok(Self {
             train_batch_size: tb as usize,

@@ -325,6 +325,10 @@ fn batch_triad_errors_name_all_three() {
         e.contains("give train_batch_size or train_micro_batch_size_per_gpu"),
         "{e}"
     );
+    let e = BatchSizes::resolve(None, Some(u64::MAX / 2), Some(4), 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("multiply beyond 2^64"), "{e}");
     let e = BatchSizes::resolve(Some(0), Some(1), None, 1)
         .unwrap_err()
         .to_string();

@@ -329,43 +329,43 @@ fn fwd_bwd_seconds(
     iterations: usize,
     attend: impl Fn(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) -> Tensor<B, 4>,
 ) -> f64 {
-    let [b, _, seq, hd] = shape;
-    let kv_shape = [b, kv_heads, seq, hd];
-    let inputs = [(shape, 1), (kv_shape, 2), (kv_shape, 3)]
-        .map(|(shape, seed)| tensor(shape, seed, FloatDType::BF16, device));
+    let inputs = timed_inputs(device, shape, kv_heads);
     let g = tensor(shape, 4, FloatDType::BF16, device);
-    let mut times = Vec::new();
-    for i in 0..=iterations {
+    median_seconds(device, iterations, || {
         let [q, k, v] = inputs.clone().map(|t| t.require_grad());
-        B::sync(device).expect("sync");
-        let start = Instant::now();
-        let out = attend(q.clone(), k.clone(), v.clone());
+        let out = attend(q.clone(), k, v);
         let grads = (out * g.clone()).sum().backward();
-        let dq = q.grad(&grads).expect("dq");
-        B::sync(device).expect("sync");
-        drop(dq);
-        if i > 0 {
-            times.push(start.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+        q.grad(&grads).expect("dq")
+    })
 }
 
 /// Median seconds of the causal forward alone (inputs without gradients: nothing is kept for
 /// a backward) over `iterations` (after one warm-up).
 fn forward_seconds(device: &Device, shape: [usize; 4], kv_heads: usize, iterations: usize) -> f64 {
+    let [q, k, v] = timed_inputs(device, shape, kv_heads);
+    median_seconds(device, iterations, || {
+        flash_attention(q.clone(), k.clone(), v.clone(), true).expect("flash")
+    })
+}
+
+/// Q of `shape`, K and V with `kv_heads` heads, bf16.
+fn timed_inputs(device: &Device, shape: [usize; 4], kv_heads: usize) -> [Tensor<B, 4>; 3] {
     let [b, _, seq, hd] = shape;
     let kv_shape = [b, kv_heads, seq, hd];
-    let [q, k, v] = [(shape, 1), (kv_shape, 2), (kv_shape, 3)]
-        .map(|(shape, seed)| tensor(shape, seed, FloatDType::BF16, device));
+    [(shape, 1), (kv_shape, 2), (kv_shape, 3)]
+        .map(|(shape, seed)| tensor(shape, seed, FloatDType::BF16, device))
+}
+
+/// Median wall seconds of `run` from a synced device until its work is done (its result is
+/// dropped after the sync), over `iterations` after one warm-up.
+fn median_seconds<T>(device: &Device, iterations: usize, mut run: impl FnMut() -> T) -> f64 {
     let mut times = Vec::new();
     for i in 0..=iterations {
         B::sync(device).expect("sync");
         let start = Instant::now();
-        let out = flash_attention(q.clone(), k.clone(), v.clone(), true).expect("flash");
+        let result = run();
         B::sync(device).expect("sync");
-        drop(out);
+        drop(result);
         if i > 0 {
             times.push(start.elapsed().as_secs_f64());
         }
