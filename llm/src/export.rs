@@ -10,6 +10,8 @@ use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use burn_zero::checkpoint::{commit_file, replace_file};
+
 use crate::lora::{Adapter, merged_weight};
 use crate::model::{Llama, LlamaConfig};
 use crate::weights::{LoadError, deinterleave_rope_rows, transpose};
@@ -125,29 +127,11 @@ impl<B: Backend> Llama<B> {
         // config: a crash leaves each file either old or new, never cut short.
         let tmp = dir.join("model.safetensors.partial");
         safetensors::serialize_to_file(views, &None, &tmp).map_err(|e| fail(e.to_string()))?;
-        replace_synced(&tmp, &dir.join("model.safetensors"))?;
-        let tmp = dir.join("config.json.partial");
-        std::fs::write(&tmp, format!("{json:#}")).map_err(io(&tmp))?;
-        replace_synced(&tmp, &dir.join("config.json"))
+        let weights = dir.join("model.safetensors");
+        commit_file(&tmp, &weights).map_err(io(&weights))?;
+        let config_path = dir.join("config.json");
+        replace_file(&config_path, format!("{json:#}").as_bytes()).map_err(io(&config_path))
     }
-}
-
-/// Flushes `tmp` to disk and renames it to `dst`, then flushes the directory's entry.
-fn replace_synced(tmp: &Path, dst: &Path) -> Result<(), LoadError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| LoadError::Io { path, source }
-    };
-    std::fs::File::open(tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(io(tmp))?;
-    std::fs::rename(tmp, dst).map_err(io(dst))?;
-    if let Some(parent) = dst.parent() {
-        std::fs::File::open(parent)
-            .and_then(|d| d.sync_all())
-            .map_err(io(parent))?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -12,8 +12,8 @@ pub use manifest::{
 pub use read::{MASTER, PartitionFiles, Span, consolidate, describe, partition_file};
 pub use safetensors::Dtype;
 pub use store::{
-    LATEST, MANIFEST, Staging, StoreError, open_manifest, open_verified, resolve, sha256_file,
-    verify,
+    LATEST, MANIFEST, Staging, StoreError, commit_file, open_manifest, open_verified, replace_file,
+    resolve, sha256_file, verify,
 };
 
 #[cfg(test)]

@@ -94,6 +94,30 @@ fn sync_dir(path: &Path) -> Result<(), StoreError> {
         .map_err(io(path))
 }
 
+/// Makes the written file `tmp` durable under `dst`: flushed, renamed over `dst`, and the
+/// directory's entry flushed. A crash leaves `dst` old or new, never cut short.
+pub fn commit_file(tmp: &Path, dst: &Path) -> std::io::Result<()> {
+    fs::File::open(tmp)?.sync_all()?;
+    fs::rename(tmp, dst)?;
+    let dir = match dst.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    fs::File::open(dir)?.sync_all()
+}
+
+/// Writes `contents` to `dst` whole: into the hidden `.NAME.partial` beside it, then
+/// [`commit_file`].
+pub fn replace_file(dst: &Path, contents: &[u8]) -> std::io::Result<()> {
+    let name = dst
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = dst.with_file_name(format!(".{name}.partial"));
+    fs::write(&tmp, contents)?;
+    commit_file(&tmp, dst)
+}
+
 /// Where a checkpoint of `tag` replaced by a newer save of the same tag waits until the new
 /// one and `latest` are on disk (a crash between the two renames leaves it the only copy).
 fn replaced(root: &Path, tag: &str) -> PathBuf {
@@ -175,11 +199,8 @@ impl Staging {
         }
         fs::rename(&self.dir, &target).map_err(io(&self.dir))?;
         sync_dir(&self.root)?;
-        let latest_tmp = self.root.join(format!(".{LATEST}.partial"));
-        write_synced(&latest_tmp, self.tag.as_bytes())?;
         let latest = self.root.join(LATEST);
-        fs::rename(&latest_tmp, &latest).map_err(io(&latest))?;
-        sync_dir(&self.root)?;
+        replace_file(&latest, self.tag.as_bytes()).map_err(io(&latest))?;
         // The checkpoint and `latest` are on disk: the copy it replaced is no longer needed,
         // and failing to remove it loses nothing (the next save of the tag tries again).
         if old.exists() {

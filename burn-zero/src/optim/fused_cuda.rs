@@ -157,11 +157,7 @@ fn adamw<B: Backend>(
     let in_stream =
         TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FusionTensor<FusedCuda>>();
     if !fits || !in_stream {
-        let grad = match (fits, grads.len()) {
-            (true, 1) => Some(grads[0].clone()),
-            (true, _) => Some(Tensor::cat(grads.clone(), 0)),
-            (false, _) => None,
-        };
+        let grad = fits.then(|| super::tensor::joined(grads.clone()));
         let out = grad.and_then(|g| adamw_resolved(&master, &g, &m, &v, k, working));
         return out.ok_or(([master, m, v], grads));
     }

@@ -288,11 +288,7 @@ impl<B: Backend> TensorOptimizer<B> {
             _ => (param, grads),
         };
         let _ = working;
-        let mut grads = grads;
-        let grad = match grads.len() {
-            1 => grads.pop().expect("one piece"),
-            _ => Tensor::cat(grads, 0),
-        };
+        let grad = joined(grads);
         let grad = if grad_scale == 1.0 {
             grad
         } else {
@@ -459,6 +455,14 @@ impl Exchange<'_> {
             Err(e) => panic!("1-bit Adam's exchange: {e}"),
         }
         Tensor::from_data(TensorData::new(local, [self.len]), &device)
+    }
+}
+
+/// A gradient given as its consecutive pieces, in one tensor (the piece itself when one).
+pub(crate) fn joined<B: Backend>(mut pieces: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
+    match pieces.len() {
+        1 => pieces.pop().expect("one piece"),
+        _ => Tensor::cat(pieces, 0),
     }
 }
 

@@ -282,29 +282,24 @@ fn bad_schedule_params_are_named() {
     );
     let e = err("WarmupLR", serde_json::json!({"warmup_max_lr": "high"}));
     assert!(e.contains("scheduler.params.warmup_max_lr"), "{e}");
-    let mut warnings = Vec::new();
-    let config = SchedulerConfig {
-        kind: "WarmupLR".into(),
-        params: serde_json::json!({"warmup_steps": 5}),
-    };
-    Schedule::from_config(Some(&config), 0.1, &mut warnings).unwrap();
-    assert_eq!(
-        warnings,
-        vec!["unknown key `scheduler.params.warmup_steps`: ignored".to_string()]
-    );
-    // One edit from a known key: named as the likely typo.
-    let mut warnings = Vec::new();
-    let config = SchedulerConfig {
-        kind: "WarmupLR".into(),
-        params: serde_json::json!({"warmup_num_step": 5}),
-    };
-    Schedule::from_config(Some(&config), 0.1, &mut warnings).unwrap();
-    assert_eq!(
-        warnings,
-        vec![
+    // Unknown keys are warned about; one edit from a known key, named as its likely typo.
+    for (key, warning) in [
+        (
+            "warmup_steps",
+            "unknown key `scheduler.params.warmup_steps`: ignored",
+        ),
+        (
+            "warmup_num_step",
             "unknown key `scheduler.params.warmup_num_step`: ignored (did you mean \
-             `warmup_num_steps`?)"
-                .to_string()
-        ]
-    );
+             `warmup_num_steps`?)",
+        ),
+    ] {
+        let mut warnings = Vec::new();
+        let config = SchedulerConfig {
+            kind: "WarmupLR".into(),
+            params: serde_json::json!({ key: 5 }),
+        };
+        Schedule::from_config(Some(&config), 0.1, &mut warnings).unwrap();
+        assert_eq!(warnings, vec![warning.to_string()]);
+    }
 }

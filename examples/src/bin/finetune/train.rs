@@ -398,11 +398,7 @@ fn keep_metrics_before(metrics: &Path, first: usize) -> Result<usize, String> {
         }
     }
     if dropped > 0 {
-        let partial = metrics.with_extension("jsonl.partial");
-        let mut file = std::fs::File::create(&partial).map_err(fail)?;
-        file.write_all(kept.as_bytes()).map_err(fail)?;
-        file.sync_all().map_err(fail)?;
-        std::fs::rename(&partial, metrics).map_err(fail)?;
+        burn_zero::checkpoint::replace_file(metrics, kept.as_bytes()).map_err(fail)?;
     }
     Ok(dropped)
 }
