@@ -18,6 +18,7 @@ pub mod kernel_cache;
 #[cfg(unix)]
 pub mod launch;
 mod log;
+pub mod nn;
 pub mod optim;
 pub mod partition;
 pub mod precision;

@@ -18,6 +18,7 @@ pub mod model;
 pub mod parallel;
 pub mod parallel_stage;
 pub mod pipeline;
+pub mod shared_init;
 pub mod tokenizer;
 pub mod weights;
 

@@ -8,6 +8,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNor
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData};
+use burn_zero::nn::{VocabAxis, linear_cross_entropy};
 use burn_zero::profile::scope;
 
 use crate::lora::{Adapters, project};
@@ -117,6 +118,7 @@ impl LlamaConfig {
             num_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             rope_theta: self.rope_theta,
+            loss_chunk: 0,
         }
     }
 
@@ -192,9 +194,20 @@ pub struct Llama<B: Backend> {
     num_heads: usize,
     num_kv_heads: usize,
     rope_theta: f64,
+    /// Tokens per chunk of the chunked loss ([`Llama::with_chunked_loss`]); 0: the logits
+    /// materialized.
+    loss_chunk: usize,
 }
 
 impl<B: Backend> Llama<B> {
+    /// The model whose [`Llama::loss`] runs the output projection and the cross-entropy over
+    /// chunks of `rows` tokens (`burn_zero::nn::linear_cross_entropy`): the `[tokens, vocab]`
+    /// logits never exist whole. 0 materializes them (the default).
+    pub fn with_chunked_loss(mut self, rows: usize) -> Self {
+        self.loss_chunk = rows;
+        self
+    }
+
     /// Logits for every position of `tokens` (`[batch, seq]`), causal attention.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         self.forward_kept(tokens, None)
@@ -204,6 +217,18 @@ impl<B: Backend> Llama<B> {
     /// dropped layer passes its input through (progressive layer dropping), so neither its
     /// forward nor its backward runs.
     pub fn forward_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 3> {
+        let x = self.hidden_kept(tokens, keep);
+        scope("lm_head", || match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => {
+                let w = self.embed.weight.val().transpose().unsqueeze::<3>();
+                x.matmul(w)
+            }
+        })
+    }
+
+    /// The final norm's output `[batch, seq, hidden]` for the decoder layers `keep` marks.
+    fn hidden_kept(&self, tokens: Tensor<B, 2, Int>, keep: Option<&[bool]>) -> Tensor<B, 3> {
         let [_, seq] = tokens.dims();
         let device = tokens.device();
         // Module scopes for the FLOPs profiler, named as the parameters' paths are.
@@ -220,14 +245,7 @@ impl<B: Backend> Llama<B> {
                 });
             }
         }
-        let x = scope("norm", || self.norm.forward(x));
-        scope("lm_head", || match &self.lm_head {
-            Some(head) => head.forward(x),
-            None => {
-                let w = self.embed.weight.val().transpose().unsqueeze::<3>();
-                x.matmul(w)
-            }
-        })
+        scope("norm", || self.norm.forward(x))
     }
 
     /// Mean next-token cross-entropy of `tokens` (`[batch, seq + 1]`: inputs and shifted
@@ -241,7 +259,24 @@ impl<B: Backend> Llama<B> {
         let [batch, len] = tokens.dims();
         let inputs = tokens.clone().slice([0..batch, 0..len - 1]);
         let targets = tokens.slice([0..batch, 1..len]);
-        cross_entropy(self.forward_kept(inputs, keep), targets)
+        if self.loss_chunk == 0 {
+            return cross_entropy(self.forward_kept(inputs, keep), targets);
+        }
+        let x = self.hidden_kept(inputs, keep);
+        let [_, seq, hidden] = x.dims();
+        let (weight, axis) = match &self.lm_head {
+            Some(head) => (head.weight.val(), VocabAxis::Columns),
+            None => (self.embed.weight.val(), VocabAxis::Rows),
+        };
+        scope("lm_head", || {
+            linear_cross_entropy(
+                x.reshape([batch * seq, hidden]),
+                weight,
+                axis,
+                targets.reshape([batch * seq]),
+                self.loss_chunk,
+            )
+        })
     }
 
     /// Number of decoder layers.

@@ -17,6 +17,7 @@ pub mod hooks;
 pub mod matmul;
 #[cfg(feature = "cuda")]
 mod matmul_cuda;
+pub mod memory_pool;
 mod ops_list;
 pub mod sharded;
 #[cfg(feature = "cuda")]
@@ -24,5 +25,7 @@ pub(crate) mod stream_order;
 mod tensor;
 
 pub use base::ZeroBackend;
+#[cfg(feature = "cuda")]
+pub use memory_pool::{configure_memory_pool, memory_pool_of};
 pub use sharded::{GathererGuard, ParamGatherer, PartitionSource, ShardedParam, install_gatherer};
 pub use tensor::ZeroTensor;

@@ -159,6 +159,25 @@ pub struct BurnZeroConfig {
     /// kernels on CUDA: true always, false never (the model runs its materialized attention),
     /// absent or null where measured faster (`burn_zero::attention::flash_chosen`).
     pub flash_attention: Option<bool>,
+    /// `memory_pool`: how the CUDA device's memory pools are laid out (default `fitted`);
+    /// fixed when the device is first used, so set before the model is built (see
+    /// `burn_zero::backend::configure_memory_pool`).
+    pub memory_pool: MemoryPoolLayout,
+}
+
+/// `burn_zero.memory_pool`: the pools cubecl's CUDA runtime reserves device memory through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryPoolLayout {
+    /// Small tensors share pages; every tensor over 4 MiB gets a page of its own, at most an
+    /// eighth larger than itself, reused by tensors of its size class: reserved stays near live.
+    #[default]
+    Fitted,
+    /// cubecl's default (`SubSlices`): slices of pages up to a quarter of the device, never
+    /// returned (a 3 GiB tensor holds a 20 GiB page on an 80 GB card).
+    Sliced,
+    /// cubecl's `ExclusivePages`: one page per tensor in 24 size classes from 32 KiB.
+    Exclusive,
 }
 
 impl Default for BurnZeroConfig {
@@ -169,6 +188,7 @@ impl Default for BurnZeroConfig {
             max_buffer_elements: 1 << 30,
             fused_adam: true,
             flash_attention: None,
+            memory_pool: MemoryPoolLayout::default(),
         }
     }
 }

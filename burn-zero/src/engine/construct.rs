@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use super::stage3::chunk_of;
 use super::{PARTITION_ALIGN, ZeroAutodiff};
@@ -59,6 +59,82 @@ pub fn construct_full<I: Backend, M: Module<ZeroAutodiff<I>>>(model: M, seed: u6
         position: 0,
         shard: None,
     })
+}
+
+/// Values of a model's parameters computed from their place alone, so another program (a
+/// PyTorch peer) can compute the same ones: a benchmark's shared starting point.
+pub trait ParamValues {
+    /// The row-major elements `range` of the float parameter at `position` in module order,
+    /// whose shape is `shape`.
+    fn values(&self, position: usize, shape: &[usize], range: core::ops::Range<usize>) -> Vec<f32>;
+}
+
+/// [`construct_sharded`] with each parameter's values from `values` instead of burn's
+/// initializers: only this rank's chunk of each is computed and uploaded, so an 8B model is
+/// built without any full parameter on the device. Every parameter is made trainable.
+pub fn construct_sharded_from<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    model: M,
+    values: &dyn ParamValues,
+    rank: usize,
+    world_size: usize,
+) -> M {
+    assert!(rank < world_size, "rank {rank} outside {world_size} ranks");
+    model.map(&mut FromValues {
+        values,
+        position: 0,
+        shard: Some((rank, world_size)),
+    })
+}
+
+/// Builds `model` with full parameters from `values`, as [`construct_sharded_from`] would shard
+/// them.
+pub fn construct_full_from<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    model: M,
+    values: &dyn ParamValues,
+) -> M {
+    model.map(&mut FromValues {
+        values,
+        position: 0,
+        shard: None,
+    })
+}
+
+struct FromValues<'a> {
+    values: &'a dyn ParamValues,
+    position: usize,
+    shard: Option<(usize, usize)>,
+}
+
+impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for FromValues<'_> {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: Param<Tensor<ZeroAutodiff<I>, D>>,
+    ) -> Param<Tensor<ZeroAutodiff<I>, D>> {
+        let position = self.position;
+        self.position += 1;
+        let (id, shape, device) = (param.id, param.lazy_shape(), param.lazy_device());
+        let n = shape.num_elements();
+        let Some((rank, world)) = self.shard else {
+            let data = TensorData::new(self.values.values(position, shape.as_slice(), 0..n), shape);
+            let tensor = Tensor::from_data(data, &device).require_grad();
+            return Param::initialized(id, tensor);
+        };
+        let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
+        let owned = plan.owned(0, rank);
+        let mut chunk = self.values.values(position, shape.as_slice(), owned);
+        chunk.resize(plan.chunk(0), 0.0);
+        let len = chunk.len();
+        let partition = Tensor::<I, 1>::from_data(TensorData::new(chunk, [len]), &device);
+        let handle = ZeroTensor::sharded(Arc::new(ShardedParam {
+            slot: position,
+            version: 0,
+            shape,
+            partition: partition.into_primitive().tensor(),
+            offloaded: None,
+        }));
+        let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(handle));
+        Param::initialized(id, Tensor::from_inner(inner).require_grad())
+    }
 }
 
 struct Draw {

@@ -52,6 +52,14 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         let json = serde_json::to_string(&resolved).unwrap_or_default();
         crate::log::info(&format!("resolved config: {json}"));
     }
+    #[cfg(feature = "cuda")]
+    if let Err(e) = crate::backend::memory_pool::ensure_memory_pool(
+        &model_device(&model),
+        resolved.config.burn_zero.memory_pool,
+    ) && comm.rank() == 0
+    {
+        crate::log::warn(&e.to_string());
+    }
     let matmul = &resolved.config.burn_zero.matmul;
     set_matmul_policy(MatmulPolicy {
         cublaslt: matmul.cublaslt && MatmulPolicy::default().cublaslt,

@@ -41,7 +41,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, FloatDType, Shape, Tensor};
 
 pub use checkpoint::{LoadedCheckpoint, inject_save_failure};
-pub use construct::{construct_full, construct_sharded};
+pub use construct::{
+    ParamValues, construct_full, construct_full_from, construct_sharded, construct_sharded_from,
+};
 pub use init::initialize;
 pub use load_module::load_params;
 pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates};

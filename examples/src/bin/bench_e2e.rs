@@ -3,22 +3,30 @@
 //! master weights, AdamW (β = 0.9/0.95, weight decay 0.1), clipping at 1.0, seeded random
 //! weights and tokens. One process per GPU:
 //!   burn-zero run --nproc-per-node N -- bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ]
-//! SIZE is `125m`, `1b` or `3b` (Llama-3.2 shapes for 1b and 3b). Rank 0 prints one JSON line:
-//! tokens/s per GPU, MFU, the step-time breakdown and the losses.
+//! SIZE is `125m`, `1b`, `3b` (Llama-3.2 shapes, tied embeddings) or `8b` (Llama-3.1-8B,
+//! untied). Options after the positional ones: `--pool fitted|sliced|exclusive` (the CUDA
+//! memory pools, `burn_zero.memory_pool`; default fitted) and `--init shared|burn` (shared:
+//! the weights `bench/shared_init.py` computes too, so the peers' losses compare step by step;
+//! burn: burn's own initializers, seeded) and `--loss chunked|full` (the output projection
+//! and cross-entropy over chunks of 2,048 tokens, `burn_zero::nn::linear_cross_entropy`, or
+//! the logits materialized). Rank 0 prints one JSON line: tokens/s per GPU,
+//! MFU, the step-time breakdown, peak and pool memory and the losses.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
 //! over the timed steps and writes the summary to FILE (see `host_profile`).
 
 use std::time::Instant;
 
 use burn::backend::Cuda;
-use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_zero::DeepSpeedConfig;
+use burn_zero::backend::configure_memory_pool;
 use burn_zero::backend::matmul::take_matmul_profile;
+use burn_zero::config::MemoryPoolLayout;
 use burn_zero::dist::init_nccl;
-use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero::engine::{ZeroAutodiff, construct_full_from, construct_sharded_from, initialize};
 use burn_zero_llm::data::synthetic_ids;
+use burn_zero_llm::shared_init::SharedInit;
 use burn_zero_llm::{Llama, LlamaConfig};
 
 type B = ZeroAutodiff<Cuda>;
@@ -29,9 +37,30 @@ fn preset(size: &str) -> LlamaConfig {
         "125m" => LlamaConfig::new(49152, 768, 2048, 12, 12, 4),
         "1b" => LlamaConfig::new(128256, 2048, 8192, 16, 32, 8),
         "3b" => LlamaConfig::new(128256, 3072, 8192, 28, 24, 8),
-        other => panic!("SIZE is 125m, 1b or 3b, not `{other}`"),
+        "8b" => LlamaConfig::new(128256, 4096, 14336, 32, 32, 8).with_tie_embeddings(false),
+        other => panic!("SIZE is 125m, 1b, 3b or 8b, not `{other}`"),
     };
     config.with_rope_theta(500000.0).with_max_seq_len(8192)
+}
+
+/// The shared starting weights (`bench/shared_init.py` computes the same).
+const SHARED: SharedInit = SharedInit { seed: 42 };
+
+/// The positional arguments, and the `--key value` options after them.
+fn split_options(args: &[String], usage: &str) -> (Vec<String>, Vec<(String, String)>) {
+    let split = args
+        .iter()
+        .position(|a| a.starts_with("--"))
+        .unwrap_or(args.len());
+    let mut options = Vec::new();
+    let mut rest = args[split..].iter();
+    while let Some(key) = rest.next() {
+        let value = rest
+            .next()
+            .unwrap_or_else(|| panic!("{key} needs a value: {usage}"));
+        options.push((key.trim_start_matches("--").to_string(), value.clone()));
+    }
+    (args[..split].to_vec(), options)
 }
 
 /// Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
@@ -55,7 +84,7 @@ fn peak_flops() -> f64 {
 /// cubecl's memory pool on `device` after `phase`: GiB reserved from the GPU and GiB in live
 /// buffers (their difference is what the pools hold free), also printed by rank 0 as it goes,
 /// so a run that dies of memory still shows how far it got.
-fn pool(device: &burn::tensor::Device<Cuda>, phase: &str, rank: usize) -> serde_json::Value {
+fn pool_usage(device: &burn::tensor::Device<Cuda>, phase: &str, rank: usize) -> serde_json::Value {
     <Cuda as Backend>::sync(device).expect("sync");
     let usage = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(device)
         .memory_usage()
@@ -81,7 +110,38 @@ fn tokens(
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ]";
+    let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
+                 [--init shared|burn] [--loss chunked|full]";
+    let (args, options) = split_options(&args, usage);
+    let pool = match options
+        .iter()
+        .find(|(k, _)| k == "pool")
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("fitted") => MemoryPoolLayout::Fitted,
+        Some("sliced") => MemoryPoolLayout::Sliced,
+        Some("exclusive") => MemoryPoolLayout::Exclusive,
+        Some(other) => panic!("--pool is fitted, sliced or exclusive, not `{other}`"),
+    };
+    let shared_init = match options
+        .iter()
+        .find(|(k, _)| k == "init")
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("shared") => true,
+        Some("burn") => false,
+        Some(other) => panic!("--init is shared or burn, not `{other}`"),
+    };
+    // Tokens per chunk of the loss (0: the logits materialized, as before).
+    let loss_chunk: usize = match options
+        .iter()
+        .find(|(k, _)| k == "loss")
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("chunked") => 2048,
+        Some("full") => 0,
+        Some(other) => panic!("--loss is chunked or full, not `{other}`"),
+    };
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
@@ -90,6 +150,8 @@ fn main() {
     let (env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let (rank, world) = (env.rank, env.world_size);
     let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
+    // The pools are fixed at the device's first use: before the model touches it.
+    configure_memory_pool(env.local_rank, pool).unwrap_or_else(|e| panic!("{e}"));
     let config = preset(&size);
     // E2E_PROFILE=FILE: the FLOPs profiler on step 3, its report written to FILE (rank 0).
     let profile = std::env::var("E2E_PROFILE").map_or(String::new(), |file| {
@@ -106,21 +168,32 @@ fn main() {
             "bf16": {{"enabled": true}},
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                 "reduce_bucket_size": 200000000, "allgather_bucket_size": 200000000}},
-            "burn_zero": {{"matmul": {{"cublaslt": true}}}}{profile}}}"#
+            "burn_zero": {{"matmul": {{"cublaslt": true}},
+                "memory_pool": "{pool_name}"}}{profile}}}"#,
+        pool_name = format!("{pool:?}").to_lowercase()
     );
     let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
     <Cuda as Backend>::seed(&device, 42);
-    let model: Llama<B> = config.init(&device);
-    let params = model.num_params();
+    let model: Llama<B> = match (shared_init, stage) {
+        (false, _) => config.init(&device),
+        (true, 3) => construct_sharded_from(config.init(&device), &SHARED, rank, world),
+        (true, _) => construct_full_from(config.init(&device), &SHARED),
+    }
+    .with_chunked_loss(loss_chunk);
+    let params = config.num_params();
     let mut engine = initialize::<Cuda, _>(model, &ds, std::sync::Arc::new(nccl))
         .unwrap_or_else(|e| panic!("{e}"));
     let report = engine.memory_report();
-    let mut pools = vec![pool(&device, "initialize", rank)];
+    let mut pools = vec![pool_usage(&device, "initialize", rank)];
     let shape = (micro, seq, config.vocab_size);
     let (mut times, mut forward, mut losses) = (Vec::new(), Vec::new(), Vec::new());
     let mut host_calls: Vec<[f64; 3]> = Vec::new();
     engine.take_timings();
     let mut host_profile = HostProfileRun::from_env(rank);
+    // When training starts: the runner takes the peak GPU memory of the steps from here on.
+    let train_start = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
     for step in 0..steps {
         let batch = tokens(step, rank, shape, &device);
         <Cuda as Backend>::sync(&device).expect("sync");
@@ -132,13 +205,13 @@ fn main() {
         <Cuda as Backend>::sync(&device).expect("sync");
         let forward_s = start.elapsed().as_secs_f64();
         if step == 0 {
-            pools.push(pool(&device, "the first forward", rank));
+            pools.push(pool_usage(&device, "the first forward", rank));
         }
         let issued = Instant::now();
         engine.backward(loss.clone()).expect("backward");
         let backward_call = issued.elapsed().as_secs_f64();
         if step == 0 {
-            pools.push(pool(&device, "the first backward", rank));
+            pools.push(pool_usage(&device, "the first backward", rank));
         }
         let issued = Instant::now();
         engine.step().expect("step");
@@ -146,7 +219,7 @@ fn main() {
         <Cuda as Backend>::sync(&device).expect("sync");
         let secs = start.elapsed().as_secs_f64();
         if step == 0 {
-            pools.push(pool(&device, "the first step", rank));
+            pools.push(pool_usage(&device, "the first step", rank));
         }
         let l = loss.cast(burn::tensor::FloatDType::F32).into_scalar();
         if rank == 0 {
@@ -170,7 +243,7 @@ fn main() {
     // cuBLASLt per timed step: calls, host µs per phase, GEMM GPU ms (the last only with
     // BURN_ZERO_MATMUL_PROFILE=1).
     let products = take_matmul_profile(env.local_rank);
-    pools.push(pool(&device, "the last step", rank));
+    pools.push(pool_usage(&device, "the last step", rank));
     let timed = times.len().max(1) as f64;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
@@ -182,6 +255,9 @@ fn main() {
             "{}",
             serde_json::json!({"system": "burn-zero", "size": size, "params": params,
                 "stage": stage, "world": world, "micro_batch": micro, "seq": seq,
+                "init": if shared_init { "shared" } else { "burn" },
+                "loss_chunk_tokens": loss_chunk,
+                "memory_pool": format!("{pool:?}").to_lowercase(),
                 "global_batch_tokens": micro * seq * world, "steps": steps,
                 "median_step_s": median, "step_times_s": times,
                 "tokens_per_s_per_gpu": tokens_per_gpu,
@@ -195,7 +271,8 @@ fn main() {
                 "cublaslt_per_step": {"calls": products.calls as f64 / timed,
                     "host_ms": products.host_us.iter().sum::<f64>() / timed / 1e3,
                     "gemm_gpu_ms": products.gemm_gpu_us / timed / 1e3},
-                "losses": losses, "memory_report": report.to_string(), "memory_pool": pools})
+                "losses": losses, "train_start_unix": train_start,
+                "memory_report": report.to_string(), "pool_memory": pools})
         );
     }
 }

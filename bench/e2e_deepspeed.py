@@ -1,0 +1,87 @@
+"""DeepSpeed itself as the third system of bench/run_e2e_zero3.sh: the same Llama
+(bench/llama_torch.py), sizes, token stream and starting weights (bench/shared_init.py) as
+bench-e2e and e2e_fsdp2.py, through `deepspeed.initialize` with ZeRO-3 (or STAGE), bf16 with
+fp32 master weights, clipping at 1.0, and torch's fused AdamW (betas 0.9/0.95, weight decay 0.1)
+as the client optimizer (DeepSpeed's own FusedAdam would need a JIT build; the step is the same
+arithmetic). Parameters are partitioned at construction (`zero.Init`) and each filled from the
+shared values while gathered. Installed as ../shared/GPU.md describes. One process per GPU:
+    torchrun --nproc-per-node N bench/e2e_deepspeed.py SIZE STAGE [STEPS] [MICRO] [SEQ] [--ac 0|1]
+Rank 0 prints one JSON line with bench-e2e's keys."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_torch as lt  # noqa: E402
+import shared_init  # noqa: E402
+
+import deepspeed  # noqa: E402
+
+
+def config(stage, micro, world):
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro * world,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "overlap_comm": True,
+                              "contiguous_gradients": True,
+                              "reduce_bucket_size": 200000000,
+                              "allgather_bucket_size": 200000000},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000000,
+        "wall_clock_breakdown": False,
+    }
+
+
+@torch.no_grad()
+def fill(model, stage, device):
+    """Every parameter from the shared values, gathered one at a time at stage 3."""
+    for position, (name, module, param) in enumerate(shared_init.parameters_in_order(model)):
+        shape = tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+        if isinstance(module, torch.nn.Linear):
+            full = shared_init.values(lt.SEED, position, (shape[1], shape[0]), device).t()
+        else:
+            full = shared_init.values(lt.SEED, position, shape, device)
+        if stage == 3:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.copy_(full.to(param.dtype))
+        else:
+            param.copy_(full.to(param.dtype))
+        del full
+
+
+def main():
+    size, stage, steps, micro, seq, ac = lt.parse(sys.argv[1:])
+    vocab, hidden, inter, layers, heads, kv, tied = lt.PRESETS[size]
+    deepspeed.init_distributed("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    ds = config(stage, micro, world)
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32):
+            model = lt.Llama(vocab, hidden, inter, layers, heads, kv, tied, checkpointing=ac)
+        params = sum(p.ds_numel for p in model.parameters())
+    else:
+        model = lt.Llama(vocab, hidden, inter, layers, heads, kv, tied, checkpointing=ac)
+        params = sum(p.numel() for p in model.parameters())
+    fill(model, stage, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    torch.cuda.empty_cache()
+    run = lt.train(engine, engine.step, engine.backward, size, micro, seq, steps, rank, device)
+    if rank == 0:
+        print(json.dumps(lt.result("deepspeed", {"deepspeed": deepspeed.__version__,
+                                                 "activation_checkpointing": ac},
+                                   size, stage, world, micro, seq, steps, params, *run)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

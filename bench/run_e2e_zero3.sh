@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Device side of issue 33, one call: ZeRO-3 runs of bench-e2e (ours), bench/e2e_fsdp2.py
+# (PyTorch FSDP2) and bench/e2e_deepspeed.py (DeepSpeed 0.19.8) from the same starting weights
+# and tokens, one row of CASES at a time, each system with its peak GPU memory from nvidia-smi
+# over the whole run and over its training steps alone; merged into $OUT/e2e-zero3-<kind>.json.
+#   bash bench/run_e2e_zero3.sh KIND    (carry [".gpu", ".whl"]; staged by
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
+# CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC]" rows (default below); SYSTEMS: which of
+# "ours ours-full-loss ours-old fsdp2 deepspeed" run (ours: fitted pools and the chunked loss;
+# ours-full-loss: fitted pools, logits materialized; ours-old: cubecl's pools and materialized
+# logits, as before issue 33);
+# STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
+source bench/prelude.sh "$1"
+steps="${STEPS:-6}"
+cases="${CASES:-1b 2 2 1024;1b 2 4 2048;3b 2 1 4096}"
+systems="${SYSTEMS:-ours ours-old fsdp2 deepspeed}"
+: > /tmp/e2e.jsonl
+{
+  echo "commit: $(tr '\n' ' ' < .gpu/commit)"
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} | tee "$out/machine.txt"
+
+# DeepSpeed: its pure-Python install and the wheels the machine lacks (../shared/GPU.md).
+if [[ " $systems " == *" deepspeed "* ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && mkdir -p /tmp/dsb && tar xzf .whl/deepspeed-0.19.8.tar.gz -C /tmp/dsb \
+    && (cd /tmp/dsb/deepspeed-0.19.8 && PYTHONPATH=/tmp/site DS_BUILD_OPS=0 python3 -m pip install \
+        -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .) \
+    || echo "DeepSpeed did not install"
+fi
+# The shared starting weights' hash in torch: llm/src/shared_init.rs's test expects these.
+python3 bench/shared_init.py | tee "$out/shared-init-check.txt"
+
+port=29700
+measure() { # name size n micro seq ac command...
+  local name=$1 size=$2 n=$3 micro=$4 seq=$5 ac=$6; shift 6
+  local tag="$name-$size-$n-$micro-$seq-ac$ac"
+  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 200 \
+    > "/tmp/mem-$tag.log" &
+  local smi=$!
+  local t0; t0=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "${RUN_TIMEOUT:-300}" "$@" \
+    > "/tmp/$tag.out" 2> "$out/$tag.log"
+  local rc=$?
+  kill $smi; wait $smi 2>/dev/null
+  echo "$tag: exit $rc after $(( $(date +%s) - t0 )) s"; tail -n 3 "$out/$tag.log"
+  python3 - "$tag" "$name" "$n" "$rc" "$size" "$micro" "$seq" "$ac" <<'PY' >> /tmp/e2e.jsonl
+import datetime, json, sys
+tag, name, n, rc, size, micro, seq, ac = sys.argv[1:]
+try:
+    line = [l for l in open(f"/tmp/{tag}.out") if l.startswith("{")][-1]
+    run = json.loads(line)
+except Exception as e:
+    run = {"error": f"no result ({e})"}
+samples = []
+for l in open(f"/tmp/mem-{tag}.log"):
+    try:
+        ts, idx, mib = [x.strip() for x in l.split(",")]
+        t = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        samples.append((t, int(idx), int(mib)))
+    except ValueError:
+        pass
+start = run.get("train_start_unix")
+peak = max((m for _, _, m in samples), default=None)
+train = [m for t, _, m in samples if start is not None and t >= start]
+run.update({"name": name, "gpus": int(n), "exit": int(rc), "case": [size, int(micro), int(seq)],
+            "activation_checkpointing_asked": ac == "1",
+            "peak_gpu_mib": peak, "peak_gpu_mib_training": max(train) if train else None})
+print(json.dumps(run))
+PY
+}
+
+IFS=';' read -ra rows <<< "$cases"
+for row in "${rows[@]}"; do
+  read -r size n micro seq ac <<< "$row"
+  ac="${ac:-0}"
+  [ "$n" -le "$gpus" ] || { echo "skip $row: $gpus GPUs"; continue; }
+  for system in $systems; do
+    port=$((port + 1))
+    case "$system" in
+      ours|ours-full-loss|ours-old)
+        case "$system" in
+          ours) flags=(--pool fitted --loss chunked) ;;
+          ours-full-loss) flags=(--pool fitted --loss full) ;;
+          ours-old) flags=(--pool sliced --loss full) ;;
+        esac
+        measure "$system" "$size" "$n" "$micro" "$seq" "$ac" \
+          .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port "$port" \
+          -- .gpu/bin/bench-e2e "$size" 3 "$steps" "$micro" "$seq" "${flags[@]}" ;;
+      fsdp2) measure fsdp2 "$size" "$n" "$micro" "$seq" "$ac" \
+        torchrun --nproc-per-node "$n" --master-port "$port" \
+        bench/e2e_fsdp2.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" ;;
+      deepspeed) measure deepspeed "$size" "$n" "$micro" "$seq" "$ac" \
+        env PYTHONPATH=/tmp/site torchrun --nproc-per-node "$n" --master-port "$port" \
+        bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" ;;
+    esac
+  done
+done
+
+python3 - "$kind" "$out/e2e-zero3-$kind.json" <<'PY'
+import json, sys
+runs = [json.loads(l) for l in open("/tmp/e2e.jsonl")]
+rows = []
+for r in runs:
+    if r["name"] != "ours":
+        continue  # the other variants of ours are A/B rows, compared through "runs"
+    key = (tuple(r["case"]), r["gpus"])
+    row = {"case": r["case"], "gpus": r["gpus"]}
+    for peer in runs:
+        if (tuple(peer["case"]), peer["gpus"]) != key or peer["name"] == "ours":
+            continue
+        a, b = r.get("tokens_per_s_per_gpu"), peer.get("tokens_per_s_per_gpu")
+        row[f"tokens_ours_over_{peer['name']}"] = a / b if a and b else None
+        pa, pb = r.get("peak_gpu_mib_training"), peer.get("peak_gpu_mib_training")
+        row[f"memory_ours_over_{peer['name']}"] = pa / pb if pa and pb else None
+        la, lb = r.get("losses"), peer.get("losses")
+        if la and lb:
+            row[f"max_loss_diff_vs_{peer['name']}"] = max(abs(x - y) for x, y in zip(la, lb))
+    rows.append(row)
+commit = open(".gpu/commit").read().split()
+result = {"device": sys.argv[1], "commit": commit[0], "dirty": len(commit) > 1,
+          "machine": open(sys.argv[2].rsplit("/", 1)[0] + "/machine.txt").read(),
+          "mfu_formula": "tokens/s/GPU x (6 x params + 12 x layers x hidden x seq) / 989.4e12",
+          "comparisons": rows, "runs": runs}
+json.dump(result, open(sys.argv[2], "w"), indent=1)
+print(f"{'system':12} {'case':18} {'gpus':>4} {'tok/s/gpu':>10} {'mfu':>6} {'peak MiB':>9} "
+      f"{'train MiB':>9} {'loss0':>8} {'lossN':>8}")
+for r in runs:
+    l = r.get("losses") or [float("nan")]
+    print(f"{r['name']:12} {str(r['case']):18} {r['gpus']:>4} "
+          f"{r.get('tokens_per_s_per_gpu', 0) or 0:>10.0f} {r.get('mfu', 0) or 0:>6.3f} "
+          f"{r.get('peak_gpu_mib') or 0:>9} {r.get('peak_gpu_mib_training') or 0:>9} "
+          f"{l[0]:>8.4f} {l[-1]:>8.4f} {r.get('error', '')}")
+for row in rows:
+    print(json.dumps(row))
+PY
