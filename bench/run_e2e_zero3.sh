@@ -6,9 +6,10 @@
 #   bash bench/run_e2e_zero3.sh KIND    (carry [".gpu", ".whl"]; staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC]" rows (default below); SYSTEMS: which of
-# "ours ours-full-loss ours-old fsdp2 deepspeed" run (ours: fitted pools and the chunked loss;
-# ours-full-loss: fitted pools, logits materialized; ours-old: cubecl's pools and materialized
-# logits, as before issue 33);
+# "ours ours-keep ours-full-loss ours-old fsdp2 deepspeed" run (ours: fitted pools, the chunked
+# loss, free pages released between phases; ours-keep: the same without the release;
+# ours-full-loss: logits materialized; ours-old: cubecl's pools, logits materialized, no
+# release, as before issue 33);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
 source bench/prelude.sh "$1"
 steps="${STEPS:-6}"
@@ -49,8 +50,8 @@ measure() { # name size n micro seq ac command...
 import datetime, json, sys
 tag, name, n, rc, size, micro, seq, ac = sys.argv[1:]
 try:
-    line = [l for l in open(f"/tmp/{tag}.out") if l.startswith("{")][-1]
-    run = json.loads(line)
+    line = [l for l in open(f"/tmp/{tag}.out") if "{" in l][-1]
+    run = json.loads(line[line.index("{"):])  # the launcher prefixes "[rank 0] "
 except Exception as e:
     run = {"error": f"no result ({e})"}
 samples = []
@@ -79,11 +80,12 @@ for row in "${rows[@]}"; do
   for system in $systems; do
     port=$((port + 1))
     case "$system" in
-      ours|ours-full-loss|ours-old)
+      ours|ours-keep|ours-full-loss|ours-old)
         case "$system" in
-          ours) flags=(--pool fitted --loss chunked) ;;
-          ours-full-loss) flags=(--pool fitted --loss full) ;;
-          ours-old) flags=(--pool sliced --loss full) ;;
+          ours) flags=(--pool fitted --loss chunked --release 1) ;;
+          ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
+          ours-full-loss) flags=(--pool fitted --loss full --release 1) ;;
+          ours-old) flags=(--pool sliced --loss full --release 0) ;;
         esac
         measure "$system" "$size" "$n" "$micro" "$seq" "$ac" \
           .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port "$port" \

@@ -163,6 +163,10 @@ pub struct BurnZeroConfig {
     /// fixed when the device is first used, so set before the model is built (see
     /// `burn_zero::backend::configure_memory_pool`).
     pub memory_pool: MemoryPoolLayout,
+    /// `release_cached_memory`: between forward, backward and the step the engine hands the
+    /// device pools' free pages back (`Backend::memory_cleanup`), so a phase's freed
+    /// temporaries do not stay reserved for sizes the next phase does not ask for.
+    pub release_cached_memory: bool,
 }
 
 /// `burn_zero.memory_pool`: the pools cubecl's CUDA runtime reserves device memory through.
@@ -189,6 +193,7 @@ impl Default for BurnZeroConfig {
             fused_adam: true,
             flash_attention: None,
             memory_pool: MemoryPoolLayout::default(),
+            release_cached_memory: false,
         }
     }
 }

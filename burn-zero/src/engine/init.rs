@@ -235,6 +235,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         profile: None,
         last_profile: None,
         last_step_end: std::time::Instant::now(),
+        device,
     };
     engine.profile_maybe_start();
     Ok(engine)

@@ -146,6 +146,8 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     last_profile: Option<crate::profile::Profile>,
     /// When the last `step` (or initialization) returned: forward time is measured from it.
     last_step_end: Instant,
+    /// The device of the model's parameters.
+    device: I::Device,
 }
 
 /// The elements of the flat buffer whose optimizer state `rank` holds (stages 0–2; stage 3
@@ -296,7 +298,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         } else {
             loss
         };
+        // The forward's freed temporaries go back before backward allocates (and backward's
+        // before the step): pages cached for one phase's sizes do not hold the next's.
+        self.release_cached_memory();
         drop(loss.backward());
+        self.release_cached_memory();
         self.profile_backward_end(profiled);
         device_failure::check()?;
         let mut state = self.state();
@@ -439,8 +445,18 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.profile_step_end(start);
         self.profile_maybe_start();
         self.report_progress();
+        self.release_cached_memory();
         self.last_step_end = Instant::now();
         Ok(())
+    }
+
+    /// `burn_zero.release_cached_memory`: the device's pools hand their free pages back (to
+    /// CUDA's stream-ordered allocator, which reuses them for any size); in stream order, no
+    /// wait.
+    fn release_cached_memory(&self) {
+        if self.resolved.config.burn_zero.release_cached_memory {
+            I::memory_cleanup(&self.device);
+        }
     }
 
     /// This rank's fp32 master partition on the device (read back when offloaded).

@@ -9,7 +9,8 @@
 //! the weights `bench/shared_init.py` computes too, so the peers' losses compare step by step;
 //! burn: burn's own initializers, seeded) and `--loss chunked|full` (the output projection
 //! and cross-entropy over chunks of 2,048 tokens, `burn_zero::nn::linear_cross_entropy`, or
-//! the logits materialized). Rank 0 prints one JSON line: tokens/s per GPU,
+//! the logits materialized) and `--release 1|0` (`burn_zero.release_cached_memory`: the
+//! pools' free pages handed back between the phases). Rank 0 prints one JSON line: tokens/s per GPU,
 //! MFU, the step-time breakdown, peak and pool memory and the losses.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
 //! over the timed steps and writes the summary to FILE (see `host_profile`).
@@ -111,7 +112,7 @@ fn tokens(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
-                 [--init shared|burn] [--loss chunked|full]";
+                 [--init shared|burn] [--loss chunked|full] [--release 1|0]";
     let (args, options) = split_options(&args, usage);
     let pool = match options
         .iter()
@@ -142,6 +143,15 @@ fn main() {
         Some("full") => 0,
         Some(other) => panic!("--loss is chunked or full, not `{other}`"),
     };
+    let release_cached = match options
+        .iter()
+        .find(|(k, _)| k == "release")
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(other) => panic!("--release is 0 or 1, not `{other}`"),
+    };
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
@@ -169,7 +179,8 @@ fn main() {
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                 "reduce_bucket_size": 200000000, "allgather_bucket_size": 200000000}},
             "burn_zero": {{"matmul": {{"cublaslt": true}},
-                "memory_pool": "{pool_name}"}}{profile}}}"#,
+                "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
+                {profile}}}"#,
         pool_name = format!("{pool:?}").to_lowercase()
     );
     let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
@@ -256,7 +267,7 @@ fn main() {
             serde_json::json!({"system": "burn-zero", "size": size, "params": params,
                 "stage": stage, "world": world, "micro_batch": micro, "seq": seq,
                 "init": if shared_init { "shared" } else { "burn" },
-                "loss_chunk_tokens": loss_chunk,
+                "loss_chunk_tokens": loss_chunk, "release_cached_memory": release_cached,
                 "memory_pool": format!("{pool:?}").to_lowercase(),
                 "global_batch_tokens": micro * seq * world, "steps": steps,
                 "median_step_s": median, "step_times_s": times,
