@@ -5,7 +5,8 @@
 # over the whole run and over its training steps alone; merged into $OUT/e2e-zero3-<kind>.json.
 #   bash bench/run_e2e_zero3.sh KIND    (carry [".gpu", ".whl"]; staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
-# CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC]" rows (default below); SYSTEMS: which of
+# CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
+# row's own comma-separated systems replace SYSTEMS for it); SYSTEMS: which of
 # "ours ours-keep ours-full-loss ours-old fsdp2 deepspeed" run (ours: fitted pools, the chunked
 # loss, free pages released between phases; ours-keep: the same without the release;
 # ours-full-loss: logits materialized; ours-old: cubecl's pools, logits materialized, no
@@ -74,10 +75,11 @@ PY
 
 IFS=';' read -ra rows <<< "$cases"
 for row in "${rows[@]}"; do
-  read -r size n micro seq ac <<< "$row"
+  read -r size n micro seq ac only <<< "$row"
   ac="${ac:-0}"
   [ "$n" -le "$gpus" ] || { echo "skip $row: $gpus GPUs"; continue; }
-  for system in $systems; do
+  list="$systems"; [ -n "$only" ] && list="${only//,/ }"
+  for system in $list; do
     port=$((port + 1))
     case "$system" in
       ours|ours-keep|ours-full-loss|ours-old)

@@ -156,6 +156,28 @@ mod cuda {
             .map_or(MemoryPoolLayout::Sliced, |(_, l)| *l)
     }
 
+    /// Makes CUDA's stream-ordered allocator (where cubecl's pages come from) keep the memory
+    /// the pools hand back instead of returning it to the driver at the next synchronization,
+    /// so pages released between phases ([`crate::config::BurnZeroConfig`]'s
+    /// `release_cached_memory`) are cheap to take again, at any size.
+    pub fn keep_released_memory(device: usize) -> Result<(), String> {
+        use cudarc::driver::{result, sys};
+        // SAFETY: the driver is initialized first; the device comes from `device::get`, the pool
+        // from the driver, and the attribute's value is the u64 the driver expects.
+        unsafe {
+            result::init().map_err(|e| e.to_string())?;
+            let dev = result::device::get(device as i32).map_err(|e| e.to_string())?;
+            let pool = result::device::get_default_mem_pool(dev).map_err(|e| e.to_string())?;
+            let mut threshold = u64::MAX;
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+            .map_err(|e| e.to_string())
+        }
+    }
+
     /// Lays out CUDA device `device`'s memory pools as `layout`; must come before the device's
     /// first use. Setting the layout it already has is not an error.
     pub fn configure_memory_pool(
@@ -180,7 +202,7 @@ mod cuda {
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::{configure_memory_pool, memory_pool_of};
+pub use cuda::{configure_memory_pool, keep_released_memory, memory_pool_of};
 
 /// For an engine on `device`: lays out its pools as `layout` if it is a CUDA device not yet
 /// used; an error when it is one whose pools are fixed otherwise. Other devices: nothing.
@@ -189,10 +211,18 @@ pub(crate) fn ensure_memory_pool<D: core::any::Any>(
     device: &D,
     layout: MemoryPoolLayout,
 ) -> Result<(), MemoryPoolError> {
-    match (device as &dyn core::any::Any).downcast_ref::<cubecl::cuda::CudaDevice>() {
-        Some(cuda) => configure_memory_pool(cuda.index, layout),
+    match cuda_index(device) {
+        Some(index) => configure_memory_pool(index, layout),
         None => Ok(()),
     }
+}
+
+/// The index of `device` if it is a CUDA device.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_index<D: core::any::Any>(device: &D) -> Option<usize> {
+    (device as &dyn core::any::Any)
+        .downcast_ref::<cubecl::cuda::CudaDevice>()
+        .map(|cuda| cuda.index)
 }
 
 #[cfg(test)]

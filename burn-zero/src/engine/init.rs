@@ -60,6 +60,16 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     {
         crate::log::warn(&e.to_string());
     }
+    #[cfg(feature = "cuda")]
+    if resolved.config.burn_zero.release_cached_memory
+        && let Some(index) = crate::backend::memory_pool::cuda_index(&model_device(&model))
+        && let Err(e) = crate::backend::memory_pool::keep_released_memory(index)
+    {
+        crate::log::warn(&format!(
+            "release_cached_memory: CUDA's allocator could not be told to keep released memory \
+             ({e}); released pages go back to the driver"
+        ));
+    }
     let matmul = &resolved.config.burn_zero.matmul;
     set_matmul_policy(MatmulPolicy {
         cublaslt: matmul.cublaslt && MatmulPolicy::default().cublaslt,
@@ -215,6 +225,8 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             state: grads.clone(),
         }))
     });
+    // What building the optimizer state freed (copies, casts) goes back too.
+    I::memory_cleanup(&device);
     let mut engine = Engine {
         model: Some(model),
         scheduler: Scheduler::new(resolved.schedule.clone()),
