@@ -13,6 +13,7 @@
 # release, as before issue 33);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
 source bench/prelude.sh "$1"
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # a failing collective says why
 steps="${STEPS:-6}"
 cases="${CASES:-1b 2 2 1024;1b 2 4 2048;3b 2 1 4096}"
 systems="${SYSTEMS:-ours ours-old fsdp2 deepspeed}"

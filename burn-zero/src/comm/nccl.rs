@@ -54,6 +54,32 @@ fn nccl_error(rank: usize, call: OpSignature, what: impl std::fmt::Debug) -> Com
     CommError::Aborted(format!("NCCL failed on rank {rank} in {call}: {what:?}"))
 }
 
+/// An NCCL result code with NCCL's own words for it and, when `comm` is given, the
+/// communicator's last error (cudarc's `NcclError` prints neither).
+fn nccl_reason(error: NcclError, comm: Option<ncclComm_t>) -> String {
+    let text = |ptr: *const core::ffi::c_char| {
+        if ptr.is_null() {
+            String::new()
+        } else {
+            // SAFETY: NCCL returns NUL-terminated strings it owns, valid for this read.
+            unsafe { core::ffi::CStr::from_ptr(ptr) }
+                .to_string_lossy()
+                .into_owned()
+        }
+    };
+    // SAFETY: plain queries of NCCL's message tables; `comm` is a live communicator.
+    let (what, last) = unsafe {
+        (
+            text(cudarc::nccl::sys::ncclGetErrorString(error.0)),
+            comm.map(|c| text(cudarc::nccl::sys::ncclGetLastError(c))),
+        )
+    };
+    match last.filter(|l| !l.is_empty()) {
+        Some(last) => format!("{:?} ({what}): {last}", error.0),
+        None => format!("{:?} ({what})", error.0),
+    }
+}
+
 fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
     match op {
         ReduceOp::Sum => ncclRedOp_t::ncclSum,
@@ -137,13 +163,37 @@ impl NcclComm {
                 .map_err(|e| format!("ncclCommInitRank (rank {rank} of {world_size}): {e:?}"))?;
             comm.assume_init()
         };
-        Ok(Self {
+        let nccl = Self {
             comm: CommCell(std::sync::Mutex::new(comm)),
             rank,
             world_size,
             stream,
             checker,
-        })
+        };
+        nccl.connect()
+            .map_err(|e| format!("connecting NCCL's channels (rank {rank}): {e}"))?;
+        Ok(nccl)
+    }
+
+    /// Runs each collective the engine uses once on small buffers, so NCCL (which connects its
+    /// channels at their first use) takes its buffers now, while the device is nearly empty,
+    /// rather than in the middle of a step whose memory is full.
+    fn connect(&self) -> Result<(), String> {
+        let n = 1 << 20;
+        let err = |e: &dyn std::fmt::Debug| format!("{e:?}");
+        let small: CudaSlice<bf16> = self.stream.alloc_zeros(n).map_err(|e| err(&e))?;
+        let mut large: CudaSlice<bf16> = self
+            .stream
+            .alloc_zeros(n * self.world_size)
+            .map_err(|e| err(&e))?;
+        let mut out: CudaSlice<bf16> = self.stream.alloc_zeros(n).map_err(|e| err(&e))?;
+        self.all_gather_device(&small, &mut large)
+            .map_err(|e| e.to_string())?;
+        self.reduce_scatter_device(&large, &mut out, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        self.all_reduce_device(&mut out, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        self.synchronize()
     }
 
     /// The stream collectives run on.
@@ -225,7 +275,14 @@ impl NcclComm {
         // SAFETY: forwarded from the caller.
         unsafe { self.launch(what, input, output) }
             .map(|_| ())
-            .map_err(|e| nccl_error(self.rank, call, e))
+            .map_err(|e| {
+                let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
+                CommError::Aborted(format!(
+                    "NCCL failed on rank {} in {call}: {}",
+                    self.rank,
+                    nccl_reason(e, Some(comm))
+                ))
+            })
     }
 
     fn slice_buf<T: NcclType + CommElement>(&self, slice: &CudaSlice<T>) -> DeviceBuf {
