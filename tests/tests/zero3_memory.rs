@@ -14,7 +14,10 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::Communicator;
-use burn_zero::engine::{ZeroAutodiff, construct_full, construct_sharded, initialize};
+use burn_zero::engine::{
+    ParamValues, ZeroAutodiff, construct_full, construct_full_from, construct_sharded,
+    construct_sharded_from, initialize,
+};
 use burn_zero::testing::run_ranks;
 use burn_zero_tests::cases::Stack;
 
@@ -150,6 +153,64 @@ fn sharded_construction_peaks_under_the_budget_and_equals_the_full_build() {
         for (p, part) in partitions(&sharded).iter().enumerate() {
             let start = (rank * chunk).min(width * width);
             let end = ((rank + 1) * chunk).min(width * width);
+            assert_eq!(part.len(), chunk);
+            assert_eq!(
+                &part[..end - start],
+                &full[p][start..end],
+                "rank {rank}, parameter {p}"
+            );
+            assert!(
+                part[end - start..].iter().all(|v| *v == 0.0),
+                "padding is zero"
+            );
+        }
+    }
+}
+
+/// Values from their place alone (what `burn_zero_llm::shared_init` does for the benchmarks).
+struct Indexed;
+
+impl ParamValues for Indexed {
+    fn values(&self, position: usize, shape: &[usize], range: core::ops::Range<usize>) -> Vec<f32> {
+        assert_eq!(shape.len(), 2, "Stack's parameters are matrices");
+        range
+            .map(|i| (position * 100_000 + i) as f32 * 1e-6)
+            .collect()
+    }
+}
+
+#[test]
+fn construction_from_values_computes_only_the_chunk() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Odd width and a world that does not divide it: the last chunks are padded.
+    let (layers, width, world) = (16, 127, 6);
+    let device = Default::default();
+    let full = partitions(&construct_full_from(
+        Stack::<B>::new(layers, width, &device),
+        &Indexed,
+    ));
+    let n = width * width;
+    for (p, values) in full.iter().enumerate() {
+        assert_eq!(values.len(), n);
+        assert_eq!(values[7], (p * 100_000 + 7) as f32 * 1e-6, "parameter {p}");
+    }
+    let budget = 4 * layers * n / 4;
+    for rank in 0..world {
+        let before = reset_peak();
+        let sharded = construct_sharded_from(
+            Stack::<B>::new(layers, width, &device),
+            &Indexed,
+            rank,
+            world,
+        );
+        let peak = peak() - before;
+        assert!(
+            peak < budget,
+            "rank {rank}: construction peaked at {peak} bytes"
+        );
+        let chunk = n.div_ceil(world).div_ceil(4) * 4;
+        for (p, part) in partitions(&sharded).iter().enumerate() {
+            let (start, end) = ((rank * chunk).min(n), ((rank + 1) * chunk).min(n));
             assert_eq!(part.len(), chunk);
             assert_eq!(
                 &part[..end - start],
