@@ -43,10 +43,7 @@ def fill(model, stage, device):
     """Every parameter from the shared values, gathered one at a time at stage 3."""
     for position, (name, module, param) in enumerate(shared_init.parameters_in_order(model)):
         shape = tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
-        if isinstance(module, torch.nn.Linear):
-            full = shared_init.values(lt.SEED, position, (shape[1], shape[0]), device).t()
-        else:
-            full = shared_init.values(lt.SEED, position, shape, device)
+        full = shared_init.torch_values(lt.SEED, position, module, shape, device)
         if stage == 3:
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 param.copy_(full.to(param.dtype))

@@ -27,11 +27,7 @@ def fill_shards(model, device):
     """Each sharded parameter's local shard from the shared values (one full parameter at a
     time on the device)."""
     for position, (name, module, param) in enumerate(shared_init.parameters_in_order(model)):
-        shape = tuple(param.shape)
-        if isinstance(module, torch.nn.Linear):
-            full = shared_init.values(lt.SEED, position, (shape[1], shape[0]), device).t()
-        else:
-            full = shared_init.values(lt.SEED, position, shape, device)
+        full = shared_init.torch_values(lt.SEED, position, module, param.shape, device)
         local = distribute_tensor(full.contiguous(), param.device_mesh, param.placements)
         param.to_local().copy_(local.to_local())
         del full, local

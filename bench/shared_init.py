@@ -38,17 +38,12 @@ def values(seed, position, shape, device):
     return out.view(shape)
 
 
-@torch.no_grad()
-def apply(model, seed, device):
-    """Sets every parameter of `model` (in module order, as burn's Llama lists them) to the
-    shared values: nn.Linear weights are made as burn's [in, out] and transposed."""
-    for position, (name, module, param) in enumerate(parameters_in_order(model)):
-        if isinstance(module, torch.nn.Linear):
-            out_f, in_f = param.shape
-            v = values(seed, position, (in_f, out_f), device).t()
-        else:
-            v = values(seed, position, tuple(param.shape), device)
-        param.copy_(v.to(param.dtype))
+def torch_values(seed, position, module, shape, device):
+    """The parameter at `position` of `module` in torch's layout `shape`: nn.Linear weights
+    are made as burn's [in, out] and transposed."""
+    if isinstance(module, torch.nn.Linear):
+        return values(seed, position, (shape[1], shape[0]), device).t()
+    return values(seed, position, tuple(shape), device)
 
 
 def parameters_in_order(model):

@@ -106,6 +106,26 @@ fn partitions(model: &Stack<B>) -> Vec<Vec<f32>> {
     collect.0
 }
 
+/// Each of `parts` is `rank`'s chunk of the matching `full` parameter: its owned elements,
+/// then zeros up to `chunk`.
+fn assert_chunks(parts: &[Vec<f32>], full: &[Vec<f32>], rank: usize, chunk: usize) {
+    assert_eq!(parts.len(), full.len());
+    for (p, (part, full)) in parts.iter().zip(full).enumerate() {
+        let n = full.len();
+        let (start, end) = ((rank * chunk).min(n), ((rank + 1) * chunk).min(n));
+        assert_eq!(part.len(), chunk);
+        assert_eq!(
+            &part[..end - start],
+            &full[start..end],
+            "rank {rank}, parameter {p}"
+        );
+        assert!(
+            part[end - start..].iter().all(|v| *v == 0.0),
+            "padding is zero"
+        );
+    }
+}
+
 #[test]
 fn sharded_construction_peaks_under_the_budget_and_equals_the_full_build() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -150,20 +170,7 @@ fn sharded_construction_peaks_under_the_budget_and_equals_the_full_build() {
             "rank {rank}: {} transient bytes for {layer_bytes}-byte layers",
             peak - kept
         );
-        for (p, part) in partitions(&sharded).iter().enumerate() {
-            let start = (rank * chunk).min(width * width);
-            let end = ((rank + 1) * chunk).min(width * width);
-            assert_eq!(part.len(), chunk);
-            assert_eq!(
-                &part[..end - start],
-                &full[p][start..end],
-                "rank {rank}, parameter {p}"
-            );
-            assert!(
-                part[end - start..].iter().all(|v| *v == 0.0),
-                "padding is zero"
-            );
-        }
+        assert_chunks(&partitions(&sharded), &full, rank, chunk);
     }
 }
 
@@ -209,19 +216,7 @@ fn construction_from_values_computes_only_the_chunk() {
             "rank {rank}: construction peaked at {peak} bytes"
         );
         let chunk = n.div_ceil(world).div_ceil(4) * 4;
-        for (p, part) in partitions(&sharded).iter().enumerate() {
-            let (start, end) = ((rank * chunk).min(n), ((rank + 1) * chunk).min(n));
-            assert_eq!(part.len(), chunk);
-            assert_eq!(
-                &part[..end - start],
-                &full[p][start..end],
-                "rank {rank}, parameter {p}"
-            );
-            assert!(
-                part[end - start..].iter().all(|v| *v == 0.0),
-                "padding is zero"
-            );
-        }
+        assert_chunks(&partitions(&sharded), &full, rank, chunk);
     }
 }
 
