@@ -55,17 +55,20 @@ impl PoolSpec {
 }
 
 /// The fitted layout for memory aligned to `alignment` bytes: an exclusive pool for empty
-/// tensors (as cubecl's default has), two sliced pools for tensors up to 4 MiB, then exclusive
-/// size classes from 4 MiB, each at most [`FITTED_CLASS_RATIO`] above the last.
+/// tensors (as cubecl's default has), sliced pools of 2 and 4 MiB pages for tensors up to
+/// 4 MiB, then exclusive size classes from 4 MiB, each at most [`FITTED_CLASS_RATIO`] above
+/// the last.
 pub fn fitted_pools(alignment: u64) -> Vec<PoolSpec> {
+    // A sliced pool also takes any size within 20% under its page, ahead of the exclusive
+    // classes: its page may not exceed the size where those start.
     let mut pools = vec![
         PoolSpec::Exclusive { max_alloc: 0 },
         PoolSpec::Sliced {
-            page: 16 * MIB,
-            max_slice: 512 * KIB,
+            page: 2 * MIB,
+            max_slice: 128 * KIB,
         },
         PoolSpec::Sliced {
-            page: 64 * MIB,
+            page: FITTED_EXCLUSIVE_FROM,
             max_slice: FITTED_EXCLUSIVE_FROM,
         },
     ];
@@ -257,7 +260,7 @@ mod tests {
                 "{size} bytes went to {:?}",
                 pools[index]
             );
-            assert!(bytes <= 64 * MIB);
+            assert!(bytes <= FITTED_EXCLUSIVE_FROM);
         }
         assert_eq!(reservation(&pools, 0).map(|r| r.0), Some(0));
     }
