@@ -125,16 +125,28 @@ impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for FromValues<'_> {
         chunk.resize(plan.chunk(0), 0.0);
         let len = chunk.len();
         let partition = Tensor::<I, 1>::from_data(TensorData::new(chunk, [len]), &device);
-        let handle = ZeroTensor::sharded(Arc::new(ShardedParam {
-            slot: position,
-            version: 0,
-            shape,
-            partition: partition.into_primitive().tensor(),
-            offloaded: None,
-        }));
-        let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(handle));
-        Param::initialized(id, Tensor::from_inner(inner).require_grad())
+        let sharded = sharded_tensor(position, shape, partition.into_primitive().tensor());
+        Param::initialized(id, sharded.require_grad())
     }
+}
+
+/// The ZeRO-3 handle of the parameter at `position` in module order, of `shape`, holding
+/// this rank's `partition`.
+fn sharded_tensor<I: Backend, const D: usize>(
+    position: usize,
+    shape: burn::tensor::Shape,
+    partition: I::FloatTensorPrimitive,
+) -> Tensor<ZeroAutodiff<I>, D> {
+    let handle = ZeroTensor::sharded(Arc::new(ShardedParam {
+        slot: position,
+        version: 0,
+        shape,
+        partition,
+        offloaded: None,
+    }));
+    Tensor::from_inner(Tensor::<ZeroBackend<I>, D>::from_primitive(
+        TensorPrimitive::Float(handle),
+    ))
 }
 
 struct Draw {
@@ -170,15 +182,7 @@ impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Draw {
         let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
         let partition = chunk_of(&plan, 0, rank, &full, 0).into_primitive().tensor();
         drop(full);
-        let handle = ZeroTensor::sharded(Arc::new(ShardedParam {
-            slot: position,
-            version: 0,
-            shape,
-            partition,
-            offloaded: None,
-        }));
-        let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(handle));
-        let sharded = Tensor::from_inner(inner).set_require_grad(require_grad);
+        let sharded = sharded_tensor(position, shape, partition).set_require_grad(require_grad);
         Param::from_mapped_value(id, sharded, mapper)
     }
 }

@@ -81,7 +81,6 @@ fn peak_flops() -> f64 {
         * 1e12
 }
 
-/// Rank `rank`'s tokens `[micro, seq + 1]` of step `step` (a fixed LCG, the Python peer's too).
 /// cubecl's memory pool on `device` after `phase`: GiB reserved from the GPU and GiB in live
 /// buffers (their difference is what the pools hold free), also printed by rank 0 as it goes,
 /// so a run that dies of memory still shows how far it got.
@@ -98,6 +97,7 @@ fn pool_usage(device: &burn::tensor::Device<Cuda>, phase: &str, rank: usize) -> 
     serde_json::json!({"phase": phase, "reserved_gib": reserved, "in_use_gib": in_use})
 }
 
+/// Rank `rank`'s tokens `[micro, seq + 1]` of step `step` (a fixed LCG, the Python peer's too).
 fn tokens(
     step: usize,
     rank: usize,
