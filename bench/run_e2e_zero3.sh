@@ -92,7 +92,7 @@ for row in "${rows[@]}"; do
         esac
         measure "$system" "$size" "$n" "$micro" "$seq" "$ac" \
           .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port "$port" \
-          -- .gpu/bin/bench-e2e "$size" 3 "$steps" "$micro" "$seq" "${flags[@]}" ;;
+          -- .gpu/bin/bench-e2e "$size" 3 "$steps" "$micro" "$seq" "${flags[@]}" --ac "$ac" ;;
       fsdp2) measure fsdp2 "$size" "$n" "$micro" "$seq" "$ac" \
         torchrun --nproc-per-node "$n" --master-port "$port" \
         bench/e2e_fsdp2.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" ;;

@@ -8,7 +8,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNor
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData};
-use burn_zero::nn::{VocabAxis, linear_cross_entropy};
+use burn_zero::nn::{VocabAxis, checkpoint, linear_cross_entropy};
 use burn_zero::profile::scope;
 
 use crate::lora::{Adapters, project};
@@ -119,6 +119,7 @@ impl LlamaConfig {
             num_kv_heads: self.num_kv_heads,
             rope_theta: self.rope_theta,
             loss_chunk: 0,
+            checkpoint_layers: false,
         }
     }
 
@@ -197,6 +198,9 @@ pub struct Llama<B: Backend> {
     /// Tokens per chunk of the chunked loss ([`Llama::with_chunked_loss`]); 0: the logits
     /// materialized.
     loss_chunk: usize,
+    /// Whether each decoder layer's activations are recomputed in backward
+    /// ([`Llama::with_activation_checkpointing`]).
+    checkpoint_layers: bool,
 }
 
 impl<B: Backend> Llama<B> {
@@ -205,6 +209,14 @@ impl<B: Backend> Llama<B> {
     /// logits never exist whole. 0 materializes them (the default).
     pub fn with_chunked_loss(mut self, rows: usize) -> Self {
         self.loss_chunk = rows;
+        self
+    }
+
+    /// The model whose decoder layers keep only their input from forward to backward and run
+    /// again in backward (`burn_zero::nn::checkpoint`, one checkpoint per layer: DeepSpeed's
+    /// `activation_checkpointing` applied to every layer). Off by default.
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Self {
+        self.checkpoint_layers = on;
         self
     }
 
@@ -240,8 +252,14 @@ impl<B: Backend> Llama<B> {
         for (i, block) in self.blocks.iter().enumerate() {
             if keep.is_none_or(|k| k[i]) {
                 let (heads, kv) = (self.num_heads, self.num_kv_heads);
-                x = scope(&format!("blocks.{i}"), || {
-                    block.forward(x, &rope, &mask, heads, kv)
+                x = scope(&format!("blocks.{i}"), || match self.checkpoint_layers {
+                    false => block.forward(x, &rope, &mask, heads, kv),
+                    true => {
+                        let (rope, mask) = (rope.clone(), mask.clone());
+                        checkpoint(block, x, move |block: &Block<B>, x| {
+                            block.forward(x, &rope, &mask, heads, kv)
+                        })
+                    }
                 });
             }
         }
@@ -397,6 +415,7 @@ pub(crate) fn causal_attention<B: Backend>(
 /// Rotary position embedding on interleaved pairs `(x[2i], x[2i+1])` — the layout of the q/k
 /// weights in GGUF files (llama.cpp permutes them); Hugging Face weights are permuted to it on
 /// load.
+#[derive(Clone)]
 pub(crate) struct Rope<B: Backend> {
     /// `[1, 1, seq, hd/2, 1]` each.
     cos: Tensor<B, 5>,

@@ -370,3 +370,73 @@ fn parameters_take_a_quarter_per_rank_and_gathers_stay_in_the_live_budget() {
         "{report}"
     );
 }
+
+/// Bytes held after a Llama's forward (above what was held before it) and the peak above the
+/// same point during its backward, with or without per-layer activation checkpointing.
+fn llama_activation_bytes(layers: usize, checkpointed: bool) -> (usize, usize) {
+    use burn::tensor::{Int, TensorData};
+    use burn_zero_llm::LlamaConfig;
+    use burn_zero_llm::shared_init::SharedInit;
+    let device = Default::default();
+    let config = LlamaConfig::new(61, 64, 160, layers, 4, 2).with_max_seq_len(256);
+    let model = construct_full_from(config.init::<B>(&device), &SharedInit { seed: 5 })
+        .with_activation_checkpointing(checkpointed);
+    let ids: Vec<i64> = (0..2 * 129).map(|i| (i * 13 + 7) % 61).collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, 129]), &device);
+    let before = reset_peak();
+    let loss = model.loss(tokens);
+    let forward = current() - before;
+    reset_peak();
+    let grads = loss.backward();
+    let backward = peak() - before;
+    drop(grads);
+    (forward, backward)
+}
+
+/// Per-layer activation checkpointing (`Llama::with_activation_checkpointing`) keeps each
+/// layer's input and nothing else from forward to backward, and backward holds one layer's
+/// activations at a time: the cost of 4 more layers is measured, so what every model has once
+/// (embedding, head, loss) cancels out.
+#[test]
+fn checkpointed_layers_keep_only_their_inputs() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // One layer's input: 2 × 128 tokens × 64 features in f32; its parameters' gradients.
+    let input = 2 * 128 * 64 * 4;
+    let grads = 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64);
+    // burn's autodiff registers every op of a forward in its graph, tracked or not, until the
+    // next backward cleans the graph: about 72 KB per Llama layer here whatever the shapes
+    // (measured at hidden 64–256, sequence 32–128, intermediate 160–640, 2–8 heads).
+    let bookkeeping = 96 * 1024;
+    let (plain_4, plain_bwd_4) = llama_activation_bytes(4, false);
+    let (plain_8, plain_bwd_8) = llama_activation_bytes(8, false);
+    let (ckpt_4, ckpt_bwd_4) = llama_activation_bytes(4, true);
+    let (ckpt_8, ckpt_bwd_8) = llama_activation_bytes(8, true);
+    let per_layer = |a: usize, b: usize| b.saturating_sub(a) / 4;
+    let report = format!(
+        "per layer: forward keeps {} plain, {} checkpointed; backward peak {} plain, {} \
+         checkpointed (input {input}, gradients {grads}, bookkeeping {bookkeeping})",
+        per_layer(plain_4, plain_8),
+        per_layer(ckpt_4, ckpt_8),
+        per_layer(plain_bwd_4, plain_bwd_8),
+        per_layer(ckpt_bwd_4, ckpt_bwd_8),
+    );
+    eprintln!("{report}");
+    assert!(
+        per_layer(ckpt_4, ckpt_8) <= input + bookkeeping,
+        "a checkpointed layer keeps more than its input: {report}"
+    );
+    assert!(
+        per_layer(plain_4, plain_8) >= 8 * per_layer(ckpt_4, ckpt_8),
+        "checkpointing saves too little (is it on?): {report}"
+    );
+    // Backward's peak grows by each layer's gradients, its input and bookkeeping only: no
+    // layer's activations stay beside another's.
+    assert!(
+        per_layer(ckpt_bwd_4, ckpt_bwd_8) <= grads + input + bookkeeping,
+        "backward's peak grows with depth beyond the gradients: {report}"
+    );
+    assert!(
+        per_layer(plain_bwd_4, plain_bwd_8) > grads + input + bookkeeping,
+        "the uncheckpointed model should exceed that bound: {report}"
+    );
+}

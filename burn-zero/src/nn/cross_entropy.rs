@@ -9,7 +9,7 @@
 //! the hidden states' and the weight's gradients chunk by chunk (the weight's accumulated in
 //! f32). Other backends get the same function from burn ops, logits materialized.
 
-use core::any::{Any, TypeId};
+use core::any::TypeId;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -19,6 +19,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorPrimitive};
 
+use super::downcast::{float_as, int_as};
 use crate::backend::ZeroBackend;
 
 /// How the projection's weight holds the vocabulary.
@@ -130,23 +131,6 @@ fn tracked<B: Backend, Z: Backend>(
     let targets = int_as::<B, Autodiff<Z>, 1>(targets.clone())?;
     let out = autodiff_op::<Z>(x, weight, axis, targets, rows);
     float_as::<Autodiff<Z>, B, 1>(out)
-}
-
-/// `t` as a tensor of backend `C`, when `A` is `C`.
-fn float_as<A: Backend, C: Backend, const D: usize>(t: Tensor<A, D>) -> Option<Tensor<C, D>> {
-    let any: Box<dyn Any> = Box::new(t.into_primitive());
-    any.downcast::<TensorPrimitive<C>>()
-        .ok()
-        .map(|p| Tensor::from_primitive(*p))
-}
-
-fn int_as<A: Backend, C: Backend, const D: usize>(
-    t: Tensor<A, D, Int>,
-) -> Option<Tensor<C, D, Int>> {
-    let any: Box<dyn Any> = Box::new(t.into_primitive());
-    any.downcast::<C::IntTensorPrimitive>()
-        .ok()
-        .map(|p| Tensor::from_primitive(*p))
 }
 
 fn autodiff_op<Z: Backend>(

@@ -1,5 +1,8 @@
 //! Layers any burn model can call, with memory-saving forms on `ZeroBackend`.
 
+mod checkpoint;
 mod cross_entropy;
+mod downcast;
 
+pub use checkpoint::checkpoint;
 pub use cross_entropy::{VocabAxis, linear_cross_entropy, materialized_cross_entropy};

@@ -10,7 +10,9 @@
 //! burn: burn's own initializers, seeded) and `--loss chunked|full` (the output projection
 //! and cross-entropy over chunks of 2,048 tokens, `burn_zero::nn::linear_cross_entropy`, or
 //! the logits materialized) and `--release 1|0` (`burn_zero.release_cached_memory`: the
-//! pools' free pages handed back between the phases). Rank 0 prints one JSON line: tokens/s per GPU,
+//! pools' free pages handed back between the phases) and `--ac 0|1` (an
+//! `activation_checkpointing` section in the config, and the Llama checkpointing every decoder
+//! layer from it: `Llama::with_activation_checkpointing`). Rank 0 prints one JSON line: tokens/s per GPU,
 //! MFU, the step-time breakdown, peak and pool memory and the losses.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
 //! over the timed steps and writes the summary to FILE (see `host_profile`).
@@ -112,7 +114,7 @@ fn tokens(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
-                 [--init shared|burn] [--loss chunked|full] [--release 1|0]";
+                 [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1]";
     let (args, options) = split_options(&args, usage);
     let pool = match options
         .iter()
@@ -152,6 +154,16 @@ fn main() {
         Some("0") => false,
         Some(other) => panic!("--release is 0 or 1, not `{other}`"),
     };
+    // Activation checkpointing per decoder layer, asked for by the config's section.
+    let checkpointing = match options
+        .iter()
+        .find(|(k, _)| k == "ac")
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("0") => false,
+        Some("1") => true,
+        Some(other) => panic!("--ac is 0 or 1, not `{other}`"),
+    };
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
@@ -180,7 +192,12 @@ fn main() {
                 "reduce_bucket_size": 200000000, "allgather_bucket_size": 200000000}},
             "burn_zero": {{"matmul": {{"cublaslt": true}},
                 "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
-                {profile}}}"#,
+                {ac}{profile}}}"#,
+        ac = if checkpointing {
+            r#", "activation_checkpointing": {"partition_activations": false}"#
+        } else {
+            ""
+        },
         pool_name = format!("{pool:?}").to_lowercase()
     );
     let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
@@ -190,7 +207,8 @@ fn main() {
         (true, 3) => construct_sharded_from(config.init(&device), &SHARED, rank, world),
         (true, _) => construct_full_from(config.init(&device), &SHARED),
     }
-    .with_chunked_loss(loss_chunk);
+    .with_chunked_loss(loss_chunk)
+    .with_activation_checkpointing(ds.activation_checkpointing.is_some());
     let params = config.num_params();
     let mut engine = initialize::<Cuda, _>(model, &ds, std::sync::Arc::new(nccl))
         .unwrap_or_else(|e| panic!("{e}"));
@@ -267,7 +285,7 @@ fn main() {
             serde_json::json!({"system": "burn-zero", "size": size, "params": params,
                 "stage": stage, "world": world, "micro_batch": micro, "seq": seq,
                 "init": if shared_init { "shared" } else { "burn" },
-                "loss_chunk_tokens": loss_chunk, "release_cached_memory": release_cached,
+                "loss_chunk_tokens": loss_chunk, "activation_checkpointing": checkpointing, "release_cached_memory": release_cached,
                 "memory_pool": format!("{pool:?}").to_lowercase(),
                 "global_batch_tokens": micro * seq * world, "steps": steps,
                 "median_step_s": median, "step_times_s": times,
