@@ -7,10 +7,11 @@
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
 # row's own comma-separated systems replace SYSTEMS for it); SYSTEMS: which of
-# "ours ours-keep ours-full-loss ours-old fsdp2 deepspeed" run (ours: fitted pools, the chunked
+# "ours ours-keep ours-full-loss ours-old ours-hf fsdp2 deepspeed" run (ours: fitted pools, the chunked
 # loss, free pages released between phases; ours-keep: the same without the release;
 # ours-full-loss: logits materialized; ours-old: cubecl's pools, logits materialized, no
-# release, as before issue 33);
+# release, as before issue 33; ours-hf: ours with Hugging Face's "auto" reduce_bucket_size,
+# hidden x hidden elements, instead of 2e8);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
 source bench/prelude.sh "$1"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # a failing collective says why
@@ -36,6 +37,10 @@ fi
 python3 bench/shared_init.py | tee "$out/shared-init-check.txt"
 
 port=29700
+hidden2() { # Hugging Face's "auto" reduce_bucket_size: hidden x hidden
+  case "$1" in 125m) echo $((768 * 768)) ;; 1b) echo $((2048 * 2048)) ;;
+    3b) echo $((3072 * 3072)) ;; 8b) echo $((4096 * 4096)) ;; esac
+}
 measure() { # name size n micro seq ac command...
   local name=$1 size=$2 n=$3 micro=$4 seq=$5 ac=$6; shift 6
   local tag="$name-$size-$n-$micro-$seq-ac$ac"
@@ -83,12 +88,13 @@ for row in "${rows[@]}"; do
   for system in $list; do
     port=$((port + 1))
     case "$system" in
-      ours|ours-keep|ours-full-loss|ours-old)
+      ours|ours-keep|ours-full-loss|ours-old|ours-hf)
         case "$system" in
           ours) flags=(--pool fitted --loss chunked --release 1) ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
           ours-full-loss) flags=(--pool fitted --loss full --release 1) ;;
           ours-old) flags=(--pool sliced --loss full --release 0) ;;
+          ours-hf) flags=(--pool fitted --loss chunked --release 1 --bucket "$(hidden2 "$size")") ;;
         esac
         measure "$system" "$size" "$n" "$micro" "$seq" "$ac" \
           .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port "$port" \

@@ -364,8 +364,9 @@ fn nvme_offload_without_a_path_is_refused_naming_the_key() {
 
 /// `offload_param` at stage 3: the sharded parameters' partitions live in host memory
 /// (`"cpu"`) or in a swap file (`"nvme"`, read back per partition at each gather); training is
-/// bit for bit the same, with the optimizer on the device or offloaded too, and the partitions
-/// leave the device's count.
+/// bit for bit the same, with the optimizer on the device or offloaded too. With the optimizer
+/// offloaded the partitions leave the device's count; with it on the device they cost the
+/// device nothing either way (without `offload_param` they are chunks of the fp32 master).
 #[test]
 fn offloaded_parameters_train_the_same_at_stage_3() {
     let bf16 = r#", "bf16": {"enabled": true}"#;
@@ -399,7 +400,10 @@ fn offloaded_parameters_train_the_same_at_stage_3() {
             for (a, b) in plain.iter().zip(&offloaded) {
                 assert_eq!(a.losses, b.losses, "{what}: losses");
                 assert!(a.params == b.params, "{what}: parameters");
-                assert!(b.device_params < a.device_params, "{what}: {b:?}");
+                match place {
+                    Place::Device => assert!(b.device_params <= a.device_params, "{what}: {b:?}"),
+                    _ => assert!(b.device_params < a.device_params, "{what}: {b:?}"),
+                }
                 assert_eq!(b.host_params > 0, on_host, "{what}: {b:?}");
                 assert_eq!(a.host_params, 0, "{what}");
             }

@@ -25,6 +25,10 @@ pub struct ShardedParam<B: Backend> {
     pub version: u64,
     /// The full shape.
     pub shape: Shape,
+    /// The dtype of the gathered parameter. The partition may be held wider: the engine's
+    /// ZeRO-3 partitions are chunks of the fp32 master, narrowed to the compute dtype at
+    /// each gather, so no second (bf16) copy of the partition stays on the device.
+    pub dtype: burn_backend::DType,
     /// This rank's partition: a 1-D tensor of the plan's chunk for this parameter, zero
     /// padded past the end of the parameter. With `offloaded`, a one-element tensor of the
     /// same device and dtype that answers metadata queries only.

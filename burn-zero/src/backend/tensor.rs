@@ -76,8 +76,9 @@ impl<B: Backend> ZeroTensor<B> {
         }
     }
 
-    /// A tensor of the inner backend on the same device with the same dtype: the tensor
-    /// itself, or a sharded parameter's partition (for queries such as `float_device`).
+    /// A tensor of the inner backend on the same device: the tensor itself, or a sharded
+    /// parameter's partition (for queries such as `float_device`; a partition's dtype may be
+    /// wider than the parameter's, see [`ShardedParam::dtype`](super::ShardedParam)).
     pub fn inner_for_metadata(&self) -> &B::FloatTensorPrimitive {
         match &self.repr {
             Repr::Local(tensor) => tensor,
@@ -121,7 +122,10 @@ impl<B: Backend> ZeroTensor<B> {
 
 impl<B: Backend> TensorMetadata for ZeroTensor<B> {
     fn dtype(&self) -> DType {
-        self.inner_for_metadata().dtype()
+        match &self.repr {
+            Repr::Local(t) => t.dtype(),
+            Repr::Sharded(s) => s.param.dtype,
+        }
     }
 
     fn shape(&self) -> Shape {

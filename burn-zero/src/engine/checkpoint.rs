@@ -369,7 +369,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let mut state = grads.lock().expect("gradient state");
         state.clear();
         let working = self.precision.compute.convert(self.optim.master()?);
-        self.publish(&mut state, vec![working])?;
+        self.publish(&mut state, vec![working], None)?;
         drop(state);
         let loaded = LoadedCheckpoint {
             client_state: engine.get("client").cloned().unwrap_or_default(),

@@ -141,6 +141,7 @@ fn sharded_tensor<I: Backend, const D: usize>(
         slot: position,
         version: 0,
         shape,
+        dtype: burn_backend::TensorMetadata::dtype(&partition),
         partition,
         offloaded: None,
     }));

@@ -146,10 +146,17 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
                 }
             };
             let master = master.cast(FloatDType::F32);
-            let working = precision.compute.convert(master.clone());
-            let working = [working];
-            s3.set_partitions(&mut flat, &working)?;
-            let full = s3.gather_persistent(&mut flat, &working)?;
+            // With the optimizer and the parameters on the device, the partitions are chunks of
+            // the fp32 master itself (each gather narrows its chunk to the compute format);
+            // else a copy in the compute format.
+            let on_device =
+                zero.optimizer_offload() == OffloadDevice::None && s3.partitions_on_device();
+            let source = match on_device {
+                true => [master.clone()],
+                false => [precision.compute.convert(master.clone())],
+            };
+            s3.set_partitions(&mut flat, &source, precision.compute)?;
+            let full = s3.gather_persistent(&mut flat, &source)?;
             let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));
             (hooks::mark_distributed(model), Initial::Device(master))
         }

@@ -64,8 +64,8 @@ use grads::GradState;
 use offload_io::GradSource;
 pub use optim_state::OffloadTimings;
 use optim_state::Optim;
-use params::rebuild_params;
-use precision::Precision;
+use params::{rebuild_params, rebuild_params_as};
+use precision::{Format, Precision};
 
 /// The autodiff backend the engine trains on.
 pub type ZeroAutodiff<I> = Autodiff<ZeroBackend<I>>;
@@ -206,11 +206,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     }
 
     /// Bytes this rank holds for parameters (their working copy: 2 per element in bf16/fp16
-    /// where the backend has the dtype), gradients, optimizer state (fp32 master included) and
-    /// communication buffers.
+    /// where the backend has the dtype; none for ZeRO-3 partitions that are chunks of the
+    /// master), gradients, optimizer state (fp32 master included) and communication buffers.
     pub fn memory_report(&self) -> MemoryReport {
         let state = self.state();
         let (params, host_params) = match &state.stage3 {
+            Some(s3) if self.master_backed(&state) => (s3.persistent_numel(), 0),
             Some(s3) => s3.param_numel(),
             None => (self.layout.numel(), 0),
         };
@@ -410,14 +411,24 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 (b1, b2)
             }),
         };
+        // ZeRO-3's partitions are chunks of the master: the model's handles and the partitions
+        // let go of it so the fused step updates it in place, and the step writes no
+        // compute-format copy (each gather narrows its chunk instead).
+        let master_backed = self.master_backed(&state);
+        let released = match master_backed {
+            true => Some(self.release_partitions(&mut state)?),
+            false => None,
+        };
+        let compute = match master_backed {
+            true => Format::F32,
+            false => self.precision.compute,
+        };
         let working = match grad {
             // Clipped inside the optimizer's update (no pass of its own where it is fused).
-            Some(grad) => self.optim.step(
-                GradSource::Device(grad),
-                hp,
-                self.precision.compute,
-                factor.unwrap_or(1.0),
-            ),
+            Some(grad) => {
+                self.optim
+                    .step(GradSource::Device(grad), hp, compute, factor.unwrap_or(1.0))
+            }
             None => {
                 let mut host = state.host.as_ref().expect("checked above").grads();
                 // Multiplying by a power-of-two loss scale's inverse divides exactly.
@@ -426,7 +437,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     grads: &mut host,
                     scale: [unscale, factor.unwrap_or(1.0)],
                 };
-                self.optim.step(source, hp, self.precision.compute, 1.0)
+                self.optim.step(source, hp, compute, 1.0)
             }
         };
         // A failing swap on one rank must not leave the others waiting in the gathers below.
@@ -435,7 +446,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             false => working?,
         };
         state.clear();
-        self.publish(&mut state, working)?;
+        self.publish(&mut state, working, released)?;
         drop(state);
 
         self.scheduler.step();
@@ -459,17 +470,51 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         }
     }
 
+    /// Whether ZeRO-3's partitions are chunks of the fp32 master (optimizer and parameters
+    /// on the device) rather than a copy in the compute format.
+    fn master_backed(&self, state: &GradState<I>) -> bool {
+        !self.optim.offloaded()
+            && state
+                .stage3
+                .as_ref()
+                .is_some_and(|s3| s3.partitions_on_device())
+    }
+
+    /// Drops every reference to the master but the optimizer's (see [`Engine::step`]): the
+    /// partitions, the gathers and the model's handles, replaced by placeholders (outside
+    /// burn's graph) until [`Engine::publish`]. Returns the parameters' `require_grad` flags.
+    fn release_partitions(&mut self, state: &mut GradState<I>) -> Result<Vec<bool>, EngineError> {
+        let s3 = state.stage3.as_mut().expect("stage 3 state");
+        s3.release_partitions(&mut state.flat)?;
+        let stub = Tensor::<I, 1>::zeros([1], &self.device);
+        let model = self.model.take().expect("model");
+        let mut flags = vec![false; self.layout.slots().len()];
+        let model = rebuild_params_as(
+            model,
+            &self.layout,
+            |p| s3.placeholder(p, &stub),
+            |p, grad| {
+                flags[p] = grad;
+                false
+            },
+        );
+        self.model = Some(model);
+        Ok(flags)
+    }
+
     /// This rank's fp32 master partition on the device (read back when offloaded).
     fn master_partition(&self) -> Result<Tensor<I, 1>, EngineError> {
         self.optim.master()
     }
 
     /// Rebuilds the model's parameters from this rank's `working` partition (the master in the
-    /// compute format, after a step or a load).
+    /// compute format, after a step or a load); `released`: the `require_grad` flags of
+    /// parameters the model holds as placeholders ([`Engine::release_partitions`]).
     fn publish(
         &mut self,
         state: &mut GradState<I>,
         working: Vec<Tensor<I, 1>>,
+        released: Option<Vec<bool>>,
     ) -> Result<(), EngineError> {
         let model = self.model.take().expect("model");
         let stage = self.resolved.config.zero_optimization.stage;
@@ -485,11 +530,18 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         };
         let model = match stage {
             3 => {
-                // No all-gather: the new partitions are the new handles.
+                // No all-gather: the new partitions are the new handles, chunks of the master
+                // itself where it is on the device.
+                let master_backed = self.master_backed(state);
+                let source = match master_backed {
+                    true => vec![self.optim.master()?],
+                    false => working,
+                };
                 let s3 = state.stage3.as_mut().expect("stage 3 state");
-                s3.set_partitions(&mut state.flat, &working)?;
-                let full = s3.gather_persistent(&mut state.flat, &working)?;
-                rebuild_params(model, layout, |p| s3.handle(p, full.get(&p)))
+                s3.set_partitions(&mut state.flat, &source, self.precision.compute)?;
+                let full = s3.gather_persistent(&mut state.flat, &source)?;
+                let grad = |p: usize, was: bool| released.as_ref().map_or(was, |f| f[p]);
+                rebuild_params_as(model, layout, |p| s3.handle(p, full.get(&p)), grad)
             }
             0 => rebuild_params(model, layout, |p| {
                 param(p, slice_pieces(&working, range(p)))

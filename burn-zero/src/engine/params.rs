@@ -216,12 +216,24 @@ pub(crate) fn rebuild_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
     layout: &FlatLayout,
     make: impl FnMut(usize) -> ZeroTensor<I>,
 ) -> M {
-    struct Rebuild<'a, F> {
+    rebuild_params_as(module, layout, make, |_, was| was)
+}
+
+/// [`rebuild_params`] with each new leaf's `require_grad` flag from `grad(slot, the old
+/// leaf's flag)`. A leaf that needs no gradient is registered nowhere in burn's autodiff graph.
+pub(crate) fn rebuild_params_as<I: Backend, M: Module<ZeroAutodiff<I>>>(
+    module: M,
+    layout: &FlatLayout,
+    make: impl FnMut(usize) -> ZeroTensor<I>,
+    grad: impl FnMut(usize, bool) -> bool,
+) -> M {
+    struct Rebuild<'a, F, G> {
         layout: &'a FlatLayout,
         make: F,
+        grad: G,
     }
-    impl<I: Backend, F: FnMut(usize) -> ZeroTensor<I>> ModuleMapper<ZeroAutodiff<I>>
-        for Rebuild<'_, F>
+    impl<I: Backend, F: FnMut(usize) -> ZeroTensor<I>, G: FnMut(usize, bool) -> bool>
+        ModuleMapper<ZeroAutodiff<I>> for Rebuild<'_, F, G>
     {
         fn map_float<const D: usize>(
             &mut self,
@@ -233,9 +245,13 @@ pub(crate) fn rebuild_params<I: Backend, M: Module<ZeroAutodiff<I>>>(
             };
             let made = (self.make)(slot);
             let inner = Tensor::<ZeroBackend<I>, D>::from_primitive(TensorPrimitive::Float(made));
-            let rebuilt = Tensor::from_inner(inner).set_require_grad(tensor.is_require_grad());
+            let rebuilt = Tensor::from_inner(inner);
+            let rebuilt = match (self.grad)(slot, tensor.is_require_grad()) {
+                true => rebuilt.require_grad(),
+                false => rebuilt,
+            };
             Param::from_mapped_value(id, rebuilt, mapper)
         }
     }
-    module.map(&mut Rebuild { layout, make })
+    module.map(&mut Rebuild { layout, make, grad })
 }

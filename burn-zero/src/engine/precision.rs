@@ -28,7 +28,7 @@ impl Format {
         Self { dtype, emulated }
     }
 
-    const F32: Format = Format {
+    pub(crate) const F32: Format = Format {
         dtype: FloatDType::F32,
         emulated: false,
     };

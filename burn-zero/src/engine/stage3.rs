@@ -19,6 +19,7 @@ use super::collective::FlatComm;
 use super::flat_pieces::slice_pieces;
 use super::grads::GradState;
 use super::params::FlatLayout;
+use super::precision::Format;
 use super::{EngineError, ZeroAutodiff};
 use crate::ZeroTensor;
 use crate::backend::{ParamGatherer, PartitionSource, ShardedParam};
@@ -140,6 +141,8 @@ pub(crate) struct Stage3<I: Backend> {
     partitions: Vec<Option<Partition<I>>>,
     /// Where the partitions live (`offload_param`).
     place: ParamPlace,
+    /// The compute format: what a gather narrows a (wider, fp32 master) partition to.
+    format: Format,
     /// `offload_param {"device": "nvme"}`: the swap file of this rank's partitions.
     swap: Option<Arc<Mutex<NvmeStore>>>,
     /// Bumped at each parameter update.
@@ -186,6 +189,7 @@ impl<I: Backend> Stage3<I> {
             live: HashMap::new(),
             partitions: (0..numels.len()).map(|_| None).collect(),
             place,
+            format: Format::F32,
             swap,
             version: 0,
             events: Vec::new(),
@@ -221,6 +225,14 @@ impl<I: Backend> Stage3<I> {
         (device, host)
     }
 
+    /// Elements of the persistent parameters (full on every rank).
+    pub(crate) fn persistent_numel(&self) -> usize {
+        (0..self.plan.params())
+            .filter(|p| self.persistent[*p])
+            .map(|p| self.plan.numel(p))
+            .sum()
+    }
+
     /// This rank's partition built from the full flat parameters (the layout's order).
     pub(crate) fn partition_of(&self, full: &Tensor<I, 1>, rank: usize) -> Tensor<I, 1> {
         let mut parts = Vec::new();
@@ -235,23 +247,37 @@ impl<I: Backend> Stage3<I> {
         Tensor::cat(parts, 0)
     }
 
-    /// Takes `master` as the new parameters: the sharded handles' partitions are its chunks;
-    /// every full parameter gathered for the old values is dropped.
+    /// Whether the partitions are on the device (no `offload_param`): then they may be the
+    /// fp32 master's own chunks ([`Stage3::set_partitions`]).
+    pub(crate) fn partitions_on_device(&self) -> bool {
+        matches!(self.place, ParamPlace::Device)
+    }
+
+    /// Takes `master` as the new parameters, computed in `format`: the sharded handles'
+    /// partitions are its chunks; every full parameter gathered for the old values is dropped.
+    /// On the device the chunks stay in `master`'s dtype (the fp32 master itself, when the
+    /// optimizer is on the device: no second copy) and each gather narrows its chunk to
+    /// `format`; off the device they are stored in `format`.
     pub(crate) fn set_partitions(
         &mut self,
         flat: &mut FlatComm<I>,
         master: &[Tensor<I, 1>],
+        format: Format,
     ) -> Result<(), EngineError> {
         self.version += 1;
+        self.format = format;
         self.tracer.drop_live();
         self.drop_live(flat)?;
-        let (device, dtype) = (master[0].device(), master[0].dtype());
+        let (device, dtype) = (master[0].device(), format.storage());
         // The swap file holds the sharded partitions end to end, widened to f32.
         let mut swapped = Vec::new();
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
             self.partitions[p] = (!self.persistent[p]).then(|| {
-                let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
+                let mut chunk = slice_pieces(master, start..start + self.plan.chunk(p));
+                if !matches!(self.place, ParamPlace::Device) {
+                    chunk = format.convert(chunk);
+                }
                 match (&self.place, &self.swap) {
                     (ParamPlace::Device, _) => Partition::Device(chunk),
                     (ParamPlace::Host, _) => {
@@ -277,6 +303,30 @@ impl<I: Backend> Stage3<I> {
             store.write_all(&[swapped])?;
         }
         Ok(())
+    }
+
+    /// Lets go of every partition and gather, so that the fp32 master the partitions are
+    /// chunks of has one reference left and the optimizer may update it in place. Until the
+    /// next [`Stage3::set_partitions`] nothing can be gathered: the model must hold
+    /// [`Stage3::placeholder`]s meanwhile.
+    pub(crate) fn release_partitions(&mut self, flat: &mut FlatComm<I>) -> Result<(), CommError> {
+        self.tracer.drop_live();
+        self.drop_live(flat)?;
+        self.partitions.iter_mut().for_each(|p| *p = None);
+        Ok(())
+    }
+
+    /// A handle of parameter `p` holding only `stub` (one element): what the model holds while
+    /// the partitions are released for the optimizer's step; never gathered.
+    pub(crate) fn placeholder(&self, p: usize, stub: &Tensor<I, 1>) -> ZeroTensor<I> {
+        ZeroTensor::sharded(Arc::new(ShardedParam {
+            slot: p,
+            version: u64::MAX,
+            shape: self.shapes[p].clone(),
+            dtype: self.format.storage(),
+            partition: stub.clone().into_primitive().tensor(),
+            offloaded: None,
+        }))
     }
 
     /// Frees every held gather; one still in flight is waited for first, so that its memory
@@ -322,7 +372,7 @@ impl<I: Backend> Stage3<I> {
                 slice_pieces(master, start..start + self.plan.chunk(p))
             })
             .collect();
-        let mine = Tensor::cat(pieces, 0);
+        let mine = self.format.convert(Tensor::cat(pieces, 0));
         let len = mine.dims()[0];
         let world = self.plan.world_size();
         let gathered = flat.all_gather(mine)?;
@@ -364,6 +414,7 @@ impl<I: Backend> Stage3<I> {
             slot: p,
             version: self.version,
             shape: self.shapes[p].clone(),
+            dtype: self.format.storage(),
             partition,
             offloaded,
         }))
@@ -399,8 +450,13 @@ impl<I: Backend> Stage3<I> {
         param: &ShardedParam<I>,
     ) -> Result<I::FloatTensorPrimitive, CommError> {
         let p = param.slot;
-        let own =
-            || Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(param.partition_on_device()));
+        let format = self.format;
+        let own = || {
+            let partition = param.partition_on_device();
+            format.convert(Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(
+                partition,
+            )))
+        };
         if param.version != self.version || p >= self.plan.params() {
             // A handle kept from an older step: its own values, outside the trace.
             let full = self.all_gather(flat, p, own(), false)?;
@@ -434,6 +490,7 @@ impl<I: Backend> Stage3<I> {
                 .as_ref()
                 .expect("the trace holds sharded parameters only")
                 .on_device();
+            let partition = self.format.convert(partition);
             let gathered = self.all_gather(flat, next, partition, true)?;
             self.live.insert(next, Gathered::InFlight(gathered));
         }
