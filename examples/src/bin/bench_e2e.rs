@@ -13,7 +13,8 @@
 //! pools' free pages handed back between the phases) and `--ac 0|1` (an
 //! `activation_checkpointing` section in the config, and the Llama checkpointing every decoder
 //! layer from it: `Llama::with_activation_checkpointing`) and `--bucket N`
-//! (`reduce_bucket_size`, default 2e8 elements). Rank 0 prints one JSON line: tokens/s per GPU,
+//! (`reduce_bucket_size`, default 2e8 elements) and `--loss-rows N` (tokens per chunk of the
+//! chunked loss, default 2,048). Rank 0 prints one JSON line: tokens/s per GPU,
 //! MFU, the step-time breakdown, peak and pool memory and the losses.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
 //! over the timed steps and writes the summary to FILE (see `host_profile`).
@@ -115,7 +116,7 @@ fn tokens(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
-                 [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N]";
+                 [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--loss-rows N]";
     let (args, options) = split_options(&args, usage);
     let pool = match options
         .iter()
@@ -137,12 +138,19 @@ fn main() {
         Some(other) => panic!("--init is shared or burn, not `{other}`"),
     };
     // Tokens per chunk of the loss (0: the logits materialized, as before).
+    let rows: usize = options
+        .iter()
+        .find(|(k, _)| k == "loss-rows")
+        .map_or(2048, |(_, v)| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("--loss-rows is a count of tokens, not `{v}`"))
+        });
     let loss_chunk: usize = match options
         .iter()
         .find(|(k, _)| k == "loss")
         .map(|(_, v)| v.as_str())
     {
-        None | Some("chunked") => 2048,
+        None | Some("chunked") => rows,
         Some("full") => 0,
         Some(other) => panic!("--loss is chunked or full, not `{other}`"),
     };

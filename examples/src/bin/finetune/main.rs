@@ -53,8 +53,15 @@ struct Loaded<I: Backend> {
     data: Data,
 }
 
-/// Loads the model onto `device`, tokenizes and packs the data; `quiet` on ranks other than 0.
-fn load<I: Backend>(args: &Args, quiet: bool, device: &I::Device) -> Result<Loaded<I>, String> {
+/// Loads the model onto `device` (every decoder layer checkpointed when `ds` has an
+/// `activation_checkpointing` section), tokenizes and packs the data; `quiet` on ranks other
+/// than 0.
+fn load<I: Backend>(
+    args: &Args,
+    ds: &DeepSpeedConfig,
+    quiet: bool,
+    device: &I::Device,
+) -> Result<Loaded<I>, String> {
     let (source, full, tok) = load_source(args)?;
     let config = cut(&full, args.layers);
     if !quiet {
@@ -82,8 +89,12 @@ fn load<I: Backend>(args: &Args, quiet: bool, device: &I::Device) -> Result<Load
             );
         }
     }
+    let checkpointing = ds.activation_checkpointing.is_some();
+    if checkpointing && !quiet {
+        println!("activation checkpointing: every decoder layer recomputed in backward");
+    }
     Ok(Loaded {
-        model,
+        model: model.with_activation_checkpointing(checkpointing),
         config,
         tok,
         data,
@@ -161,7 +172,7 @@ fn run_cpu(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(), 
         config: llama,
         tok,
         data,
-    } = load::<NdArray>(args, false, &device)?;
+    } = load::<NdArray>(args, config, false, &device)?;
     check_windows(&data, data_parallel(args, config, args.world)?)?;
     let before = evaluate(&model.valid(), &data.eval, "before", &device);
     let results = run_ranks(args.world, |ctx| {
@@ -197,7 +208,7 @@ fn run_cuda(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(),
         config: llama,
         tok,
         data,
-    } = load::<Cuda>(args, !lead, &device)?;
+    } = load::<Cuda>(args, config, !lead, &device)?;
     check_windows(&data, data_parallel(args, config, env.world_size)?)?;
     let before = lead.then(|| evaluate(&model.valid(), &data.eval, "before", &device));
     let job = (args, config, data.windows.as_slice());
