@@ -7,12 +7,13 @@
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
 # row's own comma-separated systems replace SYSTEMS for it); SYSTEMS: which of
-# "ours ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-rows1k fsdp2 deepspeed" run (ours: fitted pools, the chunked
-# loss, free pages released between phases; ours-keep: the same without the release;
-# ours-full-loss: logits materialized; ours-old: cubecl's pools, logits materialized, no
-# release, as before issue 33; ours-hf: ours with Hugging Face's "auto" reduce_bucket_size,
-# hidden x hidden elements, instead of 2e8; ours-b5e7: 5e7; ours-rows1k: chunks of 1,024 tokens
-# in the loss instead of 2,048);
+# "ours ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8 ours-rows1k fsdp2 deepspeed"
+# run (ours: fitted pools, the chunked loss, free pages released between phases,
+# reduce_bucket_size 5e7; ours-keep: the same without the release; ours-full-loss: logits
+# materialized; ours-old: cubecl's pools, logits materialized, no release, as before issue 33;
+# ours-hf: Hugging Face's "auto" reduce_bucket_size, hidden x hidden elements; ours-b5e7: 5e7,
+# now the same as ours; ours-b2e8: 2e8, ours until 1f8d105; ours-rows1k: chunks of 1,024
+# tokens in the loss instead of 2,048);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
 source bench/prelude.sh "$1"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # a failing collective says why
@@ -89,7 +90,7 @@ for row in "${rows[@]}"; do
   for system in $list; do
     port=$((port + 1))
     case "$system" in
-      ours|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-rows1k)
+      ours|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
         case "$system" in
           ours) flags=(--pool fitted --loss chunked --release 1) ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
@@ -97,6 +98,7 @@ for row in "${rows[@]}"; do
           ours-old) flags=(--pool sliced --loss full --release 0) ;;
           ours-hf) flags=(--pool fitted --loss chunked --release 1 --bucket "$(hidden2 "$size")") ;;
           ours-b5e7) flags=(--pool fitted --loss chunked --release 1 --bucket 50000000) ;;
+          ours-b2e8) flags=(--pool fitted --loss chunked --release 1 --bucket 200000000) ;;
           ours-rows1k) flags=(--pool fitted --loss chunked --release 1 --loss-rows 1024) ;;
         esac
         measure "$system" "$size" "$n" "$micro" "$seq" "$ac" \
