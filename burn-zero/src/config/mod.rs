@@ -9,6 +9,7 @@ mod batch;
 mod error;
 mod load;
 mod sparse;
+mod summary;
 mod validate;
 mod values;
 mod zero;

@@ -49,8 +49,10 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     let resolved = config.resolve(comm.world_size())?;
     if comm.rank() == 0 {
         resolved.warnings.iter().for_each(|w| crate::log::warn(w));
-        let json = serde_json::to_string(&resolved).unwrap_or_default();
-        crate::log::info(&format!("resolved config: {json}"));
+        // A few lines; the whole resolved config is `engine.config()` (JSON with serde).
+        let device = model_device(&model);
+        let summary = resolved.summary().replace('\n', "\n  ");
+        crate::log::info(&format!("{summary}\n  model on {device:?}"));
     }
     #[cfg(feature = "cuda")]
     if let Err(e) = crate::backend::memory_pool::ensure_memory_pool(

@@ -83,7 +83,7 @@ const USAGE: &str =
   finetune --plot METRICS.jsonl [--out DIR]     (only draw DIR/loss.png)
   finetune --export-hf CHECKPOINT [--gguf FILE | --hf DIR] [--layers N|all] [--lora ...] [--out DIR]
 Held out for evaluation: Persuasion, or with --text the file named by --held-out (default: the
-last). Writes OUT/metrics.jsonl, OUT/summary.json, OUT/loss.png, OUT/engine (engine
+last). Writes OUT/resolved_config.json, OUT/metrics.jsonl, OUT/summary.json, OUT/loss.png, OUT/engine (engine
 checkpoints: every --save-every steps and after the last; --resume OUT/engine continues from
 the latest, data order included) and OUT/checkpoint (a Hugging Face directory, LoRA adapters
 merged; --export-hf writes it from an engine checkpoint, with the same model options).

@@ -105,6 +105,12 @@ where
     let mut engine =
         initialize::<I, _>(model, job.config, comms.data).map_err(|e| e.to_string())?;
     let batch = engine.config().batch;
+    // The whole resolved config beside the metrics (the start of the run printed a summary).
+    if job.rank == 0 {
+        let path = args.out.join("resolved_config.json");
+        let json = serde_json::to_string_pretty(engine.config()).map_err(|e| e.to_string())?;
+        std::fs::write(&path, json).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let sampler = DistributedSampler {
         len: job.windows.len(),
         world: job.world,
