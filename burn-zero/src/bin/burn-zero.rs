@@ -4,6 +4,7 @@
 //!   estimate  per-GPU and per-CPU model-state memory, as DeepSpeed's estimators print it.
 //!   inspect   a checkpoint's manifest, summarized (and its files verified)
 //!   consolidate  a checkpoint's full parameters into one safetensors file (zero_to_fp32).
+//!   config    a ds_config.json checked and resolved per world size, before any run.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,12 +20,15 @@ const USAGE: &str = "usage:
   burn-zero estimate --params N [--largest-layer N] [--gpus-per-node G] [--nodes K]
                      [--stage 0|1|2|3] [--offload cpu|none] [--buffer-factor F]
 
+  burn-zero config FILE [--world-size N[,N...]]...
   burn-zero inspect CHECKPOINT [--verify]
   burn-zero consolidate CHECKPOINT OUT.safetensors [--dtype fp32|bf16|fp16]
 
   estimate prints DeepSpeed-style model-state memory per GPU and per CPU for mixed-precision
   training with Adam. N may be written as 1.3e9 or 1300M. Without --offload every option row
-  is shown. CHECKPOINT is a checkpoint directory, or the directory holding `latest`.";
+  is shown. CHECKPOINT is a checkpoint directory, or the directory holding `latest`. config
+  prints every warning and, per world size (default 1), the resolved setup; it exits non-zero
+  on the first error, which names the key.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -69,6 +73,20 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Some("config") => match config(&args[1..]) {
+            Ok(Ok(text)) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Ok(Err(text)) => {
+                print!("{text}");
+                ExitCode::from(1)
+            }
+            Err(e) => {
+                eprintln!("burn-zero config: {e}\n\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             ExitCode::SUCCESS
@@ -78,6 +96,40 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `config FILE [--world-size N[,N...]]...`: the report on FILE (`Err` for a bad command line;
+/// `Ok(Err(report))` when the config does not resolve).
+fn config(args: &[String]) -> Result<Result<String, String>, String> {
+    let mut file = None;
+    let mut worlds = Vec::new();
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--world-size" => {
+                let list = it.next().ok_or("--world-size needs a value")?;
+                for n in list.split(',') {
+                    match n.trim().parse::<usize>() {
+                        Ok(n) if n >= 1 => worlds.push(n),
+                        _ => return Err(format!("--world-size {list:?}: not a list of counts")),
+                    }
+                }
+            }
+            flag if flag.starts_with("--") => return Err(format!("unknown option {flag}")),
+            path if file.is_none() => file = Some(PathBuf::from(path)),
+            extra => return Err(format!("one FILE only, not also {extra:?}")),
+        }
+    }
+    let file = file.ok_or("which FILE?")?;
+    if worlds.is_empty() {
+        worlds.push(1);
+    }
+    let text = std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok(burn_zero::config::describe_config(
+        &file.display().to_string(),
+        &text,
+        &worlds,
+    ))
 }
 
 /// Parses a count such as `125000000`, `1.3e9`, `350M` or `7B`.

@@ -6,6 +6,7 @@
 
 mod base;
 mod batch;
+mod describe;
 mod error;
 mod load;
 mod sparse;
@@ -19,6 +20,7 @@ mod tests;
 
 pub use base::*;
 pub use batch::BatchSizes;
+pub use describe::describe_config;
 pub use error::ConfigError;
 pub(crate) use load::parse_value;
 pub use sparse::SparseAttentionConfig;
@@ -78,8 +80,15 @@ pub struct ResolvedConfig {
 }
 
 impl DeepSpeedConfig {
-    /// Parses `ds_config.json` text.
+    /// Parses `ds_config.json` text; its warnings are logged too.
     pub fn from_json(text: &str) -> Result<Loaded, ConfigError> {
+        let loaded = Self::parse_json(text)?;
+        loaded.warnings.iter().for_each(|w| crate::log::warn(w));
+        Ok(loaded)
+    }
+
+    /// [`DeepSpeedConfig::from_json`] without logging the warnings (they are in [`Loaded`]).
+    pub fn parse_json(text: &str) -> Result<Loaded, ConfigError> {
         let mut value = serde_json::from_str::<load::UniqueKeys>(text)
             .map_err(|e| ConfigError::Parse {
                 key: ".".into(),
@@ -103,7 +112,6 @@ impl DeepSpeedConfig {
         load::upgrade_legacy_zero(&mut value, &mut warnings);
         let config: DeepSpeedConfig = parse_value(value, "", &mut warnings)?;
         validate::validate(&config, &mut warnings)?;
-        warnings.iter().for_each(|w| crate::log::warn(w));
         Ok(Loaded { config, warnings })
     }
 
