@@ -20,21 +20,22 @@ pub fn describe_config(name: &str, text: &str, world_sizes: &[usize]) -> Result<
     };
     loaded.warnings.iter().for_each(|w| warn(&mut out, w));
     for &world in world_sizes {
-        match loaded.config.resolve(world) {
+        // Sections after the first are set apart by a blank line.
+        let resolved = loaded.config.resolve(world);
+        if let Ok(r) = &resolved {
+            r.warnings.iter().for_each(|w| warn(&mut out, w));
+        }
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        match resolved {
             Ok(resolved) => {
-                resolved.warnings.iter().for_each(|w| warn(&mut out, w));
-                if !out.is_empty() {
-                    out.push('\n');
-                }
                 out.push_str(&format!("world size {world}:\n"));
                 for line in resolved.summary().lines() {
                     out.push_str(&format!("  {line}\n"));
                 }
             }
             Err(e) => {
-                if !out.is_empty() {
-                    out.push('\n');
-                }
                 out.push_str(&format!("world size {world}: {e}\n"));
                 return Err(out);
             }

@@ -47,16 +47,16 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         ));
     }
     let resolved = config.resolve(comm.world_size())?;
+    let device = model_device(&model);
     if comm.rank() == 0 {
         resolved.warnings.iter().for_each(|w| crate::log::warn(w));
         // A few lines; the whole resolved config is `engine.config()` (JSON with serde).
-        let device = model_device(&model);
         let summary = resolved.summary().replace('\n', "\n  ");
         crate::log::info(&format!("{summary}\n  model on {device:?}"));
     }
     #[cfg(feature = "cuda")]
     if let Err(e) = crate::backend::memory_pool::ensure_memory_pool(
-        &model_device(&model),
+        &device,
         resolved.config.burn_zero.memory_pool,
     ) && comm.rank() == 0
     {
@@ -64,7 +64,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     }
     #[cfg(feature = "cuda")]
     if resolved.config.burn_zero.release_cached_memory
-        && let Some(index) = crate::backend::memory_pool::cuda_index(&model_device(&model))
+        && let Some(index) = crate::backend::memory_pool::cuda_index(&device)
         && let Err(e) = crate::backend::memory_pool::keep_released_memory(index)
     {
         crate::log::warn(&format!(
@@ -110,11 +110,11 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             zero.param_persistence_threshold.get(),
             trace,
             param_place(&resolved, comm.rank()),
+            zero.optimizer_offload() == OffloadDevice::None,
         )
     });
     let mut stage3 = stage3.transpose()?;
 
-    let device = model_device(&model);
     super::device_failure::watch();
     #[cfg(feature = "cuda")]
     let big_buffers = {
@@ -151,9 +151,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
             // With the optimizer and the parameters on the device, the partitions are chunks of
             // the fp32 master itself (each gather narrows its chunk to the compute format);
             // else a copy in the compute format.
-            let on_device =
-                zero.optimizer_offload() == OffloadDevice::None && s3.partitions_on_device();
-            let source = match on_device {
+            let source = match s3.master_backed() {
                 true => [master.clone()],
                 false => [precision.compute.convert(master.clone())],
             };

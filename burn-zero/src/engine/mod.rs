@@ -48,6 +48,7 @@ pub use init::initialize;
 pub use load_module::load_params;
 pub use memory::{Estimate, MemoryReport, estimate_model_states, format_estimates};
 pub use params::{FlatLayout, ParamSlot, flatten_params, unflatten_params};
+use stage3::Stage3;
 pub use stage3::{GatherEvent, GatherStats};
 
 use crate::backend::GathererGuard;
@@ -211,7 +212,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     pub fn memory_report(&self) -> MemoryReport {
         let state = self.state();
         let (params, host_params) = match &state.stage3 {
-            Some(s3) if self.master_backed(&state) => (s3.persistent_numel(), 0),
+            Some(s3) if s3.master_backed() => (s3.persistent_numel(), 0),
             Some(s3) => s3.param_numel(),
             None => (self.layout.numel(), 0),
         };
@@ -414,7 +415,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         // ZeRO-3's partitions are chunks of the master: the model's handles and the partitions
         // let go of it so the fused step updates it in place, and the step writes no
         // compute-format copy (each gather narrows its chunk instead).
-        let master_backed = self.master_backed(&state);
+        let master_backed = Self::master_backed(&state);
         let released = match master_backed {
             true => Some(self.release_partitions(&mut state)?),
             false => None,
@@ -470,14 +471,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         }
     }
 
-    /// Whether ZeRO-3's partitions are chunks of the fp32 master (optimizer and parameters
-    /// on the device) rather than a copy in the compute format.
-    fn master_backed(&self, state: &GradState<I>) -> bool {
-        !self.optim.offloaded()
-            && state
-                .stage3
-                .as_ref()
-                .is_some_and(|s3| s3.partitions_on_device())
+    /// Whether ZeRO-3's partitions are chunks of the fp32 master ([`Stage3::master_backed`]).
+    fn master_backed(state: &GradState<I>) -> bool {
+        state.stage3.as_ref().is_some_and(Stage3::master_backed)
     }
 
     /// Drops every reference to the master but the optimizer's (see [`Engine::step`]): the
@@ -532,7 +528,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             3 => {
                 // No all-gather: the new partitions are the new handles, chunks of the master
                 // itself where it is on the device.
-                let master_backed = self.master_backed(state);
+                let master_backed = Self::master_backed(state);
                 let source = match master_backed {
                     true => vec![self.optim.master()?],
                     false => working,

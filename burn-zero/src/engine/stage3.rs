@@ -141,6 +141,9 @@ pub(crate) struct Stage3<I: Backend> {
     partitions: Vec<Option<Partition<I>>>,
     /// Where the partitions live (`offload_param`).
     place: ParamPlace,
+    /// Whether the partitions are chunks of the fp32 master: parameters and optimizer both on
+    /// the device (no second copy in the compute format).
+    master_backed: bool,
     /// The compute format: what a gather narrows a (wider, fp32 master) partition to.
     format: Format,
     /// `offload_param {"device": "nvme"}`: the swap file of this rank's partitions.
@@ -159,7 +162,9 @@ impl<I: Backend> Stage3<I> {
         persistence_threshold: usize,
         trace: TraceConfig,
         place: ParamPlace,
+        optimizer_on_device: bool,
     ) -> Result<Self, SwapError> {
+        let master_backed = optimizer_on_device && matches!(place, ParamPlace::Device);
         let numels: Vec<usize> = layout.slots().iter().map(|s| s.numel()).collect();
         let plan = ShardPlan::new(&numels, world, align);
         let persistent: Vec<bool> = numels.iter().map(|n| *n < persistence_threshold).collect();
@@ -189,6 +194,7 @@ impl<I: Backend> Stage3<I> {
             live: HashMap::new(),
             partitions: (0..numels.len()).map(|_| None).collect(),
             place,
+            master_backed,
             format: Format::F32,
             swap,
             version: 0,
@@ -247,10 +253,10 @@ impl<I: Backend> Stage3<I> {
         Tensor::cat(parts, 0)
     }
 
-    /// Whether the partitions are on the device (no `offload_param`): then they may be the
-    /// fp32 master's own chunks ([`Stage3::set_partitions`]).
-    pub(crate) fn partitions_on_device(&self) -> bool {
-        matches!(self.place, ParamPlace::Device)
+    /// Whether the partitions are chunks of the fp32 master (optimizer and parameters on the
+    /// device) rather than a copy in the compute format ([`Stage3::set_partitions`]).
+    pub(crate) fn master_backed(&self) -> bool {
+        self.master_backed
     }
 
     /// Takes `master` as the new parameters, computed in `format`: the sharded handles'
@@ -274,18 +280,17 @@ impl<I: Backend> Stage3<I> {
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
             self.partitions[p] = (!self.persistent[p]).then(|| {
-                let mut chunk = slice_pieces(master, start..start + self.plan.chunk(p));
-                if !matches!(self.place, ParamPlace::Device) {
-                    chunk = format.convert(chunk);
-                }
+                let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
                 match (&self.place, &self.swap) {
                     (ParamPlace::Device, _) => Partition::Device(chunk),
-                    (ParamPlace::Host, _) => {
-                        Partition::Off(Arc::new(chunk.into_data()), device.clone(), dtype)
-                    }
+                    (ParamPlace::Host, _) => Partition::Off(
+                        Arc::new(format.convert(chunk).into_data()),
+                        device.clone(),
+                        dtype,
+                    ),
                     (ParamPlace::Nvme(_), Some(store)) => {
                         let at = swapped.len();
-                        let values = chunk.into_data().convert::<f32>();
+                        let values = format.convert(chunk).into_data().convert::<f32>();
                         swapped.extend(values.iter::<f32>());
                         let source = SwappedPartition {
                             store: store.clone(),

@@ -34,6 +34,9 @@ use super::downcast::float_as;
 #[cfg(any(feature = "cuda", feature = "ndarray"))]
 use crate::backend::ZeroBackend;
 
+/// The most parents (the input and the parameters) one checkpoint op takes.
+const MAX_PARENTS: usize = 128;
+
 /// The forward a checkpoint reruns in backward.
 type Forward<B, M, const D: usize> = dyn Fn(&M, Tensor<B, D>) -> Tensor<B, D> + Send + Sync;
 
@@ -89,6 +92,16 @@ where
     if parents.iter().all(|n| n.requirement.is_none()) {
         return None;
     }
+    let count = parents.len();
+    if count > MAX_PARENTS {
+        crate::log::warn(&format!(
+            "checkpoint: a module of {} parameters is run without checkpointing \
+             ({} at most); checkpoint its parts instead",
+            count - 1,
+            MAX_PARENTS - 1
+        ));
+        return None;
+    }
     // Forward without a graph: untracked parameters and input.
     let out = forward(
         &module.clone().map(&mut Untracked),
@@ -103,7 +116,6 @@ where
         input: input.primitive,
         forward: Closure(forward.clone()),
     };
-    let count = parents.len();
     // burn's ops take a fixed number of parents: pad with the input's node. The pads get no
     // gradient, and the input is never a parameter whose gradient hook counts its consumers.
     // (burn-autodiff does not export the node type, so a macro rather than a function.)
@@ -131,15 +143,7 @@ where
         9..=16 => op_of!(16),
         17..=32 => op_of!(32),
         33..=64 => op_of!(64),
-        65..=128 => op_of!(128),
-        n => {
-            crate::log::warn(&format!(
-                "checkpoint: a module of {} parameters is run without checkpointing \
-                 (127 at most); checkpoint its parts instead",
-                n - 1
-            ));
-            return None;
-        }
+        _ => op_of!(128),
     };
     float_as::<Autodiff<Z>, B, D>(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }

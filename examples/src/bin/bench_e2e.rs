@@ -113,62 +113,52 @@ fn tokens(
     Tensor::from_data(TensorData::new(ids, [micro, seq + 1]), device)
 }
 
+/// The value of `--key`, if given.
+fn option<'a>(options: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    options
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+/// The count `--key` gives, else `default`.
+fn count_option(options: &[(String, String)], key: &str, default: usize) -> usize {
+    option(options, key).map_or(default, |v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("--{key} is a count, not `{v}`"))
+    })
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
                  [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--loss-rows N]";
     let (args, options) = split_options(&args, usage);
-    let pool = match options
-        .iter()
-        .find(|(k, _)| k == "pool")
-        .map(|(_, v)| v.as_str())
-    {
+    let pool = match option(&options, "pool") {
         None | Some("fitted") => MemoryPoolLayout::Fitted,
         Some("sliced") => MemoryPoolLayout::Sliced,
         Some("exclusive") => MemoryPoolLayout::Exclusive,
         Some(other) => panic!("--pool is fitted, sliced or exclusive, not `{other}`"),
     };
-    let shared_init = match options
-        .iter()
-        .find(|(k, _)| k == "init")
-        .map(|(_, v)| v.as_str())
-    {
+    let shared_init = match option(&options, "init") {
         None | Some("shared") => true,
         Some("burn") => false,
         Some(other) => panic!("--init is shared or burn, not `{other}`"),
     };
     // Tokens per chunk of the loss (0: the logits materialized, as before).
-    let rows: usize = options
-        .iter()
-        .find(|(k, _)| k == "loss-rows")
-        .map_or(2048, |(_, v)| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("--loss-rows is a count of tokens, not `{v}`"))
-        });
-    let loss_chunk: usize = match options
-        .iter()
-        .find(|(k, _)| k == "loss")
-        .map(|(_, v)| v.as_str())
-    {
+    let rows = count_option(&options, "loss-rows", 2048);
+    let loss_chunk: usize = match option(&options, "loss") {
         None | Some("chunked") => rows,
         Some("full") => 0,
         Some(other) => panic!("--loss is chunked or full, not `{other}`"),
     };
-    let release_cached = match options
-        .iter()
-        .find(|(k, _)| k == "release")
-        .map(|(_, v)| v.as_str())
-    {
+    let release_cached = match option(&options, "release") {
         None | Some("1") => true,
         Some("0") => false,
         Some(other) => panic!("--release is 0 or 1, not `{other}`"),
     };
     // Activation checkpointing per decoder layer, asked for by the config's section.
-    let checkpointing = match options
-        .iter()
-        .find(|(k, _)| k == "ac")
-        .map(|(_, v)| v.as_str())
-    {
+    let checkpointing = match option(&options, "ac") {
         None | Some("0") => false,
         Some("1") => true,
         Some(other) => panic!("--ac is 0 or 1, not `{other}`"),
@@ -176,13 +166,7 @@ fn main() {
     // `zero_optimization.reduce_bucket_size` in elements: 5e7 (2e8 until 1f8d105, which kept up
     // to 3.7 GiB of fp32 buckets and ran 0.94x as fast at 3B; DeepSpeed's default is 5e8,
     // Hugging Face's "auto" hidden²).
-    let bucket: usize = options
-        .iter()
-        .find(|(k, _)| k == "bucket")
-        .map_or(50_000_000, |(_, v)| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("--bucket is a count of elements, not `{v}`"))
-        });
+    let bucket = count_option(&options, "bucket", 50_000_000);
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
