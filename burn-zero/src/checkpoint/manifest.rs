@@ -7,6 +7,8 @@ use core::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::config::ZeroStage;
+
 /// The `format` field of every manifest.
 pub const FORMAT: &str = "burn-zero-checkpoint";
 /// The manifest version this build writes and reads.
@@ -22,7 +24,7 @@ pub struct Manifest {
     /// The checkpoint's tag (`global_step12`, ...).
     pub tag: String,
     /// The ZeRO stage of the run that wrote it.
-    pub stage: u8,
+    pub stage: ZeroStage,
     /// Ranks of the run that wrote it (one partition file per rank).
     pub world_size: usize,
     /// How each rank's flat partition is cut from the parameters.
@@ -126,8 +128,14 @@ impl ParamEntry {
 impl Manifest {
     /// Parses and validates a manifest; never panics, whatever the bytes.
     pub fn parse(bytes: &[u8]) -> Result<Self, ManifestError> {
+        let mut json = serde_json::Deserializer::from_slice(bytes);
         let manifest: Manifest =
-            serde_json::from_slice(bytes).map_err(|e| ManifestError::Parse(e.to_string()))?;
+            serde_path_to_error::deserialize(&mut json).map_err(|e| {
+                match e.path().to_string().as_str() {
+                    "." => ManifestError::Parse(e.inner().to_string()),
+                    path => ManifestError::Parse(format!("`{path}`: {}", e.inner())),
+                }
+            })?;
         manifest.validate()?;
         Ok(manifest)
     }
@@ -150,9 +158,6 @@ impl Manifest {
                 "version",
                 format!("{} (this build reads version {VERSION})", self.version),
             ));
-        }
-        if self.stage > 3 {
-            return Err(invalid("stage", format!("{} (0 to 3)", self.stage)));
         }
         if self.world_size == 0 {
             return Err(invalid("world_size", "0 (at least 1)"));

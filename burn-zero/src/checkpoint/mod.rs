@@ -7,7 +7,7 @@ pub mod safetensors;
 mod store;
 
 pub use manifest::{
-    FORMAT, FileEntry, Manifest, ManifestError, ParamEntry, Partitioning, Piece, VERSION,
+    FORMAT, FileEntry, Manifest, ManifestError, ParamEntry, Partitioning, Piece, VERSION, ZeroStage,
 };
 pub use read::{MASTER, PartitionFiles, Span, consolidate, describe, partition_file};
 pub use safetensors::Dtype;

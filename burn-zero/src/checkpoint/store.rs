@@ -301,7 +301,7 @@ pub fn open_verified(dir: &Path) -> Result<Manifest, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::{FORMAT, Partitioning, VERSION};
+    use crate::checkpoint::{FORMAT, Partitioning, VERSION, ZeroStage};
 
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("bz-store-{name}-{}", std::process::id()));
@@ -327,7 +327,7 @@ mod tests {
             format: FORMAT.into(),
             version: VERSION,
             tag: tag.into(),
-            stage: 2,
+            stage: ZeroStage::Gradients,
             world_size: world,
             partitioning: Partitioning::Flat { chunk: 0 },
             params: vec![],

@@ -24,11 +24,18 @@ pub(crate) fn parse_value<T: DeserializeOwned + Serialize>(
     let mut ignored = Vec::new();
     let mut record = |path: serde_ignored::Path<'_>| ignored.push(path.to_string());
     let deserializer = serde_ignored::Deserializer::new(value, &mut record);
-    let parsed =
-        serde_path_to_error::deserialize(deserializer).map_err(|e| ConfigError::Parse {
-            key: join(e.path().to_string()),
-            reason: e.inner().to_string(),
-        })?;
+    let parsed = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let key = join(e.path().to_string());
+        let reason = e.inner().to_string();
+        match out_of_range(&reason) {
+            Some((value, allowed)) => ConfigError::Invalid {
+                key,
+                value: value.into(),
+                allowed: allowed.into(),
+            },
+            None => ConfigError::Parse { key, reason },
+        }
+    })?;
     // The keys `T` knows, with their nesting: the parsed value written back.
     let known = serde_json::to_value(&parsed).unwrap_or(Value::Null);
     for path in ignored {
@@ -188,4 +195,14 @@ pub(crate) fn upgrade_legacy_zero(value: &mut Value, warnings: &mut Vec<String>)
         ));
         *zero = serde_json::json!({ "stage": u8::from(enabled) });
     }
+}
+
+/// serde's "invalid value: integer `5`, expected 0, 1, 2 or 3" (a value of the right type that
+/// a typed key refuses) as the value and what is allowed, for the same error the range checks
+/// give.
+fn out_of_range(reason: &str) -> Option<(&str, &str)> {
+    let rest = reason.strip_prefix("invalid value: ")?;
+    let (_, rest) = rest.split_once('`')?;
+    let (value, rest) = rest.split_once('`')?;
+    Some((value, rest.strip_prefix(", expected ")?))
 }

@@ -10,6 +10,7 @@ mod describe;
 mod error;
 mod load;
 mod sparse;
+mod stage;
 mod summary;
 mod validate;
 mod values;
@@ -24,6 +25,7 @@ pub use describe::describe_config;
 pub use error::ConfigError;
 pub(crate) use load::parse_value;
 pub use sparse::SparseAttentionConfig;
+pub use stage::ZeroStage;
 pub use validate::compiled_stages;
 pub use values::Count;
 pub use zero::*;
@@ -146,7 +148,9 @@ impl DeepSpeedConfig {
                     .into(),
         })?;
         let optimizer = validate::optimizer_kind(optimizer_config)?;
-        if optimizer == OptimizerKind::OneBitAdam && self.zero_optimization.stage != 0 {
+        if optimizer == OptimizerKind::OneBitAdam
+            && self.zero_optimization.stage != ZeroStage::Disabled
+        {
             return Err(ConfigError::Parse {
                 key: "zero_optimization.stage".into(),
                 reason: format!(

@@ -10,12 +10,7 @@ impl ResolvedConfig {
     pub fn summary(&self) -> String {
         let c = &self.config;
         let zero = &c.zero_optimization;
-        let partitioned = match zero.stage {
-            0 => "nothing partitioned (data parallel)",
-            1 => "optimizer state partitioned",
-            2 => "optimizer state and gradients partitioned",
-            _ => "optimizer state, gradients and parameters partitioned",
-        };
+        let partitioned = zero.stage.partitions();
         let b = &self.batch;
         let p = &self.optimizer_params;
         let optimizer = match self.optimizer {

@@ -25,7 +25,7 @@ fn deepspeed_defaults() {
     let z = &c.zero_optimization;
     assert_eq!(
         (z.stage, z.reduce_bucket_size.0, z.allgather_bucket_size.0),
-        (0, 500_000_000, 500_000_000)
+        (ZeroStage::Disabled, 500_000_000, 500_000_000)
     );
     assert!(z.contiguous_gradients && z.reduce_scatter && !z.overlap_comm());
     assert_eq!(

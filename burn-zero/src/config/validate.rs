@@ -1,6 +1,8 @@
 //! Value checks: every error names the key, the value and what is allowed.
 
-use super::{ConfigError, DeepSpeedConfig, OffloadDevice, OptimizerConfig, OptimizerKind};
+use super::{
+    ConfigError, DeepSpeedConfig, OffloadDevice, OptimizerConfig, OptimizerKind, ZeroStage,
+};
 
 fn invalid(key: &str, value: impl ToString, allowed: &str) -> ConfigError {
     ConfigError::Invalid {
@@ -27,28 +29,13 @@ fn check(ok: bool, key: &str, value: impl ToString, allowed: &str) -> Result<(),
 
 /// The stages this build was compiled with (Cargo features `zero1`, `zero2`, `zero3`).
 pub fn compiled_stages() -> Vec<u8> {
-    let mut stages = vec![0];
-    if cfg!(feature = "zero1") {
-        stages.push(1);
-    }
-    if cfg!(feature = "zero2") {
-        stages.push(2);
-    }
-    if cfg!(feature = "zero3") {
-        stages.push(3);
-    }
-    stages
+    let compiled = ZeroStage::ALL.into_iter().filter(|s| s.compiled());
+    compiled.map(ZeroStage::number).collect()
 }
 
 pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Result<(), ConfigError> {
     let z = &c.zero_optimization;
-    check(
-        z.stage <= 3,
-        "zero_optimization.stage",
-        z.stage,
-        "0, 1, 2 or 3",
-    )?;
-    if !compiled_stages().contains(&z.stage) {
+    if !z.stage.compiled() {
         return Err(unsupported(
             "zero_optimization.stage",
             &format!(
@@ -89,7 +76,7 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
             "0 to 1",
         )?;
         check(
-            o.ratio == 1.0 || z.stage == 3,
+            o.ratio == 1.0 || z.stage == ZeroStage::Parameters,
             "zero_optimization.offload_optimizer.ratio",
             o.ratio,
             "1 unless stage is 3",
@@ -138,14 +125,14 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
     match z.param_offload() {
         OffloadDevice::None => {}
         OffloadDevice::Cpu => check(
-            z.stage == 3,
+            z.stage == ZeroStage::Parameters,
             "zero_optimization.offload_param",
             format!("\"device\": \"cpu\" at stage {}", z.stage),
             "stage 3 (parameters are partitioned only there)",
         )?,
         OffloadDevice::Nvme => {
             check(
-                z.stage == 3,
+                z.stage == ZeroStage::Parameters,
                 "zero_optimization.offload_param",
                 format!("\"device\": \"nvme\" at stage {}", z.stage),
                 "stage 3 (parameters are partitioned only there)",

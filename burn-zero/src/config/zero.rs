@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::stage::ZeroStage;
 use super::values::Count;
 
 /// Where offloaded state lives.
@@ -90,7 +91,7 @@ impl Default for OffloadParamConfig {
 #[serde(default)]
 pub struct ZeroConfig {
     /// `stage`: 0 (data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
-    pub stage: u8,
+    pub stage: ZeroStage,
     /// `contiguous_gradients`.
     pub contiguous_gradients: bool,
     /// `reduce_scatter`.
@@ -158,7 +159,7 @@ pub struct ZeroConfig {
 impl Default for ZeroConfig {
     fn default() -> Self {
         Self {
-            stage: 0,
+            stage: ZeroStage::Disabled,
             contiguous_gradients: true,
             reduce_scatter: true,
             reduce_bucket_size: Count(500_000_000),
@@ -192,7 +193,8 @@ impl Default for ZeroConfig {
 impl ZeroConfig {
     /// `overlap_comm` as DeepSpeed resolves it: given, or true for stage 3 only.
     pub fn overlap_comm(&self) -> bool {
-        self.overlap_comm.unwrap_or(self.stage == 3)
+        self.overlap_comm
+            .unwrap_or(self.stage == ZeroStage::Parameters)
     }
 
     /// Where optimizer state is offloaded, deprecated `cpu_offload` included.

@@ -15,10 +15,11 @@ use serde_json::json;
 
 use super::{Engine, EngineError, ZeroAutodiff};
 use crate::checkpoint::{
-    Dtype, FORMAT, MASTER, Manifest, ParamEntry, PartitionFiles, Partitioning, Span, Staging,
-    StoreError, VERSION, open_manifest, partition_file, resolve, safetensors::Writer, verify,
+    Dtype, FORMAT, MASTER, Manifest, ParamEntry, PartitionFiles, Span, Staging, StoreError,
+    VERSION, open_manifest, partition_file, resolve, safetensors::Writer, verify,
 };
 use crate::comm::ReduceOp;
+use crate::config::ZeroStage;
 use crate::precision::LossScaler;
 
 /// The engine's counters a checkpoint's manifest holds (`engine`, as `save_checkpoint` writes
@@ -101,7 +102,7 @@ pub struct LoadedCheckpoint {
 
 impl LoadedCheckpoint {
     /// Whether it was written by a run of another world size or stage.
-    pub fn resharded(&self, world_size: usize, stage: u8) -> bool {
+    pub fn resharded(&self, world_size: usize, stage: ZeroStage) -> bool {
         self.manifest.world_size != world_size || self.manifest.stage != stage
     }
 }
@@ -210,16 +211,14 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         &self,
         staging: &Staging,
     ) -> Result<(BTreeMap<String, Dtype>, u64), EngineError> {
-        let stage = self.resolved.config.zero_optimization.stage;
+        let layout = self.strategy().checkpoint_layout();
         let rank = self.comm.rank();
-        // Stages 1-2 write every rank's chunk of the padded flat buffer, padding included.
-        if stage == 0 && rank != 0 {
-            // Replicated: rank 0's file holds it all (and rank 0 writes the manifest).
+        if rank >= layout.writers {
             return Ok((BTreeMap::new(), 0));
         }
         let pad = |mut v: Vec<f32>| {
-            if matches!(stage, 1 | 2) {
-                v.resize(self.plan.chunk(), 0.0);
+            if let Some(len) = layout.pad_to {
+                v.resize(len, 0.0);
             }
             v
         };
@@ -262,30 +261,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         (tensors, optimizer_step): (BTreeMap<String, Dtype>, u64),
         client_state: serde_json::Value,
     ) -> Result<Manifest, EngineError> {
-        let stage = self.resolved.config.zero_optimization.stage;
         let world = self.comm.world_size();
-        let state = self.state();
-        let (partitioning, chunks) = match (stage, state.stage3.as_ref()) {
-            (3, Some(s3)) => (
-                Partitioning::PerParam,
-                (0..self.layout.slots().len())
-                    .map(|p| Some(s3.plan().chunk(p)))
-                    .collect(),
-            ),
-            (0, _) => (
-                Partitioning::Flat {
-                    chunk: self.layout.numel(),
-                },
-                vec![None; self.layout.slots().len()],
-            ),
-            _ => (
-                Partitioning::Flat {
-                    chunk: self.plan.chunk(),
-                },
-                vec![None; self.layout.slots().len()],
-            ),
+        let (stage, layout) = {
+            let strategy = self.strategy();
+            (strategy.stage(), strategy.checkpoint_layout())
         };
-        drop(state);
+        let chunks = layout.chunks;
         let params = self
             .layout
             .slots()
@@ -297,8 +278,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 chunk,
             })
             .collect();
-        let writers = if stage == 0 { 1 } else { world };
-        let files = (0..writers)
+        let files = (0..layout.writers)
             .map(|r| staging.describe(&partition_file(r), Some(r)))
             .collect::<Result<Vec<_>, StoreError>>()?;
         let engine = json!({
@@ -319,7 +299,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             tag,
             stage,
             world_size: world,
-            partitioning,
+            partitioning: layout.partitioning,
             params,
             tensors,
             files,
@@ -365,19 +345,19 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             .set_last_batch_iteration(counters.last_batch_iteration);
         self.precision.scaler = counters.loss_scaler;
         let engine = &manifest.engine;
-        let grads = self.grads.clone();
-        let mut state = grads.lock().expect("gradient state");
-        state.clear();
+        let strategy = self.strategy.clone();
+        let mut strategy = strategy.lock().expect("strategy");
+        strategy.grads_mut().clear();
         let working = self.precision.compute.convert(self.optim.master()?);
-        self.publish(&mut state, vec![working], None)?;
-        drop(state);
+        let stage = strategy.stage();
+        self.publish(&mut *strategy, vec![working])?;
+        drop(strategy);
         let loaded = LoadedCheckpoint {
             client_state: engine.get("client").cloned().unwrap_or_default(),
             dir,
             manifest,
         };
         if self.comm.rank() == 0 {
-            let stage = self.resolved.config.zero_optimization.stage;
             let how = if loaded.resharded(self.comm.world_size(), stage) {
                 format!(
                     ", resharded from {} ranks at stage {} to {} at stage {stage}",
@@ -506,51 +486,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 dir.display()
             )));
         }
-        let rank = self.comm.rank();
-        let slots = self.layout.slots();
-        let mut spans = Vec::new();
-        let len = match self.resolved.config.zero_optimization.stage {
-            0 => {
-                for (slot, &param) in slots.iter().zip(&index) {
-                    spans.push(Span {
-                        param,
-                        elements: 0..slot.numel(),
-                        at: slot.offset,
-                    });
-                }
-                self.layout.numel()
-            }
-            3 => {
-                let state = self.state();
-                let plan = state.stage3.as_ref().expect("stage 3 state").plan();
-                for (p, &param) in index.iter().enumerate() {
-                    spans.push(Span {
-                        param,
-                        elements: plan.owned(p, rank),
-                        at: plan.offset(p),
-                    });
-                }
-                plan.len()
-            }
-            _ => {
-                let owned = self.plan.owned(rank);
-                for (slot, &param) in slots.iter().zip(&index) {
-                    let (lo, hi) = (
-                        owned.start.max(slot.offset),
-                        owned.end.min(slot.offset + slot.numel()),
-                    );
-                    if lo < hi {
-                        spans.push(Span {
-                            param,
-                            elements: lo - slot.offset..hi - slot.offset,
-                            at: lo - owned.start,
-                        });
-                    }
-                }
-                owned.len()
-            }
-        };
-        Ok((spans, len))
+        Ok(self.strategy().load_spans(&index))
     }
 }
 

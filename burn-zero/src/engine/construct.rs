@@ -17,8 +17,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use super::stage3::chunk_of;
-use super::{PARTITION_ALIGN, ZeroAutodiff};
+use super::{PARTITION_ALIGN, ZeroAutodiff, zero_padded};
 use crate::backend::ShardedParam;
 use crate::partition::ShardPlan;
 use crate::{ZeroBackend, ZeroTensor};
@@ -186,6 +185,23 @@ impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Draw {
         let sharded = sharded_tensor(position, shape, partition).set_require_grad(require_grad);
         Param::from_mapped_value(id, sharded, mapper)
     }
+}
+
+/// Rank `rank`'s chunk of parameter `p`, whose flat values start at `base` in `values`: its
+/// owned elements, zero-padded to the plan's chunk.
+pub(crate) fn chunk_of<I: Backend>(
+    plan: &ShardPlan,
+    p: usize,
+    rank: usize,
+    values: &Tensor<I, 1>,
+    base: usize,
+) -> Tensor<I, 1> {
+    let owned = plan.owned(p, rank);
+    if owned.is_empty() {
+        return Tensor::zeros([plan.chunk(p)], (&values.device(), values.dtype()));
+    }
+    let mine = values.clone().slice(base + owned.start..base + owned.end);
+    zero_padded(mine, plan.chunk(p))
 }
 
 #[cfg(test)]

@@ -4,28 +4,21 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
 
 use super::collective::FlatComm;
-use super::grads::{EngineHook, GradState};
+use super::grads::{EngineHook, GradCore};
 use super::optim_state::Optim;
-use super::optim_state::swap_config;
-use super::params::{params_to_host, rebuild_params};
 use super::precision::Precision;
-use super::stage3::{EngineGatherer, ParamPlace, Stage3, sharded_handles};
+#[cfg(feature = "zero3")]
+use super::stage::Sharded;
+use super::stage::{Master, Partitioned, Replicated, Setup, Strategy};
 use super::{
-    Engine, EngineError, FlatLayout, PARTITION_ALIGN, Timings, ZeroAutodiff, flatten_params,
-    owned_range, unflatten_params,
+    Engine, EngineError, FlatLayout, Timings, ZeroAutodiff, flatten_params, unflatten_params,
 };
-use crate::ZeroTensor;
 use crate::backend::hooks;
-use crate::backend::install_gatherer;
 use crate::backend::matmul::{MatmulPolicy, set_matmul_policy};
-use crate::comm::{BufMut, Communicator};
-use crate::config::DeepSpeedConfig;
-use crate::config::OffloadDevice;
-use crate::optim::TensorBounds;
-use crate::partition::PartitionPlan;
+use crate::comm::Communicator;
+use crate::config::{DeepSpeedConfig, ZeroStage};
 use crate::schedule::Scheduler;
 
 /// Builds an engine for `model` from `config` over `comm` (DeepSpeed's `deepspeed.initialize`).
@@ -84,45 +77,13 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     }
     crate::attention::set_sparse_attention(resolved.config.sparse_attention.clone());
     let zero = &resolved.config.zero_optimization;
-    let stage = zero.stage;
     let layout = Arc::new(FlatLayout::of(&model));
     if layout.numel() == 0 {
         return Err(EngineError::Usage(
             "the model has no trainable parameters (every parameter has require_grad off)".into(),
         ));
     }
-    let world = comm.world_size();
-    let plan = if stage == 0 {
-        PartitionPlan::new(layout.numel(), 1)
-    } else {
-        PartitionPlan::aligned(layout.numel(), world, PARTITION_ALIGN)
-    };
-    let stage3 = (stage == 3).then(|| {
-        let trace = crate::trace::TraceConfig {
-            prefetch_bucket_size: zero.prefetch_bucket_size.get(),
-            max_live_parameters: zero.max_live_parameters.get(),
-            max_reuse_distance: zero.max_reuse_distance.get(),
-        };
-        Stage3::<I>::new(
-            &layout,
-            world,
-            PARTITION_ALIGN,
-            zero.param_persistence_threshold.get(),
-            trace,
-            param_place(&resolved, comm.rank()),
-            zero.optimizer_offload() == OffloadDevice::None,
-        )
-    });
-    let mut stage3 = stage3.transpose()?;
-
     super::device_failure::watch();
-    #[cfg(feature = "cuda")]
-    let big_buffers = {
-        let max_piece = resolved.config.burn_zero.max_buffer_elements;
-        let sizes = big_buffer_bytes(&plan, stage, comm.rank(), max_piece);
-        crate::backend::cuda::exact_size_allocations::<I>(&device, &sizes);
-        sizes
-    };
     let precision = Precision::new::<I>(&resolved.config, &device);
     let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
     // Frozen parameters (a LoRA base) are neither reduced nor optimized, but every rank must
@@ -136,64 +97,75 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         flat.wait()?;
         unflatten_params(model, &frozen, values)
     };
-    let (model, master) = match stage3.as_mut() {
-        Some(s3) => {
-            let master = match sharded_master(&model, &layout, s3)? {
-                // Built sharded (every rank its own partitions, from the same seed).
-                Some(master) => master,
-                None => {
-                    let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
-                    flat.wait()?;
-                    s3.partition_of(&params, comm.rank())
-                }
-            };
-            let master = master.cast(FloatDType::F32);
-            // With the optimizer and the parameters on the device, the partitions are chunks of
-            // the fp32 master itself (each gather narrows its chunk to the compute format);
-            // else a copy in the compute format.
-            let source = match s3.master_backed() {
-                true => [master.clone()],
-                false => [precision.compute.convert(master.clone())],
-            };
-            s3.set_partitions(&mut flat, &source, precision.compute)?;
-            let full = s3.gather_persistent(&mut flat, &source)?;
-            let model = rebuild_params(model, &layout, |p| s3.handle(p, full.get(&p)));
-            (hooks::mark_distributed(model), Initial::Device(master))
-        }
-        None if zero.optimizer_offload() != OffloadDevice::None => {
-            // ZeRO-Offload: the values go to the host one parameter at a time and come back
-            // in the compute format, so the device never holds a second fp32 copy.
-            let mut values = params_to_host(&model, &layout);
-            broadcast_on_host(comm.as_ref(), &mut values)?;
-            let compute = precision.compute;
-            let model = rebuild_params(model, &layout, |p| {
-                let slot = &layout.slots()[p];
-                let part = values[slot.offset..slot.offset + slot.numel()].to_vec();
-                let t = Tensor::<I, 1>::from_data(TensorData::new(part, [slot.numel()]), &device);
-                let shape = Shape::from(slot.shape.clone());
-                ZeroTensor::local(I::float_reshape(
-                    compute.convert(t).into_primitive().tensor(),
-                    shape,
-                ))
-            });
-            let owned = owned_range(&plan, stage, comm.rank());
-            let master = if owned == (0..values.len()) {
-                values
-            } else {
-                values[owned].to_vec()
-            };
-            (hooks::mark_distributed(model), Initial::Host(master))
-        }
-        None => {
-            let params = flat.broadcast(flatten_params(&model, &layout), 0)?;
-            flat.wait()?;
-            let params = params.cast(FloatDType::F32);
-            let owned = owned_range(&plan, stage, comm.rank());
-            let master = params.clone().slice(owned);
-            let model = unflatten_params(model, &layout, precision.compute.convert(params));
-            (hooks::mark_distributed(model), Initial::Device(master))
-        }
+    let grads = GradCore::new(
+        layout.clone(),
+        flat,
+        (precision.compute, precision.accum),
+        zero.reduce_bucket_size.get(),
+        resolved.config.burn_zero.max_buffer_elements,
+    );
+    let setup = Setup {
+        resolved: &resolved,
+        compute: precision.compute,
+        comm: &comm,
     };
+    let parts = Parts {
+        model,
+        precision,
+        frozen_params,
+        layout,
+        device,
+    };
+    // The stage's strategy, chosen once.
+    match zero.stage {
+        ZeroStage::Disabled => build(Replicated::new(grads), parts, &setup),
+        ZeroStage::OptimizerStates => {
+            let gather = zero.allgather_bucket_size.get();
+            build(Partitioned::new(grads, false, gather), parts, &setup)
+        }
+        ZeroStage::Gradients => {
+            let gather = zero.allgather_bucket_size.get();
+            build(Partitioned::new(grads, true, gather), parts, &setup)
+        }
+        #[cfg(feature = "zero3")]
+        ZeroStage::Parameters => build(Sharded::new(grads, &setup)?, parts, &setup),
+        #[cfg(not(feature = "zero3"))]
+        ZeroStage::Parameters => unreachable!("the config refuses a stage not compiled in"),
+    }
+}
+
+/// What `initialize` hands the strategy's set-up.
+struct Parts<I: Backend, M> {
+    model: M,
+    precision: Precision,
+    frozen_params: usize,
+    layout: Arc<FlatLayout>,
+    device: I::Device,
+}
+
+/// The engine around `strategy`: the model's parameters and this rank's master as the stage
+/// makes them, the optimizer, the gradients, the hook (and the gatherer).
+fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
+    mut strategy: S,
+    parts: Parts<I, M>,
+    setup: &Setup<'_>,
+) -> Result<Engine<I, M>, EngineError> {
+    let Parts {
+        model,
+        precision,
+        frozen_params,
+        layout,
+        device,
+    } = parts;
+    let (resolved, comm) = (setup.resolved, setup.comm);
+    #[cfg(feature = "cuda")]
+    let big_buffers = {
+        let max_piece = resolved.config.burn_zero.max_buffer_elements;
+        let sizes = big_buffer_bytes(&strategy.big_buffer_lens(), max_piece);
+        crate::backend::cuda::exact_size_allocations::<I>(&device, &sizes);
+        sizes
+    };
+    let (model, master) = strategy.setup(model, setup)?;
 
     // The user's fp32 parameters are gone: hand their memory back to the device before the
     // engine's own buffers are allocated (a caching allocator keeps freed pages otherwise,
@@ -204,44 +176,29 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     #[cfg(feature = "cuda")]
     crate::backend::cuda::exact_size_allocations::<I>(&device, &big_buffers);
     let optim = match master {
-        Initial::Device(master) => Optim::new(&resolved, master, comm.rank())?,
-        Initial::Host(master) => Optim::on_host(&resolved, master, device.clone(), comm.rank())?,
+        Master::Device(master) => Optim::new(resolved, master, comm.rank())?,
+        Master::Host(master) => Optim::on_host(resolved, master, device.clone(), comm.rank())?,
     };
-    let bounds = tensor_bounds(&layout, &plan, stage3.as_ref(), stage, &comm);
-    let optim = optim.with_segments(bounds, comm.clone());
-    let with_gatherer = stage3.is_some();
-    let grads = Arc::new(Mutex::new(GradState::new(
-        layout.clone(),
-        plan,
-        flat,
-        stage,
-        zero.reduce_bucket_size.get(),
-        stage3,
-        (precision.compute, precision.accum),
-        resolved.config.burn_zero.max_buffer_elements,
-        optim.offloaded().then(|| {
-            let threads = resolved.config.burn_zero.cpu_adam.threads;
-            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        }),
-    )));
-    let hook = hooks::install::<I>(Box::new(EngineHook {
-        state: grads.clone(),
+    let optim = optim.with_segments(strategy.tensor_bounds(comm), comm.clone());
+    strategy.allocate(optim.offloaded().then(|| {
+        let threads = resolved.config.burn_zero.cpu_adam.threads;
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     }));
-    let gatherer = with_gatherer.then(|| {
-        install_gatherer::<I>(Box::new(EngineGatherer {
-            state: grads.clone(),
-        }))
-    });
+    let strategy = Arc::new(Mutex::new(strategy));
+    let gatherer = S::install_gatherer(&strategy);
+    let strategy: Arc<Mutex<dyn Strategy<I>>> = strategy;
+    let hook = hooks::install::<I>(Box::new(EngineHook {
+        strategy: strategy.clone(),
+    }));
     // What building the optimizer state freed (copies, casts) goes back too.
     I::memory_cleanup(&device);
     let mut engine = Engine {
         model: Some(model),
         scheduler: Scheduler::new(resolved.schedule.clone()),
-        comm,
-        resolved,
+        comm: comm.clone(),
+        resolved: resolved.clone(),
         layout,
-        plan,
-        grads,
+        strategy,
         optim,
         frozen_params,
         micro_steps: 0,
@@ -260,145 +217,18 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     Ok(engine)
 }
 
-/// Where `offload_param` keeps the sharded parameters' partitions of rank `rank`.
-fn param_place(config: &crate::config::ResolvedConfig, rank: usize) -> ParamPlace {
-    let zero = &config.config.zero_optimization;
-    match (zero.param_offload(), &zero.offload_param) {
-        (OffloadDevice::Cpu, _) => ParamPlace::Host,
-        (OffloadDevice::Nvme, Some(o)) => {
-            let root = o.nvme_path.as_deref().expect("validated");
-            ParamPlace::Nvme(swap_config(
-                config,
-                root,
-                o.buffer_count.get(),
-                rank,
-                "params",
-            ))
-        }
-        _ => ParamPlace::Device,
-    }
-}
-
-/// Where this rank's fp32 partition was made.
-enum Initial<I: Backend> {
-    Device(Tensor<I, 1>),
-    Host(Vec<f32>),
-}
-
-/// Rank 0's `values` on every rank, through host buffers in pieces (so a device path holds
-/// one piece at a time).
-fn broadcast_on_host(comm: &dyn Communicator, values: &mut [f32]) -> Result<(), EngineError> {
-    const PIECE: usize = 1 << 26;
-    if comm.world_size() > 1 {
-        for piece in values.chunks_mut(PIECE) {
-            comm.broadcast(BufMut::from(piece), 0)?;
-        }
-    }
-    Ok(())
-}
-
 /// The device of the model's parameters (of the first trainable one).
 fn model_device<I: Backend, M: Module<ZeroAutodiff<I>>>(model: &M) -> I::Device {
     model.devices().into_iter().next().unwrap_or_default()
 }
 
-/// This rank's partition when `model` was built sharded ([`super::construct_sharded`]): its handles'
-/// partitions and its full parameters' chunks, in layout order; `None` for a full model.
-fn sharded_master<I: Backend, M: Module<ZeroAutodiff<I>>>(
-    model: &M,
-    layout: &FlatLayout,
-    s3: &Stage3<I>,
-) -> Result<Option<Tensor<I, 1>>, EngineError> {
-    let handles = sharded_handles(model, layout);
-    if handles.iter().all(Option::is_none) {
-        return Ok(None);
-    }
-    let plan = s3.plan();
-    let mut parts = Vec::new();
-    for (p, handle) in handles.into_iter().enumerate() {
-        let part = match handle {
-            Some(h) => {
-                let t = Tensor::<I, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
-                    h.partition.clone(),
-                ));
-                if t.dims()[0] != plan.chunk(p) {
-                    return Err(EngineError::Usage(format!(
-                        "parameter `{}` was built sharded for another world size: its partition \
-                         holds {} elements, {} ranks need {}",
-                        layout.slots()[p].name,
-                        t.dims()[0],
-                        plan.world_size(),
-                        plan.chunk(p)
-                    )));
-                }
-                t
-            }
-            None => {
-                return Err(EngineError::Usage(format!(
-                    "parameter `{}` is full while others were built sharded: build the whole \
-                     model with `burn_zero::engine::construct_sharded`",
-                    layout.slots()[p].name
-                )));
-            }
-        };
-        parts.push(part);
-    }
-    Ok(Some(Tensor::cat(parts, 0)))
-}
-
-/// Where each parameter tensor lies in this rank's partition (LAMB's trust ratios): whole
-/// tensors at stage 0; the owned part of the flat buffer at stages 1–2; each tensor's shard at
-/// stage 3.
-fn tensor_bounds<I: Backend>(
-    layout: &FlatLayout,
-    plan: &PartitionPlan,
-    stage3: Option<&Stage3<I>>,
-    stage: u8,
-    comm: &Arc<dyn Communicator>,
-) -> TensorBounds {
-    let segments = match stage3 {
-        Some(s3) => {
-            let shards = s3.plan();
-            (0..shards.params())
-                .map(|p| (p, shards.offset(p)..shards.offset(p) + shards.chunk(p)))
-                .collect()
-        }
-        None => {
-            let owned = owned_range(plan, stage, comm.rank());
-            layout
-                .slots()
-                .iter()
-                .enumerate()
-                .filter_map(|(p, s)| {
-                    let start = s.offset.max(owned.start);
-                    let end = (s.offset + s.numel()).min(owned.end);
-                    (start < end).then(|| (p, start - owned.start..end - owned.start))
-                })
-                .collect()
-        }
-    };
-    TensorBounds {
-        segments,
-        params: layout.slots().len(),
-        comm: (stage > 0 && comm.world_size() > 1).then(|| comm.clone()),
-    }
-}
-
-/// The byte sizes of the engine's largest flat buffers, in f32 and in 16 bits: the whole
-/// model (stages 0–2, whose gradients or gathered parameters span it), this rank's partition
-/// and a chunk, and the gradient buffer's pieces of each. Only sizes of at least 64 MiB: the
-/// pools serve smaller ones well. Stage 3 never holds the whole model in one buffer: at 8B
-/// on 4 GPUs its 32 GB was one allocation too many.
+/// The byte sizes of the strategy's largest flat buffers (`lens`, in elements) in f32 and in
+/// 16 bits, and of the gradient buffer's pieces of each. Only sizes of at least 64 MiB: the
+/// pools serve smaller ones well.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn big_buffer_bytes(plan: &PartitionPlan, stage: u8, rank: usize, max_piece: usize) -> Vec<usize> {
-    let owned = owned_range(plan, stage, rank).len();
-    let whole: &[usize] = if stage < 3 {
-        &[plan.numel(), plan.padded_numel()]
-    } else {
-        &[]
-    };
+fn big_buffer_bytes(lens: &[usize], max_piece: usize) -> Vec<usize> {
     let mut elements = Vec::new();
-    for &len in whole.iter().chain([owned, plan.chunk()].iter()) {
+    for &len in lens {
         elements.extend([len, len.min(max_piece), len % max_piece.max(1)]);
     }
     let mut bytes: Vec<usize> = elements
@@ -416,11 +246,16 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(feature = "zero3")]
     fn stage_3_registers_no_whole_model_buffer() {
+        use crate::engine::PARTITION_ALIGN;
+        use crate::partition::PartitionPlan;
         let numel = 300 << 20;
         let plan = PartitionPlan::aligned(numel, 4, PARTITION_ALIGN);
-        let largest = |stage| *big_buffer_bytes(&plan, stage, 1, 1 << 30).last().unwrap();
-        assert!(largest(3) <= 4 * plan.chunk(), "stage 3: {}", largest(3));
-        assert!(largest(2) >= 4 * numel, "stage 2 gathers the whole model");
+        let largest = |lens: Vec<usize>| *big_buffer_bytes(&lens, 1 << 30).last().unwrap();
+        let stage3 = largest(Sharded::<burn::backend::NdArray>::buffer_lens(numel, 4, 1));
+        assert!(stage3 <= 4 * plan.chunk(), "stage 3: {stage3}");
+        let stage2 = largest(Partitioned::<burn::backend::NdArray>::buffer_lens(&plan, 1));
+        assert!(stage2 >= 4 * numel, "stage 2 gathers the whole model");
     }
 }

@@ -4,6 +4,8 @@ use core::fmt;
 
 use serde::Serialize;
 
+use crate::config::ZeroStage;
+
 /// Bytes one rank holds for model states, as allocated by the engine.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryReport {
@@ -111,13 +113,13 @@ pub fn estimate_model_states(
         per_gpu: gpu as u64,
         options,
     };
-    match stage {
-        0 => vec![row(
+    match estimated_stage(stage) {
+        ZeroStage::Disabled => vec![row(
             p * 4.0 * gpus_per_node as f64 * buffer_factor,
             16.0 * p,
             "no ZeRO".into(),
         )],
-        1 | 2 => vec![
+        ZeroStage::OptimizerStates | ZeroStage::Gradients => vec![
             row(
                 p * (4.0 * total_gpus).max(16.0) * buffer_factor,
                 2.0 * p,
@@ -129,7 +131,7 @@ pub fn estimate_model_states(
                 "offload_optimizer=none".into(),
             ),
         ],
-        _ => {
+        ZeroStage::Parameters => {
             let largest = 4.0 * largest_layer as f64;
             let per_node = 1.0 / nodes as f64;
             let gpn = gpus_per_node as f64;
@@ -180,6 +182,11 @@ pub fn estimate_model_states(
     }
 }
 
+/// The stage of DeepSpeed's estimators' number: any above 3 estimates as 3.
+fn estimated_stage(stage: u8) -> ZeroStage {
+    ZeroStage::try_from(u64::from(stage)).unwrap_or(ZeroStage::Parameters)
+}
+
 /// The estimate as DeepSpeed prints it.
 pub fn format_estimates(
     stage: u8,
@@ -204,7 +211,7 @@ pub fn format_estimates(
         plural(gpus_per_node, "GPU", "GPUs")
     );
     out += &format!("SW: Model with {}M total params", params / 1_000_000);
-    if stage >= 3 {
+    if let ZeroStage::Parameters = estimated_stage(stage) {
         out += &format!(", {}M largest layer params", largest_layer / 1_000_000);
     }
     out += ".\n  per CPU  |  per GPU |   Options\n";

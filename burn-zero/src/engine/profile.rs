@@ -53,7 +53,7 @@ pub(crate) struct ProfileRun {
 
 impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     fn sync_device(&self) {
-        let device = self.state().flat.device().clone();
+        let device = self.device.clone();
         let _ = I::sync(&device);
     }
 
@@ -64,7 +64,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             return;
         }
         self.sync_device();
-        let device = self.state().flat.device().clone();
+        let device = self.device.clone();
         profile::start(Some(Box::new(move || {
             let _ = I::sync(&device);
         })));

@@ -1,8 +1,7 @@
-//! ZeRO-3 in the engine: parameters become sharded handles ([`ShardedParam`]) holding this
-//! rank's chunk of each parameter ([`ShardPlan`]); the gatherer installed on the rank's thread
-//! all-gathers a parameter when an op reads it, replaying the recorded order to prefetch
-//! ([`GatherTracer`]); gradients reduce-scatter into the partition (see `grads`), and after
-//! the optimizer step the new partitions are the new handles, with no all-gather.
+//! ZeRO-3's parameters: sharded handles ([`ShardedParam`]) holding this rank's chunk of each
+//! parameter ([`ShardPlan`]), and their gathers: a parameter is all-gathered when an op reads
+//! it, replaying the recorded order to prefetch ([`GatherTracer`]); after the optimizer step
+//! the new partitions are the new handles, with no all-gather.
 //!
 //! Parameters smaller than `param_persistence_threshold` stay replicated (full, local): they
 //! are partitioned in the optimizer like the others and all-gathered after each step.
@@ -15,52 +14,18 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive};
 use burn_offload::{NvmeStore, SwapConfig, SwapError};
 
-use super::collective::FlatComm;
-use super::flat_pieces::slice_pieces;
-use super::grads::GradState;
-use super::params::FlatLayout;
-use super::precision::Format;
-use super::{EngineError, ZeroAutodiff};
 use crate::ZeroTensor;
-use crate::backend::{ParamGatherer, PartitionSource, ShardedParam};
+use crate::backend::{PartitionSource, ShardedParam};
 use crate::comm::{CommError, with_label};
+use crate::engine::collective::FlatComm;
+use crate::engine::construct::chunk_of;
+use crate::engine::flat_pieces::slice_pieces;
+use crate::engine::params::FlatLayout;
+use crate::engine::precision::Format;
+use crate::engine::stage::{GatherEvent, GatherStats};
+use crate::engine::{EngineError, ZeroAutodiff};
 use crate::partition::ShardPlan;
 use crate::trace::{GatherTracer, TraceConfig};
-
-/// One event of the gathers of a pass (forward + backward), in order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GatherEvent {
-    /// An op read parameter `slot`; `ready` when its full tensor was already live.
-    Use {
-        /// Index of the parameter in the layout.
-        slot: usize,
-        /// Gathered before this use (prefetched, or kept from an earlier use).
-        ready: bool,
-    },
-    /// An all-gather of parameter `slot` was issued; `ahead` for a prefetch.
-    Gather {
-        /// Index of the parameter in the layout.
-        slot: usize,
-        /// Issued ahead of its use from the recorded trace.
-        ahead: bool,
-    },
-}
-
-/// What the gathers of the engine did so far.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct GatherStats {
-    /// All-gathers of sharded parameters issued.
-    pub gathers: usize,
-    /// Of those, issued ahead of use.
-    pub prefetched: usize,
-    /// The most elements of full sharded parameters alive at once (in use, kept or
-    /// prefetched), as the gatherer accounts them.
-    pub peak_live_numel: usize,
-    /// Times a change of order made the trace be recorded again.
-    pub invalidations: usize,
-    /// The events of the last complete pass.
-    pub last_pass: Vec<GatherEvent>,
-}
 
 /// This rank's partition of one sharded parameter.
 enum Partition<I: Backend> {
@@ -128,7 +93,7 @@ enum Gathered<I: Backend> {
 }
 
 /// The sharded parameters of one rank and their gathers.
-pub(crate) struct Stage3<I: Backend> {
+pub(crate) struct ShardedParams<I: Backend> {
     plan: ShardPlan,
     names: Vec<String>,
     shapes: Vec<Shape>,
@@ -154,7 +119,7 @@ pub(crate) struct Stage3<I: Backend> {
     stats: GatherStats,
 }
 
-impl<I: Backend> Stage3<I> {
+impl<I: Backend> ShardedParams<I> {
     pub(crate) fn new(
         layout: &FlatLayout,
         world: usize,
@@ -254,7 +219,7 @@ impl<I: Backend> Stage3<I> {
     }
 
     /// Whether the partitions are chunks of the fp32 master (optimizer and parameters on the
-    /// device) rather than a copy in the compute format ([`Stage3::set_partitions`]).
+    /// device) rather than a copy in the compute format ([`ShardedParams::set_partitions`]).
     pub(crate) fn master_backed(&self) -> bool {
         self.master_backed
     }
@@ -312,8 +277,8 @@ impl<I: Backend> Stage3<I> {
 
     /// Lets go of every partition and gather, so that the fp32 master the partitions are
     /// chunks of has one reference left and the optimizer may update it in place. Until the
-    /// next [`Stage3::set_partitions`] nothing can be gathered: the model must hold
-    /// [`Stage3::placeholder`]s meanwhile.
+    /// next [`ShardedParams::set_partitions`] nothing can be gathered: the model must hold
+    /// [`ShardedParams::placeholder`]s meanwhile.
     pub(crate) fn release_partitions(&mut self, flat: &mut FlatComm<I>) -> Result<(), CommError> {
         self.tracer.drop_live();
         self.drop_live(flat)?;
@@ -540,49 +505,8 @@ impl<I: Backend> Stage3<I> {
     }
 }
 
-/// Rank `rank`'s chunk of parameter `p`, whose flat values start at `base` in `values`: its
-/// owned elements, zero-padded to the plan's chunk.
-pub(crate) fn chunk_of<I: Backend>(
-    plan: &ShardPlan,
-    p: usize,
-    rank: usize,
-    values: &Tensor<I, 1>,
-    base: usize,
-) -> Tensor<I, 1> {
-    let owned = plan.owned(p, rank);
-    if owned.is_empty() {
-        return Tensor::zeros([plan.chunk(p)], (&values.device(), values.dtype()));
-    }
-    let mine = values.clone().slice(base + owned.start..base + owned.end);
-    super::zero_padded(mine, plan.chunk(p))
-}
-
-/// The [`ParamGatherer`] the engine installs on its thread.
-pub(crate) struct EngineGatherer<I: Backend> {
-    pub(crate) state: Arc<Mutex<GradState<I>>>,
-}
-
-impl<I: Backend> ParamGatherer<I> for EngineGatherer<I> {
-    fn gather(&mut self, param: &ShardedParam<I>) -> I::FloatTensorPrimitive {
-        let result = {
-            let mut state = self.state.lock().expect("engine state");
-            let state = &mut *state;
-            let stage3 = state
-                .stage3
-                .as_mut()
-                .expect("a gatherer is installed for stage 3 only");
-            stage3
-                .gather(&mut state.flat, param)
-                .map_err(|e| stage3.explain(param.slot, &e))
-        };
-        // Panic only once the lock is released: the failure is the user's to see, and the
-        // communicator has already stopped the other ranks (no one waits on this one).
-        result.unwrap_or_else(|message| panic!("{message}"))
-    }
-}
-
 /// The sharded handles of `module`'s trainable parameters, by slot, when it was built sharded
-/// ([`super::construct_sharded`]); `None` when any trainable parameter is full.
+/// ([`crate::engine::construct_sharded`]); `None` when any trainable parameter is full.
 pub(crate) fn sharded_handles<I: Backend, M: Module<ZeroAutodiff<I>>>(
     module: &M,
     layout: &FlatLayout,
