@@ -19,8 +19,6 @@ for stage in 0 1 2 3; do run "gpu$gpus-stage$stage" "$gpus" train-gpu "$stage" 1
 run "gpu$gpus-stage2-gas3" "$gpus" train-gpu 2 3
 # Collectives in flight while backward computes (stage 3 overlaps by default).
 OVERLAP_COMM=1 run "gpu$gpus-stage2-overlap" "$gpus" train-gpu 2 1
-# Collectives ordered by a device sync and host waits, as before they were ordered by flags.
-BURN_ZERO_COLLECTIVES_IN_STREAM=0 run "gpu$gpus-stage2-hostsync" "$gpus" train-gpu 2 1
 # The same stage-2 run with collectives staged through host memory: an independent path.
 BURN_ZERO_HOST_COLLECTIVES=1 run "gpu$gpus-stage2-host" "$gpus" train-gpu 2 1
 python3 - "$kind" "$gpus" "$out" <<'PY'

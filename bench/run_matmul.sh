@@ -2,15 +2,8 @@
 # Device side: burn's CUDA matmul and torch.matmul on the same shapes, one call; writes
 # $OUT/matmul-<kind>.json. Needs .gpu/bin/bench-matmul (scripts/gpu-stage.sh bench-matmul).
 #   bash bench/run_matmul.sh KIND [burn-zero|burn-cuda]   (default: both)
-# RESOLVE=1 also runs burn-zero with BURN_ZERO_CUBLASLT_IN_STREAM=0 (operands resolved on the
-# caller's thread instead of a fusion operation) as system "burn-zero-resolve".
 source bench/prelude.sh "$@"
 .gpu/bin/bench-matmul "${@:2}" > "$out/burn.log" 2>&1; echo "burn exit $?"
-if [ "${RESOLVE:-0}" = 1 ]; then
-  BURN_ZERO_CUBLASLT_IN_STREAM=0 .gpu/bin/bench-matmul burn-zero 2>&1 \
-    | sed 's/"system": "burn-zero"/"system": "burn-zero-resolve"/' >> "$out/burn.log"
-  echo "burn-zero-resolve exit ${PIPESTATUS[0]}"
-fi
 python3 bench/matmul_torch.py > "$out/torch.log" 2>&1; echo "torch exit $?"
 python3 - "$kind" "$out" <<'PY'
 import json, subprocess, sys

@@ -26,6 +26,13 @@ step cargo fmt --all -- --check
 step cargo clippy --workspace --all-targets --locked -- -D warnings
 step cargo clippy -p burn-zero -p burn-zero-examples -p cubecl-kernels --locked --all-targets \
   --features burn-zero/cuda,burn-zero/nccl,burn-zero-examples/cuda,burn-zero-examples/nccl,cubecl-kernels/cuda -- -D warnings
+# Each stage is a Cargo feature that compiles its strategy in: every single-stage build checks,
+# and one without stage 3 refuses it by name.
+for stages in "" zero1 zero2 zero3; do
+  step cargo check -p burn-zero --locked --no-default-features --features "ndarray $stages"
+done
+step cargo test -p burn-zero --locked --no-default-features --features ndarray,zero2 --lib \
+  config::tests::a_stage_not_compiled_in_is_refused_by_name
 # CubeCL kernels run on the CPU through wgpu on Mesa's lavapipe (Debian packages, cached).
 lavapipe_env=$(bash scripts/lavapipe.sh) || failed_steps+=("scripts/lavapipe.sh")
 step cargo clippy -p cubecl-kernels --locked --all-targets --features wgpu -- -D warnings

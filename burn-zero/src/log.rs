@@ -18,13 +18,3 @@ pub(crate) fn info(message: &str) {
         eprintln!("burn-zero: {message}");
     }
 }
-
-/// A switch that is on unless the environment variable `$var` is `0`, read once per use site
-/// (for comparisons on the device: `BURN_ZERO_CUBLASLT_IN_STREAM=0` and the like).
-macro_rules! env_switch_on {
-    ($var:literal) => {{
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var($var).map_or(true, |v| v != "0"))
-    }};
-}
-pub(crate) use env_switch_on;

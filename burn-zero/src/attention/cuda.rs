@@ -77,12 +77,6 @@ fn dims_of(t: &Fused) -> Vec<usize> {
     t.shape.iter().copied().collect()
 }
 
-/// `BURN_ZERO_ATTENTION_IN_STREAM=0` (read once): resolve the operands on the caller's thread
-/// instead of running the kernels as operations of fusion's stream, to compare the two.
-fn in_stream() -> bool {
-    crate::log::env_switch_on!("BURN_ZERO_ATTENTION_IN_STREAM")
-}
-
 /// A new uninitialized tensor beside `like`.
 fn empty(like: &CudaCube, shape: &[usize], dtype: DType) -> CudaCube {
     empty_device_dtype::<CudaRuntime>(
@@ -179,7 +173,6 @@ fn forward(q: &Fused, k: &Fused, v: &Fused, options: &Options) -> (Fused, Fused)
         "burn_zero_flash_forward",
         [q, k, v],
         outputs,
-        in_stream(),
         move |[q, k, v]| {
             let out = empty(&q, &dims_of_cube(&q), dtype);
             let lse = empty(&q, &lse_shape, DType::F32);
@@ -271,7 +264,6 @@ impl Backward<Zero, 3> for FlashBackward {
             "burn_zero_flash_backward",
             [&q, &k, &v, &out, &d_out, &lse],
             outputs,
-            in_stream(),
             move |[q, k, v, out, d_out, lse]| {
                 let dims = &options.dims;
                 let delta = empty(&q, &[dims.batch, dims.heads, dims.seq_q], DType::F32);

@@ -10,8 +10,8 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -19,24 +19,16 @@ pub use cubecl_kernels::sparse::SparseLayout;
 
 use cubecl_kernels::attention::tensor_core::tensor_core_head;
 
+use crate::backend::settings;
 use crate::config::SparseAttentionConfig;
 
-/// The configured choice: 0 automatic, 1 always, 2 never.
-static CHOICE: AtomicU8 = AtomicU8::new(0);
-static FROM_ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// Sets when the flash kernels run, process-wide (`initialize` sets it from
-/// `burn_zero.flash_attention`): `Some(true)` always, `Some(false)` never, `None` where they are
-/// measured faster ([`flash_chosen`]). `BURN_ZERO_FLASH_ATTENTION=1` or `=0` in the
-/// environment overrides the config.
+/// Sets when the flash kernels run for attention dispatched from this thread (an engine's
+/// thread has its config's `burn_zero.flash_attention`): `Some(true)` always, `Some(false)`
+/// never, `None` where they are measured faster ([`flash_chosen`]).
 pub fn set_flash_attention(choice: Option<bool>) {
-    let code = match choice {
-        None => 0,
-        Some(true) => 1,
-        Some(false) => 2,
-    };
-    CHOICE.store(code, Ordering::Relaxed);
+    settings::update(|s| s.flash_attention = choice);
 }
 
 /// Whether the kernels run for heads of `head_dim` over `seq` tokens, in half precision
@@ -49,21 +41,8 @@ pub fn set_flash_attention(choice: Option<bool>) {
 /// 0.669 s against 0.439 s a step); at seq 8192 the materialized path reserved 29 GB for one
 /// attention call, the kernels 1 GB.
 pub fn flash_chosen(head_dim: usize, seq: usize, half_precision: bool) -> bool {
-    let env = *FROM_ENV.get_or_init(|| match std::env::var("BURN_ZERO_FLASH_ATTENTION") {
-        Ok(v) if v == "0" => Some(false),
-        Ok(v) if v == "1" => Some(true),
-        _ => None,
-    });
-    let sparse = SPARSE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .config
-        .is_some();
-    match env.or(match CHOICE.load(Ordering::Relaxed) {
-        1 => Some(true),
-        2 => Some(false),
-        _ => None,
-    }) {
+    let (choice, sparse) = settings::with(|s| (s.flash_attention, s.sparse_attention.is_some()));
+    match choice {
         Some(choice) => choice,
         None => {
             let tensor_cores = half_precision && tensor_core_head(head_dim);
@@ -72,34 +51,16 @@ pub fn flash_chosen(head_dim: usize, seq: usize, half_precision: bool) -> bool {
     }
 }
 
-/// Whether the tensor-core kernels may run where they apply: `BURN_ZERO_ATTENTION_TENSOR_CORES=0`
-/// (read once) keeps the CUDA-core kernels, to compare the two.
+/// Whether the tensor-core kernels may run where they apply for attention dispatched from
+/// this thread (`burn_zero.attention_tensor_cores`; false keeps the CUDA-core kernels).
 pub fn tensor_cores_allowed() -> bool {
-    crate::log::env_switch_on!("BURN_ZERO_ATTENTION_TENSOR_CORES")
+    settings::with(|s| s.attention_tensor_cores)
 }
 
-/// The `sparse_attention` section in force and the layout of the last (heads, seq) it made.
-struct SparseState {
-    config: Option<SparseAttentionConfig>,
-    layout: Option<(usize, usize, Arc<SparseLayout>)>,
-    warned: bool,
-}
-
-static SPARSE: Mutex<SparseState> = Mutex::new(SparseState {
-    config: None,
-    layout: None,
-    warned: false,
-});
-
-/// Makes [`flash_attention`] block-sparse with `config`'s layouts (`initialize` sets it from
-/// `sparse_attention`); `None`: dense.
+/// Makes [`flash_attention`] dispatched from this thread block-sparse with `config`'s layouts
+/// (an engine's thread has its config's `sparse_attention`); `None`: dense.
 pub fn set_sparse_attention(config: Option<SparseAttentionConfig>) {
-    let mut state = SPARSE.lock().unwrap_or_else(|e| e.into_inner());
-    *state = SparseState {
-        config,
-        layout: None,
-        warned: false,
-    };
+    settings::update(|s| s.sparse_attention = config);
 }
 
 /// The configured layout for `heads` heads over `seq` tokens (made once per shape).
@@ -108,27 +69,12 @@ pub fn set_sparse_attention(config: Option<SparseAttentionConfig>) {
 /// When the configuration does not fit the shape (a sequence not a multiple of the block,
 /// say), naming the setting.
 fn configured_layout(heads: usize, seq: usize) -> Option<Arc<SparseLayout>> {
-    let mut state = SPARSE.lock().unwrap_or_else(|e| e.into_inner());
-    let config = state.config.as_ref()?;
-    if let Some((h, s, layout)) = &state.layout
-        && (*h, *s) == (heads, seq)
-    {
-        return Some(layout.clone());
-    }
-    let layout = config
-        .sparsity(heads)
-        .and_then(|c| SparseLayout::new(&c, seq))
-        .map(Arc::new)
-        .unwrap_or_else(|e| panic!("sparse_attention: {e}"));
-    state.layout = Some((heads, seq, layout.clone()));
-    Some(layout)
+    settings::sparse_layout(heads, seq)
 }
 
 /// Says once that `sparse_attention` is configured but the kernels did not run.
 fn warn_sparse_not_applied() {
-    let mut state = SPARSE.lock().unwrap_or_else(|e| e.into_inner());
-    if state.config.is_some() && !state.warned {
-        state.warned = true;
+    if settings::take_sparse_warning() {
         crate::log::warn(
             "sparse_attention is set but the flash kernels do not apply here (not \
              ZeroBackend<Cuda>, a dtype other than f32/bf16/f16, or flash attention off): \

@@ -46,6 +46,12 @@ pub(crate) struct Gemm {
     pub(crate) dtype: DType,
     /// f32 only: let cuBLASLt use TF32 tensor cores.
     pub(crate) tf32: bool,
+    /// Plan for this many SMs fewer than the GPU has (see [`sm_target`]).
+    pub(crate) sm_margin: u32,
+    /// Time the top heuristic choices on the first call (see [`fastest`]).
+    pub(crate) tune: bool,
+    /// Record the GEMM's GPU time (see [`take_gpu_ms`]).
+    pub(crate) profile: bool,
 }
 
 struct DeviceLt {
@@ -60,20 +66,14 @@ struct DeviceLt {
     plans: HashMap<Gemm, Plan>,
     /// Whether our side of the handshake can run (its kernels loaded).
     flags: bool,
-    /// The SMs cuBLASLt plans for (see [`sm_target`]); `None`: all.
-    sm_target: Option<i32>,
+    /// The GPU's SMs.
+    sms: i32,
     /// With profiling on: events around each call's GEMM, read by [`take_gpu_ms`].
     timings: Vec<(CudaEvent, CudaEvent)>,
 }
 
-/// Whether calls record their GPU time (`BURN_ZERO_MATMUL_PROFILE=1`, read once).
-fn profiling() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("BURN_ZERO_MATMUL_PROFILE").is_ok_and(|v| v == "1"))
-}
-
 /// The GPU milliseconds of each GEMM on GPU `ordinal` since the last call (waits for them);
-/// empty unless `BURN_ZERO_MATMUL_PROFILE=1`.
+/// empty unless the GEMMs' policy asked for their profile (`burn_zero.matmul.profile`).
 pub(crate) fn take_gpu_ms(ordinal: usize) -> Vec<f32> {
     let Ok(device) = device(ordinal) else {
         return Vec::new();
@@ -113,7 +113,6 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
     let sms = context
         .attribute(driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| format!("{e:?}"))?;
-    let sm_target = flags.then(|| sm_target(sms)).flatten();
     let d = Arc::new(Mutex::new(DeviceLt {
         handle,
         stream,
@@ -121,7 +120,7 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
         workspace_ptr,
         plans: HashMap::new(),
         flags,
-        sm_target,
+        sms,
         timings: Vec::new(),
     }));
     all.insert(ordinal, d.clone());
@@ -144,7 +143,11 @@ impl DeviceLt {
     /// The plan of `key` (a GEMM without addresses), made on first use.
     fn plan(&mut self, key: &Gemm) -> Result<&mut Plan, String> {
         let (handle, workspace_bytes) = (self.handle, self.workspace.len());
-        let sm_target = self.sm_target;
+        // Only an ordered GEMM shares the GPU with burn's spinning block.
+        let sm_target = self
+            .flags
+            .then(|| sm_target(self.sms, key.sm_margin))
+            .flatten();
         Ok(match self.plans.entry(*key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -326,7 +329,7 @@ impl Plan {
         }
         let pref = lt::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
         let pref = Owned(pref, lt::destroy_matmul_pref as _);
-        let wanted = if tuning() { 8 } else { 1 };
+        let wanted = if g.tune { 8 } else { 1 };
         let mut found = vec![
             // SAFETY: plain old data, filled in by cuBLASLt below.
             unsafe { std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>() };
@@ -377,29 +380,17 @@ impl Plan {
     }
 }
 
-/// Whether new GEMM shapes time cuBLASLt's top heuristic choices on their first call and keep
-/// the fastest (default; `BURN_ZERO_CUBLASLT_TUNE=0` takes the first choice untimed).
-/// The SMs a GEMM may plan for on a GPU of `sms`: all but `BURN_ZERO_CUBLASLT_SM_MARGIN`
-/// (default 1; read once), or `None` for all of them.
+/// The SMs a GEMM may plan for on a GPU of `sms`: all but `margin` (`burn_zero.matmul.sm_margin`,
+/// default 1), or `None` for all of them.
 ///
 /// While a handshake's GEMM runs, burn's stream holds one block spinning in `await_done`. On
 /// Hopper cuBLASLt's persistent kernels launch one block per SM, each needing a whole SM, and
 /// assign tiles to blocks up front: the block that finds no room starts only when another one
 /// has finished all its tiles, doubling the GEMM's time (measured: a 4096×2048×2048 bf16 GEMM
 /// took 98 µs of GPU time, torch's 47). Planned for one SM fewer, every block has room.
-fn sm_target(sms: i32) -> Option<i32> {
-    static MARGIN: OnceLock<i32> = OnceLock::new();
-    let margin = *MARGIN.get_or_init(|| {
-        std::env::var("BURN_ZERO_CUBLASLT_SM_MARGIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1)
-    });
+fn sm_target(sms: i32, margin: u32) -> Option<i32> {
+    let margin = i32::try_from(margin).unwrap_or(i32::MAX);
     (margin > 0 && margin < sms).then_some(sms - margin)
-}
-
-fn tuning() -> bool {
-    crate::log::env_switch_on!("BURN_ZERO_CUBLASLT_TUNE")
 }
 
 /// The candidate whose best of three runs on `stream` (after everything queued there) is
@@ -522,7 +513,7 @@ pub(crate) unsafe fn run(
             best
         }
     };
-    let start = if profiling() { timed() } else { None };
+    let start = if g.profile { timed() } else { None };
     issue(&algo)?;
     let timing = start.zip(timed());
     if let Some(pair) = timing {

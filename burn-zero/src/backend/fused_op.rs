@@ -52,20 +52,14 @@ impl<const I: usize, const O: usize> Operation<FusedCuda> for KernelOp<I, O> {
 }
 
 /// `kernel` on the cubecl tensors of `inputs`, its outputs (of `outputs`' shapes and dtypes)
-/// as fused tensors: an operation of fusion's stream named `name`, or with `in_stream` false
-/// the inputs resolved here and the kernel run on this thread (to compare the two).
+/// as fused tensors: an operation of fusion's stream named `name` (the caller does not wait).
 pub(crate) fn run_fused<const I: usize, const O: usize>(
     name: &'static str,
     inputs: [&Fused; I],
     outputs: [(Shape, DType); O],
-    in_stream: bool,
     kernel: impl Fn([CudaCube; I]) -> [CudaCube; O] + Send + Sync + 'static,
 ) -> [Fused; O] {
     let client = inputs[0].client.clone();
-    if !in_stream {
-        let cubes = inputs.map(|t| client.resolve_tensor_float::<Cube>(t.clone()));
-        return kernel(cubes).map(|cube| super::cuda::fused_from_cube(&client, cube));
-    }
     let streams = OperationStreams::with_inputs(inputs);
     let outputs =
         outputs.map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype));

@@ -13,15 +13,13 @@
 //! Behind burn's fusion (burn-cuda's default) a product is an operation of fusion's stream:
 //! the caller registers it and goes on (`matmul_cuda.rs`).
 
-use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
-/// How `ZeroBackend` runs matmuls. Process-wide; `initialize` sets it from the config's
-/// `burn_zero.matmul` section; `BURN_ZERO_CUBLASLT=0` in the environment switches cuBLASLt off
-/// whatever the config says.
+/// How `ZeroBackend` runs matmuls (`burn_zero.matmul`): one engine's choice, read from the
+/// dispatching thread's [`settings`](super::settings) and carried with each product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatmulPolicy {
     /// Route eligible CUDA matmuls to cuBLASLt (off: always the inner backend).
@@ -30,37 +28,39 @@ pub struct MatmulPolicy {
     pub allow_tf32: bool,
     /// Smaller products (batch·m·n·k) stay on the inner backend.
     pub min_macs: u64,
+    /// Ordered GEMMs are planned for this many SMs fewer than the GPU has (0: all).
+    pub sm_margin: u32,
+    /// A new GEMM shape times cuBLASLt's top choices once and keeps the fastest.
+    pub tune: bool,
+    /// Each GEMM's GPU time is recorded ([`take_matmul_profile`]).
+    pub profile: bool,
 }
 
 impl Default for MatmulPolicy {
     fn default() -> Self {
         Self {
             // On: ordered by device flags and run in fusion's stream, a product costs the host
-            // no wait (see the module doc). `BURN_ZERO_CUBLASLT=0` keeps burn's matmul.
-            cublaslt: crate::log::env_switch_on!("BURN_ZERO_CUBLASLT"),
+            // no wait (see the module doc).
+            cublaslt: true,
             allow_tf32: false,
             min_macs: 1 << 24,
+            sm_margin: 1,
+            tune: true,
+            profile: false,
         }
     }
 }
 
-static POLICY: RwLock<Option<MatmulPolicy>> = RwLock::new(None);
 static CUBLASLT_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// Sets how matmuls run from now on.
+/// Sets how matmuls dispatched from this thread run from now on.
 pub fn set_matmul_policy(policy: MatmulPolicy) {
-    *POLICY.write().unwrap_or_else(|e| e.into_inner()) = Some(policy);
+    super::settings::update(|s| s.matmul = policy);
 }
 
-/// How matmuls run now (the default, environment included, is read once).
+/// How matmuls dispatched from this thread run now.
 pub fn matmul_policy() -> MatmulPolicy {
-    if let Some(policy) = *POLICY.read().unwrap_or_else(|e| e.into_inner()) {
-        return policy;
-    }
-    *POLICY
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .get_or_insert_with(MatmulPolicy::default)
+    super::settings::with(|s| s.matmul)
 }
 
 /// Matmuls that ran through cuBLASLt in this process so far (those in fusion's stream count

@@ -68,13 +68,6 @@ fn batch_stride(view: &CudaView, out: &[usize]) -> Option<i64> {
         .then_some(inner as i64)
 }
 
-/// `BURN_ZERO_CUBLASLT_ORDER=sync` (read once): order by host synchronization even where the
-/// handshake works, to compare the two.
-fn host_sync_forced() -> bool {
-    static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SYNC.get_or_init(|| std::env::var("BURN_ZERO_CUBLASLT_ORDER").is_ok_and(|v| v == "sync"))
-}
-
 /// The sizes of `lhs · rhs` (row-major `[.., m, k] · [.., k, n]`), from metadata only.
 #[derive(Clone, Debug)]
 struct Product {
@@ -122,7 +115,13 @@ impl Product {
     }
 
     /// The GEMM on the operands' memory, or `None` for layouts cuBLASLt cannot take.
-    fn gemm(&self, a: &CudaView, b: &CudaView, d: &CudaView, tf32: bool) -> Option<Gemm> {
+    fn gemm(
+        &self,
+        a: &CudaView,
+        b: &CudaView,
+        d: &CudaView,
+        policy: &MatmulPolicy,
+    ) -> Option<Gemm> {
         let Self { m, k, n, .. } = *self;
         let batch: usize = self.batch_dims.iter().product();
         // C = A·B row-major is Cᵀ = Bᵀ·Aᵀ column-major: cuBLASLt's A is our rhs.
@@ -165,7 +164,10 @@ impl Product {
             d_ld,
             d_batch_stride: if batch > 1 { d_batch_stride } else { 0 },
             dtype: a.dtype,
-            tf32,
+            tf32: policy.allow_tf32,
+            sm_margin: policy.sm_margin,
+            tune: policy.tune,
+            profile: policy.profile,
         })
     }
 }
@@ -182,9 +184,7 @@ pub(crate) fn try_cublaslt<B: Backend>(
         return None;
     }
     let product = Product::of::<B>(lhs, rhs, policy)?;
-    if in_stream()
-        && let Some(out) = register_in_stream::<B>(lhs, rhs, &product, policy)
-    {
+    if let Some(out) = register_in_stream::<B>(lhs, rhs, &product, policy) {
         return Some(out);
     }
     let mut clock = PhaseClock::start();
@@ -222,7 +222,8 @@ impl Declined {
 }
 
 /// cuBLASLt's `a · b`: queued on cubecl's thread when the stream ordering is available
-/// ([`gemm_queued`]), else one blocking visit there ([`gemm_visiting`]).
+/// ([`gemm_queued`]), else one blocking visit there after a device sync
+/// ([`gemm_synchronized`]).
 fn gemm_on_cube(
     a: CubeTensor<CudaRuntime>,
     b: CubeTensor<CudaRuntime>,
@@ -231,18 +232,10 @@ fn gemm_on_cube(
     clock: &mut PhaseClock,
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
     let ordinal = a.device.index;
-    let ordered = !host_sync_forced() && cublaslt::supports_handshake(ordinal).unwrap_or(false);
-    if ordered && queued() {
-        gemm_queued(a, b, product, policy, clock)
-    } else {
-        gemm_visiting(a, b, product, policy, ordered, clock)
+    match cublaslt::supports_handshake(ordinal).unwrap_or(false) {
+        true => gemm_queued(a, b, product, policy, clock),
+        false => gemm_synchronized(a, b, product, policy, clock),
     }
-}
-
-/// `BURN_ZERO_CUBLASLT_QUEUED=0` (read once): products visit cubecl's thread and wait for it,
-/// as before they were queued there, to compare the two.
-fn queued() -> bool {
-    crate::log::env_switch_on!("BURN_ZERO_CUBLASLT_QUEUED")
 }
 
 /// The contiguous output of `product` on `a`'s device, allocated through cubecl's client (no
@@ -276,8 +269,8 @@ fn gemm_queued(
     if let Some(e) = queued_failure().as_ref() {
         panic!(
             "an earlier cuBLASLt product queued on cubecl's thread failed, so a tensor was not \
-             computed: {e} (BURN_ZERO_CUBLASLT_QUEUED=0 runs products as blocking visits, \
-             with a fallback to burn's kernel)"
+             computed: {e} (`\"burn_zero\": {{\"matmul\": {{\"cublaslt\": false}}}}` runs \
+             burn's own kernel)"
         );
     }
     let ordinal = a.device.index;
@@ -287,7 +280,7 @@ fn gemm_queued(
     let out = output_of(&a, product);
     let ld = layout_of(&out).ok_or(Declined::Layout)?;
     let shape = product
-        .gemm(&la, &lb, &ld, policy.allow_tf32)
+        .gemm(&la, &lb, &ld, &policy)
         .ok_or(Declined::Layout)?;
     cublaslt::prepare(ordinal, &shape).map_err(Declined::Failed)?;
     clock.lap(1);
@@ -331,7 +324,7 @@ fn run_queued(
         view_on(server, &out),
     );
     let gemm = match views {
-        (Some(va), Some(vb), Some(vd)) => product.gemm(&va, &vb, &vd, policy.allow_tf32),
+        (Some(va), Some(vb), Some(vd)) => product.gemm(&va, &vb, &vd, &policy),
         _ => None,
     };
     match gemm {
@@ -348,24 +341,21 @@ fn run_queued(
     }
 }
 
-/// cuBLASLt's `a · b` on cubecl's thread (one blocking visit): output allocation, addresses,
-/// `raise` on burn's stream, the GEMM, `await_done`; or, not `ordered`, after a device sync and
-/// to completion. Runs where cubecl's stream for the current
+/// cuBLASLt's `a · b` where the stream ordering's flag kernels are not available: after a
+/// device sync, on cubecl's thread (one blocking visit: output allocation, addresses, the GEMM
+/// to completion). Runs where cubecl's stream for the current
 /// [`StreamId`](cubecl::stream_id::StreamId) is the operands' (the caller's thread, or fusion's
 /// thread running an operation of that stream).
-fn gemm_visiting(
+fn gemm_synchronized(
     a: CubeTensor<CudaRuntime>,
     b: CubeTensor<CudaRuntime>,
     product: &Product,
     policy: MatmulPolicy,
-    ordered: bool,
     clock: &mut PhaseClock,
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
     let ordinal = a.device.index;
     let client = a.client.clone();
-    if !ordered {
-        cubecl::future::block_on(client.sync()).map_err(|e| Declined::Failed(format!("{e:?}")))?;
-    }
+    cubecl::future::block_on(client.sync()).map_err(|e| Declined::Failed(format!("{e:?}")))?;
     let outcome = client.exclusive(|| {
         // Allocated here, not through fusion: contiguous, and no extra round trip.
         let out = output_of(&a, product);
@@ -373,37 +363,17 @@ fn gemm_visiting(
         let (Some(a), Some(b), Some(d)) = views else {
             return Err(Declined::Layout);
         };
-        let gemm = product
-            .gemm(&a, &b, &d, policy.allow_tf32)
-            .ok_or(Declined::Layout)?;
+        let gemm = product.gemm(&a, &b, &d, &policy).ok_or(Declined::Layout)?;
         clock.lap(1);
-        let handshake = match ordered {
-            true => Some(
-                stream_order::begin(&client, ordinal, stream_order::GEMM_CHANNEL)
-                    .ok_or_else(|| Declined::Failed("the ordering flags".into()))?,
-            ),
-            false => None,
-        };
         clock.lap(2);
-        // SAFETY: the three views hold their memory until the call is ordered before burn's
-        // next kernels (`end` below, or the synchronization inside `run`); the inputs are
-        // complete once `ready` is raised (or after the sync above); the output has the
-        // extents described.
-        let ran = unsafe { cublaslt::run(ordinal, &gemm, handshake) };
+        // SAFETY: the three views hold their memory until the synchronization inside `run`;
+        // the inputs are complete after the sync above; the output has the extents described.
+        let ran = unsafe { cublaslt::run(ordinal, &gemm, None) };
         clock.lap(3);
-        if let (Ok(()), Some(h)) = (&ran, handshake) {
-            stream_order::end(&client, ordinal, h);
-        }
         ran.map(|()| out)
             .map_err(|e| Declined::Failed(e.to_string()))
     });
     outcome.map_err(|e| Declined::Failed(format!("{e:?}")))?
-}
-
-/// `BURN_ZERO_CUBLASLT_IN_STREAM=0` (read once): resolve fused operands and run on the
-/// caller's thread, as before products ran in fusion's stream, to compare the two.
-fn in_stream() -> bool {
-    crate::log::env_switch_on!("BURN_ZERO_CUBLASLT_IN_STREAM")
 }
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -446,7 +416,6 @@ fn register_in_stream<B: Backend>(
         "burn_zero_cublaslt_matmul",
         [&a, &b],
         [(shape.into(), a.dtype)],
-        true,
         move |[a, b]| [gemm_or_inner(a, b, &product, policy)],
     );
     let boxed: Box<dyn Any> = Box::new(out);

@@ -19,13 +19,17 @@ pub mod matmul;
 mod matmul_cuda;
 pub mod memory_pool;
 mod ops_list;
+pub mod settings;
+#[cfg(feature = "zero3")]
 pub mod sharded;
 #[cfg(feature = "cuda")]
 pub(crate) mod stream_order;
 mod tensor;
+pub(crate) mod view;
 
 pub use base::ZeroBackend;
 #[cfg(feature = "cuda")]
 pub use memory_pool::{configure_memory_pool, memory_pool_of};
+#[cfg(feature = "zero3")]
 pub use sharded::{GathererGuard, ParamGatherer, PartitionSource, ShardedParam, install_gatherer};
 pub use tensor::ZeroTensor;

@@ -359,14 +359,14 @@ forward_ops! { FloatTensorOps;
     fn float_neg(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
     fn float_recip(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
     fn float_transpose(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>]
-        => @raw crate::backend::sharded::float_transpose::<B>;
+        => @raw crate::backend::view::float_transpose::<B>;
     fn float_swap_dims(tensor: [FloatTensor<Self>], dim1: [usize], dim2: [usize]) -> [FloatTensor<Self>]
-        => @raw crate::backend::sharded::float_swap_dims::<B>;
+        => @raw crate::backend::view::float_swap_dims::<B>;
     fn float_permute(tensor: [FloatTensor<Self>], axes: [&[usize]]) -> [FloatTensor<Self>]
-        => @raw crate::backend::sharded::float_permute::<B>;
+        => @raw crate::backend::view::float_permute::<B>;
     fn float_flip(tensor: [FloatTensor<Self>], axes: [&[usize]]) -> [FloatTensor<Self>];
     fn float_reshape(tensor: [FloatTensor<Self>], shape: [Shape]) -> [FloatTensor<Self>]
-        => @raw crate::backend::sharded::float_reshape::<B>;
+        => @raw crate::backend::view::float_reshape::<B>;
     fn float_gather(dim: [usize], tensor: [FloatTensor<Self>], indices: [IntTensor<Self>]) -> [FloatTensor<Self>];
     fn float_scatter_add(dim: [usize], tensor: [FloatTensor<Self>], indices: [IntTensor<Self>], value: [FloatTensor<Self>]) -> [FloatTensor<Self>];
     fn float_scatter_nd(_data: [FloatTensor<Self>], _indices: [IntTensor<Self>], _values: [FloatTensor<Self>], _reduction: [IndexingUpdateOp]) -> [FloatTensor<Self>];

@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use burn_backend::{Backend, Shape, TensorData};
 
-use super::ZeroTensor;
 use super::hooks::registry;
+use super::view::ViewOp;
 
 /// This rank's part of one parameter under ZeRO-3.
 #[derive(Debug)]
@@ -71,42 +71,6 @@ impl<B: Backend> ShardedParam<B> {
     }
 }
 
-/// A shape-only op recorded on a sharded handle, replayed after the gather.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) enum ViewOp {
-    Reshape(Shape),
-    Transpose,
-    SwapDims(usize, usize),
-    Permute(Vec<usize>),
-}
-
-impl ViewOp {
-    /// The shape of the view of a tensor of shape `shape`.
-    pub(crate) fn shape(&self, shape: &Shape) -> Shape {
-        let mut dims = shape.to_vec();
-        match self {
-            ViewOp::Reshape(to) => return to.clone(),
-            ViewOp::Transpose => {
-                let n = dims.len();
-                dims.swap(n - 2, n - 1);
-            }
-            ViewOp::SwapDims(a, b) => dims.swap(*a, *b),
-            ViewOp::Permute(axes) => dims = axes.iter().map(|&a| shape[a]).collect(),
-        }
-        Shape::from(dims)
-    }
-
-    /// The op on a tensor of the inner backend.
-    pub(crate) fn apply<B: Backend>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
-        match self {
-            ViewOp::Reshape(to) => B::float_reshape(t, to.clone()),
-            ViewOp::Transpose => B::float_transpose(t),
-            ViewOp::SwapDims(a, b) => B::float_swap_dims(t, *a, *b),
-            ViewOp::Permute(axes) => B::float_permute(t, axes),
-        }
-    }
-}
-
 /// Gathers sharded parameters for the ops of one thread (the engine of that rank).
 pub trait ParamGatherer<B: Backend> {
     /// The full tensor of `param`, in its full shape: gathered now, or already live.
@@ -147,26 +111,4 @@ impl<B: Backend> ShardedView<B> {
         let full = gather(&self.param);
         self.views.iter().fold(full, |t, op| op.apply::<B>(t))
     }
-}
-
-// The ops routed here (see `ops_list`) take and return `ZeroBackend`'s primitive unconverted.
-
-pub(crate) fn float_reshape<B: Backend>(tensor: ZeroTensor<B>, shape: Shape) -> ZeroTensor<B> {
-    tensor.view(ViewOp::Reshape(shape))
-}
-
-pub(crate) fn float_transpose<B: Backend>(tensor: ZeroTensor<B>) -> ZeroTensor<B> {
-    tensor.view(ViewOp::Transpose)
-}
-
-pub(crate) fn float_swap_dims<B: Backend>(
-    tensor: ZeroTensor<B>,
-    dim1: usize,
-    dim2: usize,
-) -> ZeroTensor<B> {
-    tensor.view(ViewOp::SwapDims(dim1, dim2))
-}
-
-pub(crate) fn float_permute<B: Backend>(tensor: ZeroTensor<B>, axes: &[usize]) -> ZeroTensor<B> {
-    tensor.view(ViewOp::Permute(axes.to_vec()))
 }

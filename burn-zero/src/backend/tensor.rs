@@ -1,10 +1,13 @@
 //! The float primitive of [`ZeroBackend`](super::ZeroBackend).
 
+#[cfg(feature = "zero3")]
 use std::sync::Arc;
 
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 
-use super::sharded::{ShardedParam, ShardedView, ViewOp};
+#[cfg(feature = "zero3")]
+use super::sharded::{ShardedParam, ShardedView};
+use super::view::ViewOp;
 
 /// A float tensor as `ZeroBackend` holds it.
 ///
@@ -22,6 +25,7 @@ enum Repr<B: Backend> {
     /// The full tensor, held by the inner backend on this rank.
     Local(B::FloatTensorPrimitive),
     /// A ZeRO-3 parameter: this rank's partition, gathered by every op that reads it.
+    #[cfg(feature = "zero3")]
     Sharded(ShardedView<B>),
 }
 
@@ -34,6 +38,7 @@ impl<B: Backend> ZeroTensor<B> {
     }
 
     /// A handle on a sharded parameter.
+    #[cfg(feature = "zero3")]
     pub fn sharded(param: Arc<ShardedParam<B>>) -> Self {
         let shape = param.shape.clone();
         Self {
@@ -46,8 +51,10 @@ impl<B: Backend> ZeroTensor<B> {
     }
 
     /// The sharded parameter behind this handle, when it is one and no view was taken of it.
+    #[cfg(feature = "zero3")]
     pub fn as_sharded(&self) -> Option<&Arc<ShardedParam<B>>> {
         match &self.repr {
+            #[cfg(feature = "zero3")]
             Repr::Sharded(s) if s.views.is_empty() => Some(&s.param),
             _ => None,
         }
@@ -58,6 +65,7 @@ impl<B: Backend> ZeroTensor<B> {
     pub fn into_inner(self) -> B::FloatTensorPrimitive {
         match self.repr {
             Repr::Local(tensor) => tensor,
+            #[cfg(feature = "zero3")]
             Repr::Sharded(s) => s.materialize(),
         }
     }
@@ -69,6 +77,7 @@ impl<B: Backend> ZeroTensor<B> {
     pub fn inner(&self) -> &B::FloatTensorPrimitive {
         match &self.repr {
             Repr::Local(tensor) => tensor,
+            #[cfg(feature = "zero3")]
             Repr::Sharded(s) => panic!(
                 "parameter #{} is a ZeRO-3 shard: it can be read by value only",
                 s.param.slot
@@ -82,6 +91,7 @@ impl<B: Backend> ZeroTensor<B> {
     pub fn inner_for_metadata(&self) -> &B::FloatTensorPrimitive {
         match &self.repr {
             Repr::Local(tensor) => tensor,
+            #[cfg(feature = "zero3")]
             Repr::Sharded(s) => &s.param.partition,
         }
     }
@@ -93,6 +103,7 @@ impl<B: Backend> ZeroTensor<B> {
     pub fn inner_mut(&mut self) -> &mut B::FloatTensorPrimitive {
         match &mut self.repr {
             Repr::Local(tensor) => tensor,
+            #[cfg(feature = "zero3")]
             Repr::Sharded(s) => panic!(
                 "parameter #{} is a ZeRO-3 shard and cannot be modified in place",
                 s.param.slot
@@ -109,6 +120,7 @@ impl<B: Backend> ZeroTensor<B> {
     pub(crate) fn view(self, op: ViewOp) -> Self {
         match self.repr {
             Repr::Local(t) => Self::local(op.apply::<B>(t)),
+            #[cfg(feature = "zero3")]
             Repr::Sharded(mut s) => {
                 s.shape = op.shape(&s.shape);
                 s.views.push(op);
@@ -124,6 +136,7 @@ impl<B: Backend> TensorMetadata for ZeroTensor<B> {
     fn dtype(&self) -> DType {
         match &self.repr {
             Repr::Local(t) => t.dtype(),
+            #[cfg(feature = "zero3")]
             Repr::Sharded(s) => s.param.dtype,
         }
     }
@@ -131,6 +144,7 @@ impl<B: Backend> TensorMetadata for ZeroTensor<B> {
     fn shape(&self) -> Shape {
         match &self.repr {
             Repr::Local(t) => t.shape(),
+            #[cfg(feature = "zero3")]
             Repr::Sharded(s) => s.shape.clone(),
         }
     }

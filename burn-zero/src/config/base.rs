@@ -167,6 +167,16 @@ pub struct BurnZeroConfig {
     /// device pools' free pages back (`Backend::memory_cleanup`), so a phase's freed
     /// temporaries do not stay reserved for sizes the next phase does not ask for.
     pub release_cached_memory: bool,
+    /// `attention_tensor_cores`: the flash-attention kernels on tensor cores where they apply
+    /// (half-precision heads of 16–128 in steps of 16; default true); false keeps the CUDA-core
+    /// kernels.
+    pub attention_tensor_cores: bool,
+    /// `host_collectives`: collectives go through host memory even where the communicator
+    /// could run them on device memory (NCCL), as on CPU backends (default false).
+    pub host_collectives: bool,
+    /// `peak_tflops`: the device's peak TFLOPS, for the FLOPs profiler's utilization (absent:
+    /// not reported).
+    pub peak_tflops: Option<f64>,
 }
 
 /// `burn_zero.memory_pool`: the pools cubecl's CUDA runtime reserves device memory through.
@@ -194,6 +204,9 @@ impl Default for BurnZeroConfig {
             flash_attention: None,
             memory_pool: MemoryPoolLayout::default(),
             release_cached_memory: false,
+            attention_tensor_cores: true,
+            host_collectives: false,
+            peak_tflops: None,
         }
     }
 }
@@ -215,13 +228,21 @@ pub struct CpuAdamConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct MatmulConfig {
-    /// `cublaslt`: run eligible CUDA matmuls through cuBLASLt (default true;
-    /// `BURN_ZERO_CUBLASLT=0` switches it off).
+    /// `cublaslt`: run eligible CUDA matmuls through cuBLASLt (default true).
     pub cublaslt: bool,
     /// `allow_tf32`: let f32 matmuls use TF32 tensor cores in cuBLASLt (default false).
     pub allow_tf32: bool,
     /// `min_macs`: smaller products (batch·m·n·k) stay on the inner backend.
     pub min_macs: u64,
+    /// `sm_margin`: GEMMs ordered against burn's stream are planned for this many SMs fewer
+    /// than the GPU has (default 1: burn's stream holds one spinning block meanwhile, and a
+    /// persistent GEMM with a block waiting for that SM took twice as long); 0 plans for all.
+    pub sm_margin: u32,
+    /// `tune`: a new GEMM shape times cuBLASLt's top 8 heuristic choices on its first call and
+    /// keeps the fastest (default true; false takes the first untimed).
+    pub tune: bool,
+    /// `profile`: record each GEMM's GPU time (`burn_zero::backend::matmul::take_matmul_profile`).
+    pub profile: bool,
 }
 
 impl Default for MatmulConfig {
@@ -230,6 +251,9 @@ impl Default for MatmulConfig {
             cublaslt: true,
             allow_tf32: false,
             min_macs: 1 << 24,
+            sm_margin: 1,
+            tune: true,
+            profile: false,
         }
     }
 }

@@ -414,3 +414,22 @@ fn sparse_attention_is_read_with_deepspeed_keys() {
             .is_none()
     );
 }
+
+/// A stage whose Cargo feature is off is refused by name (CI runs this under
+/// `--no-default-features` with `zero2`, where stage 3 is not compiled in).
+#[test]
+fn a_stage_not_compiled_in_is_refused_by_name() {
+    for stage in ZeroStage::ALL {
+        let json =
+            format!(r#"{{"train_batch_size": 1, "zero_optimization": {{"stage": {stage}}}}}"#);
+        if stage.compiled() {
+            assert_eq!(load(&json).config.zero_optimization.stage, stage);
+        } else {
+            let e = error(&json);
+            let want = format!(
+                "stage {stage} is not compiled in: enable burn-zero's `zero{stage}` Cargo feature"
+            );
+            assert!(e.contains(&want), "{e}");
+        }
+    }
+}

@@ -12,10 +12,10 @@
 //!    never waits. Without `overlap_comm` that wait follows every collective; with it,
 //!    backward keeps computing while the gradients travel.
 //!
-//! Where the flag kernels are missing, or with `BURN_ZERO_COLLECTIVES_IN_STREAM=0` (to
-//! compare), step 2 synchronizes the device and step 4 waits on the host for NCCL's stream, as
-//! before. Every other case copies through the host and the plain [`Communicator`];
-//! `BURN_ZERO_HOST_COLLECTIVES=1` forces that path (to compare or to rule the device path out).
+//! Where the flag kernels are missing, step 2 synchronizes the device and step 4 waits on the
+//! host for NCCL's stream. Every other case copies through the host and the plain
+//! [`Communicator`]; `burn_zero.host_collectives` forces that path (to compare or to rule the
+//! device path out).
 
 use std::sync::Arc;
 
@@ -42,7 +42,7 @@ pub(crate) struct FlatComm<I: Backend> {
     /// Whether device collectives return before NCCL finished (`overlap_comm`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     overlap: bool,
-    /// Device collectives are switched off (`BURN_ZERO_HOST_COLLECTIVES=1`).
+    /// Device collectives are switched off (`burn_zero.host_collectives`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     host_only: bool,
     /// Device buffers NCCL may still be reading or writing.
@@ -63,12 +63,20 @@ pub(crate) struct FlatComm<I: Backend> {
 }
 
 impl<I: Backend> FlatComm<I> {
-    pub(crate) fn new(comm: Arc<dyn Communicator>, device: I::Device, overlap: bool) -> Self {
+    /// Collectives of `comm` on `device`'s tensors; `overlap`: a device collective is not
+    /// waited for until [`FlatComm::wait`]; `host_only`: through host memory even where
+    /// `comm` could use device memory (`burn_zero.host_collectives`).
+    pub(crate) fn new(
+        comm: Arc<dyn Communicator>,
+        device: I::Device,
+        overlap: bool,
+        host_only: bool,
+    ) -> Self {
         Self {
             comm,
             device,
             overlap,
-            host_only: std::env::var("BURN_ZERO_HOST_COLLECTIVES").is_ok_and(|v| v == "1"),
+            host_only,
             #[cfg(feature = "cuda")]
             in_flight: Vec::new(),
             #[cfg(feature = "cuda")]
@@ -215,7 +223,7 @@ impl<I: Backend> FlatComm<I> {
             return Ok(None);
         };
         let n = self.output_len(op, src.buf.len);
-        let ordered = (in_stream() && n > 0 && device.orders_by_flags())
+        let ordered = (n > 0 && device.orders_by_flags())
             .then(|| ordered_output(&src, n, self.channel))
             .flatten();
         let (dst, output, fence) = match ordered {
@@ -272,11 +280,4 @@ impl<I: Backend> FlatComm<I> {
         }
         Ok(Some(output))
     }
-}
-
-/// `BURN_ZERO_COLLECTIVES_IN_STREAM=0` (read once): synchronize the device before each device
-/// collective and wait on the host for NCCL's stream, as before they were ordered by flags.
-#[cfg(feature = "cuda")]
-fn in_stream() -> bool {
-    crate::log::env_switch_on!("BURN_ZERO_COLLECTIVES_IN_STREAM")
 }

@@ -11,15 +11,22 @@
 //! [`construct_full`] draws the same values into full parameters: partitioning its result
 //! gives exactly the partitions of [`construct_sharded`].
 
-use std::sync::{Arc, Mutex};
+#[cfg(feature = "zero3")]
+use std::sync::Arc;
+use std::sync::Mutex;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use super::{PARTITION_ALIGN, ZeroAutodiff, zero_padded};
+use super::ZeroAutodiff;
+#[cfg(feature = "zero3")]
+use super::{PARTITION_ALIGN, zero_padded};
+#[cfg(feature = "zero3")]
 use crate::backend::ShardedParam;
+#[cfg(feature = "zero3")]
 use crate::partition::ShardPlan;
+#[cfg(feature = "zero3")]
 use crate::{ZeroBackend, ZeroTensor};
 
 /// Serializes seeding and drawing, so each parameter's values come from its own seed.
@@ -37,6 +44,7 @@ fn param_seed(seed: u64, position: usize) -> u64 {
 /// Builds `model` (fresh from `config.init`, parameters not yet materialized) with each float
 /// parameter as rank `rank`'s ZeRO-3 partition of `world_size`; pass it to
 /// [`initialize`](super::initialize) with stage 3 and the same world size.
+#[cfg(feature = "zero3")]
 pub fn construct_sharded<I: Backend, M: Module<ZeroAutodiff<I>>>(
     model: M,
     seed: u64,
@@ -71,6 +79,7 @@ pub trait ParamValues {
 /// [`construct_sharded`] with each parameter's values from `values` instead of burn's
 /// initializers: only this rank's chunk of each is computed and uploaded, so an 8B model is
 /// built without any full parameter on the device. Every parameter is made trainable.
+#[cfg(feature = "zero3")]
 pub fn construct_sharded_from<I: Backend, M: Module<ZeroAutodiff<I>>>(
     model: M,
     values: &dyn ParamValues,
@@ -118,19 +127,25 @@ impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for FromValues<'_> {
             let tensor = Tensor::from_data(data, &device).require_grad();
             return Param::initialized(id, tensor);
         };
-        let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
-        let owned = plan.owned(0, rank);
-        let mut chunk = self.values.values(position, shape.as_slice(), owned);
-        chunk.resize(plan.chunk(0), 0.0);
-        let len = chunk.len();
-        let partition = Tensor::<I, 1>::from_data(TensorData::new(chunk, [len]), &device);
-        let sharded = sharded_tensor(position, shape, partition.into_primitive().tensor());
-        Param::initialized(id, sharded.require_grad())
+        #[cfg(not(feature = "zero3"))]
+        unreachable!("sharded construction needs the zero3 feature ({rank} of {world})");
+        #[cfg(feature = "zero3")]
+        {
+            let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
+            let owned = plan.owned(0, rank);
+            let mut chunk = self.values.values(position, shape.as_slice(), owned);
+            chunk.resize(plan.chunk(0), 0.0);
+            let len = chunk.len();
+            let partition = Tensor::<I, 1>::from_data(TensorData::new(chunk, [len]), &device);
+            let sharded = sharded_tensor(position, shape, partition.into_primitive().tensor());
+            Param::initialized(id, sharded.require_grad())
+        }
     }
 }
 
 /// The ZeRO-3 handle of the parameter at `position` in module order, of `shape`, holding
 /// this rank's `partition`.
+#[cfg(feature = "zero3")]
 fn sharded_tensor<I: Backend, const D: usize>(
     position: usize,
     shape: burn::tensor::Shape,
@@ -172,23 +187,29 @@ impl<I: Backend> ModuleMapper<ZeroAutodiff<I>> for Draw {
         let Some((rank, world)) = self.shard else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
-        let require_grad = tensor.is_require_grad();
-        let shape = tensor.shape();
-        let n = shape.num_elements();
-        let full = Tensor::<I, D>::from_primitive(TensorPrimitive::Float(
-            tensor.inner().into_primitive().tensor().into_inner(),
-        ))
-        .reshape([n]);
-        let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
-        let partition = chunk_of(&plan, 0, rank, &full, 0).into_primitive().tensor();
-        drop(full);
-        let sharded = sharded_tensor(position, shape, partition).set_require_grad(require_grad);
-        Param::from_mapped_value(id, sharded, mapper)
+        #[cfg(not(feature = "zero3"))]
+        unreachable!("sharded construction needs the zero3 feature ({rank} of {world})");
+        #[cfg(feature = "zero3")]
+        {
+            let require_grad = tensor.is_require_grad();
+            let shape = tensor.shape();
+            let n = shape.num_elements();
+            let full = Tensor::<I, D>::from_primitive(TensorPrimitive::Float(
+                tensor.inner().into_primitive().tensor().into_inner(),
+            ))
+            .reshape([n]);
+            let plan = ShardPlan::new(&[n], world, PARTITION_ALIGN);
+            let partition = chunk_of(&plan, 0, rank, &full, 0).into_primitive().tensor();
+            drop(full);
+            let sharded = sharded_tensor(position, shape, partition).set_require_grad(require_grad);
+            Param::from_mapped_value(id, sharded, mapper)
+        }
     }
 }
 
 /// Rank `rank`'s chunk of parameter `p`, whose flat values start at `base` in `values`: its
 /// owned elements, zero-padded to the plan's chunk.
+#[cfg(feature = "zero3")]
 pub(crate) fn chunk_of<I: Backend>(
     plan: &ShardPlan,
     p: usize,

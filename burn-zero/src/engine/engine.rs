@@ -25,8 +25,10 @@ use super::precision::{Format, Precision};
 use super::stage::{GatherStats, Held, ParamSource, Strategy};
 use super::{FlatLayout, MemoryReport, OffloadTimings, ParamSlot};
 use crate::ZeroBackend;
+#[cfg(feature = "zero3")]
 use crate::backend::GathererGuard;
 use crate::backend::hooks::{self, HookGuard};
+use crate::backend::settings::SettingsGuard;
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::config::{ConfigError, ResolvedConfig};
 use crate::optim::StepParams;
@@ -105,7 +107,10 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     pub(super) timings: Timings,
     pub(super) precision: Precision,
     pub(super) _hook: HookGuard<I>,
+    #[cfg(feature = "zero3")]
     pub(super) _gatherer: Option<GathererGuard<I>>,
+    /// This engine's op settings on its thread ([`crate::backend::settings`]).
+    pub(super) _op_settings: SettingsGuard,
     /// `flops_profiler`: the profile being taken, and the last one taken.
     pub(super) profile: Option<super::profile::ProfileRun>,
     pub(super) last_profile: Option<crate::profile::Profile>,

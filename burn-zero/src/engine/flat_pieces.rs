@@ -137,7 +137,7 @@ mod tests {
         let results = run_ranks(3, |ctx| {
             let rank = ctx.rank;
             let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
-            let mut flat = FlatComm::<B>::new(comm, Default::default(), false);
+            let mut flat = FlatComm::<B>::new(comm, Default::default(), false, false);
             let owned = &whole[rank * 9..(rank * 9 + 9).min(23)];
             let pieces = vec![tensor(owned[..2].to_vec()), tensor(owned[2..].to_vec())];
             let gathered = Gathered::gather(&mut flat, &pieces, 9, 4).unwrap();

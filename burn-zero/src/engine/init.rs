@@ -9,14 +9,16 @@ use super::collective::FlatComm;
 use super::grads::{EngineHook, GradCore};
 use super::optim_state::Optim;
 use super::precision::Precision;
+#[cfg(feature = "zero1")]
+use super::stage::Partitioned;
 #[cfg(feature = "zero3")]
 use super::stage::Sharded;
-use super::stage::{Master, Partitioned, Replicated, Setup, Strategy};
+use super::stage::{Master, Replicated, Setup, Strategy};
 use super::{
     Engine, EngineError, FlatLayout, Timings, ZeroAutodiff, flatten_params, unflatten_params,
 };
 use crate::backend::hooks;
-use crate::backend::matmul::{MatmulPolicy, set_matmul_policy};
+use crate::backend::settings::{self, OpSettings, SettingsGuard};
 use crate::comm::Communicator;
 use crate::config::{DeepSpeedConfig, ZeroStage};
 use crate::schedule::Scheduler;
@@ -39,10 +41,13 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
                 .into(),
         ));
     }
-    let resolved = config.resolve(comm.world_size())?;
+    let mut resolved = config.resolve(comm.world_size())?;
+    // Read once, here: from now on the resolved config is the run's whole truth.
+    let overrides = resolved.apply_env_overrides(|var| std::env::var(var).ok())?;
     let device = model_device(&model);
     if comm.rank() == 0 {
         resolved.warnings.iter().for_each(|w| crate::log::warn(w));
+        overrides.iter().for_each(|o| crate::log::info(o));
         // A few lines; the whole resolved config is `engine.config()` (JSON with serde).
         let summary = resolved.summary().replace('\n', "\n  ");
         crate::log::info(&format!("{summary}\n  model on {device:?}"));
@@ -65,17 +70,11 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
              ({e}); released pages go back to the driver"
         ));
     }
-    let matmul = &resolved.config.burn_zero.matmul;
-    set_matmul_policy(MatmulPolicy {
-        cublaslt: matmul.cublaslt && MatmulPolicy::default().cublaslt,
-        allow_tf32: matmul.allow_tf32,
-        min_macs: matmul.min_macs,
-    });
-    crate::attention::set_flash_attention(resolved.config.burn_zero.flash_attention);
     if let Some(sparse) = &resolved.config.sparse_attention {
         sparse.sparsity(1).map_err(EngineError::Usage)?;
     }
-    crate::attention::set_sparse_attention(resolved.config.sparse_attention.clone());
+    // This engine's choices for the ops its model runs, on its thread while it lives.
+    let op_settings = settings::set(OpSettings::of(&resolved));
     let zero = &resolved.config.zero_optimization;
     let layout = Arc::new(FlatLayout::of(&model));
     if layout.numel() == 0 {
@@ -85,7 +84,8 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     }
     super::device_failure::watch();
     let precision = Precision::new::<I>(&resolved.config, &device);
-    let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm());
+    let host_only = resolved.config.burn_zero.host_collectives;
+    let mut flat = FlatComm::new(comm.clone(), device.clone(), zero.overlap_comm(), host_only);
     // Frozen parameters (a LoRA base) are neither reduced nor optimized, but every rank must
     // compute with rank 0's values too.
     let frozen = FlatLayout::of_frozen(&model);
@@ -111,6 +111,7 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     };
     let parts = Parts {
         model,
+        op_settings,
         precision,
         frozen_params,
         layout,
@@ -119,24 +120,27 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     // The stage's strategy, chosen once.
     match zero.stage {
         ZeroStage::Disabled => build(Replicated::new(grads), parts, &setup),
+        #[cfg(feature = "zero1")]
         ZeroStage::OptimizerStates => {
             let gather = zero.allgather_bucket_size.get();
             build(Partitioned::new(grads, false, gather), parts, &setup)
         }
+        #[cfg(feature = "zero2")]
         ZeroStage::Gradients => {
             let gather = zero.allgather_bucket_size.get();
             build(Partitioned::new(grads, true, gather), parts, &setup)
         }
         #[cfg(feature = "zero3")]
         ZeroStage::Parameters => build(Sharded::new(grads, &setup)?, parts, &setup),
-        #[cfg(not(feature = "zero3"))]
-        ZeroStage::Parameters => unreachable!("the config refuses a stage not compiled in"),
+        #[allow(unreachable_patterns)]
+        stage => unreachable!("the config refuses stage {stage}, not compiled in"),
     }
 }
 
 /// What `initialize` hands the strategy's set-up.
 struct Parts<I: Backend, M> {
     model: M,
+    op_settings: SettingsGuard,
     precision: Precision,
     frozen_params: usize,
     layout: Arc<FlatLayout>,
@@ -152,6 +156,7 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
 ) -> Result<Engine<I, M>, EngineError> {
     let Parts {
         model,
+        op_settings,
         precision,
         frozen_params,
         layout,
@@ -185,6 +190,7 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     }));
     let strategy = Arc::new(Mutex::new(strategy));
+    #[cfg(feature = "zero3")]
     let gatherer = S::install_gatherer(&strategy);
     let strategy: Arc<Mutex<dyn Strategy<I>>> = strategy;
     let hook = hooks::install::<I>(Box::new(EngineHook {
@@ -207,7 +213,9 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
         timings: Timings::default(),
         precision,
         _hook: hook,
+        #[cfg(feature = "zero3")]
         _gatherer: gatherer,
+        _op_settings: op_settings,
         profile: None,
         last_profile: None,
         last_step_end: std::time::Instant::now(),

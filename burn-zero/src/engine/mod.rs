@@ -36,9 +36,9 @@ mod profile;
 mod stage;
 
 pub use checkpoint::{LoadedCheckpoint, inject_save_failure};
-pub use construct::{
-    ParamValues, construct_full, construct_full_from, construct_sharded, construct_sharded_from,
-};
+pub use construct::{ParamValues, construct_full, construct_full_from};
+#[cfg(feature = "zero3")]
+pub use construct::{construct_sharded, construct_sharded_from};
 pub use engine::{Engine, EngineError, Timings, ZeroAutodiff};
 pub(crate) use engine::{PARTITION_ALIGN, zero_padded};
 pub use init::initialize;

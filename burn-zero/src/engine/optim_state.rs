@@ -129,11 +129,7 @@ impl<I: Backend> Optim<I> {
                 len,
                 &master.device(),
             )
-            // `BURN_ZERO_FUSED_ADAM=0` switches it off whatever the config says.
-            .with_fused(
-                config.config.burn_zero.fused_adam
-                    && std::env::var("BURN_ZERO_FUSED_ADAM").map_or(true, |v| v != "0"),
-            );
+            .with_fused(config.config.burn_zero.fused_adam);
             return Ok(Optim::Device { master, opt });
         }
         let device = master.device();

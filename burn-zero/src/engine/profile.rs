@@ -114,10 +114,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         (p.fwd_s, p.bwd_s) = (run.fwd_s, run.bwd_s);
         p.fill_latencies();
         p.step_s = started.elapsed().as_secs_f64();
-        p.peak_flops = std::env::var("BURN_ZERO_PEAK_TFLOPS")
-            .ok()
-            .and_then(|v| v.parse::<f64>().ok())
-            .map_or(0.0, |t| t * 1e12);
+        let peak_tflops = self.resolved.config.burn_zero.peak_tflops;
+        p.peak_flops = peak_tflops.map_or(0.0, |t| t * 1e12);
         if self.comm.rank() == 0 {
             let cfg = &self.resolved.config.flops_profiler;
             let text = format_report(&p, cfg.module_depth, cfg.top_modules.max(1), cfg.detailed);

@@ -473,8 +473,14 @@ fn memory(device: &Device, seq: usize, hd: usize, flash: bool, sparse: bool) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let device = Device::default();
-    // The kernels at every size here, whatever the automatic choice would take.
+    // The kernels at every size here, whatever the automatic choice would take; the
+    // tensor-core kernels where they apply unless `BURN_ZERO_ATTENTION_TENSOR_CORES=0` (no
+    // engine here to read the override into its config).
     set_flash_attention(Some(true));
+    let mut settings = burn_zero::backend::settings::current();
+    settings.attention_tensor_cores =
+        std::env::var("BURN_ZERO_ATTENTION_TENSOR_CORES").map_or(true, |v| v != "0");
+    burn_zero::backend::settings::set(settings).keep();
     match args.get(1).map(String::as_str) {
         Some("check") => {
             if !check(&device) {

@@ -273,7 +273,7 @@ fn main() {
     host_profile.finish();
     let timings = engine.take_timings();
     // cuBLASLt per timed step: calls, host µs per phase, GEMM GPU ms (the last only with
-    // BURN_ZERO_MATMUL_PROFILE=1).
+    // `burn_zero.matmul.profile`, or BURN_ZERO_MATMUL_PROFILE=1 read by `initialize`).
     let products = take_matmul_profile(env.local_rank);
     pools.push(pool_usage(&device, "the last step", rank));
     let timed = times.len().max(1) as f64;

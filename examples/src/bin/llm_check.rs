@@ -5,8 +5,7 @@
 //!
 //!   cargo run --release -p burn-zero-examples --bin llm-check [-- --nll]
 //!
-//! Also `--device cuda` (on `ZeroBackend<Cuda>`, so `BURN_ZERO_CUBLASLT=1` routes its matmuls
-//! through cuBLASLt), `--logits FILE` (the prompt's logits, little-endian f32 `[16, vocab]`) and
+//! Also `--device cuda` (on `ZeroBackend<Cuda>`, whose matmuls go through cuBLASLt), `--logits FILE` (the prompt's logits, little-endian f32 `[16, vocab]`) and
 //! `--save-hf DIR` (the dequantized model as a Hugging Face directory): what the device compares
 //! against `transformers` (`bench/llm_reference.py`).
 

@@ -87,6 +87,7 @@ where
                 cublaslt: cublas,
                 allow_tf32: false,
                 min_macs: 0,
+                ..MatmulPolicy::default()
             });
             let before = cublaslt_calls();
             let got = to_vec(a.clone().matmul(b.clone()));
@@ -176,6 +177,7 @@ fn set_policy(cublaslt: bool) {
         cublaslt,
         allow_tf32: false,
         min_macs: 0,
+        ..MatmulPolicy::default()
     });
 }
 

@@ -10,8 +10,10 @@ use burn::tensor::Tensor;
 use burn_backend::Backend;
 
 use super::super::grads::GradCore;
+#[cfg(feature = "zero2")]
 use super::super::host_grads::spans;
 use crate::comm::ReduceOp;
+#[cfg(feature = "zero2")]
 use crate::partition::{PartitionPlan, Piece, ScatterLayout, ShardPlan};
 
 /// Stages 0 and 1: the full gradient accumulates locally and is all-reduced once per window.
@@ -58,6 +60,7 @@ impl Accumulated {
     }
 }
 
+#[cfg(feature = "zero2")]
 /// How a bucket's gradients are cut into every rank's part.
 #[derive(Clone, Copy)]
 pub(crate) enum ScatterPlan<'a> {
@@ -67,16 +70,19 @@ pub(crate) enum ScatterPlan<'a> {
     Sharded(&'a ShardPlan),
 }
 
+#[cfg(feature = "zero2")]
 /// A reduce-scatter whose result is added into the partition once it has arrived.
 struct Pending<I: Backend> {
     received: Tensor<I, 1>,
     pieces: Vec<Piece>,
 }
 
+#[cfg(feature = "zero2")]
 /// Reduce-scatters in flight before the older ones are waited for and added in (DeepSpeed
 /// double-buffers its buckets the same way).
 const MAX_PENDING_BUCKETS: usize = 2;
 
+#[cfg(feature = "zero2")]
 /// Stages 2 and 3: buckets of gradients reduce-scattered into this rank's partition.
 pub(crate) struct Scattered<I: Backend> {
     /// Gradients waiting for a reduce-scatter: (slot, flattened gradient).
@@ -85,6 +91,7 @@ pub(crate) struct Scattered<I: Backend> {
     pending: Vec<Pending<I>>,
 }
 
+#[cfg(feature = "zero2")]
 impl<I: Backend> Scattered<I> {
     pub(crate) fn new() -> Self {
         Self {

@@ -4,13 +4,17 @@
 //! module asks which stage runs.
 //!
 //! - [`Replicated`] (stage 0): every rank holds everything; gradients are all-reduced.
-//! - [`Partitioned`] (stages 1 and 2): the optimizer owns a chunk of the flat parameters;
-//!   gradients are all-reduced (1) or reduce-scattered (2), the new chunks all-gathered.
+//! - `Partitioned` (stages 1 and 2, Cargo features `zero1`, `zero2`): the optimizer owns a
+//!   chunk of the flat parameters; gradients are all-reduced (1) or reduce-scattered (2), the
+//!   new chunks all-gathered.
 //! - `Sharded` (stage 3, Cargo feature `zero3`): parameters are sharded handles gathered
 //!   for their use; gradients reduce-scatter into each parameter's chunk.
+//!
+//! A stage whose feature is off is not compiled: the config refuses it by name.
 
 mod gathers;
 mod intake;
+#[cfg(feature = "zero1")]
 mod partitioned;
 mod replicated;
 mod setup;
@@ -25,6 +29,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 pub use gathers::{GatherEvent, GatherStats};
+#[cfg(feature = "zero1")]
 pub(crate) use partitioned::Partitioned;
 pub(crate) use replicated::Replicated;
 pub(crate) use setup::Setup;
@@ -35,6 +40,7 @@ use super::grads::GradCore;
 use super::params::{FlatLayout, ParamSlot};
 use super::{EngineError, ZeroAutodiff};
 use crate::ZeroTensor;
+#[cfg(feature = "zero3")]
 use crate::backend::GathererGuard;
 use crate::checkpoint::{Partitioning, Span};
 use crate::comm::{CommError, Communicator};
@@ -106,6 +112,7 @@ pub(crate) trait Strategy<I: Backend>: Send {
 
     /// Installs the stage's gatherer of sharded parameters on this thread, if it has one
     /// (kept while the guard lives).
+    #[cfg(feature = "zero3")]
     fn install_gatherer(_this: &Arc<Mutex<Self>>) -> Option<GathererGuard<I>>
     where
         Self: Sized,

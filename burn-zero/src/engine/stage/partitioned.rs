@@ -16,7 +16,9 @@ use super::super::flat_pieces::Gathered;
 use super::super::grads::GradCore;
 use super::super::params::ParamSlot;
 use super::super::{EngineError, PARTITION_ALIGN, ZeroAutodiff};
-use super::intake::{Accumulated, ScatterPlan, Scattered};
+use super::intake::Accumulated;
+#[cfg(feature = "zero2")]
+use super::intake::{ScatterPlan, Scattered};
 use super::setup::{FullValues, Setup, each_slot, full_params};
 use super::{CheckpointLayout, Held, Master, ParamSource, Strategy, owned_segments};
 use crate::checkpoint::{Partitioning, Span};
@@ -28,8 +30,9 @@ use crate::partition::PartitionPlan;
 /// How a partitioned stage takes gradients in.
 enum Intake<I: Backend> {
     /// Stage 1: whole, all-reduced at the window's end.
-    Accumulated,
+    Accumulated(core::marker::PhantomData<I>),
     /// Stage 2: reduce-scattered into this rank's chunk.
+    #[cfg(feature = "zero2")]
     Scattered(Scattered<I>),
 }
 
@@ -50,8 +53,11 @@ impl<I: Backend> Partitioned<I> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let plan = PartitionPlan::aligned(grads.layout().numel(), world, PARTITION_ALIGN);
         let intake = match gradients {
+            #[cfg(feature = "zero2")]
             true => Intake::Scattered(Scattered::new()),
-            false => Intake::Accumulated,
+            #[cfg(not(feature = "zero2"))]
+            true => unreachable!("the config refuses stage 2 without the zero2 feature"),
+            false => Intake::Accumulated(core::marker::PhantomData),
         };
         Self {
             grads,
@@ -92,7 +98,8 @@ impl<I: Backend> Partitioned<I> {
 impl<I: Backend> Strategy<I> for Partitioned<I> {
     fn stage(&self) -> ZeroStage {
         match self.intake {
-            Intake::Accumulated => ZeroStage::OptimizerStates,
+            Intake::Accumulated(_) => ZeroStage::OptimizerStates,
+            #[cfg(feature = "zero2")]
             Intake::Scattered(_) => ZeroStage::Gradients,
         }
     }
@@ -116,17 +123,19 @@ impl<I: Backend> Strategy<I> for Partitioned<I> {
 
     fn allocate(&mut self, host_threads: Option<usize>) {
         match self.intake {
-            Intake::Accumulated => self.grads.allocate(self.plan.numel(), None),
+            Intake::Accumulated(_) => self.grads.allocate(self.plan.numel(), None),
+            #[cfg(feature = "zero2")]
             Intake::Scattered(_) => self.grads.allocate(self.plan.chunk(), host_threads),
         }
     }
 
     fn accept(&mut self, slot: usize, grad: Tensor<I, 1>) -> bool {
         match &mut self.intake {
-            Intake::Accumulated => {
+            Intake::Accumulated(_) => {
                 Accumulated::accept(&mut self.grads, slot, grad);
                 false
             }
+            #[cfg(feature = "zero2")]
             Intake::Scattered(scattered) => {
                 let plan = ScatterPlan::Flat(&self.plan);
                 scattered.accept(&mut self.grads, slot, grad, plan);
@@ -137,7 +146,8 @@ impl<I: Backend> Strategy<I> for Partitioned<I> {
 
     fn end_backward(&mut self) {
         match &mut self.intake {
-            Intake::Accumulated => Accumulated::end_backward(&mut self.grads),
+            Intake::Accumulated(_) => Accumulated::end_backward(&mut self.grads),
+            #[cfg(feature = "zero2")]
             Intake::Scattered(scattered) => {
                 scattered.end_backward(&mut self.grads, ScatterPlan::Flat(&self.plan))
             }
@@ -147,8 +157,9 @@ impl<I: Backend> Strategy<I> for Partitioned<I> {
     fn step_range(&self) -> Range<usize> {
         match self.intake {
             // This rank's chunk of the whole all-reduced gradient.
-            Intake::Accumulated => self.owned(),
+            Intake::Accumulated(_) => self.owned(),
             // The partition is the chunk (its padding beyond `owned` stays zero).
+            #[cfg(feature = "zero2")]
             Intake::Scattered(_) => 0..self.owned().len(),
         }
     }
@@ -183,7 +194,7 @@ impl<I: Backend> Strategy<I> for Partitioned<I> {
     ) -> Result<(), EngineError> {
         let full = match (&self.intake, held) {
             // Stage 1's gradients are whole on every rank.
-            (Intake::Accumulated, Held::Gradients) => partition,
+            (Intake::Accumulated(_), Held::Gradients) => partition,
             _ => {
                 let (plan, piece) = (&self.plan, self.gather_piece);
                 let full = Self::gather(&mut self.grads.flat, plan, piece, &[partition])?;
@@ -240,7 +251,8 @@ impl<I: Backend> Strategy<I> for Partitioned<I> {
 
     fn comm_buffer_bytes(&self) -> usize {
         match self.intake {
-            Intake::Accumulated => Accumulated::comm_buffer_bytes(&self.grads),
+            Intake::Accumulated(_) => Accumulated::comm_buffer_bytes(&self.grads),
+            #[cfg(feature = "zero2")]
             Intake::Scattered(_) => Scattered::comm_buffer_bytes(&self.grads),
         }
     }
