@@ -2,7 +2,7 @@
 # Device side: the engine parity run (tests/src/cases.rs engine_run: 10 AdamW steps, clipping,
 # warmup) on CPU (1 rank, TCP; equal to plain burn within 1e-5, see engine_parity.rs), on 1 GPU,
 # and on all GPUs of the machine at ZeRO stages 0-3 over NCCL (collectives ordered by device flags;
-# stage 2 also with overlap_comm, and with the older device-sync ordering), in one call. Writes
+# stage 2 also with overlap_comm, and host-staged), in one call. Writes
 # $OUT/gpu-parity-<kind>.json with the largest relative differences and how many collectives
 # ran on device memory (0 for the host-staged control run).
 # Needs .gpu/bin/{burn-zero,dist-worker} (dist-worker built with --features nccl).

@@ -26,6 +26,10 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::comm::{CommError, Communicator, ReduceOp};
 
+/// The number of a device collective ordered by flags, in issue order: what
+/// [`FlatComm::wait_for`] orders burn's stream after.
+pub(crate) type Ticket = u64;
+
 /// One collective on a flat buffer.
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -45,13 +49,18 @@ pub(crate) struct FlatComm<I: Backend> {
     /// Device collectives are switched off (`burn_zero.host_collectives`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     host_only: bool,
-    /// Device buffers NCCL may still be reading or writing.
+    /// Device buffers NCCL may still be reading or writing, with their collective's ticket.
     #[cfg(feature = "cuda")]
-    in_flight: Vec<crate::backend::cuda::CudaBuffer>,
-    /// What burn's stream must wait on before the outputs in flight are read: the last
-    /// collective ordered by flags per stream.
+    in_flight: Vec<(Ticket, crate::backend::cuda::CudaBuffer)>,
+    /// What burn's stream must wait on before an output in flight is read: each collective
+    /// ordered by flags and not yet waited for, in issue order.
     #[cfg(feature = "cuda")]
-    fences: Vec<crate::backend::cuda::Fence>,
+    fences: Vec<(Ticket, crate::backend::cuda::Fence)>,
+    /// The ticket the next ordered collective gets.
+    #[cfg(feature = "cuda")]
+    next_ticket: Ticket,
+    /// The last collective's ticket, if it was ordered by flags.
+    last_ticket: Option<Ticket>,
     /// A collective in flight was not ordered by flags: `wait` blocks for NCCL's stream.
     #[cfg(feature = "cuda")]
     host_wait: bool,
@@ -81,6 +90,9 @@ impl<I: Backend> FlatComm<I> {
             in_flight: Vec::new(),
             #[cfg(feature = "cuda")]
             fences: Vec::new(),
+            #[cfg(feature = "cuda")]
+            next_ticket: 0,
+            last_ticket: None,
             #[cfg(feature = "cuda")]
             host_wait: false,
             #[cfg(feature = "cuda")]
@@ -129,17 +141,19 @@ impl<I: Backend> FlatComm<I> {
         self.run(Op::Broadcast(root), t)
     }
 
+    /// The ticket of the last collective, when it ran on device memory ordered by flags
+    /// (`None`: complete already, or ordered only by [`FlatComm::wait`]).
+    pub(crate) fn last_ticket(&self) -> Option<Ticket> {
+        self.last_ticket
+    }
+
     /// Orders every device collective before what reads its output: burn's stream waits for
     /// them (the host does not, unless one was not ordered by flags). Their outputs may be used
     /// after this.
     pub(crate) fn wait(&mut self) -> Result<(), CommError> {
         #[cfg(feature = "cuda")]
         if !self.in_flight.is_empty() {
-            for fence in self.fences.drain(..) {
-                fence.await_on_compute_stream().map_err(|e| {
-                    CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}"))
-                })?;
-            }
+            self.await_fences(Ticket::MAX)?;
             if std::mem::take(&mut self.host_wait)
                 && let Some(device) = self.comm.device()
             {
@@ -147,6 +161,47 @@ impl<I: Backend> FlatComm<I> {
             }
             // Released after burn's stream was told to wait: it reuses the memory after that.
             self.in_flight.clear();
+        }
+        Ok(())
+    }
+
+    /// Orders the collective of `ticket` (and every one issued before it) before what reads
+    /// its output, and no later one: a prefetch or a reduce-scatter issued after it keeps
+    /// running while burn's stream computes with this output. `None`: as [`FlatComm::wait`].
+    pub(crate) fn wait_for(&mut self, ticket: Option<Ticket>) -> Result<(), CommError> {
+        #[cfg(feature = "cuda")]
+        {
+            let Some(ticket) = ticket else {
+                return self.wait();
+            };
+            if self.host_wait {
+                return self.wait();
+            }
+            self.await_fences(ticket)?;
+            // Ordered now, so their memory may be reused.
+            self.in_flight.retain(|(t, _)| *t > ticket);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = ticket;
+        Ok(())
+    }
+
+    /// Makes burn's stream wait for every fence of a ticket up to `upto`: per stream only the
+    /// last one, whose handshake covers the earlier ones.
+    #[cfg(feature = "cuda")]
+    fn await_fences(&mut self, upto: Ticket) -> Result<(), CommError> {
+        let split = self.fences.partition_point(|(t, _)| *t <= upto);
+        let mut last: Vec<crate::backend::cuda::Fence> = Vec::new();
+        for (_, fence) in self.fences.drain(..split) {
+            match last.iter().position(|f| f.covered_by(&fence)) {
+                Some(i) => last[i] = fence,
+                None => last.push(fence),
+            }
+        }
+        for fence in last {
+            fence.await_on_compute_stream().map_err(|e| {
+                CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}"))
+            })?;
         }
         Ok(())
     }
@@ -161,6 +216,7 @@ impl<I: Backend> FlatComm<I> {
     }
 
     fn run(&mut self, op: Op, input: Tensor<I, 1>) -> Result<Tensor<I, 1>, CommError> {
+        self.last_ticket = None;
         // One rank: every collective returns its input (a one-rank NCCL call would still copy
         // the buffer and order two streams around it).
         if self.comm.world_size() == 1 {
@@ -258,6 +314,8 @@ impl<I: Backend> FlatComm<I> {
                 Op::Broadcast(root) => device.broadcast(src.buf, dst.buf, root),
             }
         };
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
         match fence {
             Some(fence) => {
                 let (flag, seq) = fence.done();
@@ -266,14 +324,14 @@ impl<I: Backend> FlatComm<I> {
                 if let Err(e) = unsafe { device.raise_flag(flag, seq) } {
                     panic!("after a collective, NCCL's stream could not signal burn's: {e}");
                 }
-                self.fences.retain(|f| !f.covered_by(&fence));
-                self.fences.push(fence);
+                self.fences.push((ticket, fence));
+                self.last_ticket = Some(ticket);
             }
             None => self.host_wait = true,
         }
         ran?;
-        self.in_flight.push(src);
-        self.in_flight.push(dst);
+        self.in_flight.push((ticket, src));
+        self.in_flight.push((ticket, dst));
         self.device_calls += 1;
         if !self.overlap {
             self.wait()?;

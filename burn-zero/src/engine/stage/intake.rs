@@ -9,6 +9,8 @@
 use burn::tensor::Tensor;
 use burn_backend::Backend;
 
+#[cfg(feature = "zero2")]
+use super::super::collective::Ticket;
 use super::super::grads::GradCore;
 #[cfg(feature = "zero2")]
 use super::super::host_grads::spans;
@@ -75,6 +77,8 @@ pub(crate) enum ScatterPlan<'a> {
 struct Pending<I: Backend> {
     received: Tensor<I, 1>,
     pieces: Vec<Piece>,
+    /// Its collective's ticket (`None`: ordered only by a full wait).
+    ticket: Option<Ticket>,
 }
 
 #[cfg(feature = "zero2")]
@@ -136,7 +140,7 @@ impl<I: Backend> Scattered<I> {
     /// Sends what is left, adds in every result and ends the host copies of the pass.
     pub(crate) fn end_backward(&mut self, core: &mut GradCore<I>, plan: ScatterPlan<'_>) {
         self.flush(core, plan);
-        self.settle(core);
+        self.settle(core, 0);
         if let Some(host) = core.host.as_mut()
             && let Err(e) = host.end_pass(core.boundary)
         {
@@ -154,8 +158,9 @@ impl<I: Backend> Scattered<I> {
         // Each bucket in flight holds its send and receive buffers until it is settled: with
         // no bound, a large model's whole gradient would sit there twice by the end of
         // backward. The earlier buckets have had this bucket's backward to finish.
-        if self.pending.len() >= Self::in_flight(core) {
-            self.settle(core);
+        let in_flight = Self::in_flight(core);
+        if self.pending.len() >= in_flight {
+            self.settle(core, in_flight - 1);
         }
         let layout = match plan {
             ScatterPlan::Sharded(shards) => {
@@ -196,20 +201,32 @@ impl<I: Backend> Scattered<I> {
                 self.pending.push(Pending {
                     received,
                     pieces: layout.per_rank[rank].clone(),
+                    ticket: core.flat.last_ticket(),
                 });
             }
             Err(e) => core.failure = Some(e),
         }
     }
 
-    /// Adds every arrived reduce-scatter result into the partition.
-    fn settle(&mut self, core: &mut GradCore<I>) {
+    /// Adds the results of the reduce-scatters in flight into the partition, all but the
+    /// newest `keep`. Burn's stream waits for those reduce-scatters only, not for the newer
+    /// ones nor for the gathers prefetched after them.
+    fn settle(&mut self, core: &mut GradCore<I>, keep: usize) {
+        let due = self.pending.len().saturating_sub(keep);
+        if due == 0 {
+            return;
+        }
         let start = std::time::Instant::now();
-        if let Err(e) = core.flat.wait() {
+        let tickets: Option<Vec<Ticket>> = self.pending[..due].iter().map(|p| p.ticket).collect();
+        let last = tickets.and_then(|t| t.into_iter().max());
+        if let Err(e) = core.flat.wait_for(last) {
             core.failure.get_or_insert(e);
         }
         core.comm_time += start.elapsed();
-        for Pending { received, pieces } in std::mem::take(&mut self.pending) {
+        for Pending {
+            received, pieces, ..
+        } in self.pending.drain(..due).collect::<Vec<_>>()
+        {
             if let Some(host) = core.host.as_mut() {
                 host.push(received, spans(&pieces), core.boundary);
                 continue;

@@ -17,7 +17,7 @@ use burn_offload::{NvmeStore, SwapConfig, SwapError};
 use crate::ZeroTensor;
 use crate::backend::{PartitionSource, ShardedParam};
 use crate::comm::{CommError, with_label};
-use crate::engine::collective::FlatComm;
+use crate::engine::collective::{FlatComm, Ticket};
 use crate::engine::construct::chunk_of;
 use crate::engine::flat_pieces::slice_pieces;
 use crate::engine::params::FlatLayout;
@@ -86,8 +86,9 @@ impl PartitionSource for SwappedPartition {
 /// A gathered parameter held for a later use.
 enum Gathered<I: Backend> {
     /// A prefetch whose collective may still be writing: the flat output, untouched (any op
-    /// on it, even a slice, could run on the compute stream before NCCL is done).
-    InFlight(Tensor<I, 1>),
+    /// on it, even a slice, could run on the compute stream before NCCL is done), and the
+    /// collective's ticket (what to wait for before reading it).
+    InFlight(Tensor<I, 1>, Option<Ticket>),
     /// Complete, in the parameter's shape.
     Ready(I::FloatTensorPrimitive),
 }
@@ -305,7 +306,7 @@ impl<I: Backend> ShardedParams<I> {
         if self
             .live
             .values()
-            .any(|g| matches!(g, Gathered::InFlight(_)))
+            .any(|g| matches!(g, Gathered::InFlight(..)))
         {
             flat.wait()?;
         }
@@ -315,8 +316,8 @@ impl<I: Backend> ShardedParams<I> {
 
     /// Frees the held gather of `p` (waiting first if it is in flight).
     fn forget(&mut self, flat: &mut FlatComm<I>, p: usize) -> Result<(), CommError> {
-        if let Some(Gathered::InFlight(_)) = self.live.get(&p) {
-            flat.wait()?;
+        if let Some(Gathered::InFlight(_, ticket)) = self.live.get(&p) {
+            flat.wait_for(*ticket)?;
         }
         self.live.remove(&p);
         Ok(())
@@ -390,18 +391,20 @@ impl<I: Backend> ShardedParams<I> {
         }))
     }
 
-    /// Every rank's chunk of `p`, from `partition`, as the flat full parameter.
+    /// Every rank's chunk of `p`, from `partition`, as the flat full parameter, and the
+    /// collective's ticket.
     fn all_gather(
         &mut self,
         flat: &mut FlatComm<I>,
         p: usize,
         partition: Tensor<I, 1>,
         ahead: bool,
-    ) -> Result<Tensor<I, 1>, CommError> {
+    ) -> Result<(Tensor<I, 1>, Option<Ticket>), CommError> {
         self.stats.gathers += 1;
         self.stats.prefetched += usize::from(ahead);
         self.events.push(GatherEvent::Gather { slot: p, ahead });
-        with_label(p as u64 + 1, || flat.all_gather(partition))
+        let full = with_label(p as u64 + 1, || flat.all_gather(partition))?;
+        Ok((full, flat.last_ticket()))
     }
 
     fn shaped(&self, p: usize, flat_full: Tensor<I, 1>) -> I::FloatTensorPrimitive {
@@ -429,8 +432,8 @@ impl<I: Backend> ShardedParams<I> {
         };
         if param.version != self.version || p >= self.plan.params() {
             // A handle kept from an older step: its own values, outside the trace.
-            let full = self.all_gather(flat, p, own(), false)?;
-            flat.wait()?;
+            let (full, ticket) = self.all_gather(flat, p, own(), false)?;
+            flat.wait_for(ticket)?;
             return Ok(self.shaped(p, full));
         }
         let answer = self.tracer.on_use(p as u64, self.plan.numel(p));
@@ -441,15 +444,21 @@ impl<I: Backend> ShardedParams<I> {
             slot: p,
             ready: answer.prefetched,
         });
+        // Burn's stream waits for this parameter's gather only: the prefetches issued after it
+        // (and the reduce-scatters of backward) go on while it computes.
         let full = match self.live.remove(&p) {
             Some(Gathered::Ready(full)) if answer.prefetched => full,
-            Some(Gathered::InFlight(gathered)) if answer.prefetched => {
-                flat.wait()?;
+            Some(Gathered::InFlight(gathered, ticket)) if answer.prefetched => {
+                flat.wait_for(ticket)?;
                 self.shaped(p, gathered)
             }
-            _ => {
-                let gathered = self.all_gather(flat, p, own(), false)?;
-                flat.wait()?;
+            stale => {
+                if let Some(Gathered::InFlight(_, ticket)) = stale {
+                    // Its memory may be reused only once NCCL is done writing it.
+                    flat.wait_for(ticket)?;
+                }
+                let (gathered, ticket) = self.all_gather(flat, p, own(), false)?;
+                flat.wait_for(ticket)?;
                 self.shaped(p, gathered)
             }
         };
@@ -461,8 +470,8 @@ impl<I: Backend> ShardedParams<I> {
                 .expect("the trace holds sharded parameters only")
                 .on_device();
             let partition = self.format.convert(partition);
-            let gathered = self.all_gather(flat, next, partition, true)?;
-            self.live.insert(next, Gathered::InFlight(gathered));
+            let (gathered, ticket) = self.all_gather(flat, next, partition, true)?;
+            self.live.insert(next, Gathered::InFlight(gathered, ticket));
         }
         if self.tracer.release(p as u64) {
             self.live.remove(&p);
