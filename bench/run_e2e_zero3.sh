@@ -7,15 +7,15 @@
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
 # row's own comma-separated systems replace SYSTEMS for it); SYSTEMS: which of
-# "ours ours-prev ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8 ours-rows1k fsdp2
+# "ours ours-prev ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8 ours-rows1k fsdp2
 # deepspeed"
 # run (ours: fitted pools, the chunked loss, free pages released between phases,
 # reduce_bucket_size 5e7; ours-keep: the same without the release; ours-full-loss: logits
 # materialized; ours-old: cubecl's pools, logits materialized, no release, as before issue 33;
 # ours-hf: Hugging Face's "auto" reduce_bucket_size, hidden x hidden elements; ours-b5e7: 5e7,
 # now the same as ours; ours-b2e8: 2e8, ours until 1f8d105; ours-rows1k: chunks of 1,024
-# tokens in the loss instead of 2,048; ours-prev: ours with the binary of an earlier commit staged
-# in .gpu/prev/, for an A/B in the same call);
+# tokens in the loss instead of 2,048; ours-prev, ours-mid: ours with the binary of an earlier
+# commit staged in .gpu/prev/ or .gpu/mid/ (with its commit file), for an A/B in the same call);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
 source bench/prelude.sh "$1"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # a failing collective says why
@@ -26,6 +26,7 @@ systems="${SYSTEMS:-ours ours-old fsdp2 deepspeed}"
 {
   echo "commit: $(tr '\n' ' ' < .gpu/commit)"
   [ -f .gpu/prev/commit ] && echo "ours-prev commit: $(tr '\n' ' ' < .gpu/prev/commit)"
+  [ -f .gpu/mid/commit ] && echo "ours-mid commit: $(tr '\n' ' ' < .gpu/mid/commit)"
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee "$out/machine.txt"
@@ -93,11 +94,12 @@ for row in "${rows[@]}"; do
   for system in $list; do
     port=$((port + 1))
     case "$system" in
-      ours|ours-prev|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
+      ours|ours-prev|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
         bin=.gpu/bin/bench-e2e
         case "$system" in
           ours) flags=(--pool fitted --loss chunked --release 1) ;;
           ours-prev) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/prev/bench-e2e ;;
+          ours-mid) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/mid/bench-e2e ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
           ours-full-loss) flags=(--pool fitted --loss full --release 1) ;;
           ours-old) flags=(--pool sliced --loss full --release 0) ;;
