@@ -20,6 +20,9 @@ const USAGE: &str = "usage:
   burn-zero report
   burn-zero run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr HOST]
                 [--master-port PORT] [--grace SECONDS] -- PROGRAM [ARGS...]
+  burn-zero run --hostfile FILE [--include H1:0,1@H2 | --exclude H1:1] [--num-nodes N]
+                [--nproc-per-node N] [--launcher-cmd CMD] [--master-addr HOST]
+                [--master-port PORT] -- PROGRAM [ARGS...]
   burn-zero estimate --params N [--largest-layer N] [--gpus-per-node G] [--nodes K]
                      [--stage 0|1|2|3] [--offload cpu|none] [--buffer-factor F]
 
