@@ -56,7 +56,7 @@ main_job() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
   for line in "^model: 30 of 30 layers" "^load model: done in " "^eval before: 4/4 in .*: held-out NLL before " \
     "^train 2/2 \[#+\] loss .* tokens/s  ETA 0s$" "^train: 2/2 in .*: final loss " \
-    "^eval after: 4/4 in .*: held-out NLL after " "^save checkpoint: done in "; do
+    "^greedy sample before: " "^eval after: 4/4 in .*: held-out NLL after " "^save checkpoint: done in "; do
     grep -Eq "$line" "$recipe_out/main.log" || { echo "no line matching \"$line\""; return 1; }
   done
 }

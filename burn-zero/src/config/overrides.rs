@@ -122,7 +122,8 @@ mod tests {
     use super::*;
 
     fn resolved() -> ResolvedConfig {
-        let text = r#"{"train_batch_size": 2, "burn_zero": {"matmul": {"cublaslt": true}}}"#;
+        let text = r#"{"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+            "burn_zero": {"matmul": {"cublaslt": true}}}"#;
         DeepSpeedConfig::parse_json(text)
             .unwrap()
             .config

@@ -70,12 +70,21 @@ impl ResolvedConfig {
             Some(_) => "on",
             None => "off",
         };
+        let tuned = changed_keys(
+            &serde_json::to_value(&c.burn_zero).unwrap_or_default(),
+            &serde_json::to_value(crate::config::BurnZeroConfig::default()).unwrap_or_default(),
+            "",
+        );
+        let tuned = match tuned.is_empty() {
+            true => String::new(),
+            false => format!("\nburn_zero: {}", tuned.join(", ")),
+        };
         format!(
             "{} rank{}, ZeRO stage {}: {partitioned}\n\
              batch: {} samples a step = {} per rank x {} accumulation step{} x {} rank{}\n\
              optimizer: {optimizer}; schedule: {}\n\
              precision: {precision}; {clipping}\n\
-             {placement}; activation checkpointing {checkpointing}",
+             {placement}; activation checkpointing {checkpointing}{tuned}",
             self.world_size,
             plural(self.world_size),
             zero.stage,
@@ -87,6 +96,26 @@ impl ResolvedConfig {
             plural(self.world_size),
             schedule_summary(&self.schedule),
         )
+    }
+}
+
+/// The leaves of `value` that differ from `default`, as `path=value` (the `burn_zero` keys a
+/// run changed, by the config or an environment override).
+fn changed_keys(value: &serde_json::Value, default: &serde_json::Value, path: &str) -> Vec<String> {
+    match (value, default) {
+        (serde_json::Value::Object(v), serde_json::Value::Object(d)) => v
+            .iter()
+            .flat_map(|(key, item)| {
+                let path = match path {
+                    "" => key.clone(),
+                    _ => format!("{path}.{key}"),
+                };
+                let default = d.get(key).unwrap_or(&serde_json::Value::Null);
+                changed_keys(item, default, &path)
+            })
+            .collect(),
+        _ if value != default => vec![format!("{path}={value}")],
+        _ => Vec::new(),
     }
 }
 
@@ -194,5 +223,25 @@ mod tests {
             summary.contains("activation checkpointing off"),
             "{summary}"
         );
+    }
+
+    #[test]
+    fn the_burn_zero_keys_a_run_changed_are_listed() {
+        let text = r#"{"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+            "burn_zero": {"fused_adam": false,
+            "matmul": {"cublaslt": false, "sm_margin": 1}}}"#;
+        let summary = DeepSpeedConfig::parse_json(text)
+            .unwrap()
+            .config
+            .resolve(1)
+            .unwrap()
+            .summary();
+        let last = summary.lines().last().unwrap();
+        assert_eq!(last, "burn_zero: fused_adam=false, matmul.cublaslt=false");
+        let plain =
+            r#"{"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#;
+        let plain = DeepSpeedConfig::parse_json(plain).unwrap();
+        let plain = plain.config.resolve(1).unwrap().summary();
+        assert_eq!(plain.lines().count(), 5, "{plain}");
     }
 }

@@ -6,6 +6,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
@@ -21,6 +22,7 @@ use crate::checkpoint::{
 use crate::comm::ReduceOp;
 use crate::config::ZeroStage;
 use crate::precision::LossScaler;
+use crate::progress::Progress;
 
 /// The engine's counters a checkpoint's manifest holds (`engine`, as `save_checkpoint` writes
 /// it). Each is required: a missing one would silently restart the step count, the schedule
@@ -74,6 +76,14 @@ impl EngineState {
         })
     }
 }
+
+/// What a rank's partition file holds (tensor names and dtypes), the optimizer's step count,
+/// and rank 0's progress bar (finished once the checkpoint is committed).
+type Written = (
+    BTreeMap<String, Dtype>,
+    u64,
+    Option<Progress<std::io::Stderr>>,
+);
 
 /// The compute-dtype copy of the parameters in bf16/fp16 runs (the master is the copy in fp32).
 const PARAMS: &str = "params";
@@ -158,6 +168,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             Some(staging) => staging,
             None => Staging::open(root, &tag, false)?,
         };
+        let started = std::time::Instant::now();
         let written = self.write_partition(&staging).and_then(|wrote| {
             if FAIL_NEXT_SAVE.with(|f| f.replace(false)) {
                 return Err(EngineError::Usage(format!(
@@ -166,7 +177,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             }
             Ok(wrote)
         });
-        let (tensors, optimizer_step) = self.agree("write its partition file", written)?;
+        let (tensors, optimizer_step, mut bar) = self.agree("write its partition file", written)?;
         let committed = if rank == 0 {
             self.manifest(
                 &staging,
@@ -179,8 +190,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             Ok(root.join(&tag))
         };
         let dir = self.agree("commit the checkpoint", committed)?;
-        if rank == 0 {
-            crate::log::info(&format!("saved checkpoint {}", dir.display()));
+        if let Some(bar) = bar.as_mut() {
+            let summary = format!("saved {}", dir.display());
+            let _ = bar.finish(started.elapsed().as_secs_f64(), &summary);
         }
         Ok(dir)
     }
@@ -207,14 +219,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
 
     /// Writes this rank's partition file, if it holds a partition; returns the tensors' names
     /// and dtypes, and the optimizer's step count.
-    fn write_partition(
-        &self,
-        staging: &Staging,
-    ) -> Result<(BTreeMap<String, Dtype>, u64), EngineError> {
+    fn write_partition(&self, staging: &Staging) -> Result<Written, EngineError> {
         let layout = self.strategy().checkpoint_layout();
         let rank = self.comm.rank();
         if rank >= layout.writers {
-            return Ok((BTreeMap::new(), 0));
+            return Ok((BTreeMap::new(), 0, None));
         }
         let pad = |mut v: Vec<f32>| {
             if let Some(len) = layout.pad_to {
@@ -246,11 +255,21 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             ("optimizer_step".to_string(), step.to_string()),
         ]);
         let mut writer = Writer::create(&staging.path(&partition_file(rank)), &specs, &metadata)?;
-        for (_, dtype, values) in &tensors {
+        // Rank 0 shows the save's progress (on a terminal; one line at the end otherwise).
+        let started = std::time::Instant::now();
+        let mut bar = (rank == 0).then(|| {
+            let redraw = std::io::stderr().is_terminal();
+            let total = tensors.len() as u64;
+            Progress::new(std::io::stderr(), "save checkpoint", total, redraw).max_lines(1)
+        });
+        for (i, (name, dtype, values)) in tensors.iter().enumerate() {
             writer.write_next(&dtype.encode(values))?;
+            if let Some(bar) = bar.as_mut() {
+                let _ = bar.update(i as u64 + 1, started.elapsed().as_secs_f64(), name);
+            }
         }
         writer.finish()?;
-        Ok((names, step))
+        Ok((names, step, bar))
     }
 
     /// Rank 0: the manifest of the files every rank wrote into `staging`.

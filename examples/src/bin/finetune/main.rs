@@ -31,7 +31,7 @@ use burn_zero_llm::tokenizer::TextTokenizer;
 use burn_zero_llm::{Llama, LlamaConfig};
 
 use args::{Args, Data, Device, load_source, parse_args, prepare_data};
-use train::{Comms, Job, Trained, draw_curve, evaluate, report, train};
+use train::{Comms, Job, Trained, before, draw_curve, report, train};
 
 /// The model config after `--layers`.
 fn cut(full: &LlamaConfig, layers: Option<usize>) -> LlamaConfig {
@@ -185,7 +185,7 @@ fn run_cpu(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(), 
         data,
     } = load::<NdArray>(args, config, false, &device)?;
     check_windows(&data, data_parallel(args, config, args.world)?)?;
-    let before = evaluate(&model.valid(), &data.eval, "before", &device);
+    let before = before(&model.valid(), &tok, &data.eval, args, &device)?;
     let results = run_ranks(args.world, |ctx| {
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
         let job = (args, config, data.windows.as_slice());
@@ -221,7 +221,10 @@ fn run_cuda(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(),
         data,
     } = load::<Cuda>(args, config, !lead, &device)?;
     check_windows(&data, data_parallel(args, config, env.world_size)?)?;
-    let before = lead.then(|| evaluate(&model.valid(), &data.eval, "before", &device));
+    let before = match lead {
+        true => Some(before(&model.valid(), &tok, &data.eval, args, &device)?),
+        false => None,
+    };
     let job = (args, config, data.windows.as_slice());
     let trained = train_rank::<Cuda>(model, Arc::new(nccl), job, &device)?;
     match (trained, before) {

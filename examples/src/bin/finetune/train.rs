@@ -315,11 +315,49 @@ pub fn evaluate<B: Backend>(
     nll
 }
 
+/// The recipe's question to the model (a chat turn), answered before and after training.
+const PROMPT: &str = "<|im_start|>user\nWho is Mr. Darcy?<|im_end|>\n<|im_start|>assistant\n";
+
+/// The held-out NLL and the greedy answer to [`PROMPT`] before training: what the report
+/// compares the trained model against.
+pub struct Before {
+    pub nll: f64,
+    pub greedy: String,
+}
+
+/// [`Before`], measured on `model` (rank 0, before training).
+pub fn before<B: Backend>(
+    model: &Llama<B>,
+    tok: &TextTokenizer,
+    eval: &[Vec<u32>],
+    args: &Args,
+    device: &B::Device,
+) -> Result<Before, String> {
+    let nll = evaluate(model, eval, "before", device);
+    let greedy = sample(model, tok, args, Sampling::Greedy, device)?;
+    println!("greedy sample before: {greedy:?}");
+    Ok(Before { nll, greedy })
+}
+
+/// `model`'s answer to [`PROMPT`], at most `args.sample_tokens` tokens.
+fn sample<B: Backend>(
+    model: &Llama<B>,
+    tok: &TextTokenizer,
+    args: &Args,
+    sampling: Sampling,
+    device: &B::Device,
+) -> Result<String, String> {
+    let prompt_ids = tok.encode(PROMPT).map_err(|e| e.to_string())?;
+    let stop = tok.token_id("<|im_end|>");
+    let sample = model.generate(&prompt_ids, args.sample_tokens, stop, sampling, device);
+    tok.decode(&sample).map_err(|e| e.to_string())
+}
+
 /// Rank 0 after training: held-out NLL, samples, checkpoint, summary and loss curve; an error
 /// when the held-out NLL did not go down.
 pub fn report<I: Backend>(
     trained: Trained<I>,
-    before: f64,
+    before: Before,
     args: &Args,
     config: &LlamaConfig,
     tok: &TextTokenizer,
@@ -330,17 +368,13 @@ pub fn report<I: Backend>(
 ) -> Result<(), String> {
     let model = &trained.model;
     let after = evaluate(model, eval, "after", device);
-    let prompt = "<|im_start|>user\nWho is Mr. Darcy?<|im_end|>\n<|im_start|>assistant\n";
-    let prompt_ids = tok.encode(prompt).map_err(|e| e.to_string())?;
-    let stop = tok.token_id("<|im_end|>");
     let top_p = Sampling::TopP {
         p: 0.9,
         seed: args.seed,
     };
     let mut samples = serde_json::Map::new();
     for (label, sampling) in [("greedy", Sampling::Greedy), ("top-p 0.9", top_p)] {
-        let sample = model.generate(&prompt_ids, args.sample_tokens, stop, sampling, device);
-        let text = tok.decode(&sample).map_err(|e| e.to_string())?;
+        let text = sample(model, tok, args, sampling, device)?;
         println!("{label} sample: {text:?}");
         samples.insert(label.into(), text.into());
     }
@@ -355,6 +389,10 @@ pub fn report<I: Backend>(
     .map_err(|e| format!("{}: {e}", windows_path.display()))?;
     let png = args.out.join("loss.png");
     draw_curve(&args.out.join("metrics.jsonl"), &png)?;
+    let Before {
+        nll: before,
+        greedy: greedy_before,
+    } = before;
     let summary = serde_json::json!({"nll_before": before, "nll_after": after,
         "perplexity_before": before.exp(), "perplexity_after": after.exp(),
         "eval_windows": eval.len(), "eval_len": args.eval_len,
@@ -363,7 +401,8 @@ pub fn report<I: Backend>(
         "final_train_loss": trained.final_loss,
         "tokens_per_sec": trained.tokens_per_sec,
         "steady_tokens_per_sec": trained.steady_tokens_per_sec,
-        "samples": samples, "seconds": start.elapsed().as_secs_f64(),
+        "samples": samples, "samples_before": {"greedy": greedy_before},
+        "seconds": start.elapsed().as_secs_f64(),
         "lora": args.lora.as_ref().map(|l| serde_json::json!({"rank": l.rank, "alpha": l.alpha,
             "targets": l.targets}))});
     let summary_path = args.out.join("summary.json");
