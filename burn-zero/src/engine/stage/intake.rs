@@ -225,7 +225,7 @@ impl<I: Backend> Scattered<I> {
         core.comm_time += start.elapsed();
         for Pending {
             received, pieces, ..
-        } in self.pending.drain(..due).collect::<Vec<_>>()
+        } in self.pending.drain(..due)
         {
             if let Some(host) = core.host.as_mut() {
                 host.push(received, spans(&pieces), core.boundary);
