@@ -7,14 +7,15 @@
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
 # row's own comma-separated systems replace SYSTEMS for it); SYSTEMS: which of
-# "ours ours-prev ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8 ours-rows1k fsdp2
-# deepspeed"
+# "ours ours-pf ours-prev ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8
+# ours-rows1k fsdp2 deepspeed"
 # run (ours: fitted pools, the chunked loss, free pages released between phases,
 # reduce_bucket_size 5e7; ours-keep: the same without the release; ours-full-loss: logits
 # materialized; ours-old: cubecl's pools, logits materialized, no release, as before issue 33;
 # ours-hf: Hugging Face's "auto" reduce_bucket_size, hidden x hidden elements; ours-b5e7: 5e7,
 # now the same as ours; ours-b2e8: 2e8, ours until 1f8d105; ours-rows1k: chunks of 1,024
-# tokens in the loss instead of 2,048; ours-prev, ours-mid: ours with the binary of an earlier
+# tokens in the loss instead of 2,048; ours-pf: stage3_prefetch_bucket_size of two decoder
+# layers instead of DeepSpeed's 5e7; ours-prev, ours-mid: ours with the binary of an earlier
 # commit staged in .gpu/prev/ or .gpu/mid/ (with its commit file), for an A/B in the same call);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
 source bench/prelude.sh "$1"
@@ -46,6 +47,12 @@ port=29700
 hidden2() { # Hugging Face's "auto" reduce_bucket_size: hidden x hidden
   case "$1" in 125m) echo $((768 * 768)) ;; 1b) echo $((2048 * 2048)) ;;
     3b) echo $((3072 * 3072)) ;; 8b) echo $((4096 * 4096)) ;; esac
+}
+layers2() { # two decoder layers' parameters: 2 x (2 h^2 + 2 h kv + 3 h i)
+  case "$1" in 125m) echo $((2 * (2*768*768 + 2*768*256 + 3*768*2048))) ;;
+    1b) echo $((2 * (2*2048*2048 + 2*2048*512 + 3*2048*8192))) ;;
+    3b) echo $((2 * (2*3072*3072 + 2*3072*1024 + 3*3072*8192))) ;;
+    8b) echo $((2 * (2*4096*4096 + 2*4096*1024 + 3*4096*14336))) ;; esac
 }
 measure() { # name size n micro seq ac command...
   local name=$1 size=$2 n=$3 micro=$4 seq=$5 ac=$6; shift 6
@@ -94,10 +101,11 @@ for row in "${rows[@]}"; do
   for system in $list; do
     port=$((port + 1))
     case "$system" in
-      ours|ours-prev|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
+      ours|ours-pf|ours-prev|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
         bin=.gpu/bin/bench-e2e
         case "$system" in
           ours) flags=(--pool fitted --loss chunked --release 1) ;;
+          ours-pf) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")") ;;
           ours-prev) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/prev/bench-e2e ;;
           ours-mid) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/mid/bench-e2e ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;

@@ -16,6 +16,16 @@ pub enum DType {
     F16,
 }
 
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+        }
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -377,6 +387,19 @@ pub trait DeviceCollectives: Send + Sync {
     /// # Safety
     /// As for [`DeviceCollectives::all_reduce`].
     unsafe fn all_gather(&self, input: DeviceBuf, output: DeviceBuf) -> Result<(), CommError>;
+    /// Several all-gathers as one: each `(input, output)` pair as in
+    /// [`DeviceCollectives::all_gather`]. NCCL fuses them into one launch (a group), so a
+    /// layer's parameters travel together; by default they run one after another.
+    ///
+    /// # Safety
+    /// As for [`DeviceCollectives::all_reduce`], for every pair.
+    unsafe fn all_gather_group(&self, pairs: &[(DeviceBuf, DeviceBuf)]) -> Result<(), CommError> {
+        for &(input, output) in pairs {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.all_gather(input, output)? };
+        }
+        Ok(())
+    }
     /// Copies `root`'s `input` into every rank's `output`.
     ///
     /// # Safety

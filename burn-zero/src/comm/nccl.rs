@@ -387,6 +387,29 @@ impl DeviceCollectives for NcclComm {
         unsafe { self.device_collective(Raw::AllGather, input, output, true) }
     }
 
+    unsafe fn all_gather_group(&self, pairs: &[(DeviceBuf, DeviceBuf)]) -> Result<(), CommError> {
+        let fail = |what: &str, e: NcclError| {
+            CommError::Aborted(format!(
+                "NCCL failed on rank {} in {what} of a group of {} all-gathers: {}",
+                self.rank,
+                pairs.len(),
+                nccl_reason(e, None)
+            ))
+        };
+        raw::group_start().map_err(|e| fail("ncclGroupStart", e))?;
+        let mut outcome = Ok(());
+        for &(input, output) in pairs {
+            // SAFETY: forwarded from the caller.
+            outcome = unsafe { self.device_collective(Raw::AllGather, input, output, true) };
+            if outcome.is_err() {
+                break;
+            }
+        }
+        // Closed even after a failed call: the group must not stay open on this thread.
+        let ended = raw::group_end().map_err(|e| fail("ncclGroupEnd", e));
+        outcome.and(ended.map(|_| ()))
+    }
+
     unsafe fn broadcast(
         &self,
         input: DeviceBuf,

@@ -132,6 +132,23 @@ impl<I: Backend> FlatComm<I> {
         self.run(Op::AllGather, t)
     }
 
+    /// Every rank's pieces of `t` (consecutive, of `pieces` elements each), gathered as one
+    /// collective: the output holds, for each piece in turn, every rank's copy of it in rank
+    /// order (`world_size × piece` elements), as separate all-gathers of the pieces would,
+    /// end to end. A layer's parameters go as one call (one NCCL group on the device).
+    pub(crate) fn all_gather_group(
+        &mut self,
+        t: Tensor<I, 1>,
+        pieces: &[usize],
+    ) -> Result<Tensor<I, 1>, CommError> {
+        assert_eq!(
+            pieces.iter().sum::<usize>(),
+            t.dims()[0],
+            "the pieces of a grouped all-gather cover its input"
+        );
+        self.run_pieces(Op::AllGather, t, pieces)
+    }
+
     /// `root`'s `t` on every rank.
     pub(crate) fn broadcast(
         &mut self,
@@ -216,6 +233,17 @@ impl<I: Backend> FlatComm<I> {
     }
 
     fn run(&mut self, op: Op, input: Tensor<I, 1>) -> Result<Tensor<I, 1>, CommError> {
+        self.run_pieces(op, input, &[])
+    }
+
+    /// Runs `op`; an all-gather with `pieces` gathers each piece separately into the output
+    /// ([`FlatComm::all_gather_group`]). No pieces: the input as one.
+    fn run_pieces(
+        &mut self,
+        op: Op,
+        input: Tensor<I, 1>,
+        pieces: &[usize],
+    ) -> Result<Tensor<I, 1>, CommError> {
         self.last_ticket = None;
         // One rank: every collective returns its input (a one-rank NCCL call would still copy
         // the buffer and order two streams around it).
@@ -223,13 +251,18 @@ impl<I: Backend> FlatComm<I> {
             return Ok(input);
         }
         #[cfg(feature = "cuda")]
-        if let Some(output) = self.run_on_device(op, &input)? {
+        if let Some(output) = self.run_on_device(op, &input, pieces)? {
             return Ok(output);
         }
-        self.run_on_host(op, input)
+        self.run_on_host(op, input, pieces)
     }
 
-    fn run_on_host(&self, op: Op, input: Tensor<I, 1>) -> Result<Tensor<I, 1>, CommError> {
+    fn run_on_host(
+        &self,
+        op: Op,
+        input: Tensor<I, 1>,
+        pieces: &[usize],
+    ) -> Result<Tensor<I, 1>, CommError> {
         let dtype = input.dtype();
         let mut values = input
             .into_data()
@@ -255,6 +288,9 @@ impl<I: Backend> FlatComm<I> {
             Op::AllGather => {
                 let mut out = vec![0.0f32; n];
                 comm.all_gather(values.as_slice().into(), out.as_mut_slice().into())?;
+                if pieces.len() > 1 {
+                    out = by_piece(&out, pieces, comm.world_size());
+                }
                 out
             }
         };
@@ -263,12 +299,14 @@ impl<I: Backend> FlatComm<I> {
         Ok(Tensor::from_data(data, (&self.device, dtype)))
     }
 
-    /// Runs `op` on device memory when the communicator and the tensor allow it.
+    /// Runs `op` on device memory when the communicator and the tensor allow it (`pieces`: as
+    /// in [`FlatComm::run_pieces`]).
     #[cfg(feature = "cuda")]
     fn run_on_device(
         &mut self,
         op: Op,
         input: &Tensor<I, 1>,
+        pieces: &[usize],
     ) -> Result<Option<Tensor<I, 1>>, CommError> {
         use crate::backend::cuda::{cuda_buffer, from_cube, ordered_output};
         let Some(device) = self.comm.device().filter(|_| !self.host_only) else {
@@ -310,6 +348,10 @@ impl<I: Backend> FlatComm<I> {
             match op {
                 Op::AllReduce(reduce) => device.all_reduce(src.buf, dst.buf, reduce),
                 Op::ReduceScatter(reduce) => device.reduce_scatter(src.buf, dst.buf, reduce),
+                Op::AllGather if pieces.len() > 1 => {
+                    let world = self.comm.world_size();
+                    device.all_gather_group(&piece_pairs(src.buf, dst.buf, pieces, world))
+                }
                 Op::AllGather => device.all_gather(src.buf, dst.buf),
                 Op::Broadcast(root) => device.broadcast(src.buf, dst.buf, root),
             }
@@ -337,5 +379,94 @@ impl<I: Backend> FlatComm<I> {
             self.wait()?;
         }
         Ok(Some(output))
+    }
+}
+
+/// A rank-major all-gather output (`world` rows of every piece end to end) rearranged piece by
+/// piece: for each piece, every rank's copy in rank order.
+fn by_piece(rank_major: &[f32], pieces: &[usize], world: usize) -> Vec<f32> {
+    let row = rank_major.len() / world;
+    let mut out = Vec::with_capacity(rank_major.len());
+    let mut at = 0;
+    for &len in pieces {
+        for rank in 0..world {
+            let start = rank * row + at;
+            out.extend_from_slice(&rank_major[start..start + len]);
+        }
+        at += len;
+    }
+    out
+}
+
+/// The input and output buffers of each piece's all-gather within one input and one output
+/// (laid out as [`FlatComm::all_gather_group`] says); empty pieces are left out.
+#[cfg(feature = "cuda")]
+fn piece_pairs(
+    input: crate::comm::DeviceBuf,
+    output: crate::comm::DeviceBuf,
+    pieces: &[usize],
+    world: usize,
+) -> Vec<(crate::comm::DeviceBuf, crate::comm::DeviceBuf)> {
+    use crate::comm::DeviceBuf;
+    let size = input.dtype.size() as u64;
+    let mut pairs = Vec::with_capacity(pieces.len());
+    let mut at = 0u64;
+    for &len in pieces.iter() {
+        if len > 0 {
+            let part = |buf: DeviceBuf, offset: u64, len: usize| DeviceBuf {
+                ptr: buf.ptr + offset * size,
+                len,
+                dtype: buf.dtype,
+            };
+            pairs.push((
+                part(input, at, len),
+                part(output, at * world as u64, len * world),
+            ));
+        }
+        at += len as u64;
+    }
+    pairs
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use burn::backend::NdArray;
+    use burn::tensor::{Tensor, TensorData};
+
+    use super::*;
+    use crate::testing::run_ranks;
+
+    /// Three ranks gather pieces of 2, 0, 3 and 1 elements as one group: the output equals the
+    /// four all-gathers of the pieces, end to end.
+    #[test]
+    fn a_grouped_all_gather_equals_the_gathers_of_its_pieces() {
+        let pieces = [2usize, 0, 3, 1];
+        let results = run_ranks(3, |ctx| {
+            let rank = ctx.rank as f32;
+            let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+            let mut flat = FlatComm::<NdArray>::new(comm, Default::default(), false, false);
+            let mine: Vec<f32> = (0..6).map(|i| 10.0 * rank + i as f32).collect();
+            let t =
+                Tensor::<NdArray, 1>::from_data(TensorData::new(mine, [6]), &Default::default());
+            let grouped = flat.all_gather_group(t.clone(), &pieces).unwrap();
+            let mut separate = Vec::new();
+            let mut at = 0;
+            for &len in &pieces {
+                if len > 0 {
+                    let piece = t.clone().slice(at..at + len);
+                    separate.push(flat.all_gather(piece).unwrap());
+                }
+                at += len;
+            }
+            let values = |t: Tensor<NdArray, 1>| t.into_data().to_vec::<f32>().unwrap();
+            (values(grouped), values(Tensor::cat(separate, 0)))
+        });
+        for (grouped, separate) in results {
+            assert_eq!(grouped.len(), 18);
+            assert_eq!(grouped, separate);
+            assert_eq!(&grouped[..6], &[0.0, 1.0, 10.0, 11.0, 20.0, 21.0]);
+        }
     }
 }

@@ -4,8 +4,8 @@
 //! what to gather and reports releases; tests drive it with plain ids.
 //!
 //! A step records the sequence of uses. The next step replays it: each use that matches the
-//! recorded sequence at the cursor lets the tracer propose the following handles, up to
-//! `prefetch_bucket_size` elements in flight and `max_live_parameters` elements alive. A use
+//! recorded sequence at the cursor lets the tracer propose the following handles as a batch,
+//! about `prefetch_bucket_size` elements in flight and at most `max_live_parameters` alive. A use
 //! that does not match invalidates the trace (the proposed handles are returned for eviction)
 //! and the step records anew, so a change of control flow costs prefetching, never correctness.
 
@@ -16,7 +16,9 @@ pub type HandleId = u64;
 /// in elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TraceConfig {
-    /// Elements gathered ahead of use and not yet used, at most.
+    /// Elements gathered ahead of use and not yet used: a batch is proposed once at most half
+    /// of this is in flight, and filled while less than this is (the last handle may overshoot
+    /// it). 0: no prefetch.
     pub prefetch_bucket_size: usize,
     /// Elements of full parameters alive (in use or prefetched), at most, counting prefetches;
     /// an on-demand gather is never refused.
@@ -235,16 +237,25 @@ impl GatherTracer {
         self.peak_live_numel = self.peak_live_numel.max(self.live_numel);
     }
 
-    /// The next handles of the trace that fit the budgets, in order, stopping at the first
-    /// that does not (prefetching out of order would waste the budget on later layers).
+    /// The next handles of the trace, in order, as one batch (the caller gathers a batch with
+    /// one collective): nothing while more than half the bucket is in flight; otherwise
+    /// handles while less than the bucket is in flight, so the last may overshoot it by one
+    /// handle, as DeepSpeed's prefetch does (a parameter larger than the bucket is still
+    /// prefetched). The batches are then about half a bucket, issued half a bucket to a bucket
+    /// ahead of use. The live budget is never exceeded; the first handle that does not fit it
+    /// ends the batch (prefetching out of order would spend the budget on later layers).
     fn plan_prefetch(&mut self) -> Vec<HandleId> {
+        let bucket = self.config.prefetch_bucket_size;
         let mut issued = Vec::new();
+        if self.in_flight_numel.saturating_mul(2) > bucket {
+            return issued;
+        }
         for i in self.cursor..self.trace.len() {
             let (id, numel) = self.trace[i];
             if self.live.contains_key(&id) {
                 continue;
             }
-            if self.in_flight_numel + numel > self.config.prefetch_bucket_size
+            if self.in_flight_numel >= bucket
                 || self.live_numel + numel > self.config.max_live_parameters
             {
                 break;

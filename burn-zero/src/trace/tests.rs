@@ -62,27 +62,42 @@ fn first_step_records_later_steps_prefetch_in_order() {
 }
 
 #[test]
-fn prefetch_respects_the_bucket_and_the_live_budget() {
-    // The bucket holds one 20-element layer at a time: prefetch stops at the first misfit.
+fn prefetch_fills_the_bucket_in_batches_and_respects_the_live_budget() {
+    // Bucket 20: a batch starts once at most 10 are in flight and takes handles while fewer
+    // than 20 are, so a handle larger than the bucket is still prefetched (DeepSpeed's rule).
     let mut t = tracer(20, 1000);
     let order = fwd_bwd();
     step(&mut t, &order);
     t.begin_step();
     let u = t.on_use(1, 10);
-    assert_eq!(
-        u.prefetch,
-        vec![2],
-        "2 (20) fits, then 3 would exceed 20 in flight"
-    );
+    assert_eq!(u.prefetch, vec![2], "2 (20) fills the bucket: 3 waits");
     let u = t.on_use(2, 20);
     assert!(u.prefetched);
     assert_eq!(
         u.prefetch,
-        vec![3],
-        "4 (30) never fits the bucket: it is gathered on use"
+        vec![3, 4],
+        "nothing in flight: 3 (10), then 4 (30) overshoots the bucket by one handle"
     );
-    // Live budget: 1 and 2 still held (30) + 3 prefetched (10) = 40.
-    assert_eq!(t.live_numel(), 40);
+    // 1 and 2 still held (30) + 3 and 4 prefetched (40).
+    assert_eq!(t.live_numel(), 70);
+    t.release(1);
+    t.release(2);
+    let u = t.on_use(3, 10);
+    assert!(u.prefetched && u.prefetch.is_empty(), "30 in flight > 10");
+    t.release(3);
+    // 4 was just used (it is live): the rest of the trace (3, 2, 1: 40) is one batch of 3, 2.
+    let u = t.on_use(4, 30);
+    assert_eq!(
+        u.prefetch,
+        vec![3, 2],
+        "0 in flight: 3 (10), 2 (20), then 30 >= 20"
+    );
+
+    // No bucket, no prefetch.
+    let mut t = tracer(0, 1000);
+    step(&mut t, &order);
+    t.begin_step();
+    assert!(t.on_use(1, 10).prefetch.is_empty());
 
     // Live budget 35: with 1 (10) and 2 (20) held, 3 (10) does not fit; after releases it does.
     let mut t = tracer(1000, 35);

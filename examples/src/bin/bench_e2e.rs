@@ -13,7 +13,8 @@
 //! pools' free pages handed back between the phases) and `--ac 0|1` (an
 //! `activation_checkpointing` section in the config, and the Llama checkpointing every decoder
 //! layer from it: `Llama::with_activation_checkpointing`) and `--bucket N`
-//! (`reduce_bucket_size`, default 5e7 elements) and `--loss-rows N` (tokens per chunk of the
+//! (`reduce_bucket_size`, default 5e7 elements) and `--prefetch N`
+//! (`stage3_prefetch_bucket_size`, default 5e7) and `--loss-rows N` (tokens per chunk of the
 //! chunked loss, default 2,048). Rank 0 prints one JSON line: tokens/s per GPU,
 //! MFU, the step-time breakdown, peak and pool memory and the losses.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
@@ -167,6 +168,10 @@ fn main() {
     // to 3.7 GiB of fp32 buckets and ran 0.94x as fast at 3B; DeepSpeed's default is 5e8,
     // Hugging Face's "auto" hidden²).
     let bucket = count_option(&options, "bucket", 50_000_000);
+    // `zero_optimization.stage3_prefetch_bucket_size` in elements: DeepSpeed's default 5e7,
+    // about half a 3B decoder layer; a layer or two ahead lets each batch of gathers overlap
+    // a whole layer's compute.
+    let prefetch = count_option(&options, "prefetch", 50_000_000);
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
@@ -192,7 +197,8 @@ fn main() {
             "gradient_clipping": 1.0,
             "bf16": {{"enabled": true}},
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
-                "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000}},
+                "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
+                "stage3_prefetch_bucket_size": {prefetch}}},
             "burn_zero": {{"matmul": {{"cublaslt": true}},
                 "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
                 {ac}{profile}}}"#,
@@ -289,7 +295,8 @@ fn main() {
                 "stage": stage, "world": world, "micro_batch": micro, "seq": seq,
                 "init": if shared_init { "shared" } else { "burn" },
                 "loss_chunk_tokens": loss_chunk, "activation_checkpointing": checkpointing,
-                "reduce_bucket_size": bucket, "release_cached_memory": release_cached,
+                "reduce_bucket_size": bucket, "prefetch_bucket_size": prefetch,
+                "release_cached_memory": release_cached,
                 "memory_pool": format!("{pool:?}").to_lowercase(),
                 "global_batch_tokens": micro * seq * world, "steps": steps,
                 "median_step_s": median, "step_times_s": times,

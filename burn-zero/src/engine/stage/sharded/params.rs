@@ -7,6 +7,7 @@
 //! are partitioned in the optimizer like the others and all-gathered after each step.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -85,10 +86,11 @@ impl PartitionSource for SwappedPartition {
 
 /// A gathered parameter held for a later use.
 enum Gathered<I: Backend> {
-    /// A prefetch whose collective may still be writing: the flat output, untouched (any op
-    /// on it, even a slice, could run on the compute stream before NCCL is done), and the
-    /// collective's ticket (what to wait for before reading it).
-    InFlight(Tensor<I, 1>, Option<Ticket>),
+    /// A prefetch whose collective may still be writing: the output of the batch's grouped
+    /// all-gather, untouched (any op on it, even a slice, could run on the compute stream
+    /// before NCCL is done), this parameter's range in it, and the collective's ticket (what
+    /// to wait for before reading it).
+    InFlight(Tensor<I, 1>, Range<usize>, Option<Ticket>),
     /// Complete, in the parameter's shape.
     Ready(I::FloatTensorPrimitive),
 }
@@ -316,7 +318,7 @@ impl<I: Backend> ShardedParams<I> {
 
     /// Frees the held gather of `p` (waiting first if it is in flight).
     fn forget(&mut self, flat: &mut FlatComm<I>, p: usize) -> Result<(), CommError> {
-        if let Some(Gathered::InFlight(_, ticket)) = self.live.get(&p) {
+        if let Some(Gathered::InFlight(_, _, ticket)) = self.live.get(&p) {
             flat.wait_for(*ticket)?;
         }
         self.live.remove(&p);
@@ -392,19 +394,60 @@ impl<I: Backend> ShardedParams<I> {
     }
 
     /// Every rank's chunk of `p`, from `partition`, as the flat full parameter, and the
-    /// collective's ticket.
+    /// collective's ticket: a gather on demand.
     fn all_gather(
         &mut self,
         flat: &mut FlatComm<I>,
         p: usize,
         partition: Tensor<I, 1>,
-        ahead: bool,
     ) -> Result<(Tensor<I, 1>, Option<Ticket>), CommError> {
         self.stats.gathers += 1;
-        self.stats.prefetched += usize::from(ahead);
-        self.events.push(GatherEvent::Gather { slot: p, ahead });
+        self.events.push(GatherEvent::Gather {
+            slot: p,
+            ahead: false,
+        });
         let full = with_label(p as u64 + 1, || flat.all_gather(partition))?;
         Ok((full, flat.last_ticket()))
+    }
+
+    /// Gathers the parameters of `batch` ahead of use, as one grouped all-gather of their
+    /// partitions (one collective and one output buffer for the batch: a layer's parameters
+    /// go together, and the host visits cubecl a few times per batch, not per parameter).
+    fn prefetch(&mut self, flat: &mut FlatComm<I>, batch: &[usize]) -> Result<(), CommError> {
+        let parts: Vec<Tensor<I, 1>> = batch
+            .iter()
+            .map(|&p| {
+                let partition = self.partitions[p]
+                    .as_ref()
+                    .expect("the trace holds sharded parameters only")
+                    .on_device();
+                self.format.convert(partition)
+            })
+            .collect();
+        let chunks: Vec<usize> = batch.iter().map(|&p| self.plan.chunk(p)).collect();
+        let input = match parts.len() {
+            1 => parts.into_iter().next().expect("one part"),
+            _ => Tensor::cat(parts, 0),
+        };
+        self.stats.gathers += batch.len();
+        self.stats.prefetched += batch.len();
+        self.events.extend(
+            batch
+                .iter()
+                .map(|&slot| GatherEvent::Gather { slot, ahead: true }),
+        );
+        let first = batch.first().map_or(0, |p| *p as u64 + 1);
+        let output = with_label(first, || flat.all_gather_group(input, &chunks))?;
+        let ticket = flat.last_ticket();
+        let world = self.plan.world_size();
+        let mut at = 0;
+        for (&p, &chunk) in batch.iter().zip(&chunks) {
+            let range = at..at + self.plan.numel(p);
+            self.live
+                .insert(p, Gathered::InFlight(output.clone(), range, ticket));
+            at += world * chunk;
+        }
+        Ok(())
     }
 
     fn shaped(&self, p: usize, flat_full: Tensor<I, 1>) -> I::FloatTensorPrimitive {
@@ -432,7 +475,7 @@ impl<I: Backend> ShardedParams<I> {
         };
         if param.version != self.version || p >= self.plan.params() {
             // A handle kept from an older step: its own values, outside the trace.
-            let (full, ticket) = self.all_gather(flat, p, own(), false)?;
+            let (full, ticket) = self.all_gather(flat, p, own())?;
             flat.wait_for(ticket)?;
             return Ok(self.shaped(p, full));
         }
@@ -448,30 +491,24 @@ impl<I: Backend> ShardedParams<I> {
         // (and the reduce-scatters of backward) go on while it computes.
         let full = match self.live.remove(&p) {
             Some(Gathered::Ready(full)) if answer.prefetched => full,
-            Some(Gathered::InFlight(gathered, ticket)) if answer.prefetched => {
+            Some(Gathered::InFlight(batch, range, ticket)) if answer.prefetched => {
                 flat.wait_for(ticket)?;
-                self.shaped(p, gathered)
+                self.shaped(p, batch.slice(range))
             }
             stale => {
-                if let Some(Gathered::InFlight(_, ticket)) = stale {
+                if let Some(Gathered::InFlight(_, _, ticket)) = stale {
                     // Its memory may be reused only once NCCL is done writing it.
                     flat.wait_for(ticket)?;
                 }
-                let (gathered, ticket) = self.all_gather(flat, p, own(), false)?;
+                let (gathered, ticket) = self.all_gather(flat, p, own())?;
                 flat.wait_for(ticket)?;
                 self.shaped(p, gathered)
             }
         };
         self.live.insert(p, Gathered::Ready(full.clone()));
-        for id in answer.prefetch {
-            let next = id as usize;
-            let partition = self.partitions[next]
-                .as_ref()
-                .expect("the trace holds sharded parameters only")
-                .on_device();
-            let partition = self.format.convert(partition);
-            let (gathered, ticket) = self.all_gather(flat, next, partition, true)?;
-            self.live.insert(next, Gathered::InFlight(gathered, ticket));
+        if !answer.prefetch.is_empty() {
+            let batch: Vec<usize> = answer.prefetch.iter().map(|id| *id as usize).collect();
+            self.prefetch(flat, &batch)?;
         }
         if self.tracer.release(p as u64) {
             self.live.remove(&p);
