@@ -344,7 +344,7 @@ fn block_sparse_attention_equals_masked_dense_attention() {
 
 #[test]
 fn the_tensor_core_kernels_take_only_half_precision_heads_of_sixteens() {
-    use super::tensor_core::tensor_cores_apply;
+    use crate::attention::tensor_core::tensor_cores_apply;
     let client = WgpuRuntime::client(&WgpuDevice::default());
     let dims = |hd| AttentionDims::of(&[1, 2, 9, hd], &[1, 1, 9, hd], &[1, 1, 9, hd]).unwrap();
     let float = |kind| StorageType::Scalar(ElemType::Float(kind));
