@@ -7,7 +7,8 @@ import torch
 
 LINEARS = [("smollm2.mlp_up", 2048, 576, 1536), ("smollm2.lm_head", 2048, 576, 49152),
            ("llama1b.attn_q", 4096, 2048, 2048), ("llama1b.mlp_up", 4096, 2048, 8192),
-           ("llama1b.mlp_down", 4096, 8192, 2048)]
+           ("llama1b.mlp_down", 4096, 8192, 2048), ("llama8b.attn_o", 4096, 4096, 4096),
+           ("llama8b.mlp_up", 4096, 4096, 14336), ("llama8b.mlp_down", 4096, 14336, 4096)]
 
 
 def case(dtype, label, name, product, m, k, n, transpose):

@@ -1,9 +1,9 @@
 //! burn 0.21's CUDA matmul on the Linear shapes of the recipe (SmolLM2-135M, 2048 tokens) and
-//! of the 1B end-to-end benchmark (4096 tokens): forward `X·W`, backward `dY·Wᵀ` and `Xᵀ·dY`,
-//! bf16 and f32. Prints one JSON line per case with the first call's time (kernel compilation
-//! and autotuning included) and the steady TFLOP/s, for `ZeroBackend<Cuda>` (cuBLASLt) and for
-//! `Cuda` alone (argument `burn-zero` or `burn-cuda` runs one); `bench/matmul_torch.py` prints
-//! the peer's.
+//! of the 1B and 8B end-to-end benchmarks (4096 tokens): forward `X·W`, backward `dY·Wᵀ` and
+//! `Xᵀ·dY`, bf16 and f32. Prints one JSON line per case with the first call's time (kernel
+//! compilation and autotuning included) and the steady TFLOP/s, for `ZeroBackend<Cuda>`
+//! (cuBLASLt) and for `Cuda` alone (argument `burn-zero` or `burn-cuda` runs one);
+//! `bench/matmul_torch.py` prints the peer's.
 
 use std::time::Instant;
 
@@ -13,12 +13,15 @@ use burn::tensor::{Distribution, Element, Tensor};
 use burn_zero::ZeroBackend;
 
 /// (name, tokens M, in K, out N).
-const LINEARS: [(&str, usize, usize, usize); 5] = [
+const LINEARS: [(&str, usize, usize, usize); 8] = [
     ("smollm2.mlp_up", 2048, 576, 1536),
     ("smollm2.lm_head", 2048, 576, 49152),
     ("llama1b.attn_q", 4096, 2048, 2048),
     ("llama1b.mlp_up", 4096, 2048, 8192),
     ("llama1b.mlp_down", 4096, 8192, 2048),
+    ("llama8b.attn_o", 4096, 4096, 4096),
+    ("llama8b.mlp_up", 4096, 4096, 14336),
+    ("llama8b.mlp_down", 4096, 14336, 4096),
 ];
 
 fn sync<B: Backend>(device: &B::Device) {
