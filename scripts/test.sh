@@ -77,8 +77,18 @@ step cargo run --locked -q -p burn-zero-examples --bin finetune -- --export-hf "
 step cmp "$recipe_out/a/checkpoint/model.safetensors" "$recipe_out/c/checkpoint/model.safetensors"
 # Tensor slicing in the recipe: 2 thread ranks, one model sliced over both (it fails unless the
 # held-out NLL falls), each slice checkpointed on its own.
-step finetune --model-parallel 2 --out "$recipe_out/mp"
+step finetune --model-parallel 2 --save-every 4 --out "$recipe_out/mp"
 step test -f "$recipe_out/mp/engine/mp_rank_01/latest"
+# A job killed between its slices' saves: one slice's newest is step 8, the other's step 4. The
+# resume must refuse, naming both steps, instead of putting a model together from two steps.
+mixed_steps() {
+  echo global_step4 > "$recipe_out/mp/engine/mp_rank_01/latest"
+  ! finetune --model-parallel 2 --resume "$recipe_out/mp/engine" --out "$recipe_out/mp2" \
+    > "$recipe_out/mp2.log" 2>&1 || return 1
+  grep -q "different steps (rank 0 at step 8, rank 1 at step 4)" "$recipe_out/mp2.log" \
+    || { cat "$recipe_out/mp2.log"; return 1; }
+}
+step mixed_steps
 rm -rf "$recipe_out"
 
 read -r passed failed < <(awk '/^test result:/ { for (i = 1; i <= NF; i++) {

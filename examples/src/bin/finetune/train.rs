@@ -134,9 +134,14 @@ where
             (true, Some(parent)) => (parent, root.file_name().and_then(|t| t.to_str())),
             _ => (root.as_path(), None),
         };
-        let loaded = engine
-            .load_checkpoint(root, tag)
-            .map_err(|e| e.to_string())?;
+        let loaded = engine.load_checkpoint(root, tag).map_err(|e| e.to_string());
+        if job.model_dir.is_some() {
+            // Each model-parallel slice resumes from its own checkpoint: every rank must have
+            // loaded the same step, or the model would be put together from different steps.
+            let step = loaded.as_ref().ok().map(|_| engine.global_step());
+            same_step_everywhere(comm.as_ref(), step, loaded.is_ok())?;
+        }
+        let loaded = loaded?;
         let client = &loaded.client_state;
         state = serde_json::from_value(client["sampler"].clone())
             .map_err(|e| format!("{}: no sampler state: {e}", loaded.dir.display()))?;
@@ -443,6 +448,43 @@ pub fn save_hf<B: Backend>(
     );
     bar.finish(t0.elapsed().as_secs_f64(), &summary)
         .map_err(|e| e.to_string())
+}
+
+/// Refuses a resume whose ranks loaded different steps (a model-parallel job whose slices
+/// committed their checkpoints apart, e.g. killed between two slices' saves). `step` is what
+/// this rank loaded (`None`: its load failed, which it reports itself); every rank calls this
+/// and gets the same answer, so none is left waiting in a later collective.
+fn same_step_everywhere(
+    comm: &dyn Communicator,
+    step: Option<usize>,
+    loaded: bool,
+) -> Result<(), String> {
+    // f32 holds step numbers exactly up to 2^24; -1 marks a failed load.
+    let mine = [step.map_or(-1.0, |s| s as f32)];
+    let mut all = vec![0.0f32; comm.world_size()];
+    comm.all_gather(mine.as_slice().into(), all.as_mut_slice().into())
+        .map_err(|e| format!("comparing the resumed steps across ranks: {e}"))?;
+    let failed: Vec<usize> = (0..all.len()).filter(|r| all[*r] < 0.0).collect();
+    if !failed.is_empty() {
+        return match loaded {
+            // This rank's own error says why; the caller returns it.
+            true => Err(format!("ranks {failed:?} could not load their checkpoints")),
+            false => Ok(()),
+        };
+    }
+    if all.iter().any(|s| *s != all[0]) {
+        let steps: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(r, s)| format!("rank {r} at step {s}"))
+            .collect();
+        return Err(format!(
+            "the model-parallel slices' checkpoints are from different steps ({}): point each \
+             slice's `latest` (OUT/engine/mp_rank_XX/latest) at a tag every slice has saved",
+            steps.join(", ")
+        ));
+    }
+    Ok(())
 }
 
 /// Keeps the records of `metrics` (JSONL) from before step `first`, the first one a resumed
