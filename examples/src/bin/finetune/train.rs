@@ -139,7 +139,7 @@ where
             // Each model-parallel slice resumes from its own checkpoint: every rank must have
             // loaded the same step, or the model would be put together from different steps.
             let step = loaded.as_ref().ok().map(|_| engine.global_step());
-            same_step_everywhere(comm.as_ref(), step, loaded.is_ok())?;
+            same_step_everywhere(comm.as_ref(), step)?;
         }
         let loaded = loaded?;
         let client = &loaded.client_state;
@@ -454,11 +454,7 @@ pub fn save_hf<B: Backend>(
 /// committed their checkpoints apart, e.g. killed between two slices' saves). `step` is what
 /// this rank loaded (`None`: its load failed, which it reports itself); every rank calls this
 /// and gets the same answer, so none is left waiting in a later collective.
-fn same_step_everywhere(
-    comm: &dyn Communicator,
-    step: Option<usize>,
-    loaded: bool,
-) -> Result<(), String> {
+fn same_step_everywhere(comm: &dyn Communicator, step: Option<usize>) -> Result<(), String> {
     // f32 holds step numbers exactly up to 2^24; -1 marks a failed load.
     let mine = [step.map_or(-1.0, |s| s as f32)];
     let mut all = vec![0.0f32; comm.world_size()];
@@ -466,10 +462,10 @@ fn same_step_everywhere(
         .map_err(|e| format!("comparing the resumed steps across ranks: {e}"))?;
     let failed: Vec<usize> = (0..all.len()).filter(|r| all[*r] < 0.0).collect();
     if !failed.is_empty() {
-        return match loaded {
+        return match step {
+            Some(_) => Err(format!("ranks {failed:?} could not load their checkpoints")),
             // This rank's own error says why; the caller returns it.
-            true => Err(format!("ranks {failed:?} could not load their checkpoints")),
-            false => Ok(()),
+            None => Ok(()),
         };
     }
     if all.iter().any(|s| *s != all[0]) {
