@@ -7,12 +7,14 @@
 //! the per-tensor norms (which ZeRO sums across ranks).
 //! [`attention`]: flash attention forward and backward for training (no S×S tensor), dense or
 //! block-sparse.
+//! [`fused`]: RMSNorm, RoPE and SwiGLU in one kernel each way.
 //! [`sparse`]: DeepSpeed's block-sparse attention layouts (dense, fixed, bslongformer, bigbird,
 //! variable) and [`sparse::SparseLayout`], what the block-sparse kernels read.
 #![warn(missing_docs)]
 
 pub mod adam;
 pub mod attention;
+pub mod fused;
 pub mod lamb;
 pub mod sparse;
 

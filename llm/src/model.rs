@@ -5,10 +5,12 @@
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData};
-use burn_zero::nn::{VocabAxis, checkpoint, linear_cross_entropy};
+use burn::tensor::{Bool, FloatDType, Int, Tensor};
+use burn_zero::nn::{
+    RopePairs, RopeTable, VocabAxis, checkpoint, linear_cross_entropy, rms_norm, rope, swiglu,
+};
 use burn_zero::profile::scope;
 
 use crate::lora::{Adapters, project};
@@ -247,7 +249,7 @@ impl<B: Backend> Llama<B> {
         let mut x = scope("embed", || self.embed.forward(tokens));
         let head_dim = x.dims()[2] / self.num_heads;
         // Activations follow the parameters' dtype (bf16 under mixed precision).
-        let rope = Rope::new(seq, head_dim, self.rope_theta, &device, x.dtype());
+        let rope = Rope::new(seq, head_dim, self.rope_theta, &device);
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         for (i, block) in self.blocks.iter().enumerate() {
             if keep.is_none_or(|k| k[i]) {
@@ -263,7 +265,7 @@ impl<B: Backend> Llama<B> {
                 });
             }
         }
-        scope("norm", || self.norm.forward(x))
+        scope("norm", || norm(&self.norm, x))
     }
 
     /// Mean next-token cross-entropy of `tokens` (`[batch, seq + 1]`: inputs and shifted
@@ -340,20 +342,20 @@ impl<B: Backend> Block<B> {
         heads: usize,
         kv_heads: usize,
     ) -> Tensor<B, 3> {
-        let h = scope("attn_norm", || self.attn_norm.forward(x.clone()));
+        let h = scope("attn_norm", || norm(&self.attn_norm, x.clone()));
         let q = scope("q", || project(&self.q, self.adapter(|l| &l.q), h.clone()));
         let k = scope("k", || project(&self.k, self.adapter(|l| &l.k), h.clone()));
         let v = scope("v", || project(&self.v, self.adapter(|l| &l.v), h));
         let attn = causal_attention(q, k, v, rope, mask, heads, kv_heads);
         let x = x + scope("o", || project(&self.o, self.adapter(|l| &l.o), attn));
-        let h = scope("mlp_norm", || self.mlp_norm.forward(x.clone()));
+        let h = scope("mlp_norm", || norm(&self.mlp_norm, x.clone()));
         let gate = scope("gate", || {
             project(&self.gate, self.adapter(|l| &l.gate), h.clone())
         });
         let up = scope("up", || project(&self.up, self.adapter(|l| &l.up), h));
-        // A scope of its own: the profiler's sync at its end runs the fused `silu(gate) · up`
-        // here instead of inside the `down` projection that reads it.
-        let act = scope("swiglu", || silu(gate) * up);
+        // A scope of its own: the profiler's sync at its end runs `silu(gate) · up` here
+        // instead of inside the `down` projection that reads it.
+        let act = scope("swiglu", || swiglu(gate, up));
         x + scope("down", || {
             project(&self.down, self.adapter(|l| &l.down), act)
         })
@@ -389,10 +391,11 @@ pub(crate) fn causal_attention<B: Backend>(
 ) -> Tensor<B, 3> {
     let [batch, seq, width] = q.dims();
     let hd = width / heads;
-    let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]).swap_dims(1, 2);
-    let q = rope.apply(split(q, heads));
-    let k = rope.apply(split(k, kv_heads));
-    let v = split(v, kv_heads);
+    // RoPE on `[batch, seq, heads, hd]` rows, then the heads move forward.
+    let split = |t: Tensor<B, 3>, n: usize| t.reshape([batch, seq, n, hd]);
+    let q = rope.apply(split(q, heads)).swap_dims(1, 2);
+    let k = rope.apply(split(k, kv_heads)).swap_dims(1, 2);
+    let v = split(v, kv_heads).swap_dims(1, 2);
     // On CUDA through ZeroBackend: the flash kernels (no S×S scores, K/V heads not repeated).
     if let Some(attn) = burn_zero::attention::flash_attention(q.clone(), k.clone(), v.clone(), true)
     {
@@ -416,55 +419,30 @@ pub(crate) fn causal_attention<B: Backend>(
 
 /// Rotary position embedding on interleaved pairs `(x[2i], x[2i+1])` — the layout of the q/k
 /// weights in GGUF files (llama.cpp permutes them); Hugging Face weights are permuted to it on
-/// load.
+/// load. One table per forward, shared by every layer (`burn_zero::nn::rope`: one kernel each
+/// way on CUDA).
 #[derive(Clone)]
 pub(crate) struct Rope<B: Backend> {
-    /// `[1, 1, seq, hd/2, 1]` each.
-    cos: Tensor<B, 5>,
-    sin: Tensor<B, 5>,
+    table: RopeTable<B>,
 }
 
 impl<B: Backend> Rope<B> {
-    pub(crate) fn new(
-        seq: usize,
-        head_dim: usize,
-        theta: f64,
-        device: &B::Device,
-        dtype: DType,
-    ) -> Self {
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(seq * half);
-        let mut sin = Vec::with_capacity(seq * half);
-        for pos in 0..seq {
-            for i in 0..half {
-                let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
-                let angle = pos as f64 * freq;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        // `from_data` takes the dtype from its options, not from the data.
-        let t = |v: Vec<f32>| {
-            Tensor::<B, 1>::from_data(TensorData::new(v, [seq * half]), (device, dtype))
-                .reshape([1, 1, seq, half, 1])
-        };
+    pub(crate) fn new(seq: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
         Self {
-            cos: t(cos),
-            sin: t(sin),
+            table: RopeTable::new(seq, head_dim, theta, device),
         }
     }
 
-    /// `x`: `[batch, heads, seq, head_dim]`.
+    /// `x`: `[batch, seq, heads, head_dim]`.
     pub(crate) fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, h, s, d] = x.dims();
-        let x = x.reshape([b, h, s, d / 2, 2]);
-        let x0 = x.clone().slice_dim(4, 0..1);
-        let x1 = x.slice_dim(4, 1..2);
-        let (cos, sin) = (self.cos.clone(), self.sin.clone());
-        let r0 = x0.clone() * cos.clone() - x1.clone() * sin.clone();
-        let r1 = x0 * sin + x1 * cos;
-        Tensor::cat(vec![r0, r1], 4).reshape([b, h, s, d])
+        rope(x, &self.table, RopePairs::Interleaved)
     }
+}
+
+/// `norm` (an RMSNorm) applied to `x` through `burn_zero::nn::rms_norm` (one kernel each way
+/// on CUDA; the same formula as `RmsNorm::forward` elsewhere).
+pub(crate) fn norm<B: Backend, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    rms_norm(x, norm.gamma.val(), norm.epsilon)
 }
 
 #[cfg(test)]
@@ -472,7 +450,7 @@ mod tests {
     use std::collections::HashMap;
 
     use burn::backend::NdArray;
-    use burn::tensor::Tolerance;
+    use burn::tensor::{TensorData, Tolerance};
 
     use super::*;
     use crate::gguf::tests::{Writer, f32_bytes};

@@ -7,7 +7,6 @@
 
 use burn::module::{Module, Param};
 use burn::nn::RmsNorm;
-use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 use burn_pipeline::tensor_parallel::{
@@ -15,7 +14,9 @@ use burn_pipeline::tensor_parallel::{
     VocabParallelEmbedding, copy_to_group, gather_along, slice_of, vocab_parallel_cross_entropy,
 };
 
-use crate::model::{Block, Llama, Rope, causal_attention};
+use burn_zero::nn::swiglu;
+
+use crate::model::{Block, Llama, Rope, causal_attention, norm};
 
 /// One decoder layer's slice.
 #[derive(Module, Debug)]
@@ -107,7 +108,7 @@ impl<B: ModelParallelBackend> ParallelBlock<B> {
         group: &ModelGroup,
     ) -> Tensor<B, 3> {
         // One `f` for the three projections of the same input.
-        let h = copy_to_group(self.attn_norm.forward(x.clone()), group);
+        let h = copy_to_group(norm(&self.attn_norm, x.clone()), group);
         let local = |l: &ColumnParallelLinear<B>, h: Tensor<B, 3>| {
             burn::tensor::module::linear(h, l.weight.val(), None)
         };
@@ -115,9 +116,9 @@ impl<B: ModelParallelBackend> ParallelBlock<B> {
         let v = local(&self.v, h);
         let attn = causal_attention(q, k, v, rope, mask, self.heads, self.kv_heads);
         let x = x + self.o.forward(attn, group);
-        let h = copy_to_group(self.mlp_norm.forward(x.clone()), group);
-        let gate = silu(local(&self.gate, h.clone()));
-        x + self.down.forward(gate * local(&self.up, h), group)
+        let h = copy_to_group(norm(&self.mlp_norm, x.clone()), group);
+        let act = swiglu(local(&self.gate, h.clone()), local(&self.up, h));
+        x + self.down.forward(act, group)
     }
 }
 
@@ -200,12 +201,12 @@ impl<B: ModelParallelBackend> ParallelLlama<B> {
             let b = &self.blocks[0];
             b.q.weight.dims()[1] / b.heads
         };
-        let rope = Rope::new(seq, head_dim, self.rope_theta, &device, x.dtype());
+        let rope = Rope::new(seq, head_dim, self.rope_theta, &device);
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         for block in &self.blocks {
             x = block.forward(x, &rope, &mask, group);
         }
-        let x = self.norm.forward(x);
+        let x = norm(&self.norm, x);
         let logits = match &self.head {
             Some(head) => head.forward(x, group),
             None => {

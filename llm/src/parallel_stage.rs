@@ -16,7 +16,7 @@ use burn_pipeline::tensor_parallel::{
     ColumnParallelLinear, ModelGroup, ModelParallelBackend, VocabParallelEmbedding, copy_to_group,
 };
 
-use crate::model::{Llama, Rope};
+use crate::model::{Llama, Rope, norm};
 use crate::parallel::{ParallelBlock, check};
 use crate::pipeline::{TiedOutput, stage_layers};
 
@@ -96,14 +96,14 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
             }
         };
         let [batch, seq, _] = h.dims();
-        let rope = Rope::new(seq, self.head_dim, self.rope_theta, &device, h.dtype());
+        let rope = Rope::new(seq, self.head_dim, self.rope_theta, &device);
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         let mut h = h;
         for block in &self.blocks {
             h = block.forward(h, &rope, &mask, group);
         }
-        if let Some(norm) = &self.norm {
-            h = norm.forward(h);
+        if let Some(n) = &self.norm {
+            h = norm(n, h);
         }
         let transposed = |w: Tensor<B, 2>| w.transpose().unsqueeze::<3>();
         let h = match (

@@ -12,7 +12,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor};
 use burn_pipeline::PipeStage;
 
-use crate::model::{Block, Llama, Rope};
+use crate::model::{Block, Llama, Rope, norm};
 
 /// Layers `layers` of a [`Llama`] as one pipeline stage.
 #[derive(Module, Debug)]
@@ -69,14 +69,14 @@ impl<B: Backend> LlamaStage<B> {
         };
         let [batch, seq, hidden] = h.dims();
         let head_dim = hidden / self.num_heads;
-        let rope = Rope::new(seq, head_dim, self.rope_theta, &device, h.dtype());
+        let rope = Rope::new(seq, head_dim, self.rope_theta, &device);
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         let mut h = h;
         for block in &self.blocks {
             h = block.forward(h, &rope, &mask, self.num_heads, self.num_kv_heads);
         }
-        if let Some(norm) = &self.norm {
-            h = norm.forward(h);
+        if let Some(n) = &self.norm {
+            h = norm(n, h);
         }
         let transposed = |w: Tensor<B, 2>| w.transpose().unsqueeze::<3>();
         let h = match (

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use cubecl_kernels::sparse::SparseLayout;
 
 use super::matmul::MatmulPolicy;
-use crate::config::{ResolvedConfig, SparseAttentionConfig};
+use crate::config::{FusedKernelsConfig, ResolvedConfig, SparseAttentionConfig};
 
 /// The op settings of one engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,6 +26,8 @@ pub struct OpSettings {
     pub attention_tensor_cores: bool,
     /// The `sparse_attention` section: flash attention is block-sparse with its layouts.
     pub sparse_attention: Option<SparseAttentionConfig>,
+    /// Which fused ops of `burn_zero::nn` run their kernels (`burn_zero.fused_kernels`).
+    pub fused_kernels: FusedKernelsConfig,
 }
 
 impl Default for OpSettings {
@@ -35,6 +37,7 @@ impl Default for OpSettings {
             flash_attention: None,
             attention_tensor_cores: true,
             sparse_attention: None,
+            fused_kernels: FusedKernelsConfig::default(),
         }
     }
 }
@@ -56,6 +59,7 @@ impl OpSettings {
             flash_attention: c.burn_zero.flash_attention,
             attention_tensor_cores: c.burn_zero.attention_tensor_cores,
             sparse_attention: c.sparse_attention.clone(),
+            fused_kernels: c.burn_zero.fused_kernels,
         }
     }
 }

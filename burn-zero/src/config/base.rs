@@ -177,6 +177,31 @@ pub struct BurnZeroConfig {
     /// `peak_tflops`: the device's peak TFLOPS, for the FLOPs profiler's utilization (absent:
     /// not reported).
     pub peak_tflops: Option<f64>,
+    /// `fused_kernels`: which of `burn_zero::nn`'s fused ops run their CubeCL kernels on CUDA.
+    pub fused_kernels: FusedKernelsConfig,
+}
+
+/// `burn_zero.fused_kernels`: each fused op of `burn_zero::nn` runs its kernels on CUDA when
+/// true (the default); false runs the op's reference formula in burn ops (for A/B runs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FusedKernelsConfig {
+    /// `rms_norm`: `burn_zero::nn::rms_norm`.
+    pub rms_norm: bool,
+    /// `rope`: `burn_zero::nn::rope`.
+    pub rope: bool,
+    /// `swiglu`: `burn_zero::nn::swiglu`.
+    pub swiglu: bool,
+}
+
+impl Default for FusedKernelsConfig {
+    fn default() -> Self {
+        Self {
+            rms_norm: true,
+            rope: true,
+            swiglu: true,
+        }
+    }
 }
 
 /// `burn_zero.memory_pool`: the pools cubecl's CUDA runtime reserves device memory through.
@@ -207,6 +232,7 @@ impl Default for BurnZeroConfig {
             attention_tensor_cores: true,
             host_collectives: false,
             peak_tflops: None,
+            fused_kernels: FusedKernelsConfig::default(),
         }
     }
 }

@@ -40,6 +40,13 @@ const OVERRIDES: &[(&str, &str, Kind)] = &[
     ),
     ("BURN_ZERO_CUBLASLT_TUNE", "matmul.tune", Kind::Bool),
     ("BURN_ZERO_MATMUL_PROFILE", "matmul.profile", Kind::Bool),
+    (
+        "BURN_ZERO_FUSED_RMS_NORM",
+        "fused_kernels.rms_norm",
+        Kind::Bool,
+    ),
+    ("BURN_ZERO_FUSED_ROPE", "fused_kernels.rope", Kind::Bool),
+    ("BURN_ZERO_FUSED_SWIGLU", "fused_kernels.swiglu", Kind::Bool),
 ];
 
 /// The variables that may override a key, with the key they override.

@@ -3,6 +3,8 @@
 mod checkpoint;
 mod cross_entropy;
 mod downcast;
+mod fused;
 
 pub use checkpoint::checkpoint;
 pub use cross_entropy::{VocabAxis, linear_cross_entropy, materialized_cross_entropy};
+pub use fused::{RopePairs, RopeTable, rms_norm, rms_norm_reference, rope, swiglu};

@@ -1,0 +1,251 @@
+//! The fused kernels on `ZeroBackend<burn::backend::Cuda>` tensors, as operations of burn's
+//! fusion stream (the caller never waits). Each function answers `None` when its tensors are
+//! not that backend's or not of one dtype the kernels take (f32, bf16, f16): the caller then
+//! runs the same math in burn ops.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use cubecl::cuda::CudaRuntime;
+use cubecl_kernels::fused::{
+    RopeDims, RopePairs, backward_scratch_bytes, rms_norm_backward, rms_norm_forward, rope,
+    swiglu_backward, swiglu_forward,
+};
+
+use crate::backend::fused_op::{CudaCube, Fused, run_fused};
+use crate::backend::{ZeroBackend, ZeroTensor};
+use crate::nn::downcast::float_as;
+
+type Zero = ZeroBackend<burn::backend::Cuda>;
+
+/// The fused tensors of `tensors` (a sharded parameter gathered), when they are CUDA tensors
+/// of one dtype the kernels take.
+fn fused_all<Z: Backend, const N: usize, const D: usize>(
+    tensors: [&Tensor<Z, D>; N],
+) -> Option<[Fused; N]> {
+    let out: [Option<Fused>; N] = tensors.map(|t| {
+        let t = float_as::<Z, Zero, D>(t.clone())?;
+        Some(t.into_primitive().tensor().into_inner())
+    });
+    let out: [Fused; N] = out
+        .into_iter()
+        .collect::<Option<Vec<_>>>()?
+        .try_into()
+        .ok()?;
+    let dtype = out[0].dtype;
+    let takes = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+    (takes && out.iter().all(|t| t.dtype == dtype)).then_some(out)
+}
+
+/// A kernel's output as a tensor of `Z` (which is `Zero` when this runs).
+fn back<Z: Backend, const D: usize>(t: Fused) -> Tensor<Z, D> {
+    let t = Tensor::<Zero, D>::from_primitive(TensorPrimitive::Float(ZeroTensor::local(t)));
+    float_as::<Zero, Z, D>(t).expect("called with Z = ZeroBackend<Cuda>")
+}
+
+/// A new uninitialized contiguous tensor beside `like`.
+fn empty(like: &CudaCube, shape: &[usize], dtype: DType) -> CudaCube {
+    empty_device_dtype::<CudaRuntime>(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::from(shape.to_vec()),
+        dtype,
+    )
+}
+
+fn contiguous(t: CudaCube) -> CudaCube {
+    if t.is_contiguous() {
+        t
+    } else {
+        into_contiguous(t)
+    }
+}
+
+fn shape_of(t: &Fused) -> Vec<usize> {
+    t.shape.iter().copied().collect()
+}
+
+/// RMSNorm forward of `x` (`[rows, hidden]`) with weight `w`: `(y, rstd)`, `rstd` `[rows]` f32.
+pub(super) fn rms_forward<Z: Backend>(
+    x: &Tensor<Z, 2>,
+    w: &Tensor<Z, 1>,
+    eps: f64,
+) -> Option<(Tensor<Z, 2>, Tensor<Z, 1>)> {
+    let [rows, hidden] = x.dims();
+    let x2 = x.clone().reshape([rows * hidden]);
+    let [fx, fw] = fused_all([&x2, w])?;
+    let dtype = fx.dtype;
+    let outputs = [
+        (Shape::from(vec![rows, hidden]), dtype),
+        (Shape::from(vec![rows]), DType::F32),
+    ];
+    let [y, rstd] = run_fused("burn_zero_rms_norm", [&fx, &fw], outputs, move |[x, w]| {
+        let (x, w) = (contiguous(x), contiguous(w));
+        let y = empty(&x, &[rows, hidden], dtype);
+        let rstd = empty(&x, &[rows], DType::F32);
+        let client = x.client.clone();
+        rms_norm_forward(
+            &client,
+            dtype.into(),
+            [rows, hidden],
+            eps as f32,
+            &x.handle,
+            &w.handle,
+            &y.handle,
+            &rstd.handle,
+        );
+        [y, rstd]
+    });
+    Some((back(y), back(rstd)))
+}
+
+/// RMSNorm backward: `(dx, dw)` from the forward's `x`, `w`, `rstd` and `dy`.
+pub(super) fn rms_backward<Z: Backend>(
+    x: &Tensor<Z, 2>,
+    w: &Tensor<Z, 1>,
+    rstd: &Tensor<Z, 1>,
+    dy: &Tensor<Z, 2>,
+) -> Option<(Tensor<Z, 2>, Tensor<Z, 1>)> {
+    let [rows, hidden] = x.dims();
+    let [fx, fdy] = fused_all([x, dy])?;
+    let [fw] = fused_all([w])?;
+    let rstd = float_as::<Z, Zero, 1>(rstd.clone())?
+        .into_primitive()
+        .tensor()
+        .into_inner();
+    if fw.dtype != fx.dtype {
+        return None;
+    }
+    let dtype = fx.dtype;
+    let outputs = [
+        (Shape::from(vec![rows, hidden]), dtype),
+        (Shape::from(vec![hidden]), dtype),
+    ];
+    let [dx, dw] = run_fused(
+        "burn_zero_rms_norm_backward",
+        [&fx, &fw, &rstd, &fdy],
+        outputs,
+        move |[x, w, rstd, dy]| {
+            let [x, w, rstd, dy] = [x, w, rstd, dy].map(contiguous);
+            let dx = empty(&x, &[rows, hidden], dtype);
+            let dw = empty(&x, &[hidden], dtype);
+            let scratch = x.client.empty(backward_scratch_bytes(rows, hidden));
+            let client = x.client.clone();
+            rms_norm_backward(
+                &client,
+                dtype.into(),
+                [rows, hidden],
+                [&x.handle, &w.handle, &rstd.handle, &dy.handle],
+                [&dx.handle, &dw.handle],
+                &scratch,
+            );
+            [dx, dw]
+        },
+    );
+    Some((back(dx), back(dw)))
+}
+
+/// `silu(gate) · up`.
+pub(super) fn swiglu_forward_op<Z: Backend, const D: usize>(
+    gate: &Tensor<Z, D>,
+    up: &Tensor<Z, D>,
+) -> Option<Tensor<Z, D>> {
+    let [fg, fu] = fused_all([gate, up])?;
+    if fg.shape != fu.shape {
+        return None;
+    }
+    let (dtype, shape) = (fg.dtype, shape_of(&fg));
+    let len = shape.iter().product();
+    let outputs = [(fg.shape.clone(), dtype)];
+    let [out] = run_fused("burn_zero_swiglu", [&fg, &fu], outputs, move |[g, u]| {
+        let (g, u) = (contiguous(g), contiguous(u));
+        let out = empty(&g, &shape, dtype);
+        let client = g.client.clone();
+        swiglu_forward(
+            &client,
+            dtype.into(),
+            len,
+            [&g.handle, &u.handle],
+            &out.handle,
+        );
+        [out]
+    });
+    Some(back(out))
+}
+
+/// SwiGLU's backward: `(d_gate, d_up)`.
+pub(super) fn swiglu_backward_op<Z: Backend, const D: usize>(
+    gate: &Tensor<Z, D>,
+    up: &Tensor<Z, D>,
+    d_out: &Tensor<Z, D>,
+) -> Option<(Tensor<Z, D>, Tensor<Z, D>)> {
+    let [fg, fu, fd] = fused_all([gate, up, d_out])?;
+    let (dtype, shape) = (fg.dtype, shape_of(&fg));
+    let len = shape.iter().product();
+    let outputs = [(fg.shape.clone(), dtype), (fg.shape.clone(), dtype)];
+    let [dg, du] = run_fused(
+        "burn_zero_swiglu_backward",
+        [&fg, &fu, &fd],
+        outputs,
+        move |[g, u, d]| {
+            let [g, u, d] = [g, u, d].map(contiguous);
+            let [dg, du] = [0; 2].map(|_| empty(&g, &shape, dtype));
+            let client = g.client.clone();
+            swiglu_backward(
+                &client,
+                dtype.into(),
+                len,
+                [&g.handle, &u.handle, &d.handle],
+                [&dg.handle, &du.handle],
+            );
+            [dg, du]
+        },
+    );
+    Some((back(dg), back(du)))
+}
+
+/// `x` (`[batch, seq, heads, head_dim]`) rotated by the tables' angles (back when `inverse`).
+pub(super) fn rope_op<Z: Backend>(
+    x: &Tensor<Z, 4>,
+    cos: &Tensor<Z, 2>,
+    sin: &Tensor<Z, 2>,
+    pairs: RopePairs,
+    inverse: bool,
+) -> Option<Tensor<Z, 4>> {
+    let [batch, seq, heads, head_dim] = x.dims();
+    let [fx] = fused_all([x])?;
+    let [fc, fs] = fused_all([cos, sin])?;
+    if fc.dtype != DType::F32 {
+        return None;
+    }
+    let dtype = fx.dtype;
+    let dims = RopeDims {
+        batch,
+        seq,
+        heads,
+        head_dim,
+    };
+    let outputs = [(fx.shape.clone(), dtype)];
+    let [out] = run_fused(
+        "burn_zero_rope",
+        [&fx, &fc, &fs],
+        outputs,
+        move |[x, c, s]| {
+            let [x, c, s] = [x, c, s].map(contiguous);
+            let out = empty(&x, &[batch, seq, heads, head_dim], dtype);
+            let client = x.client.clone();
+            rope(
+                &client,
+                dtype.into(),
+                dims,
+                pairs,
+                inverse,
+                [&x.handle, &c.handle, &s.handle],
+                &out.handle,
+            );
+            [out]
+        },
+    );
+    Some(back(out))
+}

@@ -1,0 +1,128 @@
+//! How a fused op reaches its kernels: under `Autodiff<ZeroBackend<_>>` as a custom autodiff
+//! op (forward and backward each the op's own, the kernels on CUDA), on `ZeroBackend<_>`
+//! alone as its forward, and on any other backend as the op's forward in plain burn ops
+//! (differentiable by burn's autodiff). One engine's `burn_zero.fused_kernels` may switch an op
+//! off: the model then runs the reference formula.
+
+use core::any::TypeId;
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::nn::downcast::float_as;
+
+/// An op of `N` inputs of rank `D` (a rank the caller reshapes to) and one output.
+pub(super) trait FusedOp<const N: usize, const D: usize>:
+    Clone + core::fmt::Debug + Send + Sync + 'static
+{
+    /// The output, and what the backward reads besides the inputs (kernels on CUDA tensors
+    /// of `ZeroBackend`, burn ops otherwise).
+    fn forward<Z: Backend>(&self, inputs: &[Tensor<Z, D>; N]) -> (Tensor<Z, D>, Vec<Tensor<Z, D>>);
+
+    /// Each input's gradient from the output's, `None` for inputs that take none (tables).
+    fn backward<Z: Backend>(
+        &self,
+        inputs: &[Tensor<Z, D>; N],
+        saved: &[Tensor<Z, D>],
+        d_out: Tensor<Z, D>,
+    ) -> [Option<Tensor<Z, D>>; N];
+}
+
+/// `op` on `inputs`, through its custom autodiff op where `B` is `Autodiff<ZeroBackend<_>>`.
+pub(super) fn apply<B: Backend, O: FusedOp<N, D>, const N: usize, const D: usize>(
+    op: O,
+    inputs: [Tensor<B, D>; N],
+) -> Tensor<B, D> {
+    #[cfg(feature = "cuda")]
+    let inputs =
+        match on::<B, crate::backend::ZeroBackend<burn::backend::Cuda>, O, N, D>(&op, inputs) {
+            Ok(out) => return out,
+            Err(inputs) => inputs,
+        };
+    #[cfg(feature = "ndarray")]
+    let inputs =
+        match on::<B, crate::backend::ZeroBackend<burn::backend::NdArray>, O, N, D>(&op, inputs) {
+            Ok(out) => return out,
+            Err(inputs) => inputs,
+        };
+    op.forward(&inputs).0
+}
+
+/// The op on `Autodiff<Z>` or `Z` when `B` is one of them; the inputs back otherwise.
+fn on<B: Backend, Z: Backend, O: FusedOp<N, D>, const N: usize, const D: usize>(
+    op: &O,
+    inputs: [Tensor<B, D>; N],
+) -> Result<Tensor<B, D>, [Tensor<B, D>; N]> {
+    if TypeId::of::<B>() == TypeId::of::<Z>() {
+        let inner = inputs.map(|t| float_as::<B, Z, D>(t).expect("B is Z"));
+        let out = op.forward(&inner).0;
+        return Ok(float_as::<Z, B, D>(out).expect("B is Z"));
+    }
+    if TypeId::of::<B>() != TypeId::of::<Autodiff<Z>>() {
+        return Err(inputs);
+    }
+    let prims = inputs.map(|t| {
+        float_as::<B, Autodiff<Z>, D>(t)
+            .expect("B is Autodiff<Z>")
+            .into_primitive()
+            .tensor()
+    });
+    let inner: [Tensor<Z, D>; N] = prims
+        .each_ref()
+        .map(|p| Tensor::from_primitive(TensorPrimitive::Float(p.primitive.clone())));
+    let (out, saved) = op.forward(&inner);
+    let out = out.into_primitive().tensor();
+    let out = match FusedBackward::<O, D>(core::marker::PhantomData)
+        .prepare::<NoCheckpointing>(prims.each_ref().map(|p| p.node.clone()))
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            FusedState {
+                op: op.clone(),
+                inputs: inner,
+                saved,
+            },
+            out,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    let out = Tensor::<Autodiff<Z>, D>::from_primitive(TensorPrimitive::Float(out));
+    Ok(float_as::<Autodiff<Z>, B, D>(out).expect("B is Autodiff<Z>"))
+}
+
+#[derive(Debug)]
+struct FusedBackward<O, const D: usize>(core::marker::PhantomData<O>);
+
+/// The op, its inputs (a ZeRO-3 parameter stays a sharded handle until the backward reads it)
+/// and what its forward kept.
+#[derive(Clone, Debug)]
+struct FusedState<Z: Backend, O, const N: usize, const D: usize> {
+    op: O,
+    inputs: [Tensor<Z, D>; N],
+    saved: Vec<Tensor<Z, D>>,
+}
+
+impl<Z: Backend, O: FusedOp<N, D>, const N: usize, const D: usize> Backward<Z, N>
+    for FusedBackward<O, D>
+{
+    type State = FusedState<Z, O, N, D>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let FusedState { op, inputs, saved } = ops.state;
+        let d_out =
+            Tensor::<Z, D>::from_primitive(TensorPrimitive::Float(grads.consume::<Z>(&ops.node)));
+        let parents = ops.parents.map(|p| p.map(|node| node.id));
+        let grads_in = op.backward(&inputs, &saved, d_out);
+        for (parent, grad) in parents.into_iter().zip(grads_in) {
+            if let (Some(id), Some(grad)) = (parent, grad) {
+                grads.register::<Z>(id, grad.into_primitive().tensor());
+            }
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! The fused kernels on wgpu/lavapipe against f64 host references, forward and backward, on
+//! shapes no vector or cube size divides, in f32 and (where the adapter has it) f16, and a NaN
+//! in one input reaching exactly the outputs that depend on it.
+
+use cubecl::ir::{ElemType, FloatKind};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+use super::*;
+
+type Client = ComputeClient<WgpuRuntime>;
+
+/// Never-zero values in (−1, 1).
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let x = ((i as u32).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 1999;
+            (x as f32 + 1.0) / 1000.0 - 1.0
+        })
+        .collect()
+}
+
+/// The element types to check: f32, and f16 where the adapter has it (said, not skipped
+/// silently).
+fn dtypes(client: &Client) -> Vec<StorageType> {
+    let f16 = StorageType::Scalar(ElemType::Float(FloatKind::F16));
+    let mut types = vec![StorageType::Scalar(ElemType::Float(FloatKind::F32))];
+    match client.properties().supports_type(f16) {
+        true => types.push(f16),
+        false => eprintln!("this adapter has no f16: the fused kernels are checked in f32 only"),
+    }
+    types
+}
+
+fn is_f16(dtype: StorageType) -> bool {
+    dtype == StorageType::Scalar(ElemType::Float(FloatKind::F16))
+}
+
+/// `data` rounded to `dtype` (what the kernel reads), and its buffer.
+fn upload(client: &Client, dtype: StorageType, data: &[f32]) -> (Vec<f32>, Handle) {
+    if is_f16(dtype) {
+        let h: Vec<half::f16> = data.iter().map(|x| half::f16::from_f32(*x)).collect();
+        let rounded = h.iter().map(|x| x.to_f32()).collect();
+        (rounded, client.create_from_slice(half::f16::as_bytes(&h)))
+    } else {
+        (data.to_vec(), client.create_from_slice(f32::as_bytes(data)))
+    }
+}
+
+fn empty(client: &Client, dtype: StorageType, len: usize) -> Handle {
+    client.empty(dtype.size() * len.max(1))
+}
+
+fn read(client: &Client, dtype: StorageType, h: &Handle) -> Vec<f32> {
+    let bytes = client.read_one(h.clone()).expect("the result comes back");
+    if is_f16(dtype) {
+        half::f16::from_bytes(&bytes)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect()
+    } else {
+        f32::from_bytes(&bytes).to_vec()
+    }
+}
+
+/// Within `tolerance` of the largest reference value (f32 or f16 rounding of the result).
+fn assert_close(name: &str, got: &[f32], want: &[f64], tolerance: f64) {
+    assert!(
+        got.len() >= want.len(),
+        "{name}: {} < {}",
+        got.len(),
+        want.len()
+    );
+    let scale = want.iter().fold(0.0f64, |a, x| a.max(x.abs())).max(1e-3);
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (f64::from(*a) - b).abs() <= tolerance * scale,
+            "{name}[{i}]: {a} vs {b} (scale {scale})"
+        );
+    }
+}
+
+fn tolerance(dtype: StorageType) -> f64 {
+    if is_f16(dtype) { 4e-3 } else { 2e-5 }
+}
+
+fn f64s(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|v| f64::from(*v)).collect()
+}
+
+/// RMSNorm forward and backward in f64: `(y, rstd, dx, dw)`.
+fn rms_reference(
+    x: &[f64],
+    w: &[f64],
+    dy: &[f64],
+    hidden: usize,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let rows = x.len() / hidden;
+    let (mut y, mut rstd, mut dx, mut dw) = (
+        vec![0.0; x.len()],
+        vec![0.0; rows],
+        vec![0.0; x.len()],
+        vec![0.0; hidden],
+    );
+    for r in 0..rows {
+        let row = &x[r * hidden..(r + 1) * hidden];
+        let ms = row.iter().map(|v| v * v).sum::<f64>() / hidden as f64;
+        let s = 1.0 / (ms + eps).sqrt();
+        rstd[r] = s;
+        let dot: f64 = (0..hidden)
+            .map(|j| dy[r * hidden + j] * w[j] * row[j])
+            .sum();
+        for j in 0..hidden {
+            let i = r * hidden + j;
+            y[i] = row[j] * s * w[j];
+            dx[i] = s * w[j] * dy[i] - s * s * s * row[j] * dot / hidden as f64;
+            dw[j] += dy[i] * row[j] * s;
+        }
+    }
+    (y, rstd, dx, dw)
+}
+
+/// RMSNorm on rows no cube count divides (1, 37, 1,100 rows: the backward then groups 3
+/// rows per cube) and widths no vector divides (7, 20) or all do (96, 4,096).
+#[test]
+fn rms_norm_matches_f64_forward_and_backward() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let eps = 1e-5;
+    for dtype in dtypes(&client) {
+        for (rows, hidden) in [(1, 7), (37, 20), (1_100, 96), (5, 4_096)] {
+            let n = rows * hidden;
+            let (x, hx) = upload(&client, dtype, &values(n, 1));
+            let w: Vec<f32> = values(hidden, 2).iter().map(|v| 1.0 + v / 2.0).collect();
+            let (w, hw) = upload(&client, dtype, &w);
+            let (dy, hdy) = upload(&client, dtype, &values(n, 3));
+            let (out, rstd) = (empty(&client, dtype, n), client.empty(4 * rows));
+            rms_norm_forward(&client, dtype, [rows, hidden], eps, &hx, &hw, &out, &rstd);
+            let (dx, dw) = (empty(&client, dtype, n), empty(&client, dtype, hidden));
+            let scratch = client.empty(backward_scratch_bytes(rows, hidden));
+            rms_norm_backward(
+                &client,
+                dtype,
+                [rows, hidden],
+                [&hx, &hw, &rstd, &hdy],
+                [&dx, &dw],
+                &scratch,
+            );
+            let want = rms_reference(&f64s(&x), &f64s(&w), &f64s(&dy), hidden, eps as f64);
+            let name = |what: &str| format!("rms_norm {what} {rows}×{hidden} {dtype:?}");
+            let tol = tolerance(dtype);
+            assert_close(&name("y"), &read(&client, dtype, &out), &want.0, tol);
+            let got_rstd = f32::from_bytes(&client.read_one(rstd).unwrap()).to_vec();
+            assert_close(&name("rstd"), &got_rstd, &want.1, 2e-6);
+            assert_close(&name("dx"), &read(&client, dtype, &dx), &want.2, tol);
+            assert_close(&name("dw"), &read(&client, dtype, &dw), &want.3, tol);
+        }
+    }
+}
+
+/// A NaN in one row of `x` makes that row's output, `dx` row and every `dw` column NaN and
+/// leaves every other row finite.
+#[test]
+fn a_nan_in_rms_norm_reaches_its_row_and_the_weight_gradient_only() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let dtype = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let (rows, hidden) = (9, 12);
+    let mut x = values(rows * hidden, 4);
+    x[4 * hidden + 5] = f32::NAN;
+    let (_, hx) = upload(&client, dtype, &x);
+    let (_, hw) = upload(&client, dtype, &vec![1.0; hidden]);
+    let (_, hdy) = upload(&client, dtype, &values(rows * hidden, 5));
+    let (out, rstd) = (empty(&client, dtype, x.len()), client.empty(4 * rows));
+    rms_norm_forward(&client, dtype, [rows, hidden], 1e-5, &hx, &hw, &out, &rstd);
+    let (dx, dw) = (
+        empty(&client, dtype, x.len()),
+        empty(&client, dtype, hidden),
+    );
+    let scratch = client.empty(backward_scratch_bytes(rows, hidden));
+    rms_norm_backward(
+        &client,
+        dtype,
+        [rows, hidden],
+        [&hx, &hw, &rstd, &hdy],
+        [&dx, &dw],
+        &scratch,
+    );
+    for (name, got) in [
+        ("y", read(&client, dtype, &out)),
+        ("dx", read(&client, dtype, &dx)),
+    ] {
+        for (i, v) in got.iter().enumerate() {
+            assert_eq!(v.is_nan(), i / hidden == 4, "{name}[{i}] = {v}");
+        }
+    }
+    assert!(read(&client, dtype, &dw).iter().all(|v| v.is_nan()));
+}
+
+/// SwiGLU over lengths no vector divides and lengths all do, and a NaN gate reaching its own
+/// outputs only.
+#[test]
+fn swiglu_matches_f64_forward_and_backward() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    for dtype in dtypes(&client) {
+        for len in [1usize, 7, 30, 4_099, 65_536] {
+            let mut gate: Vec<f32> = values(len, 6).iter().map(|v| v * 6.0).collect();
+            if len > 3 {
+                gate[3] = f32::NAN;
+            }
+            let (gate, hg) = upload(&client, dtype, &gate);
+            let (up, hu) = upload(&client, dtype, &values(len, 7));
+            let (d, hd) = upload(&client, dtype, &values(len, 8));
+            let out = empty(&client, dtype, len);
+            swiglu_forward(&client, dtype, len, [&hg, &hu], &out);
+            let (dg, du) = (empty(&client, dtype, len), empty(&client, dtype, len));
+            swiglu_backward(&client, dtype, len, [&hg, &hu, &hd], [&dg, &du]);
+            let (mut want_o, mut want_g, mut want_u) = (vec![], vec![], vec![]);
+            for i in 0..len {
+                let (g, u, d) = (f64::from(gate[i]), f64::from(up[i]), f64::from(d[i]));
+                let s = 1.0 / (1.0 + (-g).exp());
+                want_o.push(g * s * u);
+                want_g.push(d * u * s * (1.0 + g * (1.0 - s)));
+                want_u.push(d * g * s);
+            }
+            let got = [&out, &dg, &du].map(|h| read(&client, dtype, h));
+            for ((name, got), want) in ["out", "d_gate", "d_up"]
+                .iter()
+                .zip(&got)
+                .zip([&want_o, &want_g, &want_u])
+            {
+                for i in 0..len {
+                    assert_eq!(
+                        got[i].is_nan(),
+                        want[i].is_nan(),
+                        "swiglu {name}[{i}] {dtype:?}"
+                    );
+                }
+                let finite = |v: &[f32]| {
+                    v.iter()
+                        .map(|x| if x.is_nan() { 0.0 } else { *x })
+                        .collect::<Vec<_>>()
+                };
+                let want: Vec<f64> = want
+                    .iter()
+                    .map(|x| if x.is_nan() { 0.0 } else { *x })
+                    .collect();
+                let name = format!("swiglu {name} len {len} {dtype:?}");
+                assert_close(&name, &finite(got), &want, tolerance(dtype));
+            }
+        }
+    }
+}
+
+/// RoPE tables for `seq` positions of heads of `head_dim`, base `theta` (f64, rounded).
+fn tables(seq: usize, head_dim: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::new();
+    let mut sin = Vec::new();
+    for p in 0..seq {
+        for i in 0..half {
+            let angle = p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// RoPE in both pair layouts against f64 rotation, forward, and back to the input (the
+/// backward is the inverse rotation, and the rotation is orthogonal), with head widths 2, 6,
+/// 64 and 128, a NaN reaching its own pair only.
+#[test]
+fn rope_rotates_both_layouts_and_back() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    for dtype in dtypes(&client) {
+        for pairs in [RopePairs::Interleaved, RopePairs::HalfSplit] {
+            for (batch, seq, heads, head_dim) in
+                [(1, 1, 1, 2), (2, 5, 3, 6), (2, 17, 4, 64), (1, 9, 2, 128)]
+            {
+                let dims = RopeDims {
+                    batch,
+                    seq,
+                    heads,
+                    head_dim,
+                };
+                let len = dims.len();
+                let mut x = values(len, 9);
+                x[len - 1] = f32::NAN;
+                let (x, hx) = upload(&client, dtype, &x);
+                let (cos, sin) = tables(seq, head_dim, 10_000.0);
+                let (hc, hs) = (
+                    client.create_from_slice(f32::as_bytes(&cos)),
+                    client.create_from_slice(f32::as_bytes(&sin)),
+                );
+                let out = empty(&client, dtype, len);
+                rope(&client, dtype, dims, pairs, false, [&hx, &hc, &hs], &out);
+                let back = empty(&client, dtype, len);
+                rope(&client, dtype, dims, pairs, true, [&out, &hc, &hs], &back);
+                let half = head_dim / 2;
+                let mut want = vec![0.0f64; len];
+                for row in 0..batch * seq * heads {
+                    let pos = (row / heads) % seq;
+                    for i in 0..half {
+                        let (a, b) = match pairs {
+                            RopePairs::Interleaved => {
+                                (row * head_dim + 2 * i, row * head_dim + 2 * i + 1)
+                            }
+                            RopePairs::HalfSplit => (row * head_dim + i, row * head_dim + i + half),
+                        };
+                        let angle = pos as f64 * 10_000f64.powf(-2.0 * i as f64 / head_dim as f64);
+                        let (c, s) = (angle.cos(), angle.sin());
+                        let (xa, xb) = (f64::from(x[a]), f64::from(x[b]));
+                        want[a] = xa * c - xb * s;
+                        want[b] = xa * s + xb * c;
+                    }
+                }
+                let got = read(&client, dtype, &out);
+                let back = read(&client, dtype, &back);
+                let name = format!("rope {pairs:?} {dims:?} {dtype:?}");
+                for i in 0..len {
+                    assert_eq!(got[i].is_nan(), want[i].is_nan(), "{name} out[{i}]");
+                    assert_eq!(back[i].is_nan(), want[i].is_nan(), "{name} back[{i}]");
+                }
+                let clean = |v: &[f32]| {
+                    v.iter()
+                        .map(|x| if x.is_nan() { 0.0 } else { *x })
+                        .collect::<Vec<_>>()
+                };
+                let clean64 = |v: &[f64]| {
+                    v.iter()
+                        .map(|x| if x.is_nan() { 0.0 } else { *x })
+                        .collect::<Vec<_>>()
+                };
+                assert_close(
+                    &format!("{name} out"),
+                    &clean(&got),
+                    &clean64(&want),
+                    tolerance(dtype),
+                );
+                // The input where its pair holds no NaN (a NaN's partner turns NaN too).
+                let input: Vec<f64> = (0..len)
+                    .map(|i| {
+                        if want[i].is_nan() {
+                            0.0
+                        } else {
+                            f64::from(x[i])
+                        }
+                    })
+                    .collect();
+                assert_close(
+                    &format!("{name} back"),
+                    &clean(&back),
+                    &clean64(&input),
+                    2.0 * tolerance(dtype),
+                );
+            }
+        }
+    }
+}

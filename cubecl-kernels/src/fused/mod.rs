@@ -1,0 +1,26 @@
+//! Fused transformer kernels (DeepSpeed's transformer kernels, for burn models): RMSNorm,
+//! RoPE and SwiGLU, each one kernel forward and one backward (RMSNorm's weight gradient a
+//! second, deterministic, pass). Contiguous operands; statistics and arithmetic in f32 for
+//! f16/bf16 elements.
+
+mod rms_norm;
+mod rope;
+mod swiglu;
+
+pub use rms_norm::{backward_chunk, backward_scratch_bytes, rms_norm_backward, rms_norm_forward};
+pub use rope::{RopeDims, RopePairs, rope};
+pub use swiglu::{swiglu_backward, swiglu_forward};
+
+use cubecl::prelude::*;
+
+/// Elements per vector for elements of `bytes` over rows of `len` elements: the widest the
+/// runtime loads in one access that divides `len` (so rows start on vectors).
+fn vector_of<R: Runtime>(client: &ComputeClient<R>, bytes: usize, len: usize) -> usize {
+    client
+        .io_optimized_vector_sizes(bytes)
+        .find(|v| len.is_multiple_of(*v))
+        .unwrap_or(1)
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod gpu_tests;

@@ -1,0 +1,243 @@
+//! The fused ops of `burn_zero::nn` (RMSNorm, RoPE, SwiGLU; issue 35) on one GPU, through
+//! `Autodiff<ZeroBackend<Cuda>>` as a model calls them, checked and timed in one run:
+//! 1. check: each op's output and input gradients with its kernels, in bf16, f16 and f32, on
+//!    shapes no vector width or cube divides, against the same op in burn ops
+//!    (`burn_zero.fused_kernels` off) on f32 copies of the same inputs: the largest difference
+//!    relative to the largest reference value, within 1e-5 for f32 and two roundings of the
+//!    dtype for bf16 (1.6e-2) and f16 (2e-3). Exit status 1 if any case is outside.
+//! 2. time: forward, and forward + backward of `Σ out · probe`, at the 8B Llama's shapes for
+//!    8,192 tokens in bf16: the kernels against the same op in burn ops (which burn's fusion
+//!    fuses where it can); median of `--iterations` after a warm-up.
+//!
+//! `bench-fused [--iterations N]` prints one JSON line; `bench/run_fused.sh` runs it beside
+//! the torch eager equivalents (`bench/fused_torch.py`) on the same GPU.
+
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_zero::backend::ZeroBackend;
+use burn_zero::backend::settings::{self, OpSettings};
+use burn_zero::config::FusedKernelsConfig;
+use burn_zero::nn::{RopePairs, RopeTable, rms_norm, rope, swiglu};
+use burn_zero_examples::cli::{arg, values};
+use serde_json::{Value, json};
+
+type B = Autodiff<ZeroBackend<Cuda>>;
+type Device = burn::tensor::Device<B>;
+
+fn with_kernels(on: bool) -> settings::SettingsGuard {
+    settings::set(OpSettings {
+        fused_kernels: FusedKernelsConfig {
+            rms_norm: on,
+            rope: on,
+            swiglu: on,
+        },
+        ..settings::current()
+    })
+}
+
+fn tensor<const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    scale: f32,
+    dtype: FloatDType,
+    device: &Device,
+) -> Tensor<B, D> {
+    let n = shape.iter().product();
+    let v: Vec<f32> = values(n, seed).iter().map(|x| x * scale).collect();
+    Tensor::<B, D>::from_data(TensorData::new(v, shape), device).cast(dtype)
+}
+
+/// The output and every input's gradient of `Σ f(inputs) · probe`, as f32 host vectors.
+fn run<const D: usize, const N: usize>(
+    inputs: &[Tensor<B, D>; N],
+    f: &dyn Fn(&[Tensor<B, D>; N]) -> Tensor<B, D>,
+) -> Vec<Vec<f32>> {
+    let leaves = inputs.clone().map(|t| t.require_grad());
+    let out = f(&leaves);
+    let probe = tensor(out.dims(), 99, 1.0, FloatDType::F32, &out.device()).cast(out.dtype());
+    let grads = (out.clone() * probe).sum().backward();
+    let host = |t: Tensor<ZeroBackend<Cuda>, D>| {
+        let t = t.cast(FloatDType::F32);
+        t.into_data().to_vec::<f32>().expect("f32")
+    };
+    let mut all = vec![host(out.inner())];
+    all.extend(
+        leaves
+            .iter()
+            .map(|l| host(l.grad(&grads).expect("a gradient"))),
+    );
+    all
+}
+
+/// One check: the kernels on inputs of `dtype` against burn ops on their f32 copies.
+fn check<const D: usize, const N: usize>(
+    name: &str,
+    inputs: [Tensor<B, D>; N],
+    dtype: FloatDType,
+    f: &dyn Fn(&[Tensor<B, D>; N]) -> Tensor<B, D>,
+) -> Value {
+    let ours = {
+        let _on = with_kernels(true);
+        run(&inputs.clone().map(|t| t.cast(dtype)), f)
+    };
+    let reference = {
+        let _off = with_kernels(false);
+        // The same rounded values, widened: the reference sees what the kernels see.
+        run(&inputs.map(|t| t.cast(dtype).cast(FloatDType::F32)), f)
+    };
+    let tolerance = match dtype {
+        FloatDType::F32 => 1e-5,
+        FloatDType::BF16 => 1.6e-2,
+        _ => 2e-3,
+    };
+    let mut diffs = Vec::new();
+    let mut ok = true;
+    for (got, want) in ours.iter().zip(&reference) {
+        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
+        let diff = got
+            .iter()
+            .zip(want)
+            .fold(0f32, |a, (g, w)| a.max((g - w).abs()))
+            / scale;
+        let finite = got
+            .iter()
+            .zip(want)
+            .all(|(g, w)| g.is_finite() == w.is_finite());
+        ok &= diff <= tolerance && finite;
+        diffs.push(diff);
+    }
+    let shape = ours.len();
+    eprintln!(
+        "check {name} {dtype:?}: relative differences {diffs:?} (tolerance {tolerance}) {}",
+        if ok { "ok" } else { "FAILED" }
+    );
+    json!({"op": name, "dtype": format!("{dtype:?}"), "outputs_and_grads": shape,
+           "max_relative_difference": diffs, "tolerance": tolerance, "ok": ok})
+}
+
+/// Median wall seconds of `run` from a synced device until its work is done.
+fn median_seconds<T>(device: &Device, iterations: usize, mut run: impl FnMut() -> T) -> f64 {
+    let mut times = Vec::new();
+    for i in 0..=iterations {
+        B::sync(device).expect("sync");
+        let start = Instant::now();
+        let result = run();
+        B::sync(device).expect("sync");
+        drop(result);
+        if i > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// Forward and forward + backward milliseconds with the kernels and in burn ops.
+fn time<const D: usize, const N: usize>(
+    name: &str,
+    inputs: [Tensor<B, D>; N],
+    iterations: usize,
+    f: &dyn Fn(&[Tensor<B, D>; N]) -> Tensor<B, D>,
+) -> Value {
+    let device = inputs[0].device();
+    let out_dims = f(&inputs).dims();
+    let probe = tensor(out_dims, 98, 1.0, FloatDType::BF16, &device);
+    let mut row = json!({"op": name, "shape": inputs[0].dims().to_vec(), "dtype": "bf16"});
+    for (label, on) in [("kernels", true), ("burn_ops", false)] {
+        let _guard = with_kernels(on);
+        let forward = median_seconds(&device, iterations, || f(&inputs));
+        let both = median_seconds(&device, iterations, || {
+            let leaves = inputs.clone().map(|t| t.require_grad());
+            (f(&leaves) * probe.clone()).sum().backward()
+        });
+        row[format!("{label}_forward_ms")] = json!(forward * 1e3);
+        row[format!("{label}_forward_backward_ms")] = json!(both * 1e3);
+    }
+    eprintln!("time {row}");
+    row
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let iterations: usize =
+        arg(&args, "--iterations").map_or(20, |v| v.parse().expect("--iterations N"));
+    let device = Device::default();
+    let (f32t, bf16, f16) = (FloatDType::F32, FloatDType::BF16, FloatDType::F16);
+
+    let mut checks = Vec::new();
+    for dtype in [f32t, bf16, f16] {
+        for (rows, hidden) in [(37, 20), (1_100, 96), (67, 4_096), (5, 2_049)] {
+            let inputs = [
+                tensor([rows, hidden], 1, 2.0, f32t, &device),
+                tensor([1, hidden], 2, 0.5, f32t, &device) + 1.0,
+            ];
+            let f = move |[x, w]: &[Tensor<B, 2>; 2]| {
+                rms_norm(x.clone(), w.clone().reshape([hidden]), 1e-5)
+            };
+            checks.push(check(
+                &format!("rms_norm {rows}x{hidden}"),
+                inputs,
+                dtype,
+                &f,
+            ));
+        }
+        for len in [7usize, 4_099, 65_536] {
+            let inputs = [
+                tensor([len], 3, 6.0, f32t, &device),
+                tensor([len], 4, 1.0, f32t, &device),
+            ];
+            let f = |[g, u]: &[Tensor<B, 1>; 2]| swiglu(g.clone(), u.clone());
+            checks.push(check(&format!("swiglu {len}"), inputs, dtype, &f));
+        }
+        for pairs in [RopePairs::Interleaved, RopePairs::HalfSplit] {
+            for [b, s, h, d] in [[2, 17, 3, 64], [1, 257, 4, 128], [1, 9, 2, 6]] {
+                let table = RopeTable::<B>::new(s, d, 500_000.0, &device);
+                let inputs = [tensor([b, s, h, d], 5, 1.0, f32t, &device)];
+                let f = move |[x]: &[Tensor<B, 4>; 1]| rope(x.clone(), &table, pairs);
+                checks.push(check(
+                    &format!("rope {pairs:?} {:?}", [b, s, h, d]),
+                    inputs,
+                    dtype,
+                    &f,
+                ));
+            }
+        }
+    }
+    let ok = checks.iter().all(|c| c["ok"] == json!(true));
+
+    // The 8B Llama's shapes at 8,192 tokens.
+    let tokens = 8_192;
+    let mut times = Vec::new();
+    let x = [
+        tensor([tokens, 4_096], 6, 2.0, bf16, &device),
+        tensor([1, 4_096], 7, 0.5, bf16, &device) + 1.0,
+    ];
+    let f = |[x, w]: &[Tensor<B, 2>; 2]| rms_norm(x.clone(), w.clone().reshape([4_096]), 1e-5);
+    times.push(time("rms_norm", x, iterations, &f));
+    let gu = [
+        tensor([tokens, 14_336], 8, 6.0, bf16, &device),
+        tensor([tokens, 14_336], 9, 1.0, bf16, &device),
+    ];
+    let f = |[g, u]: &[Tensor<B, 2>; 2]| swiglu(g.clone(), u.clone());
+    times.push(time("swiglu", gu, iterations, &f));
+    for (pairs, heads) in [
+        (RopePairs::Interleaved, 32),
+        (RopePairs::Interleaved, 8),
+        (RopePairs::HalfSplit, 32),
+    ] {
+        let table = RopeTable::<B>::new(tokens, 128, 500_000.0, &device);
+        let q = [tensor([1, tokens, heads, 128], 10, 1.0, bf16, &device)];
+        let f = move |[x]: &[Tensor<B, 4>; 1]| rope(x.clone(), &table, pairs);
+        times.push(time(&format!("rope {pairs:?}"), q, iterations, &f));
+    }
+    println!(
+        "{}",
+        json!({"checks_ok": ok, "checks": checks, "time": times, "iterations": iterations})
+    );
+    if !ok {
+        std::process::exit(1);
+    }
+}
