@@ -11,7 +11,8 @@ mod kernel {
     #[cube]
     fn sigmoid<N: Size>(g: Vector<f32, N>) -> Vector<f32, N> {
         let one = Vector::<f32, N>::new(1.0);
-        one / (one + Vector::exp(-g))
+        // `0 − g`, not `−g`: CUDA's 8-wide f32 vectors have no unary minus.
+        one / (one + Vector::exp(Vector::<f32, N>::new(0.0) - g))
     }
 
     /// `out = silu(gate) · up`, one vector per unit, in f32.

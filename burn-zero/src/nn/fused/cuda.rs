@@ -6,7 +6,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::cuda::CudaRuntime;
 use cubecl_kernels::fused::{
     RopeDims, RopePairs, backward_scratch_bytes, rms_norm_backward, rms_norm_forward, rope,
@@ -44,9 +44,10 @@ fn back<Z: Backend, const D: usize>(t: Fused) -> Tensor<Z, D> {
     float_as::<Zero, Z, D>(t).expect("called with Z = ZeroBackend<Cuda>")
 }
 
-/// A new uninitialized contiguous tensor beside `like`.
+/// A new uninitialized tensor beside `like`, contiguous: the kernels index it as one array
+/// (cubecl's default allocation pads short rows to an aligned pitch).
 fn empty(like: &CudaCube, shape: &[usize], dtype: DType) -> CudaCube {
-    empty_device_dtype::<CudaRuntime>(
+    empty_device_contiguous_dtype::<CudaRuntime>(
         like.client.clone(),
         like.device.clone(),
         Shape::from(shape.to_vec()),

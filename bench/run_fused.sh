@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Device side of issue 35's fused-op benchmark, one call (carry [".gpu"], staged by
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-fused ...):
+# bench-fused (checks of the kernels against burn ops on f32 copies, then times of the kernels
+# and of burn ops at the 8B Llama's shapes) and bench/fused_torch.py (torch eager equivalents)
+# on the same GPU, merged into $OUT/fused-ops-<kind>.json with each op's time ÷ torch's.
+#   bash bench/run_fused.sh KIND       (ITERATIONS, default 20)
+source bench/prelude.sh "$1"
+iterations="${ITERATIONS:-20}"
+.gpu/bin/bench-fused --iterations "$iterations" > /tmp/fused-ours.json 2> "$out/fused-ours.log"
+echo "bench-fused: exit $?"; grep -v "^check" "$out/fused-ours.log" | tail -n 20; grep -c " ok$" "$out/fused-ours.log"
+grep "FAILED" "$out/fused-ours.log"
+python3 bench/fused_torch.py "$iterations" > /tmp/fused-torch.json 2> "$out/fused-torch.log"
+echo "torch: exit $?"; tail -n 3 "$out/fused-torch.log"
+python3 - "$kind" "$out/fused-ops-$kind.json" <<'PY'
+import json, sys
+def load(path):
+    try:
+        return json.loads(open(path).read().strip().splitlines()[-1])
+    except Exception as e:
+        return {"error": f"no result ({e})"}
+ours, torch = load("/tmp/fused-ours.json"), load("/tmp/fused-torch.json")
+peers = {"rms_norm": ["rms_norm (torch.nn.RMSNorm)", "rms_norm (HF LlamaRMSNorm)"],
+         "swiglu": ["swiglu"], "rope Interleaved": ["rope Interleaved (32 heads)", "rope Interleaved (8 heads)"],
+         "rope HalfSplit": ["rope HalfSplit (32 heads)"]}
+ratios = []
+by_name = {r["op"]: r for r in torch.get("time", [])}
+seen = {}
+for r in ours.get("time", []):
+    i = seen.get(r["op"], 0); seen[r["op"]] = i + 1
+    names = peers.get(r["op"], [])
+    # Interleaved RoPE runs at 32 then 8 heads in both programs; the others once.
+    candidates = [names[i]] if r["op"] == "rope Interleaved" and i < len(names) else names
+    best = min((by_name[n] for n in candidates if n in by_name), key=lambda t: t["forward_backward_ms"], default=None)
+    if best is None:
+        continue
+    ratios.append({"op": r["op"], "shape": r["shape"], "torch_peer": best["op"],
+                   "forward_time_over_torch": r["kernels_forward_ms"] / best["forward_ms"],
+                   "forward_backward_time_over_torch": r["kernels_forward_backward_ms"] / best["forward_backward_ms"],
+                   "burn_ops_forward_backward_over_kernels": r["burn_ops_forward_backward_ms"] / r["kernels_forward_backward_ms"]})
+result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
+          "checks_ok": ours.get("checks_ok"), "ratios": ratios, "ours": ours, "torch": torch}
+json.dump(result, open(sys.argv[2], "w"), indent=1)
+print(json.dumps({"checks_ok": result["checks_ok"], "ratios": ratios}, indent=1))
+PY
