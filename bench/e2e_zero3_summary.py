@@ -1,25 +1,26 @@
 """The summary of bench/run_e2e_zero3.sh's runs (also after a run was cut short):
     python3 bench/e2e_zero3_summary.py KIND RUNS.jsonl OUT.json MACHINE.txt
-ratios of ours to each peer per case (tokens/s/GPU, peak GPU memory over the training steps, the
+ratios of each variant of ours to every other run of its case (tokens/s/GPU, peak GPU memory over the training steps, the
 largest per-step loss difference) and a table."""
 import json, sys
 runs = [json.loads(l) for l in open(sys.argv[2])]
 rows = []
+# Every variant of ours against every other run of its case (peers and the other variants).
 for r in runs:
-    if r["name"] != "ours":
-        continue  # the other variants of ours are A/B rows, compared through "runs"
+    if not r["name"].startswith("ours"):
+        continue
     key = (tuple(r["case"]), r["gpus"])
-    row = {"case": r["case"], "gpus": r["gpus"]}
+    row = {"case": r["case"], "gpus": r["gpus"], "system": r["name"]}
     for peer in runs:
-        if (tuple(peer["case"]), peer["gpus"]) != key or peer["name"] == "ours":
+        if (tuple(peer["case"]), peer["gpus"]) != key or peer["name"] == r["name"]:
             continue
         a, b = r.get("tokens_per_s_per_gpu"), peer.get("tokens_per_s_per_gpu")
-        row[f"tokens_ours_over_{peer['name']}"] = a / b if a and b else None
+        row[f"tokens_{r['name']}_over_{peer['name']}"] = a / b if a and b else None
         pa, pb = r.get("peak_gpu_mib_training"), peer.get("peak_gpu_mib_training")
-        row[f"memory_ours_over_{peer['name']}"] = pa / pb if pa and pb else None
+        row[f"memory_{r['name']}_over_{peer['name']}"] = pa / pb if pa and pb else None
         la, lb = r.get("losses"), peer.get("losses")
         if la and lb:
-            row[f"max_loss_diff_vs_{peer['name']}"] = max(abs(x - y) for x, y in zip(la, lb))
+            row[f"max_loss_diff_{r['name']}_vs_{peer['name']}"] = max(abs(x - y) for x, y in zip(la, lb))
     rows.append(row)
 commit = open(".gpu/commit").read().split()
 result = {"device": sys.argv[1], "commit": commit[0], "dirty": len(commit) > 1,
