@@ -39,7 +39,8 @@ for r in ours.get("time", []):
                    "forward_backward_time_over_torch": r["kernels_forward_backward_ms"] / best["forward_backward_ms"],
                    "burn_ops_forward_backward_over_kernels": r["burn_ops_forward_backward_ms"] / r["kernels_forward_backward_ms"]})
 result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
-          "checks_ok": ours.get("checks_ok"), "ratios": ratios, "ours": ours, "torch": torch}
+          "checks_ok": ours.get("checks_ok"), "ratios": ratios, "loss": ours.get("loss"),
+          "ours": ours, "torch": torch}
 json.dump(result, open(sys.argv[2], "w"), indent=1)
-print(json.dumps({"checks_ok": result["checks_ok"], "ratios": ratios}, indent=1))
+print(json.dumps({"checks_ok": result["checks_ok"], "ratios": ratios, "loss": result["loss"]}, indent=1))
 PY

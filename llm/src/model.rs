@@ -295,6 +295,7 @@ impl<B: Backend> Llama<B> {
                 axis,
                 targets.reshape([batch * seq]),
                 self.loss_chunk,
+                None,
             )
         })
     }

@@ -9,6 +9,13 @@
 //!    8,192 tokens in bf16: the kernels against the same op in burn ops (which burn's fusion
 //!    fuses where it can); median of `--iterations` after a warm-up.
 //!
+//! 3. loss: `burn_zero::nn::linear_cross_entropy` (chunks of 2,048 tokens) against the
+//!    materialized loss at 8,192 tokens × 128,256 vocabulary (hidden 4,096, bf16, the tied
+//!    `[vocab, hidden]` layout), forward + backward: time, and how far the device pool's
+//!    reserved bytes grow over the call from a released pool (cubecl keeps what it reserved
+//!    until released, so the growth bounds the call's peak from above; the `fitted` pool
+//!    reserves near what is live), with and without the two gradients' own bytes.
+//!
 //! `bench-fused [--iterations N]` prints one JSON line; `bench/run_fused.sh` runs it beside
 //! the torch eager equivalents (`bench/fused_torch.py`) on the same GPU.
 
@@ -16,11 +23,15 @@ use std::time::Instant;
 
 use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use burn_zero::backend::ZeroBackend;
 use burn_zero::backend::settings::{self, OpSettings};
 use burn_zero::config::FusedKernelsConfig;
-use burn_zero::nn::{RopePairs, RopeTable, rms_norm, rope, swiglu};
+use burn_zero::config::MemoryPoolLayout;
+use burn_zero::nn::{
+    RopePairs, RopeTable, VocabAxis, linear_cross_entropy, materialized_cross_entropy, rms_norm,
+    rope, swiglu,
+};
 use burn_zero_examples::cli::{arg, values};
 use serde_json::{Value, json};
 
@@ -160,7 +171,100 @@ fn time<const D: usize, const N: usize>(
     row
 }
 
+/// Bytes the device pool holds reserved now, after the device's work is done.
+fn reserved(device: &Device) -> u64 {
+    B::sync(device).expect("sync");
+    let client =
+        <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(&cubecl::cuda::CudaDevice {
+            index: 0,
+        });
+    client.memory_usage().expect("memory usage").bytes_reserved
+}
+
+fn release(device: &Device) {
+    B::sync(device).expect("sync");
+    B::memory_cleanup(device);
+}
+
+/// The chunked and the materialized loss at the 8B Llama's output layer.
+fn loss(device: &Device, iterations: usize) -> Value {
+    let (tokens, hidden, vocab) = (8_192, 4_096, 128_256);
+    let x = tensor([tokens, hidden], 11, 1.0, FloatDType::BF16, device);
+    let w = tensor([vocab, hidden], 12, 0.02, FloatDType::BF16, device);
+    let ids: Vec<i64> = values(tokens, 13)
+        .iter()
+        .map(|v| ((v.abs() * vocab as f32) as i64).min(vocab as i64 - 1))
+        .collect();
+    let t = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tokens]), device);
+    let gradient_bytes = (tokens * hidden + vocab * hidden) * 2;
+    let mut row = json!({"tokens": tokens, "hidden": hidden, "vocab": vocab, "dtype": "bf16",
+                         "chunk_rows": 2048, "gradient_bytes": gradient_bytes});
+    let mut losses = Vec::new();
+    for chunked in [false, true] {
+        let step = || {
+            let (xg, wg) = (x.clone().require_grad(), w.clone().require_grad());
+            let loss = match chunked {
+                true => linear_cross_entropy(
+                    xg.clone(),
+                    wg.clone(),
+                    VocabAxis::Rows,
+                    t.clone(),
+                    2048,
+                    None,
+                ),
+                false => materialized_cross_entropy(
+                    xg.clone(),
+                    wg.clone(),
+                    VocabAxis::Rows,
+                    t.clone(),
+                    None,
+                ),
+            };
+            let grads = loss.clone().backward();
+            (loss, xg.grad(&grads), wg.grad(&grads))
+        };
+        release(device);
+        let before = reserved(device);
+        let (value, gx, gw) = step();
+        let after = reserved(device);
+        let value: f32 = value.into_scalar();
+        losses.push(value);
+        drop((gx, gw));
+        let seconds = median_seconds(device, iterations.min(5), step);
+        let name = if chunked { "chunked" } else { "materialized" };
+        let growth = after.saturating_sub(before);
+        row[format!("{name}_loss")] = json!(value);
+        row[format!("{name}_ms")] = json!(seconds * 1e3);
+        row[format!("{name}_reserved_growth_bytes")] = json!(growth);
+        row[format!("{name}_beyond_gradients_bytes")] =
+            json!(growth.saturating_sub(gradient_bytes as u64));
+    }
+    let ratio = |row: &Value, key: &str| {
+        row[format!("chunked_{key}")].as_f64().unwrap()
+            / row[format!("materialized_{key}")].as_f64().unwrap()
+    };
+    for (name, key) in [
+        (
+            "reserved_growth_chunked_over_materialized",
+            "reserved_growth_bytes",
+        ),
+        (
+            "beyond_gradients_chunked_over_materialized",
+            "beyond_gradients_bytes",
+        ),
+        ("time_chunked_over_materialized", "ms"),
+    ] {
+        row[name] = json!(ratio(&row, key));
+    }
+    row["loss_difference"] = json!((losses[0] - losses[1]).abs());
+    eprintln!("loss {row}");
+    row
+}
+
 fn main() {
+    // The fitted pool: reserved bytes follow what is live (the loss measurement reads them).
+    burn_zero::backend::configure_memory_pool(0, MemoryPoolLayout::Fitted)
+        .expect("the pool is configured first");
     let args: Vec<String> = std::env::args().collect();
     let iterations: usize =
         arg(&args, "--iterations").map_or(20, |v| v.parse().expect("--iterations N"));
@@ -233,9 +337,11 @@ fn main() {
         let f = move |[x]: &[Tensor<B, 4>; 1]| rope(x.clone(), &table, pairs);
         times.push(time(&format!("rope {pairs:?}"), q, iterations, &f));
     }
+    let loss = loss(&device, iterations);
     println!(
         "{}",
-        json!({"checks_ok": ok, "checks": checks, "time": times, "iterations": iterations})
+        json!({"checks_ok": ok, "checks": checks, "time": times, "loss": loss,
+               "iterations": iterations})
     );
     if !ok {
         std::process::exit(1);
