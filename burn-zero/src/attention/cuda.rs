@@ -137,6 +137,7 @@ impl Options {
             causal: self.causal,
             scale: 1.0 / (self.dims.head_dim as f32).sqrt(),
             tensor_cores: super::tensor_cores_allowed(),
+            register_scores: super::register_scores_allowed(),
         }
     }
 }

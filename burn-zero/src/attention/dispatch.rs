@@ -48,6 +48,12 @@ pub fn tensor_cores_allowed() -> bool {
     settings::with(|s| s.attention_tensor_cores)
 }
 
+/// Whether the tensor-core forward keeps the scores in registers where it applies, for
+/// attention dispatched from this thread (`burn_zero.attention_register_scores`).
+pub fn register_scores_allowed() -> bool {
+    settings::with(|s| s.attention_register_scores)
+}
+
 /// Makes [`flash_attention`] dispatched from this thread block-sparse with `config`'s layouts
 /// (an engine's thread has its config's `sparse_attention`); `None`: dense.
 pub fn set_sparse_attention(config: Option<SparseAttentionConfig>) {

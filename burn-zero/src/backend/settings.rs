@@ -24,6 +24,9 @@ pub struct OpSettings {
     /// Whether the tensor-core attention kernels may run where they apply
     /// (`burn_zero.attention_tensor_cores`).
     pub attention_tensor_cores: bool,
+    /// Whether the tensor-core forward keeps the scores in registers where it applies
+    /// (`burn_zero.attention_register_scores`).
+    pub attention_register_scores: bool,
     /// The `sparse_attention` section: flash attention is block-sparse with its layouts.
     pub sparse_attention: Option<SparseAttentionConfig>,
     /// Which fused ops of `burn_zero::nn` run their kernels (`burn_zero.fused_kernels`).
@@ -36,6 +39,7 @@ impl Default for OpSettings {
             matmul: MatmulPolicy::default(),
             flash_attention: None,
             attention_tensor_cores: true,
+            attention_register_scores: true,
             sparse_attention: None,
             fused_kernels: FusedKernelsConfig::default(),
         }
@@ -58,6 +62,7 @@ impl OpSettings {
             },
             flash_attention: c.burn_zero.flash_attention,
             attention_tensor_cores: c.burn_zero.attention_tensor_cores,
+            attention_register_scores: c.burn_zero.attention_register_scores,
             sparse_attention: c.sparse_attention.clone(),
             fused_kernels: c.burn_zero.fused_kernels,
         }

@@ -171,6 +171,10 @@ pub struct BurnZeroConfig {
     /// (half-precision heads of 16–128 in steps of 16; default true); false keeps the CUDA-core
     /// kernels.
     pub attention_tensor_cores: bool,
+    /// `attention_register_scores`: the tensor-core forward keeps the scores and
+    /// probabilities in registers (FlashAttention-2's layout) where it applies (dense attention
+    /// on a device with m16n8k16 `mma`; default true); false stages them in shared memory.
+    pub attention_register_scores: bool,
     /// `host_collectives`: collectives go through host memory even where the communicator
     /// could run them on device memory (NCCL), as on CPU backends (default false).
     pub host_collectives: bool,
@@ -230,6 +234,7 @@ impl Default for BurnZeroConfig {
             memory_pool: MemoryPoolLayout::default(),
             release_cached_memory: false,
             attention_tensor_cores: true,
+            attention_register_scores: true,
             host_collectives: false,
             peak_tflops: None,
             fused_kernels: FusedKernelsConfig::default(),

@@ -29,6 +29,11 @@ const OVERRIDES: &[(&str, &str, Kind)] = &[
         "attention_tensor_cores",
         Kind::Bool,
     ),
+    (
+        "BURN_ZERO_ATTENTION_REGISTER_SCORES",
+        "attention_register_scores",
+        Kind::Bool,
+    ),
     ("BURN_ZERO_FUSED_ADAM", "fused_adam", Kind::Bool),
     ("BURN_ZERO_HOST_COLLECTIVES", "host_collectives", Kind::Bool),
     ("BURN_ZERO_PEAK_TFLOPS", "peak_tflops", Kind::Number),

@@ -155,6 +155,7 @@ fn launch(
     let k_shape = [c.batch, c.kv_heads, c.seq_k, c.head_dim];
     let dims = AttentionDims::of(&q_shape, &k_shape, &k_shape).unwrap();
     let options = FlashOptions {
+        register_scores: true,
         causal: c.causal,
         scale: 1.0 / (c.head_dim as f32).sqrt(),
         tensor_cores: true,

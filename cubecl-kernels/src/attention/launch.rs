@@ -18,6 +18,10 @@ pub struct FlashOptions {
     /// Use the tensor-core kernels where they apply ([`super::tensor_core::tensor_cores_apply`]);
     /// `false` keeps the CUDA-core kernels (to compare the two).
     pub tensor_cores: bool,
+    /// The tensor-core forward with the scores in registers (FlashAttention-2's) where it
+    /// applies (dense, the device's m16n8k16 `mma`); `false` keeps the one that stages them in
+    /// shared memory.
+    pub register_scores: bool,
 }
 
 /// A block layout: `layout` is `[heads, blocks, blocks]` `u32`, nonzero where the

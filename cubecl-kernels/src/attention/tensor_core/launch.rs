@@ -6,6 +6,7 @@ use cubecl::prelude::*;
 
 use super::backward::{tc_dkdv_kernel, tc_dq_kernel};
 use super::forward::tc_forward_kernel;
+use super::mma_forward::mma_forward_kernel;
 use super::tiles::{KEYS, PLANE, PS, ROWS, SS, UNITS, padded};
 use crate::attention::{AttentionDims, FlashOptions, arg, cubes};
 
@@ -52,6 +53,20 @@ pub fn tensor_cores_apply<R: Runtime>(
         && props.hardware.max_shared_memory_size >= shared_bytes(dims.head_dim, elem)
 }
 
+/// Whether the device runs the m16n8k16 `mma` on `dtype` with f32 accumulators, which the
+/// forward with the scores in registers is made of.
+fn mma_applies<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
+    let shape = MmaConfig {
+        a_type: dtype,
+        b_type: dtype,
+        cd_type: IrStorage::Scalar(ElemType::Float(FloatKind::F32)),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    client.properties().features.matmul.mma.contains(&shape)
+}
+
 /// Elements per global load of the staged tiles: 8 (16 bytes) where every operand's head
 /// dimension is contiguous and each of its rows starts 16-byte aligned, else 1.
 fn vector_size<R: Runtime>(dims: &AttentionDims, operands: &[&TensorBinding<R>]) -> usize {
@@ -85,6 +100,29 @@ pub(in crate::attention) fn forward<R: Runtime>(
     // SAFETY: the shapes were checked by `AttentionDims::of` and `tensor_cores_apply`, the
     // bindings hold them, and every access in the kernels is bounded by the shapes.
     let vector = vector_size(dims, &[q, k, v]);
+    if options.register_scores && !sparse && mma_applies(client, dtype) {
+        unsafe {
+            mma_forward_kernel::launch_unchecked::<R>(
+                client,
+                cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+                CubeDim::new_1d(UNITS as u32),
+                vector,
+                arg(q),
+                arg(q),
+                arg(k),
+                arg(k),
+                arg(v),
+                arg(v),
+                arg(out),
+                arg(lse),
+                options.scale,
+                options.causal,
+                dims.head_dim,
+                dtype,
+            )
+        }
+        return;
+    }
     unsafe {
         tc_forward_kernel::launch_unchecked::<R>(
             client,

@@ -7,6 +7,7 @@
 mod backward;
 mod forward;
 mod group_sum;
+mod mma_forward;
 mod tiles;
 
 mod launch;

@@ -1,0 +1,324 @@
+//! FlashAttention-2's forward on tensor cores with the scores kept in registers: `Q·Kᵀ` and
+//! `P·V` on m16n8k16 `mma` instructions (f16/bf16 in, f32 accumulators) whose fragments each
+//! unit holds itself. A plane (warp) owns 16 query rows; per tile of 64 keys its 8 score
+//! fragments (16 × 8 each) are scaled, masked and exponentiated where they are, row maxima and
+//! sums come from two shuffles among the 4 units of a row, and the accumulators of two
+//! neighbouring score fragments are exactly the A fragment of `P` for the next product
+//! (rounded to the element type, as FlashAttention-2 does): no score or probability goes
+//! through shared memory. K is staged row-major and V transposed, so every B fragment is two
+//! 32-bit loads from shared memory without bank conflicts (rows padded by 8 elements).
+//!
+//! Fragment layouts (PTX's, which cubecl passes through in register order), for unit `lane` of
+//! a plane, `g = lane / 4`, `t = lane % 4`:
+//! - A (16 × 16): `[row g, k 2t..2t+1]`, `[row g+8, k 2t..]`, `[row g, k 2t+8..]`,
+//!   `[row g+8, k 2t+8..]`;
+//! - B (16 × 8, k × n): `[k 2t..2t+1, n g]`, `[k 2t+8..2t+9, n g]`;
+//! - C (16 × 8): `[row g, n 2t..2t+1]`, `[row g+8, n 2t..2t+1]` (f32).
+
+// The launch items the `cube` macro generates carry no docs of their own.
+#[allow(missing_docs)]
+mod kernel {
+    use cubecl::cmma::MmaDefinition;
+    use cubecl::prelude::*;
+
+    use super::super::super::lanes::last_of;
+    use super::super::tiles::{KEYS, PLANE, ROWS, UNITS, load_rows, stage, tile_registers};
+
+    /// Two elements: a 32-bit register of an A or B fragment.
+    type Two = Const<2>;
+
+    /// Stages rows `first..first + KEYS` of the slab at `at` of `t` transposed in `tile`
+    /// (`[head_dim][KEYS + 8]`), zeros past `seq`.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn stage_transposed<F: Float, N: Size>(
+        t: &Tensor<F>,
+        tv: &Tensor<Vector<F, N>>,
+        at: usize,
+        first: usize,
+        seq: usize,
+        tile: &mut SharedMemory<F>,
+        #[comptime] head_dim: usize,
+        #[comptime] stride: usize,
+    ) {
+        let mut held = tile_registers::<F, N>(tv, KEYS, head_dim);
+        load_rows::<F, N>(t, tv, at, first, seq, &mut held, KEYS, head_dim);
+        let n = tv.vector_size();
+        let per_row = comptime!(head_dim / n);
+        let per_unit = comptime!(KEYS * per_row / UNITS);
+        #[unroll]
+        for i in 0..per_unit {
+            let e = i * UNITS + UNIT_POS as usize;
+            let key = e / per_row;
+            let d = (e % per_row) * n;
+            let value = held[i];
+            #[unroll]
+            for c in 0..n {
+                tile[(d + c) * stride + key] = value[c];
+            }
+        }
+    }
+
+    /// As `tc_forward_kernel` (same arguments and results, dense only) with the scores in
+    /// registers: elements of `F` (f16 or bf16), `head_dim` a multiple of 16 up to 128; cube
+    /// `(x, y)`: query rows `64·x ..`, head `y = b·heads + h`; 128 units.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch_unchecked)]
+    pub fn mma_forward_kernel<F: Float, N: Size>(
+        q: &Tensor<F>,
+        q_vectors: &Tensor<Vector<F, N>>,
+        k: &Tensor<F>,
+        k_vectors: &Tensor<Vector<F, N>>,
+        v: &Tensor<F>,
+        v_vectors: &Tensor<Vector<F, N>>,
+        out: &mut Tensor<F>,
+        lse: &mut Tensor<f32>,
+        scale: f32,
+        #[comptime] causal: bool,
+        #[comptime] head_dim: usize,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        // k-steps of 16 over the head, output fragments of 8 columns.
+        let dk = comptime!(head_dim / 16);
+        let dn = comptime!(head_dim / 8);
+        // Row strides of the K/Q tile and of the Vᵀ tile.
+        let ks = comptime!(head_dim + 8);
+        let vs = comptime!(KEYS + 8);
+        let heads = q.shape(1);
+        let group = heads / k.shape(1);
+        let seq_q = q.shape(2);
+        let seq_k = k.shape(2);
+        let b = CUBE_POS_Y as usize / heads;
+        let h = CUBE_POS_Y as usize % heads;
+        let plane = UNIT_POS as usize / PLANE;
+        let lane = UNIT_POS as usize % PLANE;
+        let g = lane / 4;
+        let t = lane % 4;
+        let first_row = CUBE_POS_X as usize * ROWS;
+        let row0 = first_row + plane * 16 + g;
+        let row1 = row0 + 8;
+        let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+
+        let mut k_tile = SharedMemory::<F>::new_aligned(KEYS * ks, 16usize);
+        let mut vt_tile = SharedMemory::<F>::new_aligned(head_dim * vs, 16usize);
+
+        // Q passes through the K tile into A fragments held for the whole walk.
+        let q_at = b * q.stride(0) + h * q.stride(1);
+        stage::<F, N>(
+            q,
+            q_vectors,
+            q_at,
+            first_row,
+            seq_q,
+            &mut k_tile,
+            ROWS,
+            head_dim,
+            ks,
+        );
+        sync_cube();
+        let mut qf = Array::<Vector<F, Two>>::new(comptime!(dk * 4));
+        {
+            let pairs = k_tile
+                .slice(0usize, KEYS * ks)
+                .into_vectorized()
+                .with_vector_size::<Two>();
+            let base = plane * 16 * ks;
+            #[unroll]
+            for kk in 0..dk {
+                let col = kk * 16 + 2 * t;
+                qf[kk * 4] = pairs[(base + g * ks + col) / 2];
+                qf[kk * 4 + 1] = pairs[(base + (g + 8) * ks + col) / 2];
+                qf[kk * 4 + 2] = pairs[(base + g * ks + col + 8) / 2];
+                qf[kk * 4 + 3] = pairs[(base + (g + 8) * ks + col + 8) / 2];
+            }
+        }
+        sync_cube();
+
+        let zero = Vector::<f32, Two>::new(0.0);
+        let mut o = Array::<Vector<f32, Two>>::new(comptime!(dn * 2));
+        #[unroll]
+        for i in 0..dn * 2 {
+            o[i] = zero;
+        }
+        // Stands for −∞ before any key is seen (every row sees key 0 in the first tile).
+        let mut m0 = f32::new(-1.0e30);
+        let mut m1 = f32::new(-1.0e30);
+        // This unit's share of each row's sum.
+        let mut l0 = 0.0f32;
+        let mut l1 = 0.0f32;
+
+        let mut kv_end = seq_k;
+        if causal {
+            kv_end = last_of(first_row, ROWS, seq_k) + 1;
+        }
+        let hk = h / group;
+        let k_at = b * k.stride(0) + hk * k.stride(1);
+        let v_at = b * v.stride(0) + hk * v.stride(1);
+        let mut s = Array::<Vector<f32, Two>>::new(16usize);
+        let mut p = Array::<Vector<F, Two>>::new(16usize);
+        let mut a = Array::<Vector<F, Two>>::new(4usize);
+        let mut bf = Array::<Vector<F, Two>>::new(2usize);
+        let mut c = Array::<Vector<f32, Two>>::new(2usize);
+        let mut start = 0usize;
+        while start < kv_end {
+            stage::<F, N>(
+                k,
+                k_vectors,
+                k_at,
+                start,
+                seq_k,
+                &mut k_tile,
+                KEYS,
+                head_dim,
+                ks,
+            );
+            stage_transposed::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vt_tile, head_dim, vs);
+            sync_cube();
+            let kp = k_tile
+                .slice(0usize, KEYS * ks)
+                .into_vectorized()
+                .with_vector_size::<Two>();
+            let vp = vt_tile
+                .slice(0usize, head_dim * vs)
+                .into_vectorized()
+                .with_vector_size::<Two>();
+
+            // S = Q·Kᵀ: 8 fragments of 8 keys.
+            #[unroll]
+            for j in 0..8usize {
+                c[0usize] = zero;
+                c[1usize] = zero;
+                let key_row = (j * 8 + g) * ks;
+                #[unroll]
+                for kk in 0..dk {
+                    a[0usize] = qf[kk * 4];
+                    a[1usize] = qf[kk * 4 + 1];
+                    a[2usize] = qf[kk * 4 + 2];
+                    a[3usize] = qf[kk * 4 + 3];
+                    bf[0usize] = kp[(key_row + kk * 16 + 2 * t) / 2];
+                    bf[1usize] = kp[(key_row + kk * 16 + 8 + 2 * t) / 2];
+                    let d = mma.execute(&a, &bf, &c);
+                    c[0usize] = d[0usize];
+                    c[1usize] = d[1usize];
+                }
+                s[2 * j] = c[0usize];
+                s[2 * j + 1] = c[1usize];
+            }
+
+            // Scale and mask; the rows' maxima over the tile.
+            let mut mx0 = f32::new(-1.0e30);
+            let mut mx1 = f32::new(-1.0e30);
+            #[unroll]
+            for j in 0..8usize {
+                let mut top = s[2 * j] * Vector::new(scale);
+                let mut bottom = s[2 * j + 1] * Vector::new(scale);
+                #[unroll]
+                for e in 0..2usize {
+                    let key = start + j * 8 + 2 * t + e;
+                    let mut hidden0 = key >= seq_k;
+                    let mut hidden1 = key >= seq_k;
+                    if causal {
+                        hidden0 = hidden0 || key > row0;
+                        hidden1 = hidden1 || key > row1;
+                    }
+                    if hidden0 {
+                        top[e] = -1.0e30;
+                    }
+                    if hidden1 {
+                        bottom[e] = -1.0e30;
+                    }
+                    mx0 = f32::max(mx0, top[e]);
+                    mx1 = f32::max(mx1, bottom[e]);
+                }
+                s[2 * j] = top;
+                s[2 * j + 1] = bottom;
+            }
+            mx0 = f32::max(mx0, plane_shuffle_xor(mx0, 1));
+            mx0 = f32::max(mx0, plane_shuffle_xor(mx0, 2));
+            mx1 = f32::max(mx1, plane_shuffle_xor(mx1, 1));
+            mx1 = f32::max(mx1, plane_shuffle_xor(mx1, 2));
+            let new0 = f32::max(m0, mx0);
+            let new1 = f32::max(m1, mx1);
+            let f0 = f32::exp(m0 - new0);
+            let f1 = f32::exp(m1 - new1);
+            m0 = new0;
+            m1 = new1;
+            l0 *= f0;
+            l1 *= f1;
+            #[unroll]
+            for n in 0..dn {
+                o[2 * n] = o[2 * n] * Vector::new(f0);
+                o[2 * n + 1] = o[2 * n + 1] * Vector::new(f1);
+            }
+
+            // P = exp(S − m), rounded to F: the A fragments of P·V.
+            #[unroll]
+            for j in 0..8usize {
+                let e0 = Vector::exp(s[2 * j] - Vector::new(m0));
+                let e1 = Vector::exp(s[2 * j + 1] - Vector::new(m1));
+                l0 += e0[0usize] + e0[1usize];
+                l1 += e1[0usize] + e1[1usize];
+                p[2 * j] = Vector::<F, Two>::cast_from(e0);
+                p[2 * j + 1] = Vector::<F, Two>::cast_from(e1);
+            }
+
+            // O += P·V over 4 steps of 16 keys.
+            #[unroll]
+            for kk in 0..4usize {
+                a[0usize] = p[4 * kk];
+                a[1usize] = p[4 * kk + 1];
+                a[2usize] = p[4 * kk + 2];
+                a[3usize] = p[4 * kk + 3];
+                #[unroll]
+                for n in 0..dn {
+                    let dim_row = (n * 8 + g) * vs;
+                    bf[0usize] = vp[(dim_row + kk * 16 + 2 * t) / 2];
+                    bf[1usize] = vp[(dim_row + kk * 16 + 8 + 2 * t) / 2];
+                    c[0usize] = o[2 * n];
+                    c[1usize] = o[2 * n + 1];
+                    let d = mma.execute(&a, &bf, &c);
+                    o[2 * n] = d[0usize];
+                    o[2 * n + 1] = d[1usize];
+                }
+            }
+            sync_cube();
+            start += KEYS;
+        }
+
+        // The rows' sums over their 4 units, the output normalized, the log-sum-exp.
+        l0 += plane_shuffle_xor(l0, 1);
+        l0 += plane_shuffle_xor(l0, 2);
+        l1 += plane_shuffle_xor(l1, 1);
+        l1 += plane_shuffle_xor(l1, 2);
+        let inv0 = 1.0f32 / l0;
+        let inv1 = 1.0f32 / l1;
+        let o_at = b * out.stride(0) + h * out.stride(1);
+        let (rs, es) = (out.stride(2), out.stride(3));
+        #[unroll]
+        for n in 0..dn {
+            let col = n * 8 + 2 * t;
+            if row0 < seq_q {
+                let at = o_at + row0 * rs + col * es;
+                let value = o[2 * n];
+                out[at] = F::cast_from(value[0usize] * inv0);
+                out[at + es] = F::cast_from(value[1usize] * inv0);
+            }
+            if row1 < seq_q {
+                let at = o_at + row1 * rs + col * es;
+                let value = o[2 * n + 1];
+                out[at] = F::cast_from(value[0usize] * inv1);
+                out[at + es] = F::cast_from(value[1usize] * inv1);
+            }
+        }
+        if t == 0 {
+            let l_at = b * lse.stride(0) + h * lse.stride(1);
+            if row0 < seq_q {
+                lse[l_at + row0 * lse.stride(2)] = m0 + f32::ln(l0);
+            }
+            if row1 < seq_q {
+                lse[l_at + row1 * lse.stride(2)] = m1 + f32::ln(l1);
+            }
+        }
+    }
+}
+pub(super) use kernel::mma_forward_kernel;
