@@ -22,13 +22,15 @@ mod kernel {
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::tiles::{KEYS, PLANE, ROWS, UNITS, load_rows, stage, tile_registers};
+    use super::super::tiles::{KEYS, PLANE, ROWS, UNITS, stage, tile_registers};
 
     /// Two elements: a 32-bit register of an A or B fragment.
     type Two = Const<2>;
 
     /// Stages rows `first..first + KEYS` of the slab at `at` of `t` transposed in `tile`
-    /// (`[head_dim][KEYS + 8]`), zeros past `seq`.
+    /// (`[head_dim][KEYS + 8]`), zeros past `seq`. Neighbouring units take neighbouring keys of
+    /// the same columns, so that a plane's stores of one column fill consecutive addresses (one
+    /// wavefront; taking a row's vectors instead, as `load_rows` does, put 16 units on one bank).
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn stage_transposed<F: Float, N: Size>(
@@ -42,15 +44,25 @@ mod kernel {
         #[comptime] stride: usize,
     ) {
         let mut held = tile_registers::<F, N>(tv, KEYS, head_dim);
-        load_rows::<F, N>(t, tv, at, first, seq, &mut held, KEYS, head_dim);
+        let (rs, es) = (t.stride(2), t.stride(3));
         let n = tv.vector_size();
         let per_row = comptime!(head_dim / n);
         let per_unit = comptime!(KEYS * per_row / UNITS);
         #[unroll]
         for i in 0..per_unit {
             let e = i * UNITS + UNIT_POS as usize;
-            let key = e / per_row;
-            let d = (e % per_row) * n;
+            let row = first + e % KEYS;
+            let mut value = Vector::<F, N>::new(F::new(0.0));
+            if row < seq {
+                value = tv[(at + row * rs + (e / KEYS) * n * es) / n];
+            }
+            held[i] = value;
+        }
+        #[unroll]
+        for i in 0..per_unit {
+            let e = i * UNITS + UNIT_POS as usize;
+            let key = e % KEYS;
+            let d = (e / KEYS) * n;
             let value = held[i];
             #[unroll]
             for c in 0..n {
