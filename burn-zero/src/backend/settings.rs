@@ -39,7 +39,7 @@ impl Default for OpSettings {
             matmul: MatmulPolicy::default(),
             flash_attention: None,
             attention_tensor_cores: true,
-            attention_register_scores: true,
+            attention_register_scores: false,
             sparse_attention: None,
             fused_kernels: FusedKernelsConfig::default(),
         }

@@ -173,7 +173,8 @@ pub struct BurnZeroConfig {
     pub attention_tensor_cores: bool,
     /// `attention_register_scores`: the tensor-core forward keeps the scores and
     /// probabilities in registers (FlashAttention-2's layout) where it applies (dense attention
-    /// on a device with m16n8k16 `mma`; default true); false stages them in shared memory.
+    /// on a device with m16n8k16 `mma`). Default false: on an H100 it is as fast as the forward
+    /// that stages them in shared memory, not faster (bench/README, issue 36).
     pub attention_register_scores: bool,
     /// `host_collectives`: collectives go through host memory even where the communicator
     /// could run them on device memory (NCCL), as on CPU backends (default false).
@@ -234,7 +235,7 @@ impl Default for BurnZeroConfig {
             memory_pool: MemoryPoolLayout::default(),
             release_cached_memory: false,
             attention_tensor_cores: true,
-            attention_register_scores: true,
+            attention_register_scores: false,
             host_collectives: false,
             peak_tflops: None,
             fused_kernels: FusedKernelsConfig::default(),
