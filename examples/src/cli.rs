@@ -1,4 +1,4 @@
-//! Small helpers of the benchmark programs: flags and deterministic inputs.
+//! Small helpers of the benchmark programs: flags, deterministic inputs and timing.
 
 /// The value after `flag` in `args`, if any.
 pub fn arg(args: &[String], flag: &str) -> Option<String> {
@@ -20,6 +20,28 @@ pub fn values(n: usize, seed: u64) -> Vec<f32> {
             if v == 0.0 { 0.5 } else { v }
         })
         .collect()
+}
+
+/// Median wall seconds of `run` over `iterations` (after one warm-up), each timed from a
+/// synced `device` until its work is done (its result is dropped after the sync).
+pub fn median_seconds<B: burn::tensor::backend::Backend, T>(
+    device: &B::Device,
+    iterations: usize,
+    mut run: impl FnMut() -> T,
+) -> f64 {
+    let mut times = Vec::new();
+    for i in 0..=iterations {
+        B::sync(device).expect("sync");
+        let start = std::time::Instant::now();
+        let result = run();
+        B::sync(device).expect("sync");
+        drop(result);
+        if i > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
 }
 
 #[cfg(test)]

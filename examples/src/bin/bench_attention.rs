@@ -15,8 +15,6 @@
 //!
 //! Each mode prints one JSON line; `bench/run_attention.sh` runs them beside torch's SDPA.
 
-use std::time::Instant;
-
 use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, activation::softmax};
@@ -25,7 +23,7 @@ use burn_zero::attention::{
     set_flash_attention, tensor_cores_allowed,
 };
 use burn_zero::backend::ZeroBackend;
-use burn_zero_examples::cli::{arg, values};
+use burn_zero_examples::cli::{arg, median_seconds, values};
 use cubecl_kernels::attention::tensor_core::tensor_cores_apply;
 use cubecl_kernels::sparse::{BigBirdConfig, Direction, FixedConfig, SparsityConfig, SparsityMode};
 use serde_json::json;
@@ -331,7 +329,7 @@ fn fwd_bwd_seconds(
 ) -> f64 {
     let inputs = timed_inputs(device, shape, kv_heads);
     let g = tensor(shape, 4, FloatDType::BF16, device);
-    median_seconds(device, iterations, || {
+    median_seconds::<B, _>(device, iterations, || {
         let [q, k, v] = inputs.clone().map(|t| t.require_grad());
         let out = attend(q.clone(), k, v);
         let grads = (out * g.clone()).sum().backward();
@@ -343,7 +341,7 @@ fn fwd_bwd_seconds(
 /// a backward) over `iterations` (after one warm-up).
 fn forward_seconds(device: &Device, shape: [usize; 4], kv_heads: usize, iterations: usize) -> f64 {
     let [q, k, v] = timed_inputs(device, shape, kv_heads);
-    median_seconds(device, iterations, || {
+    median_seconds::<B, _>(device, iterations, || {
         flash_attention(q.clone(), k.clone(), v.clone(), true).expect("flash")
     })
 }
@@ -354,24 +352,6 @@ fn timed_inputs(device: &Device, shape: [usize; 4], kv_heads: usize) -> [Tensor<
     let kv_shape = [b, kv_heads, seq, hd];
     [(shape, 1), (kv_shape, 2), (kv_shape, 3)]
         .map(|(shape, seed)| tensor(shape, seed, FloatDType::BF16, device))
-}
-
-/// Median wall seconds of `run` from a synced device until its work is done (its result is
-/// dropped after the sync), over `iterations` after one warm-up.
-fn median_seconds<T>(device: &Device, iterations: usize, mut run: impl FnMut() -> T) -> f64 {
-    let mut times = Vec::new();
-    for i in 0..=iterations {
-        B::sync(device).expect("sync");
-        let start = Instant::now();
-        let result = run();
-        B::sync(device).expect("sync");
-        drop(result);
-        if i > 0 {
-            times.push(start.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 fn sparse(device: &Device, iterations: usize) {

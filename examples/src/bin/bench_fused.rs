@@ -19,8 +19,6 @@
 //! `bench-fused [--iterations N]` prints one JSON line; `bench/run_fused.sh` runs it beside
 //! the torch eager equivalents (`bench/fused_torch.py`) on the same GPU.
 
-use std::time::Instant;
-
 use burn::backend::{Autodiff, Cuda};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
@@ -32,7 +30,7 @@ use burn_zero::nn::{
     RopePairs, RopeTable, VocabAxis, linear_cross_entropy, materialized_cross_entropy, rms_norm,
     rope, swiglu,
 };
-use burn_zero_examples::cli::{arg, values};
+use burn_zero_examples::cli::{arg, median_seconds, values};
 use serde_json::{Value, json};
 
 type B = Autodiff<ZeroBackend<Cuda>>;
@@ -129,23 +127,6 @@ fn check<const D: usize, const N: usize>(
            "max_relative_difference": diffs, "tolerance": tolerance, "ok": ok})
 }
 
-/// Median wall seconds of `run` from a synced device until its work is done.
-fn median_seconds<T>(device: &Device, iterations: usize, mut run: impl FnMut() -> T) -> f64 {
-    let mut times = Vec::new();
-    for i in 0..=iterations {
-        B::sync(device).expect("sync");
-        let start = Instant::now();
-        let result = run();
-        B::sync(device).expect("sync");
-        drop(result);
-        if i > 0 {
-            times.push(start.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
-}
-
 /// Forward and forward + backward milliseconds with the kernels and in burn ops.
 fn time<const D: usize, const N: usize>(
     name: &str,
@@ -159,8 +140,8 @@ fn time<const D: usize, const N: usize>(
     let mut row = json!({"op": name, "shape": inputs[0].dims().to_vec(), "dtype": "bf16"});
     for (label, on) in [("kernels", true), ("burn_ops", false)] {
         let _guard = with_kernels(on);
-        let forward = median_seconds(&device, iterations, || f(&inputs));
-        let both = median_seconds(&device, iterations, || {
+        let forward = median_seconds::<B, _>(&device, iterations, || f(&inputs));
+        let both = median_seconds::<B, _>(&device, iterations, || {
             let leaves = inputs.clone().map(|t| t.require_grad());
             (f(&leaves) * probe.clone()).sum().backward()
         });
@@ -230,7 +211,7 @@ fn loss(device: &Device, iterations: usize) -> Value {
         let value: f32 = value.into_scalar();
         losses.push(value);
         drop((gx, gw));
-        let seconds = median_seconds(device, iterations.min(5), step);
+        let seconds = median_seconds::<B, _>(device, iterations.min(5), step);
         let name = if chunked { "chunked" } else { "materialized" };
         let growth = after.saturating_sub(before);
         row[format!("{name}_loss")] = json!(value);
