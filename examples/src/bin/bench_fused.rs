@@ -9,7 +9,7 @@
 //!    8,192 tokens in bf16: the kernels against the same op in burn ops (which burn's fusion
 //!    fuses where it can); median of `--iterations` after a warm-up.
 //!
-//! 3. loss: `burn_zero::nn::linear_cross_entropy` (chunks of 2,048 tokens) against the
+//! 3. loss: `burn_zero::nn::linear_cross_entropy` (chunks of 2,048, 1,024, 512 tokens) against the
 //!    materialized loss at 8,192 tokens × 128,256 vocabulary (hidden 4,096, bf16, the tied
 //!    `[vocab, hidden]` layout), forward + backward: time, and how far the device pool's
 //!    reserved bytes grow over the call from a released pool (cubecl keeps what it reserved
@@ -167,7 +167,8 @@ fn release(device: &Device) {
     B::memory_cleanup(device);
 }
 
-/// The chunked and the materialized loss at the 8B Llama's output layer.
+/// The materialized loss and the chunked one (chunks of 2,048, 1,024 and 512 tokens) at the
+/// 8B Llama's output layer.
 fn loss(device: &Device, iterations: usize) -> Value {
     let (tokens, hidden, vocab) = (8_192, 4_096, 128_256);
     let x = tensor([tokens, hidden], 11, 1.0, FloatDType::BF16, device);
@@ -177,29 +178,17 @@ fn loss(device: &Device, iterations: usize) -> Value {
         .map(|v| ((v.abs() * vocab as f32) as i64).min(vocab as i64 - 1))
         .collect();
     let t = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tokens]), device);
-    let gradient_bytes = (tokens * hidden + vocab * hidden) * 2;
-    let mut row = json!({"tokens": tokens, "hidden": hidden, "vocab": vocab, "dtype": "bf16",
-                         "chunk_rows": 2048, "gradient_bytes": gradient_bytes});
-    let mut losses = Vec::new();
-    for chunked in [false, true] {
+    let gradient_bytes = ((tokens * hidden + vocab * hidden) * 2) as u64;
+    let mut runs = Vec::new();
+    for chunk in [None, Some(2048), Some(1024), Some(512)] {
         let step = || {
             let (xg, wg) = (x.clone().require_grad(), w.clone().require_grad());
-            let loss = match chunked {
-                true => linear_cross_entropy(
-                    xg.clone(),
-                    wg.clone(),
-                    VocabAxis::Rows,
-                    t.clone(),
-                    2048,
-                    None,
-                ),
-                false => materialized_cross_entropy(
-                    xg.clone(),
-                    wg.clone(),
-                    VocabAxis::Rows,
-                    t.clone(),
-                    None,
-                ),
+            let (axis, targets) = (VocabAxis::Rows, t.clone());
+            let loss = match chunk {
+                Some(rows) => {
+                    linear_cross_entropy(xg.clone(), wg.clone(), axis, targets, rows, None)
+                }
+                None => materialized_cross_entropy(xg.clone(), wg.clone(), axis, targets, None),
             };
             let grads = loss.clone().backward();
             (loss, xg.grad(&grads), wg.grad(&grads))
@@ -209,35 +198,31 @@ fn loss(device: &Device, iterations: usize) -> Value {
         let (value, gx, gw) = step();
         let after = reserved(device);
         let value: f32 = value.into_scalar();
-        losses.push(value);
         drop((gx, gw));
         let seconds = median_seconds::<B, _>(device, iterations.min(5), step);
-        let name = if chunked { "chunked" } else { "materialized" };
         let growth = after.saturating_sub(before);
-        row[format!("{name}_loss")] = json!(value);
-        row[format!("{name}_ms")] = json!(seconds * 1e3);
-        row[format!("{name}_reserved_growth_bytes")] = json!(growth);
-        row[format!("{name}_beyond_gradients_bytes")] =
-            json!(growth.saturating_sub(gradient_bytes as u64));
+        runs.push(
+            json!({"chunk_rows": chunk, "loss": value, "ms": seconds * 1e3,
+                         "reserved_growth_bytes": growth,
+                         "beyond_gradients_bytes": growth.saturating_sub(gradient_bytes)}),
+        );
     }
-    let ratio = |row: &Value, key: &str| {
-        row[format!("chunked_{key}")].as_f64().unwrap()
-            / row[format!("materialized_{key}")].as_f64().unwrap()
-    };
-    for (name, key) in [
-        (
-            "reserved_growth_chunked_over_materialized",
-            "reserved_growth_bytes",
-        ),
-        (
-            "beyond_gradients_chunked_over_materialized",
-            "beyond_gradients_bytes",
-        ),
-        ("time_chunked_over_materialized", "ms"),
-    ] {
-        row[name] = json!(ratio(&row, key));
+    let base = runs[0].clone();
+    for run in &mut runs[1..] {
+        let ratio = |key: &str| run[key].as_f64().unwrap() / base[key].as_f64().unwrap();
+        let (growth, beyond, time) = (
+            ratio("reserved_growth_bytes"),
+            ratio("beyond_gradients_bytes"),
+            ratio("ms"),
+        );
+        let difference = (run["loss"].as_f64().unwrap() - base["loss"].as_f64().unwrap()).abs();
+        run["reserved_growth_over_materialized"] = json!(growth);
+        run["beyond_gradients_over_materialized"] = json!(beyond);
+        run["time_over_materialized"] = json!(time);
+        run["loss_difference"] = json!(difference);
     }
-    row["loss_difference"] = json!((losses[0] - losses[1]).abs());
+    let row = json!({"tokens": tokens, "hidden": hidden, "vocab": vocab, "dtype": "bf16",
+                     "gradient_bytes": gradient_bytes, "runs": runs});
     eprintln!("loss {row}");
     row
 }
