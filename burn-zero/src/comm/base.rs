@@ -276,7 +276,7 @@ pub enum CommError {
     },
     /// Not every rank arrived in time.
     #[error(
-        "rank {rank} timed out after {timeout:?} in {call} (#{seq}) waiting for rank(s) {missing:?}"
+        "rank {rank} timed out after {timeout:?} in {call} (#{seq}) waiting for rank(s) {missing:?}{recent}"
     )]
     Timeout {
         /// The rank that waited.
@@ -289,6 +289,8 @@ pub enum CommError {
         missing: Vec<usize>,
         /// How long it waited.
         timeout: Duration,
+        /// This rank's last calls (filled in by the communicator that timed out).
+        recent: super::flight::FlightRecord,
     },
     /// The group was shut down because a rank failed.
     #[error("communicator aborted: {0}")]

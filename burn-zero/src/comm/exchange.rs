@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::base::*;
+use super::flight::FlightRecorder;
 use super::reduce::{Payload, reduce_chunk};
 
 /// A way for host buffers to travel between ranks.
@@ -24,6 +25,40 @@ pub(crate) trait Exchange: Send + Sync {
     fn post(&self, peer: usize, call: OpSignature, payload: Payload) -> Result<(), CommError>;
     /// Receives the next point-to-point message from `peer`, which must match `call`.
     fn take(&self, peer: usize, call: OpSignature) -> Result<Payload, CommError>;
+    /// This rank's record of its last calls on this communicator.
+    fn flight(&self) -> &FlightRecorder;
+}
+
+/// `run` (one call of signature `call`) recorded in `t`'s flight recorder; a timeout carries
+/// the record out.
+fn recorded<T: Exchange + ?Sized, R>(
+    t: &T,
+    call: OpSignature,
+    run: impl FnOnce() -> Result<R, CommError>,
+) -> Result<R, CommError> {
+    let seq = t.flight().start(call);
+    match run() {
+        Ok(out) => {
+            t.flight().end(seq);
+            Ok(out)
+        }
+        Err(CommError::Timeout {
+            rank,
+            call,
+            seq,
+            missing,
+            timeout,
+            ..
+        }) => Err(CommError::Timeout {
+            rank,
+            call,
+            seq,
+            missing,
+            timeout,
+            recent: t.flight().record(),
+        }),
+        Err(e) => Err(e),
+    }
 }
 
 /// The next point-to-point sequence number for `peer` (each direction of a pair counts its own).
@@ -103,7 +138,9 @@ impl<T: Exchange> Communicator for T {
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
         let call = signature(OpKind::AllReduce(op), &buf.as_buf());
-        let inputs = self.exchange(call, Payload::copy_of(buf.as_buf()))?;
+        let inputs = recorded(self, call, || {
+            self.exchange(call, Payload::copy_of(buf.as_buf()))
+        })?;
         reduce_chunk(&inputs, 0, op, buf);
         Ok(())
     }
@@ -122,7 +159,7 @@ impl<T: Exchange> Communicator for T {
             &output,
             output.len() * Exchange::world_size(self),
         )?;
-        let inputs = self.exchange(call, Payload::copy_of(input))?;
+        let inputs = recorded(self, call, || self.exchange(call, Payload::copy_of(input)))?;
         let chunk = output.len();
         reduce_chunk(&inputs, Exchange::rank(self) * chunk, op, output);
         Ok(())
@@ -137,7 +174,7 @@ impl<T: Exchange> Communicator for T {
             &output,
             input.len() * Exchange::world_size(self),
         )?;
-        let inputs = self.exchange(call, Payload::copy_of(input))?;
+        let inputs = recorded(self, call, || self.exchange(call, Payload::copy_of(input)))?;
         let chunk = input.len();
         for (rank, part) in inputs.iter().enumerate() {
             part.copy_range_into(0..chunk, &mut output, rank * chunk);
@@ -148,7 +185,9 @@ impl<T: Exchange> Communicator for T {
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
         let call = signature(OpKind::Broadcast { root }, &buf.as_buf());
         check_peer(self, call, root)?;
-        let inputs = self.exchange(call, Payload::copy_of(buf.as_buf()))?;
+        let inputs = recorded(self, call, || {
+            self.exchange(call, Payload::copy_of(buf.as_buf()))
+        })?;
         if root != Exchange::rank(self) {
             inputs[root].copy_range_into(0..buf.len(), &mut buf, 0);
         }
@@ -157,19 +196,19 @@ impl<T: Exchange> Communicator for T {
 
     fn barrier(&self) -> Result<(), CommError> {
         let call = signature(OpKind::Barrier, &Buf::F32(&[]));
-        self.exchange(call, Payload::F32(Vec::new())).map(|_| ())
+        recorded(self, call, || self.exchange(call, Payload::F32(Vec::new()))).map(|_| ())
     }
 
     fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError> {
         let call = signature(OpKind::PointToPoint, &buf);
         check_peer(self, call, peer)?;
-        self.post(peer, call, Payload::copy_of(buf))
+        recorded(self, call, || self.post(peer, call, Payload::copy_of(buf)))
     }
 
     fn recv(&self, mut buf: BufMut<'_>, peer: usize) -> Result<(), CommError> {
         let call = signature(OpKind::PointToPoint, &buf.as_buf());
         check_peer(self, call, peer)?;
-        let payload = self.take(peer, call)?;
+        let payload = recorded(self, call, || self.take(peer, call))?;
         payload.copy_range_into(0..buf.len(), &mut buf, 0);
         Ok(())
     }

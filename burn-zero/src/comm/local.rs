@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::base::*;
 use super::exchange::{Exchange, next_seq};
+use super::flight::FlightRecorder;
 use super::reduce::Payload;
 
 /// The shared state of one group of thread ranks; makes its [`LocalComm`]s.
@@ -83,6 +84,7 @@ impl LocalGroup {
             seq: AtomicU64::new(0),
             sent: Mutex::new(HashMap::new()),
             received: Mutex::new(HashMap::new()),
+            flight: FlightRecorder::default(),
         }
     }
 
@@ -149,6 +151,7 @@ pub struct LocalComm {
     seq: AtomicU64,
     sent: Mutex<HashMap<usize, u64>>,
     received: Mutex<HashMap<usize, u64>>,
+    flight: FlightRecorder,
 }
 
 impl LocalComm {
@@ -219,12 +222,17 @@ impl LocalComm {
                 .filter(|r| st.rounds[&seq].calls[*r].is_none())
                 .collect(),
             timeout: self.shared.timeout,
+            recent: Default::default(),
         };
         self.shared.wait(state, deadline, poll, on_timeout)
     }
 }
 
 impl Exchange for LocalComm {
+    fn flight(&self) -> &FlightRecorder {
+        &self.flight
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -278,6 +286,7 @@ impl Exchange for LocalComm {
             seq,
             missing: vec![peer],
             timeout: self.shared.timeout,
+            recent: Default::default(),
         };
         self.shared.wait(state, deadline, poll, on_timeout)
     }

@@ -5,6 +5,7 @@
 
 mod base;
 mod exchange;
+mod flight;
 mod local;
 #[cfg(feature = "nccl")]
 mod nccl;
@@ -14,6 +15,7 @@ mod sub;
 mod tcp;
 
 pub use base::*;
+pub use flight::{FLIGHT_RECORD_LEN, FlightEntry, FlightRecord, FlightRecorder};
 pub use local::{LocalComm, LocalGroup};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, nccl_unique_id, nccl_version};

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::base::*;
 use super::exchange::Exchange;
+use super::flight::FlightRecorder;
 use super::reduce::Payload;
 
 /// The members `members` (ranks of `parent`, in the sub-group's rank order) of a group this
@@ -19,6 +20,7 @@ pub struct SubComm {
     members: Vec<usize>,
     rank: usize,
     seq: AtomicU64,
+    flight: FlightRecorder,
 }
 
 impl SubComm {
@@ -47,6 +49,7 @@ impl SubComm {
             members,
             rank,
             seq: AtomicU64::new(0),
+            flight: FlightRecorder::default(),
         })
     }
 
@@ -180,6 +183,10 @@ impl SubComm {
 }
 
 impl Exchange for SubComm {
+    fn flight(&self) -> &FlightRecorder {
+        &self.flight
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

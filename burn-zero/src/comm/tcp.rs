@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::base::*;
 use super::exchange::{Exchange, next_seq};
+use super::flight::FlightRecorder;
 use super::reduce::Payload;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -203,6 +204,7 @@ impl Mailbox {
                     seq,
                     missing: vec![peer],
                     timeout,
+                    recent: Default::default(),
                 };
                 mail.aborted.get_or_insert(failure.to_string());
                 return Err(failure);
@@ -232,6 +234,7 @@ pub struct TcpComm {
     seq: AtomicU64,
     sent: Mutex<HashMap<usize, u64>>,
     received: Mutex<HashMap<usize, u64>>,
+    flight: FlightRecorder,
 }
 
 impl TcpComm {
@@ -300,6 +303,7 @@ impl TcpComm {
             seq: AtomicU64::new(0),
             sent: Mutex::new(HashMap::new()),
             received: Mutex::new(HashMap::new()),
+            flight: FlightRecorder::default(),
         })
     }
 
@@ -339,6 +343,10 @@ impl TcpComm {
 }
 
 impl Exchange for TcpComm {
+    fn flight(&self) -> &FlightRecorder {
+        &self.flight
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

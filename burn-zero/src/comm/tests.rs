@@ -234,6 +234,69 @@ fn a_missing_rank_times_out_with_a_message() {
     );
 }
 
+/// A rank that never joins the third collective: the waiting ranks' errors carry their flight
+/// record, the two completed calls with their durations and the pending one, oldest first.
+#[test]
+fn a_timeout_carries_the_last_calls_of_the_rank() {
+    let failures = try_run_ranks(3, Duration::from_millis(300), |ctx| {
+        let mut buf = input(ctx.rank, 7);
+        ctx.comm
+            .all_reduce(buf.as_mut_slice().into(), ReduceOp::Sum)
+            .unwrap();
+        ctx.comm.barrier().unwrap();
+        if ctx.rank == 2 {
+            return; // never joins the third call
+        }
+        let err = ctx
+            .comm
+            .all_reduce(buf.as_mut_slice().into(), ReduceOp::Max)
+            .unwrap_err();
+        let CommError::Timeout { recent, .. } = &err else {
+            panic!("not a timeout: {err}");
+        };
+        let calls: Vec<(u64, String, bool)> = recent
+            .0
+            .iter()
+            .map(|e| (e.seq, e.call.to_string(), e.took.is_some()))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                (0, "all_reduce[Sum](f32 x 7)".to_string(), true),
+                (1, "barrier".to_string(), true),
+                (2, "all_reduce[Max](f32 x 7)".to_string(), false),
+            ]
+        );
+        assert_eq!(recent.0[0].bytes, 28);
+        panic!("{err}");
+    })
+    .expect_err("the waiting ranks fail");
+    assert_eq!(failures.len(), 2);
+    let m = &failures[0].message;
+    assert!(
+        m.contains("its last 3 calls, oldest first")
+            && m.contains("#1 barrier")
+            && m.contains("#2 all_reduce[Max](f32 x 7) (28 bytes)")
+            && m.contains("did not complete"),
+        "{m}"
+    );
+}
+
+/// The record keeps the last [`FLIGHT_RECORD_LEN`] calls.
+#[test]
+fn the_flight_record_keeps_the_last_calls() {
+    let recorder = FlightRecorder::default();
+    let call = OpSignature::new(OpKind::Barrier, DType::F32, 0);
+    for _ in 0..FLIGHT_RECORD_LEN + 5 {
+        let seq = recorder.start(call);
+        recorder.end(seq);
+    }
+    let record = recorder.record();
+    assert_eq!(record.0.len(), FLIGHT_RECORD_LEN);
+    assert_eq!(record.0[0].seq, 5);
+    assert!(record.0.iter().all(|e| e.took.is_some()));
+}
+
 #[test]
 fn a_missing_sender_times_out() {
     let failures = try_run_ranks(2, Duration::from_millis(200), |ctx| {
