@@ -13,6 +13,12 @@ pub use swiglu::{swiglu_backward, swiglu_forward};
 
 use cubecl::prelude::*;
 
+/// `handle` as a kernel's array argument of `len` elements.
+fn array<R: Runtime>(handle: &cubecl::server::Handle, len: usize) -> ArrayArg<R> {
+    // SAFETY (of every use): the caller's handles hold `len` elements of the stated type.
+    unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
+}
+
 /// Elements per vector for elements of `bytes` over rows of `len` elements: the widest the
 /// runtime loads in one access that divides `len` (so rows start on vectors).
 fn vector_of<R: Runtime>(client: &ComputeClient<R>, bytes: usize, len: usize) -> usize {

@@ -6,6 +6,8 @@
 
 use cubecl::prelude::*;
 
+use super::array;
+
 // The launch items the `cube` macro generates carry no docs of their own.
 #[allow(missing_docs)]
 mod kernel {
@@ -170,11 +172,6 @@ pub fn backward_chunk(rows: usize) -> usize {
 /// Bytes of f32 scratch [`rms_norm_backward`] needs for `rows × hidden`.
 pub fn backward_scratch_bytes(rows: usize, hidden: usize) -> usize {
     rows.div_ceil(backward_chunk(rows)) * hidden * 4
-}
-
-fn array<R: Runtime>(handle: &cubecl::server::Handle, len: usize) -> ArrayArg<R> {
-    // SAFETY (of every use): the caller's handles hold `len` elements of the stated type.
-    unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
 }
 
 /// The forward of `rows × hidden` contiguous elements of `dtype`: `out` (same shape and dtype)

@@ -5,6 +5,8 @@
 
 use cubecl::prelude::*;
 
+use super::array;
+
 /// Which elements of a head form the rotated pairs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopePairs {
@@ -108,11 +110,6 @@ impl RopeDims {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-}
-
-fn array<R: Runtime>(handle: &cubecl::server::Handle, len: usize) -> ArrayArg<R> {
-    // SAFETY (of every use): the caller's handles hold `len` elements of the stated type.
-    unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
 }
 
 /// `out` = `x` (contiguous `dims`, elements of `dtype`) rotated by the angles whose cosines

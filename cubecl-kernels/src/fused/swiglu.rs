@@ -3,6 +3,8 @@
 
 use cubecl::prelude::*;
 
+use super::array;
+
 // The launch items the `cube` macro generates carry no docs of their own.
 #[allow(missing_docs)]
 mod kernel {
@@ -66,11 +68,6 @@ fn layout<R: Runtime>(
     let vector = super::vector_of(client, dtype.size(), len);
     let cubes = (len / vector).div_ceil(UNITS).max(1);
     (vector, CubeCount::Static(cubes as u32, 1, 1))
-}
-
-fn array<R: Runtime>(handle: &cubecl::server::Handle, len: usize) -> ArrayArg<R> {
-    // SAFETY (of every use): the caller's handles hold `len` elements of the stated type.
-    unsafe { ArrayArg::from_raw_parts(handle.clone(), len) }
 }
 
 /// `out = silu(gate) · up` over `len` contiguous elements of `dtype` each.

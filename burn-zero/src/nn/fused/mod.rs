@@ -9,7 +9,7 @@ mod rms_norm;
 mod rope;
 mod swiglu;
 
-pub use rms_norm::{rms_norm, rms_norm_reference};
+pub use rms_norm::rms_norm;
 pub use rope::{RopePairs, RopeTable, rope};
 pub use swiglu::swiglu;
 

@@ -23,16 +23,7 @@ pub fn rms_norm<B: Backend, const D: usize>(
     apply(RmsNorm { eps }, [x, weight.reshape([1, hidden])]).reshape(dims)
 }
 
-/// burn's formula (`RmsNorm::forward`): the path with the kernels switched off, and the
-/// reference of the tests.
-pub fn rms_norm_reference<B: Backend, const D: usize>(
-    x: Tensor<B, D>,
-    weight: Tensor<B, 1>,
-    eps: f64,
-) -> Tensor<B, D> {
-    reference(x, weight, eps)
-}
-
+/// burn's formula (`RmsNorm::forward`): the path with the kernels switched off.
 fn reference<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 1>,
@@ -71,16 +62,15 @@ impl FusedOp<2, 2> for RmsNorm {
         saved: &[Tensor<Z, 2>],
         dy: Tensor<Z, 2>,
     ) -> [Option<Tensor<Z, 2>>; 2] {
-        let [rows, hidden] = x.dims();
+        let hidden = x.dims()[1];
         let rstd = &saved[0];
         #[cfg(feature = "cuda")]
         {
-            let (w, r) = (w.clone().reshape([hidden]), rstd.clone().reshape([rows]));
+            let (w, r) = (w.clone().reshape([hidden]), rstd.clone().flatten::<1>(0, 1));
             if let Some((dx, dw)) = super::cuda::rms_backward(x, &w, &r, &dy) {
                 return [Some(dx), Some(dw.reshape([1, hidden]))];
             }
         }
-        let _ = rows;
         let f32 = FloatDType::F32;
         let (x32, dy32, w32) = (x.clone().cast(f32), dy.cast(f32), w.clone().cast(f32));
         // dx = r·w·dy − r³·x·Σ(dy·w·x)/hidden, dw = Σ_rows dy·x·r
