@@ -192,6 +192,23 @@ fn check(device: &Device) -> bool {
                 }
             }
         }
+        // The lengths users train at, causal, for the 16-bit types the tensor-core kernels take
+        // (the reference materializes `[2, 4, seq, seq]` f32 scores: 2 GiB at 8k).
+        if dtype != FloatDType::F32 {
+            for seq in [4096usize, 8192] {
+                for hd in [64usize, 128] {
+                    let case = Case {
+                        dtype,
+                        name,
+                        tolerance,
+                        seq,
+                        hd,
+                        causal: true,
+                    };
+                    all &= check_case(&case, None, device);
+                }
+            }
+        }
         // Block-sparse: bigbird with per-head random blocks, block 32; fixed causal.
         let bird = SparsityConfig {
             num_heads: 4,

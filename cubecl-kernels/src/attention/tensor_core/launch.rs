@@ -6,6 +6,7 @@ use cubecl::prelude::*;
 
 use super::backward::{tc_dkdv_kernel, tc_dq_kernel};
 use super::forward::tc_forward_kernel;
+use super::mma_backward::{mma_dkdv_kernel, mma_dq_kernel};
 use super::mma_forward::mma_forward_kernel;
 use super::tiles::{KEYS, PLANE, PS, ROWS, SS, UNITS, padded};
 use crate::attention::{AttentionDims, FlashOptions, arg, cubes};
@@ -53,9 +54,19 @@ pub fn tensor_cores_apply<R: Runtime>(
         && props.hardware.max_shared_memory_size >= shared_bytes(dims.head_dim, elem)
 }
 
+/// Shared memory of the largest register-resident kernel (`mma_dkdv`: K, V, Q and dO
+/// row-major, Q and dO transposed, two rows of statistics), in bytes.
+fn mma_shared_bytes(head_dim: usize, elem: usize) -> usize {
+    (4 * ROWS * padded(head_dim) + 2 * head_dim * (KEYS + 8)) * elem + 2 * KEYS * 4
+}
+
 /// Whether the device runs the m16n8k16 `mma` on `dtype` with f32 accumulators, which the
-/// forward with the scores in registers is made of.
-fn mma_applies<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
+/// kernels with the scores in registers are made of, and has their shared memory.
+fn mma_applies<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: &AttentionDims,
+    dtype: StorageType,
+) -> bool {
     let shape = MmaConfig {
         a_type: dtype,
         b_type: dtype,
@@ -64,7 +75,9 @@ fn mma_applies<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> boo
         n: 8,
         k: 16,
     };
-    client.properties().features.matmul.mma.contains(&shape)
+    let props = client.properties();
+    props.features.matmul.mma.contains(&shape)
+        && props.hardware.max_shared_memory_size >= mma_shared_bytes(dims.head_dim, 2)
 }
 
 /// Elements per global load of the staged tiles: 8 (16 bytes) where every operand's head
@@ -100,7 +113,7 @@ pub(in crate::attention) fn forward<R: Runtime>(
     // SAFETY: the shapes were checked by `AttentionDims::of` and `tensor_cores_apply`, the
     // bindings hold them, and every access in the kernels is bounded by the shapes.
     let vector = vector_size(dims, &[q, k, v]);
-    if options.register_scores && !sparse && mma_applies(client, dtype) {
+    if options.register_scores && !sparse && mma_applies(client, dims, dtype) {
         unsafe {
             mma_forward_kernel::launch_unchecked::<R>(
                 client,
@@ -161,32 +174,57 @@ pub(in crate::attention) fn backward<R: Runtime>(
     [dq, dk, dv]: [&TensorBinding<R>; 3],
 ) {
     let vector = vector_size(dims, &[q, k, v, d_out]);
+    let registers = options.register_scores && !sparse && mma_applies(client, dims, dtype);
     // SAFETY: as in `forward`.
     unsafe {
-        tc_dq_kernel::launch_unchecked::<R>(
-            client,
-            cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
-            CubeDim::new_1d(UNITS as u32),
-            vector,
-            arg(q),
-            arg(q),
-            arg(k),
-            arg(k),
-            arg(v),
-            arg(v),
-            arg(d_out),
-            arg(d_out),
-            arg(lse),
-            arg(delta),
-            arg(dq),
-            arg(layout),
-            options.scale,
-            block,
-            options.causal,
-            sparse,
-            dims.head_dim,
-            dtype,
-        );
+        if registers {
+            mma_dq_kernel::launch_unchecked::<R>(
+                client,
+                cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+                CubeDim::new_1d(UNITS as u32),
+                vector,
+                arg(q),
+                arg(q),
+                arg(k),
+                arg(k),
+                arg(v),
+                arg(v),
+                arg(d_out),
+                arg(d_out),
+                arg(lse),
+                arg(delta),
+                arg(dq),
+                options.scale,
+                options.causal,
+                dims.head_dim,
+                dtype,
+            );
+        } else {
+            tc_dq_kernel::launch_unchecked::<R>(
+                client,
+                cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+                CubeDim::new_1d(UNITS as u32),
+                vector,
+                arg(q),
+                arg(q),
+                arg(k),
+                arg(k),
+                arg(v),
+                arg(v),
+                arg(d_out),
+                arg(d_out),
+                arg(lse),
+                arg(delta),
+                arg(dq),
+                arg(layout),
+                options.scale,
+                block,
+                options.causal,
+                sparse,
+                dims.head_dim,
+                dtype,
+            );
+        }
     }
     // One `dkdv` cube per query head; under grouped-query attention each writes an f32
     // share, summed per group after.
@@ -203,31 +241,56 @@ pub(in crate::attention) fn backward<R: Runtime>(
     };
     // SAFETY: as in `forward`; the shares hold `[batch, heads, seq_k, head_dim]`.
     unsafe {
-        tc_dkdv_kernel::launch_unchecked::<R>(
-            client,
-            cubes(dims.seq_k, ROWS, dims.batch * dims.heads),
-            CubeDim::new_1d(UNITS as u32),
-            vector,
-            arg(q),
-            arg(q),
-            arg(k),
-            arg(k),
-            arg(v),
-            arg(v),
-            arg(d_out),
-            arg(d_out),
-            arg(lse),
-            arg(delta),
-            arg(dk_to),
-            arg(dv_to),
-            arg(layout),
-            options.scale,
-            block,
-            options.causal,
-            sparse,
-            dims.head_dim,
-            [dtype, out_dtype],
-        );
+        if registers {
+            mma_dkdv_kernel::launch_unchecked::<R>(
+                client,
+                cubes(dims.seq_k, ROWS, dims.batch * dims.heads),
+                CubeDim::new_1d(UNITS as u32),
+                vector,
+                arg(q),
+                arg(q),
+                arg(k),
+                arg(k),
+                arg(v),
+                arg(v),
+                arg(d_out),
+                arg(d_out),
+                arg(lse),
+                arg(delta),
+                arg(dk_to),
+                arg(dv_to),
+                options.scale,
+                options.causal,
+                dims.head_dim,
+                [dtype, out_dtype],
+            );
+        } else {
+            tc_dkdv_kernel::launch_unchecked::<R>(
+                client,
+                cubes(dims.seq_k, ROWS, dims.batch * dims.heads),
+                CubeDim::new_1d(UNITS as u32),
+                vector,
+                arg(q),
+                arg(q),
+                arg(k),
+                arg(k),
+                arg(v),
+                arg(v),
+                arg(d_out),
+                arg(d_out),
+                arg(lse),
+                arg(delta),
+                arg(dk_to),
+                arg(dv_to),
+                arg(layout),
+                options.scale,
+                block,
+                options.causal,
+                sparse,
+                dims.head_dim,
+                [dtype, out_dtype],
+            );
+        }
     }
     if let Some([dk_s, dv_s]) = &shares {
         super::group_sum::sum_groups(client, dtype, dk_s, dk);

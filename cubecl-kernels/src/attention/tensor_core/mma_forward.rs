@@ -7,13 +7,7 @@
 //! (rounded to the element type, as FlashAttention-2 does): no score or probability goes
 //! through shared memory. K is staged row-major and V transposed, so every B fragment is two
 //! 32-bit loads from shared memory without bank conflicts (rows padded by 8 elements).
-//!
-//! Fragment layouts (PTX's, which cubecl passes through in register order), for unit `lane` of
-//! a plane, `g = lane / 4`, `t = lane % 4`:
-//! - A (16 × 16): `[row g, k 2t..2t+1]`, `[row g+8, k 2t..]`, `[row g, k 2t+8..]`,
-//!   `[row g+8, k 2t+8..]`;
-//! - B (16 × 8, k × n): `[k 2t..2t+1, n g]`, `[k 2t+8..2t+9, n g]`;
-//! - C (16 × 8): `[row g, n 2t..2t+1]`, `[row g+8, n 2t..2t+1]` (f32).
+//! (Fragment layouts in `mma_tiles`.)
 
 // The launch items the `cube` macro generates carry no docs of their own.
 #[allow(missing_docs)]
@@ -22,54 +16,8 @@ mod kernel {
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::tiles::{KEYS, PLANE, ROWS, UNITS, stage, tile_registers};
-
-    /// Two elements: a 32-bit register of an A or B fragment.
-    type Two = Const<2>;
-
-    /// Stages rows `first..first + KEYS` of the slab at `at` of `t` transposed in `tile`
-    /// (`[head_dim][KEYS + 8]`), zeros past `seq`. Neighbouring units take neighbouring keys of
-    /// the same columns, so that a plane's stores of one column fill consecutive addresses (one
-    /// wavefront; taking a row's vectors instead, as `load_rows` does, put 16 units on one bank).
-    #[cube]
-    #[allow(clippy::too_many_arguments)]
-    fn stage_transposed<F: Float, N: Size>(
-        t: &Tensor<F>,
-        tv: &Tensor<Vector<F, N>>,
-        at: usize,
-        first: usize,
-        seq: usize,
-        tile: &mut SharedMemory<F>,
-        #[comptime] head_dim: usize,
-        #[comptime] stride: usize,
-    ) {
-        let mut held = tile_registers::<F, N>(tv, KEYS, head_dim);
-        let (rs, es) = (t.stride(2), t.stride(3));
-        let n = tv.vector_size();
-        let per_row = comptime!(head_dim / n);
-        let per_unit = comptime!(KEYS * per_row / UNITS);
-        #[unroll]
-        for i in 0..per_unit {
-            let e = i * UNITS + UNIT_POS as usize;
-            let row = first + e % KEYS;
-            let mut value = Vector::<F, N>::new(F::new(0.0));
-            if row < seq {
-                value = tv[(at + row * rs + (e / KEYS) * n * es) / n];
-            }
-            held[i] = value;
-        }
-        #[unroll]
-        for i in 0..per_unit {
-            let e = i * UNITS + UNIT_POS as usize;
-            let key = e % KEYS;
-            let d = (e / KEYS) * n;
-            let value = held[i];
-            #[unroll]
-            for c in 0..n {
-                tile[(d + c) * stride + key] = value[c];
-            }
-        }
-    }
+    use super::super::mma_tiles::{Two, stage_transposed};
+    use super::super::tiles::{KEYS, PLANE, ROWS, stage};
 
     /// As `tc_forward_kernel` (same arguments and results, dense only) with the scores in
     /// registers: elements of `F` (f16 or bf16), `head_dim` a multiple of 16 up to 128; cube

@@ -7,7 +7,9 @@
 mod backward;
 mod forward;
 mod group_sum;
+mod mma_backward;
 mod mma_forward;
+mod mma_tiles;
 mod tiles;
 
 mod launch;

@@ -1,0 +1,204 @@
+//! The pieces the register-resident (m16n8k16 `mma`) kernels share: a tile staged transposed,
+//! a plane's 16 × 64 product of two row-major tiles, and the accumulation of a 16 × 64
+//! register tile times a transposed one.
+//!
+//! Fragment layouts (PTX's, which cubecl passes through in register order), for unit `lane` of
+//! a plane, `g = lane / 4`, `t = lane % 4`:
+//! - A (16 × 16): `[row g, k 2t..2t+1]`, `[row g+8, k 2t..2t+1]`, `[row g, k 2t+8..]`,
+//!   `[row g+8, k 2t+8..]`;
+//! - B (16 × 8, k × n): `[k 2t..2t+1, n g]`, `[k 2t+8..2t+9, n g]`;
+//! - C (16 × 8): `[row g, n 2t..2t+1]`, `[row g+8, n 2t..2t+1]` (f32).
+//!
+//! So the C fragments `2j` and `2j + 1` (columns `16j ..`) of a 16 × 64 score tile, rounded to
+//! the element type, are exactly the A fragment of the next product's k-step `j`.
+
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+
+use super::tiles::{KEYS, PLANE, UNITS, tile_registers};
+
+/// Two elements: a 32-bit register of an A or B fragment, or two f32 of a C fragment.
+pub(crate) type Two = Const<2>;
+
+/// Stages rows `first..first + KEYS` of the slab at `at` of `t` transposed in `tile`
+/// (`[head_dim][KEYS + 8]`), zeros past `seq`. Neighbouring units take neighbouring rows of
+/// the same columns, so that a plane's stores of one column fill consecutive addresses (one
+/// wavefront; taking a row's vectors instead, as `load_rows` does, put 16 units on one bank).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_transposed<F: Float, N: Size>(
+    t: &Tensor<F>,
+    tv: &Tensor<Vector<F, N>>,
+    at: usize,
+    first: usize,
+    seq: usize,
+    tile: &mut SharedMemory<F>,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let mut held = tile_registers::<F, N>(tv, KEYS, head_dim);
+    let (rs, es) = (t.stride(2), t.stride(3));
+    let n = tv.vector_size();
+    let per_row = comptime!(head_dim / n);
+    let per_unit = comptime!(KEYS * per_row / UNITS);
+    #[unroll]
+    for i in 0..per_unit {
+        let e = i * UNITS + UNIT_POS as usize;
+        let row = first + e % KEYS;
+        let mut value = Vector::<F, N>::new(F::new(0.0));
+        if row < seq {
+            value = tv[(at + row * rs + (e / KEYS) * n * es) / n];
+        }
+        held[i] = value;
+    }
+    #[unroll]
+    for i in 0..per_unit {
+        let e = i * UNITS + UNIT_POS as usize;
+        let key = e % KEYS;
+        let d = (e / KEYS) * n;
+        let value = held[i];
+        #[unroll]
+        for c in 0..n {
+            tile[(d + c) * stride + key] = value[c];
+        }
+    }
+}
+
+/// `s = A·Bᵀ` for this unit's plane: A is rows `a_row .. a_row + 16` of `a_tile`, B the
+/// `KEYS` rows of `b_tile` (both row-major over `head_dim`, row stride `stride`, `a_len` and
+/// `b_len` elements long); `s` holds the 8 C fragments of the 16 × 64 result (`s[2j]`,
+/// `s[2j + 1]` for columns `8j ..`). Each A fragment is read once and used for all 8.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_nt<F: Float>(
+    a_tile: &SharedMemory<F>,
+    a_row: usize,
+    b_tile: &SharedMemory<F>,
+    s: &mut Array<Vector<f32, Two>>,
+    #[comptime] a_len: usize,
+    #[comptime] b_len: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let lane = UNIT_POS as usize % PLANE;
+    let g = lane / 4;
+    let t = lane % 4;
+    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let ap = a_tile
+        .slice(0usize, a_len)
+        .into_vectorized()
+        .with_vector_size::<Two>();
+    let bp = b_tile
+        .slice(0usize, b_len)
+        .into_vectorized()
+        .with_vector_size::<Two>();
+    let zero = Vector::<f32, Two>::new(0.0);
+    #[unroll]
+    for i in 0..16usize {
+        s[i] = zero;
+    }
+    let mut a = Array::<Vector<F, Two>>::new(4usize);
+    let mut bf = Array::<Vector<F, Two>>::new(2usize);
+    let mut c = Array::<Vector<f32, Two>>::new(2usize);
+    let top = (a_row + g) * stride + 2 * t;
+    let bottom = top + 8 * stride;
+    let dk = comptime!(head_dim / 16);
+    #[unroll]
+    for kk in 0..dk {
+        a[0usize] = ap[(top + kk * 16) / 2];
+        a[1usize] = ap[(bottom + kk * 16) / 2];
+        a[2usize] = ap[(top + kk * 16 + 8) / 2];
+        a[3usize] = ap[(bottom + kk * 16 + 8) / 2];
+        #[unroll]
+        for j in 0..8usize {
+            let b_at = (j * 8 + g) * stride + kk * 16 + 2 * t;
+            bf[0usize] = bp[b_at / 2];
+            bf[1usize] = bp[(b_at + 8) / 2];
+            c[0usize] = s[2 * j];
+            c[1usize] = s[2 * j + 1];
+            let d = mma.execute(&a, &bf, &c);
+            s[2 * j] = d[0usize];
+            s[2 * j + 1] = d[1usize];
+        }
+    }
+}
+
+/// `acc += P·B` for this unit's plane: `P` the 16 × 64 f32 register tile `p` (C fragments as
+/// [`product_nt`] leaves them), rounded to `F`; `B` the `KEYS × head_dim` matrix whose transpose
+/// `bt_tile` holds (`[head_dim][stride]`, `bt_len` elements); `acc` the `head_dim / 8` C
+/// fragments of the 16 × `head_dim` result (`acc[2n]`, `acc[2n + 1]`).
+#[cube]
+pub(crate) fn accumulate_pt<F: Float>(
+    p: &Array<Vector<f32, Two>>,
+    bt_tile: &SharedMemory<F>,
+    acc: &mut Array<Vector<f32, Two>>,
+    #[comptime] bt_len: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let lane = UNIT_POS as usize % PLANE;
+    let g = lane / 4;
+    let t = lane % 4;
+    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let bp = bt_tile
+        .slice(0usize, bt_len)
+        .into_vectorized()
+        .with_vector_size::<Two>();
+    let mut a = Array::<Vector<F, Two>>::new(4usize);
+    let mut bf = Array::<Vector<F, Two>>::new(2usize);
+    let mut c = Array::<Vector<f32, Two>>::new(2usize);
+    let dn = comptime!(head_dim / 8);
+    #[unroll]
+    for kk in 0..4usize {
+        a[0usize] = Vector::<F, Two>::cast_from(p[4 * kk]);
+        a[1usize] = Vector::<F, Two>::cast_from(p[4 * kk + 1]);
+        a[2usize] = Vector::<F, Two>::cast_from(p[4 * kk + 2]);
+        a[3usize] = Vector::<F, Two>::cast_from(p[4 * kk + 3]);
+        #[unroll]
+        for n in 0..dn {
+            let b_at = (n * 8 + g) * stride + kk * 16 + 2 * t;
+            bf[0usize] = bp[b_at / 2];
+            bf[1usize] = bp[(b_at + 8) / 2];
+            c[0usize] = acc[2 * n];
+            c[1usize] = acc[2 * n + 1];
+            let d = mma.execute(&a, &bf, &c);
+            acc[2 * n] = d[0usize];
+            acc[2 * n + 1] = d[1usize];
+        }
+    }
+}
+
+/// Writes this unit's share of a plane's 16 × `head_dim` accumulator times `scale` to rows
+/// `row0` and `row0 + 8` of the slab at `at` of `out` (rows from `seq` on are not written).
+#[cube]
+pub(crate) fn write_acc<O: Float>(
+    acc: &Array<Vector<f32, Two>>,
+    out: &mut Tensor<O>,
+    at: usize,
+    row0: usize,
+    seq: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+) {
+    let lane = UNIT_POS as usize % PLANE;
+    let t = lane % 4;
+    let (rs, es) = (out.stride(2), out.stride(3));
+    let row1 = row0 + 8;
+    let dn = comptime!(head_dim / 8);
+    #[unroll]
+    for n in 0..dn {
+        let col = n * 8 + 2 * t;
+        if row0 < seq {
+            let to = at + row0 * rs + col * es;
+            let value = acc[2 * n];
+            out[to] = O::cast_from(value[0usize] * scale);
+            out[to + es] = O::cast_from(value[1usize] * scale);
+        }
+        if row1 < seq {
+            let to = at + row1 * rs + col * es;
+            let value = acc[2 * n + 1];
+            out[to] = O::cast_from(value[0usize] * scale);
+            out[to + es] = O::cast_from(value[1usize] * scale);
+        }
+    }
+}
