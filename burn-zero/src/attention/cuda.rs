@@ -92,7 +92,10 @@ fn empty(like: &CudaCube, shape: &[usize], dtype: DType) -> CudaCube {
 #[derive(Clone, Debug)]
 struct Options {
     dims: AttentionDims,
-    causal: bool,
+    /// The kernels' options, read from this thread's settings when the call is made: fusion
+    /// may run the kernels on another thread (cubecl's device thread), whose settings are the
+    /// defaults, not the engine's.
+    kernel: FlashOptions,
     /// The layout (`[heads, blocks, blocks]` `u32`) and its block.
     layout: Option<(CudaCube, usize)>,
 }
@@ -125,20 +128,17 @@ impl Options {
             );
             (tensor, l.block)
         });
-        Some(Self {
-            dims,
+        let kernel = FlashOptions {
             causal,
-            layout,
-        })
-    }
-
-    fn kernel(&self) -> FlashOptions {
-        FlashOptions {
-            causal: self.causal,
-            scale: 1.0 / (self.dims.head_dim as f32).sqrt(),
+            scale: 1.0 / (dims.head_dim as f32).sqrt(),
             tensor_cores: super::tensor_cores_allowed(),
             register_scores: super::register_scores_allowed(),
-        }
+        };
+        Some(Self {
+            dims,
+            kernel,
+            layout,
+        })
     }
 }
 
@@ -183,7 +183,7 @@ fn forward(q: &Fused, k: &Fused, v: &Fused, options: &Options) -> (Fused, Fused)
                     &client,
                     &options.dims,
                     dtype.into(),
-                    options.kernel(),
+                    options.kernel,
                     sparsity,
                     [q, k, v].map(CubeTensor::binding).each_ref(),
                     &out.clone().binding(),
@@ -275,7 +275,7 @@ impl Backward<Zero, 3> for FlashBackward {
                         &client,
                         dims,
                         dtype.into(),
-                        options.kernel(),
+                        options.kernel,
                         sparsity,
                         [q, k, v].map(CubeTensor::binding).each_ref(),
                         [out, d_out, lse, delta].map(CubeTensor::binding).each_ref(),
