@@ -48,7 +48,7 @@ pub fn tensor_cores_allowed() -> bool {
     settings::with(|s| s.attention_tensor_cores)
 }
 
-/// Whether the tensor-core forward keeps the scores in registers where it applies, for
+/// Whether the tensor-core kernels keep the scores in registers where they apply, for
 /// attention dispatched from this thread (`burn_zero.attention_register_scores`).
 pub fn register_scores_allowed() -> bool {
     settings::with(|s| s.attention_register_scores)

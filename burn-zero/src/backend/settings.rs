@@ -24,7 +24,7 @@ pub struct OpSettings {
     /// Whether the tensor-core attention kernels may run where they apply
     /// (`burn_zero.attention_tensor_cores`).
     pub attention_tensor_cores: bool,
-    /// Whether the tensor-core forward keeps the scores in registers where it applies
+    /// Whether the tensor-core kernels keep the scores in registers where they apply
     /// (`burn_zero.attention_register_scores`).
     pub attention_register_scores: bool,
     /// The `sparse_attention` section: flash attention is block-sparse with its layouts.
@@ -39,7 +39,7 @@ impl Default for OpSettings {
             matmul: MatmulPolicy::default(),
             flash_attention: None,
             attention_tensor_cores: true,
-            attention_register_scores: false,
+            attention_register_scores: true,
             sparse_attention: None,
             fused_kernels: FusedKernelsConfig::default(),
         }

@@ -171,10 +171,11 @@ pub struct BurnZeroConfig {
     /// (half-precision heads of 16–128 in steps of 16; default true); false keeps the CUDA-core
     /// kernels.
     pub attention_tensor_cores: bool,
-    /// `attention_register_scores`: the tensor-core forward keeps the scores and
-    /// probabilities in registers (FlashAttention-2's layout) where it applies (dense attention
-    /// on a device with m16n8k16 `mma`). Default false: on an H100 it is as fast as the forward
-    /// that stages them in shared memory, not faster (bench/README, issue 36).
+    /// `attention_register_scores`: the tensor-core kernels (forward, `dq`, `dkdv`) keep the
+    /// scores, probabilities and their gradients in registers (FlashAttention-2's layout,
+    /// m16n8k16 `mma`) where they apply (dense attention on a device with the `mma`). Default
+    /// true: 1.14-1.41x the kernels that stage them in shared memory, forward and backward, on
+    /// an H100 (bench/README, issue 36); false keeps those.
     pub attention_register_scores: bool,
     /// `host_collectives`: collectives go through host memory even where the communicator
     /// could run them on device memory (NCCL), as on CPU backends (default false).
@@ -235,7 +236,7 @@ impl Default for BurnZeroConfig {
             memory_pool: MemoryPoolLayout::default(),
             release_cached_memory: false,
             attention_tensor_cores: true,
-            attention_register_scores: false,
+            attention_register_scores: true,
             host_collectives: false,
             peak_tflops: None,
             fused_kernels: FusedKernelsConfig::default(),

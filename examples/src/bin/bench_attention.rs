@@ -477,8 +477,8 @@ fn main() {
     let mut settings = burn_zero::backend::settings::current();
     settings.attention_tensor_cores =
         std::env::var("BURN_ZERO_ATTENTION_TENSOR_CORES").map_or(true, |v| v != "0");
-    // The forward with the scores in registers unless `BURN_ZERO_ATTENTION_REGISTER_SCORES=0`
-    // (off by default in an engine; checked and timed here).
+    // The kernels with the scores in registers unless `BURN_ZERO_ATTENTION_REGISTER_SCORES=0`
+    // (as an engine's default).
     settings.attention_register_scores =
         std::env::var("BURN_ZERO_ATTENTION_REGISTER_SCORES").map_or(true, |v| v != "0");
     burn_zero::backend::settings::set(settings).keep();

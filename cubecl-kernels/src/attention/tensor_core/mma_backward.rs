@@ -16,6 +16,9 @@ mod kernel {
     use super::super::mma_tiles::{Two, accumulate_pt, product_nt, stage_transposed, write_acc};
     use super::super::tiles::{KEYS, PLANE, ROWS, stage, stage_stat};
 
+    /// Query columns of one `dkdv` register tile (half a query tile).
+    const HALF_KEYS: usize = KEYS / 2;
+
     /// `dq` with the tiles in registers (arguments as `tc_dq_kernel`'s, dense only): elements
     /// of `F` (f16 or bf16), `head_dim` a multiple of 16 up to 128; cube `(x, y)`: query rows
     /// `64·x ..` of head `y = b·heads + h`; 128 units.
@@ -151,7 +154,7 @@ mod kernel {
 
             // P = exp(S·scale − lse), zero where the key is hidden.
             product_nt::<F>(
-                &q_tile, a_row, &k_tile, &mut s, row_len, key_len, head_dim, ks,
+                &q_tile, a_row, &k_tile, 0usize, &mut s, KEYS, row_len, key_len, head_dim, ks,
             );
             #[unroll]
             for j in 0..8usize {
@@ -182,7 +185,7 @@ mod kernel {
             }
             // dS = P ∘ (dP − Δ), with dP = dO·Vᵀ.
             product_nt::<F>(
-                &g_tile, a_row, &v_tile, &mut dp, row_len, key_len, head_dim, ks,
+                &g_tile, a_row, &v_tile, 0usize, &mut dp, KEYS, row_len, key_len, head_dim, ks,
             );
             #[unroll]
             for j in 0..8usize {
@@ -190,7 +193,7 @@ mod kernel {
                 dp[2 * j + 1] = s[2 * j + 1] * (dp[2 * j + 1] - Vector::new(delta1));
             }
             // dQ += dS·K.
-            accumulate_pt::<F>(&dp, &kt_tile, &mut acc, t_len, head_dim, vs);
+            accumulate_pt::<F>(&dp, &kt_tile, 0usize, &mut acc, KEYS, t_len, head_dim, vs);
             sync_cube();
             start += KEYS;
         }
@@ -287,8 +290,8 @@ mod kernel {
             dk_acc[i] = zero;
             dv_acc[i] = zero;
         }
-        let mut s = Array::<Vector<f32, Two>>::new(16usize);
-        let mut dp = Array::<Vector<f32, Two>>::new(16usize);
+        let mut s = Array::<Vector<f32, Two>>::new(8usize);
+        let mut dp = Array::<Vector<f32, Two>>::new(8usize);
 
         // Causal: query rows before this cube's first key see none of its keys (tiles of
         // queries and keys are both 64 long, so this is a tile boundary).
@@ -339,57 +342,82 @@ mod kernel {
             );
             sync_cube();
 
-            // Pᵀ = exp(Sᵀ·scale − lse of the column's query), zero where the query does not
-            // see the key or is past the end.
-            product_nt::<F>(
-                &k_tile, a_row, &q_tile, &mut s, row_len, key_len, head_dim, ks,
-            );
-            #[unroll]
-            for j in 0..8usize {
-                let mut top = s[2 * j];
-                let mut bottom = s[2 * j + 1];
+            // The tile's queries in two halves of 32: two 16 × 32 register tiles per half keep
+            // the accumulators of dK and dV (64 registers each at head dim 128) from spilling.
+            for half in 0..2usize {
+                let col0 = half * HALF_KEYS;
+                // Pᵀ = exp(Sᵀ·scale − lse of the column's query), zero where the query does not
+                // see the key or is past the end.
+                product_nt::<F>(
+                    &k_tile, a_row, &q_tile, col0, &mut s, HALF_KEYS, row_len, key_len, head_dim,
+                    ks,
+                );
                 #[unroll]
-                for e in 0..2usize {
-                    let col = j * 8 + 2 * t + e;
-                    let query = start + col;
-                    let mut seen0 = query < seq_q;
-                    let mut seen1 = query < seq_q;
-                    if causal {
-                        seen0 = seen0 && query >= key0;
-                        seen1 = seen1 && query >= key1;
+                for j in 0..4usize {
+                    let mut top = s[2 * j];
+                    let mut bottom = s[2 * j + 1];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let col = col0 + j * 8 + 2 * t + e;
+                        let query = start + col;
+                        let mut seen0 = query < seq_q;
+                        let mut seen1 = query < seq_q;
+                        if causal {
+                            seen0 = seen0 && query >= key0;
+                            seen1 = seen1 && query >= key1;
+                        }
+                        let row_lse = lse_tile[col];
+                        let mut p0 = 0.0f32;
+                        let mut p1 = 0.0f32;
+                        if seen0 {
+                            p0 = f32::exp(top[e] * scale - row_lse);
+                        }
+                        if seen1 {
+                            p1 = f32::exp(bottom[e] * scale - row_lse);
+                        }
+                        top[e] = p0;
+                        bottom[e] = p1;
                     }
-                    let row_lse = lse_tile[col];
-                    let mut p0 = 0.0f32;
-                    let mut p1 = 0.0f32;
-                    if seen0 {
-                        p0 = f32::exp(top[e] * scale - row_lse);
-                    }
-                    if seen1 {
-                        p1 = f32::exp(bottom[e] * scale - row_lse);
-                    }
-                    top[e] = p0;
-                    bottom[e] = p1;
+                    s[2 * j] = top;
+                    s[2 * j + 1] = bottom;
                 }
-                s[2 * j] = top;
-                s[2 * j + 1] = bottom;
+                // dV += Pᵀ·dO.
+                accumulate_pt::<F>(
+                    &s,
+                    &gt_tile,
+                    col0,
+                    &mut dv_acc,
+                    HALF_KEYS,
+                    t_len,
+                    head_dim,
+                    vs,
+                );
+                // dSᵀ = Pᵀ ∘ (dPᵀ − Δ of the column's query), with dPᵀ = V·dOᵀ.
+                product_nt::<F>(
+                    &v_tile, a_row, &g_tile, col0, &mut dp, HALF_KEYS, row_len, key_len, head_dim,
+                    ks,
+                );
+                #[unroll]
+                for j in 0..4usize {
+                    let col = col0 + j * 8 + 2 * t;
+                    let mut d = Vector::<f32, Two>::new(0.0);
+                    d[0usize] = delta_tile[col];
+                    d[1usize] = delta_tile[col + 1];
+                    dp[2 * j] = s[2 * j] * (dp[2 * j] - d);
+                    dp[2 * j + 1] = s[2 * j + 1] * (dp[2 * j + 1] - d);
+                }
+                // dK += dSᵀ·Q.
+                accumulate_pt::<F>(
+                    &dp,
+                    &qt_tile,
+                    col0,
+                    &mut dk_acc,
+                    HALF_KEYS,
+                    t_len,
+                    head_dim,
+                    vs,
+                );
             }
-            // dV += Pᵀ·dO.
-            accumulate_pt::<F>(&s, &gt_tile, &mut dv_acc, t_len, head_dim, vs);
-            // dSᵀ = Pᵀ ∘ (dPᵀ − Δ of the column's query), with dPᵀ = V·dOᵀ.
-            product_nt::<F>(
-                &v_tile, a_row, &g_tile, &mut dp, row_len, key_len, head_dim, ks,
-            );
-            #[unroll]
-            for j in 0..8usize {
-                let col = j * 8 + 2 * t;
-                let mut d = Vector::<f32, Two>::new(0.0);
-                d[0usize] = delta_tile[col];
-                d[1usize] = delta_tile[col + 1];
-                dp[2 * j] = s[2 * j] * (dp[2 * j] - d);
-                dp[2 * j + 1] = s[2 * j + 1] * (dp[2 * j + 1] - d);
-            }
-            // dK += dSᵀ·Q.
-            accumulate_pt::<F>(&dp, &qt_tile, &mut dk_acc, t_len, head_dim, vs);
             sync_cube();
             start += KEYS;
         }

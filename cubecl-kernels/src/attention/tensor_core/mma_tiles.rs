@@ -64,17 +64,20 @@ pub(crate) fn stage_transposed<F: Float, N: Size>(
     }
 }
 
-/// `s = A·Bᵀ` for this unit's plane: A is rows `a_row .. a_row + 16` of `a_tile`, B the
-/// `KEYS` rows of `b_tile` (both row-major over `head_dim`, row stride `stride`, `a_len` and
-/// `b_len` elements long); `s` holds the 8 C fragments of the 16 × 64 result (`s[2j]`,
-/// `s[2j + 1]` for columns `8j ..`). Each A fragment is read once and used for all 8.
+/// `s = A·Bᵀ` for this unit's plane: A is rows `a_row .. a_row + 16` of `a_tile`, B rows
+/// `b_row .. b_row + cols` of `b_tile` (both row-major over `head_dim`, row stride `stride`,
+/// `a_len` and `b_len` elements long); `s` holds the `cols / 8` C fragments of the 16 × `cols`
+/// result (`s[2j]`, `s[2j + 1]` for columns `8j ..`). Each A fragment is read once and used
+/// for all of them.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product_nt<F: Float>(
     a_tile: &SharedMemory<F>,
     a_row: usize,
     b_tile: &SharedMemory<F>,
+    b_row: usize,
     s: &mut Array<Vector<f32, Two>>,
+    #[comptime] cols: usize,
     #[comptime] a_len: usize,
     #[comptime] b_len: usize,
     #[comptime] head_dim: usize,
@@ -93,8 +96,9 @@ pub(crate) fn product_nt<F: Float>(
         .into_vectorized()
         .with_vector_size::<Two>();
     let zero = Vector::<f32, Two>::new(0.0);
+    let frags = comptime!(cols / 8);
     #[unroll]
-    for i in 0..16usize {
+    for i in 0..frags * 2 {
         s[i] = zero;
     }
     let mut a = Array::<Vector<F, Two>>::new(4usize);
@@ -110,8 +114,8 @@ pub(crate) fn product_nt<F: Float>(
         a[2usize] = ap[(top + kk * 16 + 8) / 2];
         a[3usize] = ap[(bottom + kk * 16 + 8) / 2];
         #[unroll]
-        for j in 0..8usize {
-            let b_at = (j * 8 + g) * stride + kk * 16 + 2 * t;
+        for j in 0..frags {
+            let b_at = (b_row + j * 8 + g) * stride + kk * 16 + 2 * t;
             bf[0usize] = bp[b_at / 2];
             bf[1usize] = bp[(b_at + 8) / 2];
             c[0usize] = s[2 * j];
@@ -123,15 +127,18 @@ pub(crate) fn product_nt<F: Float>(
     }
 }
 
-/// `acc += P·B` for this unit's plane: `P` the 16 × 64 f32 register tile `p` (C fragments as
-/// [`product_nt`] leaves them), rounded to `F`; `B` the `KEYS × head_dim` matrix whose transpose
-/// `bt_tile` holds (`[head_dim][stride]`, `bt_len` elements); `acc` the `head_dim / 8` C
-/// fragments of the 16 × `head_dim` result (`acc[2n]`, `acc[2n + 1]`).
+/// `acc += P·B` for this unit's plane: `P` the 16 × `cols` f32 register tile `p` (C
+/// fragments as [`product_nt`] leaves them), rounded to `F`; `B` rows `col0 .. col0 + cols` of
+/// the `KEYS × head_dim` matrix whose transpose `bt_tile` holds (`[head_dim][stride]`, `bt_len`
+/// elements); `acc` the `head_dim / 8` C fragments of the 16 × `head_dim` result (`acc[2n]`,
+/// `acc[2n + 1]`).
 #[cube]
 pub(crate) fn accumulate_pt<F: Float>(
     p: &Array<Vector<f32, Two>>,
     bt_tile: &SharedMemory<F>,
+    col0: usize,
     acc: &mut Array<Vector<f32, Two>>,
+    #[comptime] cols: usize,
     #[comptime] bt_len: usize,
     #[comptime] head_dim: usize,
     #[comptime] stride: usize,
@@ -148,15 +155,16 @@ pub(crate) fn accumulate_pt<F: Float>(
     let mut bf = Array::<Vector<F, Two>>::new(2usize);
     let mut c = Array::<Vector<f32, Two>>::new(2usize);
     let dn = comptime!(head_dim / 8);
+    let steps = comptime!(cols / 16);
     #[unroll]
-    for kk in 0..4usize {
+    for kk in 0..steps {
         a[0usize] = Vector::<F, Two>::cast_from(p[4 * kk]);
         a[1usize] = Vector::<F, Two>::cast_from(p[4 * kk + 1]);
         a[2usize] = Vector::<F, Two>::cast_from(p[4 * kk + 2]);
         a[3usize] = Vector::<F, Two>::cast_from(p[4 * kk + 3]);
         #[unroll]
         for n in 0..dn {
-            let b_at = (n * 8 + g) * stride + kk * 16 + 2 * t;
+            let b_at = (n * 8 + g) * stride + col0 + kk * 16 + 2 * t;
             bf[0usize] = bp[b_at / 2];
             bf[1usize] = bp[(b_at + 8) / 2];
             c[0usize] = acc[2 * n];
