@@ -5,7 +5,7 @@
 # dtypes, block-sparse on the shared-memory kernels), its timings with the register kernels and
 # with the shared-memory ones, torch's SDPA (flash) beside them, and one ncu pass per register
 # kernel (registers, spills, duration). Writes $OUT/attention-registers-<kind>.json and logs.
-#   bash bench/run_attention_registers.sh KIND       (ITERATIONS)
+#   bash bench/run_attention_registers.sh KIND       (ITERATIONS; NCU_KERNELS="name:skip ...", "" for none)
 source bench/prelude.sh "$1"
 iterations="${ITERATIONS:-10}"
 logs="$out/logs"; mkdir -p "$logs"
@@ -23,7 +23,7 @@ echo "torch: exit $?"
 if command -v ncu > /dev/null; then
   # The 4th timed case (seq 4096, head dim 128): each case launches the forward 6 times
   # (warm-up and 2 timed steps, then as many forwards alone) and the backward kernels 3 times.
-  for ks in mma_forward:18 mma_dq:9 mma_dkdv:9; do
+  for ks in ${NCU_KERNELS-mma_forward:18 mma_dq:9 mma_dkdv:9}; do
     k=${ks%%:*}; skip=${ks##*:}
     BURN_ZERO_ATTENTION_REGISTER_SCORES=1 timeout 120 ncu --kernel-name "regex:$k" --launch-skip "$skip" \
       --launch-count 1 --section LaunchStats --section SpeedOfLight --section Occupancy \
