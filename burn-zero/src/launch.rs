@@ -17,8 +17,10 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::comm::{FlightReport, verdict};
 use crate::dist::DEFAULT_MASTER_PORT;
 
 /// What `burn-zero run` starts.
@@ -391,6 +393,9 @@ pub fn run(opts: &LaunchOptions) -> i32 {
     install_handlers(opts.watch_stdin);
     let mut children = Vec::new();
     let mut printers = Vec::new();
+    // The flight lines ranks print when a collective times out: read to name the rank that
+    // fell behind first.
+    let reports: Arc<Mutex<Vec<FlightReport>>> = Arc::default();
     for local_rank in 0..opts.nproc_per_node {
         let rank = first + local_rank;
         let spawned = Command::new(&opts.command[0])
@@ -424,8 +429,12 @@ pub fn run(opts: &LaunchOptions) -> i32 {
                 println!("[rank {rank}] {line}");
             }
         }));
+        let heard = reports.clone();
         printers.push(std::thread::spawn(move || {
             for line in output_lines(BufReader::new(stderr)) {
+                if let Some(report) = FlightReport::parse(&line) {
+                    heard.lock().unwrap_or_else(|e| e.into_inner()).push(report);
+                }
                 eprintln!("[rank {rank}] {line}");
             }
         }));
@@ -441,6 +450,10 @@ pub fn run(opts: &LaunchOptions) -> i32 {
         Outcome::Code(code) => code,
         Outcome::Failed(rank, status) => {
             eprintln!("{FAILED}rank {rank} {}", describe(status));
+            let reports = reports.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(verdict) = verdict(&reports, world) {
+                eprintln!("burn-zero run: {verdict}");
+            }
             failure_code(status)
         }
     }

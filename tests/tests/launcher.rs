@@ -105,6 +105,32 @@ fn a_killed_rank_stops_the_others_and_is_named() {
 }
 
 #[test]
+fn a_rank_that_stalls_is_named_from_the_others_flight_records() {
+    // Rank 1 sleeps before the second collective; ranks 0 and 2 wait 3 s for it, print their
+    // flight lines and fail; the launcher reads them and names rank 1.
+    let start = Instant::now();
+    let output = launcher(3, &["stall", "1"])
+        .env("BURN_ZERO_TIMEOUT", "3")
+        .output()
+        .expect("start the launcher");
+    let elapsed = start.elapsed();
+    let (out, err) = text(&output);
+    assert!(!output.status.success(), "{err}");
+    assert!(out.contains("[rank 1] rank 1 stalling"), "{out}");
+    assert!(err.contains("burn-zero flight: "), "no flight line:\n{err}");
+    assert!(
+        err.contains("burn-zero run: rank 1 fell behind first: rank")
+            && err.contains("waited for it in all_reduce")
+            && err.contains("it left no flight record"),
+        "stderr:\n{err}"
+    );
+    assert!(
+        elapsed < Duration::from_secs(3 + 20),
+        "the job ended {elapsed:?} after it started (timeout 3 s)"
+    );
+}
+
+#[test]
 fn a_failing_rank_sets_the_exit_status() {
     let (output, elapsed) = launch(3, &["die", "2", "exit"]);
     let (_, err) = text(&output);

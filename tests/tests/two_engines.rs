@@ -137,3 +137,38 @@ fn two_engines_in_one_process_keep_their_own_settings() {
         }
     }
 }
+
+/// `burn_zero.comm_timeout_s` is the engine's: a rank whose config says half a second stops
+/// waiting for a rank that does not come after about that long (its group's communicators
+/// would wait 300 s), names it, and carries its flight record.
+#[test]
+fn comm_timeout_s_bounds_the_wait_for_a_missing_rank() {
+    use burn_zero::comm::{CommError, LocalGroup};
+    use std::time::{Duration, Instant};
+    let group = LocalGroup::new(WORLD);
+    assert_eq!(group.comm(0).timeout(), Duration::from_secs(300));
+    let text = r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 2}, "burn_zero": {"comm_timeout_s": 0.5}}"#;
+    let comm: Arc<dyn Communicator> = Arc::new(group.comm(0));
+    let device = Default::default();
+    let started = Instant::now();
+    let result = initialize::<NdArray, _>(Mlp::<B>::new(&device), &config(text), comm.clone());
+    let waited = started.elapsed();
+    assert_eq!(comm.timeout(), Duration::from_millis(500));
+    let Err(err) = result else {
+        panic!("initialize returned without rank 1");
+    };
+    assert!(
+        waited >= Duration::from_millis(500) && waited < Duration::from_secs(10),
+        "waited {waited:?}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("waiting for rank(s) [1]"), "{text}");
+    assert!(
+        matches!(
+            err,
+            burn_zero::engine::EngineError::Comm(CommError::Timeout { .. })
+        ),
+        "{err:?}"
+    );
+}

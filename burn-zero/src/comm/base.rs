@@ -342,6 +342,37 @@ pub trait Communicator: Send + Sync {
     fn device(&self) -> Option<&dyn DeviceCollectives> {
         None
     }
+    /// How long this rank's calls wait for the others before they fail with a timeout (and,
+    /// on a device, before the watchdog ends the process); `burn_zero.comm_timeout_s`.
+    fn set_timeout(&self, timeout: Duration);
+    /// The timeout this rank's calls are held to.
+    fn timeout(&self) -> Duration;
+}
+
+/// A timeout that a communicator's owner may change while calls read it.
+#[derive(Debug)]
+pub struct TimeoutCell(std::sync::atomic::AtomicU64);
+
+impl TimeoutCell {
+    /// A cell holding `timeout` (at least a millisecond).
+    pub fn new(timeout: Duration) -> Self {
+        Self(std::sync::atomic::AtomicU64::new(Self::millis(timeout)))
+    }
+
+    fn millis(timeout: Duration) -> u64 {
+        timeout.as_millis().clamp(1, u64::MAX as u128) as u64
+    }
+
+    /// The timeout now.
+    pub fn get(&self) -> Duration {
+        Duration::from_millis(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Replaces it.
+    pub fn set(&self, timeout: Duration) {
+        self.0
+            .store(Self::millis(timeout), std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// A buffer in device memory: its address and element count.

@@ -7,9 +7,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use super::base::*;
 use super::flight::FlightRecorder;
+use super::flight_report::FlightReport;
 use super::reduce::{Payload, reduce_chunk};
 
 /// A way for host buffers to travel between ranks.
@@ -27,6 +29,15 @@ pub(crate) trait Exchange: Send + Sync {
     fn take(&self, peer: usize, call: OpSignature) -> Result<Payload, CommError>;
     /// This rank's record of its last calls on this communicator.
     fn flight(&self) -> &FlightRecorder;
+    /// Changes how long this rank's calls wait for the others.
+    fn set_timeout(&self, timeout: Duration);
+    /// How long this rank's calls wait for the others.
+    fn timeout(&self) -> Duration;
+    /// Whether a timeout prints this rank's [`FlightReport`] line (one process per rank, where
+    /// the launcher reads them; thread ranks keep it in the error only).
+    fn reports_timeouts(&self) -> bool {
+        false
+    }
 }
 
 /// `run` (one call of signature `call`) recorded in `t`'s flight recorder; a timeout carries
@@ -49,14 +60,21 @@ fn recorded<T: Exchange + ?Sized, R>(
             missing,
             timeout,
             ..
-        }) => Err(CommError::Timeout {
-            rank,
-            call,
-            seq,
-            missing,
-            timeout,
-            recent: t.flight().record(),
-        }),
+        }) => {
+            let recent = t.flight().record();
+            if t.reports_timeouts() {
+                let at = (seq, call.to_string());
+                FlightReport::new(rank, "timeout", at, missing.clone(), &recent).print();
+            }
+            Err(CommError::Timeout {
+                rank,
+                call,
+                seq,
+                missing,
+                timeout,
+                recent,
+            })
+        }
         Err(e) => Err(e),
     }
 }
@@ -130,6 +148,14 @@ fn check_pair<T: Exchange + ?Sized>(
 impl<T: Exchange> Communicator for T {
     fn rank(&self) -> usize {
         Exchange::rank(self)
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        Exchange::set_timeout(self, timeout)
+    }
+
+    fn timeout(&self) -> Duration {
+        Exchange::timeout(self)
     }
 
     fn world_size(&self) -> usize {

@@ -85,6 +85,7 @@ impl LocalGroup {
             sent: Mutex::new(HashMap::new()),
             received: Mutex::new(HashMap::new()),
             flight: FlightRecorder::default(),
+            timeout: TimeoutCell::new(self.shared.timeout),
         }
     }
 
@@ -152,6 +153,9 @@ pub struct LocalComm {
     sent: Mutex<HashMap<usize, u64>>,
     received: Mutex<HashMap<usize, u64>>,
     flight: FlightRecorder,
+    /// This rank's own (the group's until set): ranks of one group may be held to different
+    /// timeouts, as processes are.
+    timeout: TimeoutCell,
 }
 
 impl LocalComm {
@@ -159,7 +163,7 @@ impl LocalComm {
     fn round(&self, call: OpSignature, input: Payload) -> Result<Vec<Arc<Payload>>, CommError> {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let world = self.shared.world_size;
-        let deadline = Instant::now() + self.shared.timeout;
+        let deadline = Instant::now() + self.timeout.get();
         let mut state = self.shared.lock();
         if let Some(reason) = &state.aborted {
             return Err(CommError::Aborted(reason.clone()));
@@ -221,7 +225,7 @@ impl LocalComm {
             missing: (0..world)
                 .filter(|r| st.rounds[&seq].calls[*r].is_none())
                 .collect(),
-            timeout: self.shared.timeout,
+            timeout: self.timeout.get(),
             recent: Default::default(),
         };
         self.shared.wait(state, deadline, poll, on_timeout)
@@ -231,6 +235,14 @@ impl LocalComm {
 impl Exchange for LocalComm {
     fn flight(&self) -> &FlightRecorder {
         &self.flight
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout.set(timeout)
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout.get()
     }
 
     fn rank(&self) -> usize {
@@ -263,7 +275,7 @@ impl Exchange for LocalComm {
 
     fn take(&self, peer: usize, call: OpSignature) -> Result<Payload, CommError> {
         let seq = next_seq(&self.received, peer);
-        let deadline = Instant::now() + self.shared.timeout;
+        let deadline = Instant::now() + self.timeout.get();
         let state = self.shared.lock();
         let poll = |st: &mut State| {
             let message = st.mailboxes.get_mut(&(peer, self.rank))?.pop_front()?;
@@ -285,7 +297,7 @@ impl Exchange for LocalComm {
             call,
             seq,
             missing: vec![peer],
-            timeout: self.shared.timeout,
+            timeout: self.timeout.get(),
             recent: Default::default(),
         };
         self.shared.wait(state, deadline, poll, on_timeout)

@@ -6,6 +6,7 @@
 mod base;
 mod exchange;
 mod flight;
+mod flight_report;
 mod local;
 #[cfg(feature = "nccl")]
 mod nccl;
@@ -13,15 +14,18 @@ mod padded;
 mod reduce;
 mod sub;
 mod tcp;
+mod watchdog;
 
 pub use base::*;
 pub use flight::{FLIGHT_RECORD_LEN, FlightEntry, FlightRecord, FlightRecorder};
+pub use flight_report::{FLIGHT_LINE, FlightReport, verdict};
 pub use local::{LocalComm, LocalGroup};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclComm, nccl_unique_id, nccl_version};
 pub use padded::PaddedCollectives;
 pub use sub::SubComm;
 pub use tcp::TcpComm;
+pub use watchdog::{Expired, Handler, Probe, Watchdog};
 
 #[cfg(test)]
 mod tests;

@@ -11,7 +11,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+};
 use cudarc::nccl::result::{self as raw, NcclError, NcclStatus};
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 use cudarc::nccl::{Id, NcclType};
@@ -19,8 +21,10 @@ use half::{bf16, f16};
 
 use super::base::*;
 use super::exchange::Exchange;
+use super::flight_report::FlightReport;
 use super::reduce::Payload;
 use super::tcp::TcpComm;
+use super::watchdog::{Expired, Handler, Probe, Watchdog};
 use crate::backend::flag_kernels;
 
 /// One rank's NCCL communicator.
@@ -30,6 +34,49 @@ pub struct NcclComm {
     world_size: usize,
     stream: Arc<CudaStream>,
     checker: Option<TcpComm>,
+    /// Watches every enqueued collective until its event completes; one that takes longer
+    /// than the timeout ends the process with this rank's flight record.
+    watchdog: Watchdog,
+}
+
+/// Exit status of a process the watchdog ended (as `timeout(1)`'s).
+pub const WATCHDOG_EXIT: i32 = 124;
+
+/// How often the watchdog looks at the pending collectives.
+const WATCHDOG_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// A collective's completion: the event recorded on the stream right after it.
+struct EventProbe(CudaEvent);
+
+impl Probe for EventProbe {
+    fn done(&self) -> Result<bool, String> {
+        self.0
+            .context()
+            .bind_to_thread()
+            .map_err(|e| format!("{e:?}"))?;
+        self.0.try_is_complete().map_err(|e| format!("{e:?}"))
+    }
+}
+
+/// What the watchdog does with a collective that did not complete: print the rank's flight
+/// line (which the launcher reads) and the reason, abort the NCCL communicator so no kernel
+/// keeps waiting on peers, and end the process.
+fn watchdog_handler(comm: ncclComm_t) -> Handler {
+    // The raw handle travels as an address: NCCL allows `ncclCommAbort` from any thread, and
+    // it is what ends the other calls that hang on the communicator.
+    let handle = comm as usize;
+    Box::new(move |expired: Expired| {
+        let what = match expired.error {
+            Some(_) => "device error",
+            None => "watchdog",
+        };
+        let at = (expired.seq, expired.call.to_string());
+        FlightReport::new(expired.rank, what, at, Vec::new(), &expired.recent).print();
+        eprintln!("burn-zero: {expired}\nburn-zero: aborting NCCL and exiting");
+        // SAFETY: the handle is a live communicator (the watchdog lives no longer than it).
+        let _ = unsafe { raw::comm_abort(handle as ncclComm_t) };
+        std::process::exit(WATCHDOG_EXIT);
+    })
 }
 
 /// The raw `ncclComm_t`, behind a mutex: NCCL forbids overlapping calls on one communicator.
@@ -163,12 +210,15 @@ impl NcclComm {
                 .map_err(|e| format!("ncclCommInitRank (rank {rank} of {world_size}): {e:?}"))?;
             comm.assume_init()
         };
+        let timeout = checker.as_ref().map_or(DEFAULT_TIMEOUT, Exchange::timeout);
+        let watchdog = Watchdog::new(rank, timeout, WATCHDOG_POLL, watchdog_handler(comm));
         let nccl = Self {
             comm: CommCell(std::sync::Mutex::new(comm)),
             rank,
             world_size,
             stream,
             checker,
+            watchdog,
         };
         nccl.connect()
             .map_err(|e| format!("connecting NCCL's channels (rank {rank}): {e}"))?;
@@ -250,6 +300,7 @@ impl NcclComm {
         input: DeviceBuf,
         output: DeviceBuf,
         checked: bool,
+        watched: bool,
     ) -> Result<(), CommError> {
         let call = what.signature(input.dtype, input.len);
         let world = self.world_size;
@@ -273,16 +324,26 @@ impl NcclComm {
             self.check(call)?;
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.launch(what, input, output) }
-            .map(|_| ())
-            .map_err(|e| {
-                let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
-                CommError::Aborted(format!(
-                    "NCCL failed on rank {} in {call}: {}",
-                    self.rank,
-                    nccl_reason(e, Some(comm))
-                ))
-            })
+        unsafe { self.launch(what, input, output) }.map_err(|e| {
+            let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
+            CommError::Aborted(format!(
+                "NCCL failed on rank {} in {call}: {}",
+                self.rank,
+                nccl_reason(e, Some(comm))
+            ))
+        })?;
+        if watched {
+            self.watch(call);
+        }
+        Ok(())
+    }
+
+    /// Hands the collective just enqueued (`call`) to the watchdog, through an event recorded
+    /// after it on the stream. An event that cannot be made leaves the call unwatched.
+    fn watch(&self, call: OpSignature) {
+        if let Ok(event) = self.stream.record_event(None) {
+            self.watchdog.watch(call, Box::new(EventProbe(event)));
+        }
     }
 
     fn slice_buf<T: NcclType + CommElement>(&self, slice: &CudaSlice<T>) -> DeviceBuf {
@@ -303,7 +364,7 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         let b = self.slice_buf(buf);
         // SAFETY: `buf` is a live allocation on this device, borrowed for the call.
-        unsafe { self.device_collective(Raw::AllReduce(reduce), b, b, false) }
+        unsafe { self.device_collective(Raw::AllReduce(reduce), b, b, false, true) }
     }
 
     /// All-gather of device buffers: `output` holds `world_size × input` elements (enqueued).
@@ -314,7 +375,7 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         let (i, o) = (self.slice_buf(input), self.slice_buf(output));
         // SAFETY: both are live allocations on this device, borrowed for the call.
-        unsafe { self.device_collective(Raw::AllGather, i, o, false) }
+        unsafe { self.device_collective(Raw::AllGather, i, o, false, true) }
     }
 
     /// Reduce-scatter of device buffers: `input` holds `world_size × output` (enqueued).
@@ -326,13 +387,38 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         let (i, o) = (self.slice_buf(input), self.slice_buf(output));
         // SAFETY: both are live allocations on this device, borrowed for the call.
-        unsafe { self.device_collective(Raw::ReduceScatter(reduce), i, o, false) }
+        unsafe { self.device_collective(Raw::ReduceScatter(reduce), i, o, false, true) }
     }
 
+    /// Exchanges `call`'s signature with every rank over the side channel. A rank that does
+    /// not come in time is named, with this rank's record of its device collectives.
     fn check(&self, call: OpSignature) -> Result<(), CommError> {
-        match &self.checker {
-            Some(checker) => checker.exchange(call, Payload::F32(Vec::new())).map(|_| ()),
-            None => Ok(()),
+        let Some(checker) = &self.checker else {
+            return Ok(());
+        };
+        match checker.exchange(call, Payload::F32(Vec::new())) {
+            Ok(_) => Ok(()),
+            Err(CommError::Timeout {
+                rank,
+                call,
+                seq,
+                missing,
+                timeout,
+                ..
+            }) => {
+                let recent = self.watchdog.record();
+                let at = (seq, call.to_string());
+                FlightReport::new(rank, "timeout", at, missing.clone(), &recent).print();
+                Err(CommError::Timeout {
+                    rank,
+                    call,
+                    seq,
+                    missing,
+                    timeout,
+                    recent,
+                })
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -352,7 +438,7 @@ impl NcclComm {
             .map_err(|e| fail(&e))?;
         let (i, o) = (self.slice_buf(&send), self.slice_buf(&recv));
         // SAFETY: `send` and `recv` live until the synchronization below.
-        unsafe { self.device_collective(what, i, o, true)? };
+        unsafe { self.device_collective(what, i, o, true, true)? };
         self.stream
             .memcpy_dtoh(&recv, output)
             .map_err(|e| fail(&e))?;
@@ -369,7 +455,7 @@ impl DeviceCollectives for NcclComm {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::AllReduce(op), input, output, true) }
+        unsafe { self.device_collective(Raw::AllReduce(op), input, output, true, true) }
     }
 
     unsafe fn reduce_scatter(
@@ -379,12 +465,12 @@ impl DeviceCollectives for NcclComm {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::ReduceScatter(op), input, output, true) }
+        unsafe { self.device_collective(Raw::ReduceScatter(op), input, output, true, true) }
     }
 
     unsafe fn all_gather(&self, input: DeviceBuf, output: DeviceBuf) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::AllGather, input, output, true) }
+        unsafe { self.device_collective(Raw::AllGather, input, output, true, true) }
     }
 
     unsafe fn all_gather_group(&self, pairs: &[(DeviceBuf, DeviceBuf)]) -> Result<(), CommError> {
@@ -400,14 +486,22 @@ impl DeviceCollectives for NcclComm {
         let mut outcome = Ok(());
         for &(input, output) in pairs {
             // SAFETY: forwarded from the caller.
-            outcome = unsafe { self.device_collective(Raw::AllGather, input, output, true) };
+            // Inside a group NCCL enqueues nothing until the group ends: the group is watched
+            // as one call, after it.
+            outcome = unsafe { self.device_collective(Raw::AllGather, input, output, true, false) };
             if outcome.is_err() {
                 break;
             }
         }
         // Closed even after a failed call: the group must not stay open on this thread.
         let ended = raw::group_end().map_err(|e| fail("ncclGroupEnd", e));
-        outcome.and(ended.map(|_| ()))
+        let outcome = outcome.and(ended.map(|_| ()));
+        if outcome.is_ok()
+            && let Some((input, _)) = pairs.last()
+        {
+            self.watch(Raw::AllGather.signature(input.dtype, input.len));
+        }
+        outcome
     }
 
     unsafe fn broadcast(
@@ -417,7 +511,7 @@ impl DeviceCollectives for NcclComm {
         root: usize,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::Broadcast(root), input, output, true) }
+        unsafe { self.device_collective(Raw::Broadcast(root), input, output, true, true) }
     }
 
     fn synchronize(&self) -> Result<(), CommError> {
@@ -462,6 +556,17 @@ macro_rules! typed {
 impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn set_timeout(&self, timeout: std::time::Duration) {
+        if let Some(checker) = &self.checker {
+            Exchange::set_timeout(checker, timeout);
+        }
+        self.watchdog.set_timeout(timeout);
+    }
+
+    fn timeout(&self) -> std::time::Duration {
+        self.watchdog.timeout()
     }
 
     fn world_size(&self) -> usize {

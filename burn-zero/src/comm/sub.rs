@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use super::base::*;
 use super::exchange::Exchange;
@@ -185,6 +186,15 @@ impl SubComm {
 impl Exchange for SubComm {
     fn flight(&self) -> &FlightRecorder {
         &self.flight
+    }
+
+    /// A sub-group's calls wait in its parent's messages: the parent's timeout holds them.
+    fn set_timeout(&self, timeout: Duration) {
+        self.parent.set_timeout(timeout)
+    }
+
+    fn timeout(&self) -> Duration {
+        self.parent.timeout()
     }
 
     fn rank(&self) -> usize {

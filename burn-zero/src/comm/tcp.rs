@@ -228,7 +228,7 @@ impl Mailbox {
 pub struct TcpComm {
     rank: usize,
     world_size: usize,
-    timeout: Duration,
+    timeout: TimeoutCell,
     outgoing: Vec<Option<Mutex<TcpStream>>>,
     mailbox: Arc<Mailbox>,
     seq: AtomicU64,
@@ -297,7 +297,7 @@ impl TcpComm {
         Ok(Self {
             rank,
             world_size,
-            timeout,
+            timeout: TimeoutCell::new(timeout),
             outgoing,
             mailbox,
             seq: AtomicU64::new(0),
@@ -347,6 +347,18 @@ impl Exchange for TcpComm {
         &self.flight
     }
 
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout.set(timeout)
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout.get()
+    }
+
+    fn reports_timeouts(&self) -> bool {
+        true
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }
@@ -379,7 +391,7 @@ impl Exchange for TcpComm {
                 Channel::Collective,
                 call,
                 seq,
-                self.timeout,
+                self.timeout.get(),
             )?;
             inputs.push(Arc::new(self.checked(frame, peer, seq, call)?));
         }
@@ -423,7 +435,7 @@ impl Exchange for TcpComm {
             Channel::PointToPoint,
             call,
             seq,
-            self.timeout,
+            self.timeout.get(),
         )?;
         self.checked(frame, peer, seq, call)
     }

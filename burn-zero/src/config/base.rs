@@ -185,6 +185,12 @@ pub struct BurnZeroConfig {
     pub peak_tflops: Option<f64>,
     /// `fused_kernels`: which of `burn_zero::nn`'s fused ops run their CubeCL kernels on CUDA.
     pub fused_kernels: FusedKernelsConfig,
+    /// `comm_timeout_s`: seconds a collective waits for the other ranks before it fails,
+    /// naming them, with this rank's flight record of its last calls; on GPUs also how long
+    /// an enqueued NCCL collective may stay incomplete before the watchdog aborts NCCL and ends
+    /// the process (exit status 124). Absent: the communicator's own (`BURN_ZERO_TIMEOUT`, else
+    /// 300 s).
+    pub comm_timeout_s: Option<f64>,
 }
 
 /// `burn_zero.fused_kernels`: each fused op of `burn_zero::nn` runs its kernels on CUDA when
@@ -240,6 +246,7 @@ impl Default for BurnZeroConfig {
             host_collectives: false,
             peak_tflops: None,
             fused_kernels: FusedKernelsConfig::default(),
+            comm_timeout_s: None,
         }
     }
 }

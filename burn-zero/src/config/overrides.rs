@@ -52,6 +52,7 @@ const OVERRIDES: &[(&str, &str, Kind)] = &[
     ),
     ("BURN_ZERO_FUSED_ROPE", "fused_kernels.rope", Kind::Bool),
     ("BURN_ZERO_FUSED_SWIGLU", "fused_kernels.swiglu", Kind::Bool),
+    ("BURN_ZERO_COMM_TIMEOUT_S", "comm_timeout_s", Kind::Number),
 ];
 
 /// The variables that may override a key, with the key they override.
@@ -101,7 +102,22 @@ impl ResolvedConfig {
                 key: "burn_zero".into(),
                 reason: format!("after the environment's overrides: {e}"),
             })?;
-            self.config.burn_zero = parsed.burn_zero;
+            let mut config = self.config.clone();
+            config.burn_zero = parsed.burn_zero;
+            // An override is held to the key's own rules (its warnings were given already).
+            super::validate::validate(&config, &mut Vec::new()).map_err(|e| match e {
+                ConfigError::Invalid {
+                    key,
+                    value,
+                    allowed,
+                } => ConfigError::Invalid {
+                    key: format!("{key} (from the environment)"),
+                    value,
+                    allowed,
+                },
+                other => other,
+            })?;
+            self.config = config;
         }
         Ok(applied)
     }
@@ -185,5 +201,22 @@ mod tests {
                 && err.contains("0 or 1"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn an_override_is_held_to_its_keys_rules() {
+        let mut r = resolved();
+        let set =
+            |v: &'static str| move |k: &str| (k == "BURN_ZERO_COMM_TIMEOUT_S").then(|| v.into());
+        r.apply_env_overrides(set("2.5")).unwrap();
+        assert_eq!(r.config.burn_zero.comm_timeout_s, Some(2.5));
+        let mut r = resolved();
+        let err = r.apply_env_overrides(set("-1")).unwrap_err().to_string();
+        assert!(
+            err.contains("burn_zero.comm_timeout_s (from the environment)")
+                && err.contains("a positive number of seconds"),
+            "{err}"
+        );
+        assert_eq!(r.config.burn_zero.comm_timeout_s, None, "left as it was");
     }
 }

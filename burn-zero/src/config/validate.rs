@@ -116,6 +116,14 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         pld.gamma,
         ">= 0",
     )?;
+    if let Some(t) = c.burn_zero.comm_timeout_s {
+        check(
+            t.is_finite() && t > 0.0,
+            "burn_zero.comm_timeout_s",
+            t,
+            "a positive number of seconds",
+        )?;
+    }
     check(
         c.burn_zero.max_buffer_elements >= 1,
         "burn_zero.max_buffer_elements",

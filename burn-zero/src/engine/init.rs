@@ -44,6 +44,9 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
     let mut resolved = config.resolve(comm.world_size())?;
     // Read once, here: from now on the resolved config is the run's whole truth.
     let overrides = resolved.apply_env_overrides(|var| std::env::var(var).ok())?;
+    if let Some(seconds) = resolved.config.burn_zero.comm_timeout_s {
+        comm.set_timeout(std::time::Duration::from_secs_f64(seconds));
+    }
     let device = model_device(&model);
     if comm.rank() == 0 {
         resolved.warnings.iter().for_each(|w| crate::log::warn(w));

@@ -172,6 +172,12 @@ impl<C: Communicator> Communicator for RecordingComm<C> {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
+    fn set_timeout(&self, timeout: Duration) {
+        self.inner.set_timeout(timeout)
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }

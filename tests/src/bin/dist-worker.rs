@@ -14,6 +14,14 @@
 //!                                    its reference on one GPU: prints `REFERENCE [..]`
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
 //!                                    a collective; the others sleep until stopped
+//!   dist-worker stall RANK           rank RANK sleeps before the second collective; the others
+//!                                    time out in it (BURN_ZERO_TIMEOUT) and print flight lines
+//!   dist-worker faults-gpu CASE RANK on GPUs with NCCL (feature nccl), CASE one of:
+//!                                    `stall` (RANK sleeps before a device collective),
+//!                                    `hang` (RANK's NCCL stream waits on a flag nobody raises,
+//!                                    so its collective never runs: the watchdogs fire),
+//!                                    `mismatch` (RANK all-gathers where the others all-reduce),
+//!                                    `kill` (RANK kills itself with SIGKILL mid-loop)
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -187,6 +195,11 @@ fn main() {
         );
         return;
     }
+    #[cfg(feature = "nccl")]
+    if args.first().map(String::as_str) == Some("faults-gpu") {
+        faults_gpu(&args[1], args[2].parse().unwrap());
+        return;
+    }
     let dist = init_distributed().unwrap_or_else(|e| panic!("{e}"));
     match args.first().map(String::as_str) {
         Some("collectives") => collectives(dist.comm.as_ref()),
@@ -216,6 +229,80 @@ fn main() {
             println!("rank {} sleeping until stopped", dist.env.rank);
             std::thread::sleep(Duration::from_secs(600));
         }
+        Some("stall") => {
+            let victim: usize = args[1].parse().unwrap();
+            dist.comm.barrier().unwrap();
+            if dist.env.rank == victim {
+                println!("rank {victim} stalling before the next collective");
+                std::thread::sleep(Duration::from_secs(600));
+            }
+            let mut x = [1.0f32; 4];
+            dist.comm
+                .all_reduce((&mut x[..]).into(), ReduceOp::Sum)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
         other => panic!("unknown mode {other:?}"),
     }
+}
+
+/// The device fault cases (see the module's doc): each rank runs a few device all-reduces, then
+/// rank `victim` misbehaves as `case` says at the next collective.
+#[cfg(feature = "nccl")]
+fn faults_gpu(case: &str, victim: usize) {
+    use burn_zero::comm::{DType, DeviceBuf, DeviceCollectives};
+    use cudarc::driver::{CudaSlice, DevicePtr};
+    let (env, nccl) = burn_zero::dist::init_nccl().unwrap_or_else(|e| panic!("{e}"));
+    let stream = nccl.stream().clone();
+    let n = 1 << 20;
+    let data: CudaSlice<f32> = stream.alloc_zeros(n * env.world_size).unwrap();
+    let flag: CudaSlice<u32> = stream.alloc_zeros(1).unwrap();
+    let (ptr, _sync) = data.device_ptr(&stream);
+    let (flag_ptr, _flag_sync) = flag.device_ptr(&stream);
+    let whole = DeviceBuf {
+        ptr,
+        len: n * env.world_size,
+        dtype: DType::F32,
+    };
+    let chunk = DeviceBuf {
+        ptr,
+        len: n,
+        dtype: DType::F32,
+    };
+    let device: &dyn DeviceCollectives = &nccl;
+    for step in 0..20 {
+        let me = env.rank == victim && step == 10;
+        if me {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap();
+            println!(
+                "rank {victim}: {case} at step {step} (unix time {:.3})",
+                now.as_secs_f64()
+            );
+        }
+        // SAFETY: `data` and `flag` live until the end of this function, after a sync.
+        let result = unsafe {
+            match (case, me) {
+                ("stall", true) => {
+                    std::thread::sleep(Duration::from_secs(600));
+                    device.all_reduce(whole, whole, ReduceOp::Sum)
+                }
+                ("hang", true) => {
+                    device.wait_for_flag(flag_ptr, 1).unwrap();
+                    device.all_reduce(whole, whole, ReduceOp::Sum)
+                }
+                ("mismatch", true) => device.all_gather(chunk, whole),
+                ("kill", true) => {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                    unreachable!()
+                }
+                _ => device.all_reduce(whole, whole, ReduceOp::Sum),
+            }
+        };
+        result.unwrap_or_else(|e| panic!("rank {}: {e}", env.rank));
+        device
+            .synchronize()
+            .unwrap_or_else(|e| panic!("rank {}: {e}", env.rank));
+    }
+    println!("rank {} finished", env.rank);
 }
