@@ -2,7 +2,9 @@
 //! short ZeRO training loop matching the single-process burn run; a rank that dies makes the
 //! launcher stop the others and name it, within a bounded time. Several nodes from one command:
 //! a hostfile of two "hosts" on loopback addresses started through a stand-in for ssh
-//! (`tests/fake-ssh`), with the same failing fast across nodes.
+//! (`tests/fake-ssh`), with the same failing fast across nodes. A rank that stalls is named
+//! from the others' flight lines; a job killed with SIGKILL inside a checkpoint save resumes
+//! bit for bit from the checkpoint before it.
 
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -322,4 +324,105 @@ fn a_bad_include_is_named_before_anything_starts() {
         "{err}"
     );
     assert!(!err.contains("fake-ssh"), "{err}");
+}
+
+/// The `RESULT` lines rank 0 printed: name → values.
+fn results(out: &str) -> std::collections::BTreeMap<String, Vec<f32>> {
+    out.lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] RESULT "))
+        .map(|line| {
+            let (name, value) = line.split_once(' ').unwrap();
+            let values = value
+                .trim_matches(['[', ']'])
+                .split(',')
+                .map(|v| v.trim().parse().unwrap())
+                .collect();
+            (name.to_string(), values)
+        })
+        .collect()
+}
+
+#[test]
+fn a_job_killed_with_sigkill_while_saving_resumes_exactly_from_its_last_checkpoint() {
+    // Two ranks train ZeRO-2 and save after every step; the whole job (launcher and ranks, one
+    // process group) gets SIGKILL once a few checkpoints exist, most likely inside a save (the
+    // saves, fsync'd, are most of each step's time). What is left must load, and a new job
+    // resuming from it must end with the uninterrupted job's losses and parameters, bit for bit.
+    use std::os::unix::process::CommandExt;
+    const STEPS: &str = "24";
+    let scratch = |name: &str| {
+        let dir =
+            std::env::temp_dir().join(format!("burn-zero-kill-save-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    };
+    let reference_dir = scratch("reference");
+    let (output, _) = launch(
+        2,
+        &[
+            "train-ckpt",
+            "2",
+            reference_dir.to_str().unwrap(),
+            STEPS,
+            "0",
+        ],
+    );
+    let (out, err) = text(&output);
+    assert!(output.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+    let reference = results(&out);
+    // Until two kills have cut a save (a staging directory left behind), at most 20 kills.
+    let (mut cut_mid_save, mut attempts) = (0, 0);
+    for attempt in 0..20u64 {
+        if cut_mid_save == 2 {
+            break;
+        }
+        attempts += 1;
+        let dir = scratch(&format!("killed{attempt}"));
+        let mut job = launcher(2, &["train-ckpt", "2", dir.to_str().unwrap(), STEPS, "0"]);
+        job.process_group(0)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        let mut child = job.spawn().expect("start the launcher");
+        let latest = dir.join(burn_zero::checkpoint::LATEST);
+        let started = Instant::now();
+        while std::fs::read_to_string(&latest).map_or(true, |t| t.trim() < "global_step3") {
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "no third checkpoint after 2 minutes"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        std::thread::sleep(Duration::from_millis(3 + 7 * (attempt % 5)));
+        // SAFETY: signalling the job's own process group.
+        unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+        child.wait().unwrap();
+        let partial = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().ends_with(".partial"));
+        cut_mid_save += usize::from(partial);
+        let kept = burn_zero::checkpoint::resolve(&dir, None).expect("latest resolves");
+        burn_zero::checkpoint::open_verified(&kept).expect("the last checkpoint verifies");
+        let (output, _) = launch(2, &["train-ckpt", "2", dir.to_str().unwrap(), STEPS, "1"]);
+        let (out, err) = text(&output);
+        assert!(output.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+        let resumed = results(&out);
+        let params: Vec<_> = resumed.keys().filter(|k| k.starts_with("param_")).collect();
+        assert!(!params.is_empty(), "{out}");
+        for (name, values) in &resumed {
+            assert_eq!(
+                Some(values),
+                reference.get(name),
+                "attempt {attempt}, {name} after resuming from {}",
+                kept.display()
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    println!("{cut_mid_save} of {attempts} kills cut a save");
+    assert!(
+        cut_mid_save >= 1,
+        "none of {attempts} kills landed inside a save (no staging directory left behind)"
+    );
+    std::fs::remove_dir_all(&reference_dir).unwrap();
 }

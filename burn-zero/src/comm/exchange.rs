@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::base::*;
 use super::flight::FlightRecorder;
-use super::flight_report::FlightReport;
+use super::flight_report::with_record;
 use super::reduce::{Payload, reduce_chunk};
 
 /// A way for host buffers to travel between ranks.
@@ -33,7 +33,7 @@ pub(crate) trait Exchange: Send + Sync {
     fn set_timeout(&self, timeout: Duration);
     /// How long this rank's calls wait for the others.
     fn timeout(&self) -> Duration;
-    /// Whether a timeout prints this rank's [`FlightReport`] line (one process per rank, where
+    /// Whether a timeout prints this rank's `FlightReport` line (one process per rank, where
     /// the launcher reads them; thread ranks keep it in the error only).
     fn reports_timeouts(&self) -> bool {
         false
@@ -53,29 +53,7 @@ fn recorded<T: Exchange + ?Sized, R>(
             t.flight().end(seq);
             Ok(out)
         }
-        Err(CommError::Timeout {
-            rank,
-            call,
-            seq,
-            missing,
-            timeout,
-            ..
-        }) => {
-            let recent = t.flight().record();
-            if t.reports_timeouts() {
-                let at = (seq, call.to_string());
-                FlightReport::new(rank, "timeout", at, missing.clone(), &recent).print();
-            }
-            Err(CommError::Timeout {
-                rank,
-                call,
-                seq,
-                missing,
-                timeout,
-                recent,
-            })
-        }
-        Err(e) => Err(e),
+        Err(e) => Err(with_record(e, t.flight().record(), t.reports_timeouts())),
     }
 }
 

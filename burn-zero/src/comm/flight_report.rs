@@ -9,6 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::base::CommError;
 use super::flight::FlightRecord;
 
 /// What starts a flight line in a rank's standard error.
@@ -76,6 +77,35 @@ impl FlightReport {
     /// Prints the line to standard error.
     pub fn print(&self) {
         eprintln!("{}", self.line());
+    }
+}
+
+/// `error` with `recent` as its flight record when it is a timeout, whose report is printed
+/// when `print` (a process-level communicator); any other error as it is.
+pub(crate) fn with_record(error: CommError, recent: FlightRecord, print: bool) -> CommError {
+    match error {
+        CommError::Timeout {
+            rank,
+            call,
+            seq,
+            missing,
+            timeout,
+            ..
+        } => {
+            if print {
+                let at = (seq, call.to_string());
+                FlightReport::new(rank, "timeout", at, missing.clone(), &recent).print();
+            }
+            CommError::Timeout {
+                rank,
+                call,
+                seq,
+                missing,
+                timeout,
+                recent,
+            }
+        }
+        other => other,
     }
 }
 

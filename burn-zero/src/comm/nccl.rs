@@ -21,7 +21,7 @@ use half::{bf16, f16};
 
 use super::base::*;
 use super::exchange::Exchange;
-use super::flight_report::FlightReport;
+use super::flight_report::{FlightReport, with_record};
 use super::reduce::Payload;
 use super::tcp::TcpComm;
 use super::watchdog::{Expired, Handler, Probe, Watchdog};
@@ -396,30 +396,10 @@ impl NcclComm {
         let Some(checker) = &self.checker else {
             return Ok(());
         };
-        match checker.exchange(call, Payload::F32(Vec::new())) {
-            Ok(_) => Ok(()),
-            Err(CommError::Timeout {
-                rank,
-                call,
-                seq,
-                missing,
-                timeout,
-                ..
-            }) => {
-                let recent = self.watchdog.record();
-                let at = (seq, call.to_string());
-                FlightReport::new(rank, "timeout", at, missing.clone(), &recent).print();
-                Err(CommError::Timeout {
-                    rank,
-                    call,
-                    seq,
-                    missing,
-                    timeout,
-                    recent,
-                })
-            }
-            Err(e) => Err(e),
-        }
+        checker
+            .exchange(call, Payload::F32(Vec::new()))
+            .map(|_| ())
+            .map_err(|e| with_record(e, self.watchdog.record(), true))
     }
 
     /// A host-buffer collective: copy in, run `what`, copy out, synchronize.

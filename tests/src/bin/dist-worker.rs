@@ -14,6 +14,9 @@
 //!                                    its reference on one GPU: prints `REFERENCE [..]`
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
 //!                                    a collective; the others sleep until stopped
+//!   dist-worker train-ckpt STAGE DIR STEPS RESUME
+//!                                    `train` for STEPS steps saving a checkpoint into DIR after
+//!                                    each, first resuming from DIR's `latest` when RESUME is 1
 //!   dist-worker stall RANK           rank RANK sleeps before the second collective; the others
 //!                                    time out in it (BURN_ZERO_TIMEOUT) and print flight lines
 //!   dist-worker faults-gpu CASE RANK on GPUs with NCCL (feature nccl), CASE one of:
@@ -69,6 +72,13 @@ fn collectives(comm: &dyn Communicator) {
     println!("collectives ok rank {rank} world {world}");
 }
 
+/// Where `train` saves a checkpoint after every step (`global_step{n}`), and whether it first
+/// resumes from the root's `latest`.
+struct Checkpoints<'a> {
+    root: &'a std::path::Path,
+    resume: bool,
+}
+
 /// `precision`: "fp32", "bf16" or "fp16"; `steps`: optimizer steps.
 fn train<I: burn::tensor::backend::Backend>(
     comm: Arc<dyn Communicator>,
@@ -76,6 +86,7 @@ fn train<I: burn::tensor::backend::Backend>(
     gas: usize,
     (precision, steps): (&str, usize),
     device: I::Device,
+    checkpoints: Option<Checkpoints>,
 ) {
     let precision = match precision {
         "bf16" => r#", "bf16": {"enabled": true}"#,
@@ -103,7 +114,15 @@ fn train<I: burn::tensor::backend::Backend>(
     let micro = GLOBAL_BATCH / (world * gas);
     // Inputs in the parameters' dtype (bf16/fp16 under mixed precision on a GPU).
     let dtype = engine.model().l1_weight().dtype();
-    for step in 0..steps {
+    let mut first = 0;
+    if let Some(c) = checkpoints.as_ref().filter(|c| c.resume) {
+        let loaded = engine.load_checkpoint(c.root, None).unwrap();
+        first = loaded.client_state["next_step"].as_u64().unwrap() as usize;
+        if rank == 0 {
+            println!("resumed at step {first}");
+        }
+    }
+    for step in first..steps {
         let mut step_loss = 0.0f32;
         for j in 0..gas {
             let start = (j * world + rank) * micro;
@@ -122,6 +141,10 @@ fn train<I: burn::tensor::backend::Backend>(
         let mut mean = [step_loss];
         comm.all_reduce(mean.as_mut_slice().into(), ReduceOp::Avg)
             .unwrap();
+        if let Some(c) = &checkpoints {
+            let state = serde_json::json!({ "next_step": step + 1 });
+            engine.save_checkpoint(c.root, None, state).unwrap();
+        }
         if rank == 0 {
             println!("RESULT loss_{step} {:?}", mean[0]);
             println!(
@@ -192,6 +215,7 @@ fn main() {
             args[2].parse().unwrap(),
             (precision, steps),
             device,
+            None,
         );
         return;
     }
@@ -209,6 +233,18 @@ fn main() {
             args[2].parse().unwrap(),
             ("fp32", STEPS),
             Default::default(),
+            None,
+        ),
+        Some("train-ckpt") => train::<NdArray>(
+            dist.comm,
+            args[1].parse().unwrap(),
+            1,
+            ("fp32", args[3].parse().unwrap()),
+            Default::default(),
+            Some(Checkpoints {
+                root: std::path::Path::new(&args[2]),
+                resume: args[4] == "1",
+            }),
         ),
         Some("llama-3d") => run_llama_3d::<ZeroAutodiff<NdArray>>(
             &llama_3d::tiny(args[1] == "tied"),
