@@ -543,6 +543,36 @@ pub fn draw_curve(metrics: &Path, png: &Path) -> Result<(), String> {
 mod tests {
     use super::*;
 
+    /// What each of three thread ranks gets from `same_step_everywhere` for these loads.
+    fn agree(steps: [Option<usize>; 3]) -> Vec<Result<(), String>> {
+        burn_zero::testing::run_ranks(3, |ctx| same_step_everywhere(&ctx.comm, steps[ctx.rank]))
+    }
+
+    #[test]
+    fn model_parallel_slices_resumed_at_different_steps_are_refused_on_every_rank() {
+        assert!(agree([Some(4); 3]).iter().all(Result::is_ok));
+        // Slice 2 committed step 4 after the others' step 5 (killed between the saves).
+        for (rank, result) in agree([Some(5), Some(5), Some(4)]).into_iter().enumerate() {
+            let err = result.expect_err("refused");
+            assert!(
+                err.contains(
+                    "different steps (rank 0 at step 5, rank 1 at step 5, rank 2 at step 4)"
+                ),
+                "rank {rank}: {err}"
+            );
+        }
+        // A rank whose load failed reports its own error; the others name it.
+        let results = agree([Some(4), None, Some(4)]);
+        assert!(results[1].is_ok(), "{:?}", results[1]);
+        for rank in [0, 2] {
+            let err = results[rank].as_ref().expect_err("refused");
+            assert!(
+                err.contains("ranks [1] could not load"),
+                "rank {rank}: {err}"
+            );
+        }
+    }
+
     #[test]
     fn a_resume_keeps_only_the_records_before_its_first_step() {
         let path = std::env::temp_dir().join(format!("bz-metrics-{}.jsonl", std::process::id()));
