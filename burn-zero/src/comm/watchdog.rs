@@ -6,11 +6,10 @@
 //! Free of CUDA: a call is watched through a [`Probe`] (a CUDA event on GPUs, a flag in tests).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::base::OpSignature;
+use super::base::{OpSignature, TimeoutCell};
 use super::flight::{FlightRecord, FlightRecorder};
 
 /// Whether an enqueued call has completed.
@@ -76,9 +75,8 @@ struct Watched {
 struct State {
     rank: usize,
     queue: Mutex<VecDeque<Watched>>,
-    timeout_ms: AtomicU64,
+    timeout: TimeoutCell,
     flight: FlightRecorder,
-    fired: AtomicBool,
     handler: Mutex<Option<Handler>>,
 }
 
@@ -94,9 +92,8 @@ impl Watchdog {
         let state = Arc::new(State {
             rank,
             queue: Mutex::new(VecDeque::new()),
-            timeout_ms: AtomicU64::new(millis(timeout)),
+            timeout: TimeoutCell::new(timeout),
             flight: FlightRecorder::default(),
-            fired: AtomicBool::new(false),
             handler: Mutex::new(Some(handler)),
         });
         let weak = Arc::downgrade(&state);
@@ -122,14 +119,12 @@ impl Watchdog {
 
     /// Changes the timeout (`burn_zero.comm_timeout_s`).
     pub fn set_timeout(&self, timeout: Duration) {
-        self.state
-            .timeout_ms
-            .store(millis(timeout), Ordering::Relaxed);
+        self.state.timeout.set(timeout);
     }
 
     /// The timeout calls are held to.
     pub fn timeout(&self) -> Duration {
-        Duration::from_millis(self.state.timeout_ms.load(Ordering::Relaxed))
+        self.state.timeout.get()
     }
 
     /// The last calls watched, oldest first (completed ones with the time the watchdog saw
@@ -148,10 +143,6 @@ impl Watchdog {
     }
 }
 
-fn millis(d: Duration) -> u64 {
-    d.as_millis().clamp(1, u64::MAX as u128) as u64
-}
-
 /// The watchdog thread: retires completed calls in order and fires on the first that expires.
 fn watch(state: Weak<State>, poll: Duration) {
     loop {
@@ -160,7 +151,6 @@ fn watch(state: Weak<State>, poll: Duration) {
             return;
         };
         if let Some(expired) = check(&state) {
-            state.fired.store(true, Ordering::SeqCst);
             let handler = state
                 .handler
                 .lock()
@@ -177,7 +167,7 @@ fn watch(state: Weak<State>, poll: Duration) {
 /// Retires the calls that completed, oldest first; the first that did not and is past the
 /// timeout (or whose probe failed) expires.
 fn check(state: &State) -> Option<Expired> {
-    let timeout = Duration::from_millis(state.timeout_ms.load(Ordering::Relaxed));
+    let timeout = state.timeout.get();
     let mut queue = state.queue.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         let front = queue.front()?;
@@ -207,6 +197,7 @@ fn check(state: &State) -> Option<Expired> {
 mod tests {
     use super::*;
     use crate::comm::{DType, OpKind};
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::mpsc;
 
     struct Flag(Arc<AtomicBool>);
