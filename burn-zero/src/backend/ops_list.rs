@@ -4,7 +4,8 @@
 //! forwarded to the inner backend, default-bodied ones too, so the inner backend's own
 //! specializations run unchanged. Types in `[..]` are those of the trait with `B` = `Self`.
 //! Hand edits: `=> path` routes `float_matmul` and the matmuls of `linear` to burn-zero's own
-//! (cuBLASLt on CUDA); `=> @raw path` routes the shape-only ops that stay lazy on ZeRO-3 shards.
+//! (cuBLASLt on CUDA) and `float_sum` to burn-zero's (deterministic when asked for);
+//! `=> @raw path` routes the shape-only ops that stay lazy on ZeRO-3 shards.
 
 use burn_backend::{BoolDType, FloatDType, IntDType};
 use burn_backend::{
@@ -392,7 +393,8 @@ forward_ops! { FloatTensorOps;
     fn float_detach(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
     fn float_set_require_grad(tensor: [FloatTensor<Self>], _require_grad: [bool]) -> [FloatTensor<Self>];
     fn float_is_require_grad(_tensor: [&FloatTensor<Self>]) -> [bool];
-    fn float_sum(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
+    fn float_sum(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>]
+        => crate::backend::reduce::float_sum::<B>;
     fn float_sum_dim(tensor: [FloatTensor<Self>], dim: [usize]) -> [FloatTensor<Self>];
     fn float_prod(tensor: [FloatTensor<Self>]) -> [FloatTensor<Self>];
     fn float_prod_dim(tensor: [FloatTensor<Self>], dim: [usize]) -> [FloatTensor<Self>];

@@ -31,6 +31,8 @@ pub struct OpSettings {
     pub sparse_attention: Option<SparseAttentionConfig>,
     /// Which fused ops of `burn_zero::nn` run their kernels (`burn_zero.fused_kernels`).
     pub fused_kernels: FusedKernelsConfig,
+    /// Whole-tensor sums in an order fixed from run to run (`burn_zero.deterministic`).
+    pub deterministic: bool,
 }
 
 impl Default for OpSettings {
@@ -42,6 +44,7 @@ impl Default for OpSettings {
             attention_register_scores: true,
             sparse_attention: None,
             fused_kernels: FusedKernelsConfig::default(),
+            deterministic: false,
         }
     }
 }
@@ -57,7 +60,9 @@ impl OpSettings {
                 allow_tf32: m.allow_tf32,
                 min_macs: m.min_macs,
                 sm_margin: m.sm_margin,
-                tune: m.tune,
+                // A tuned algorithm is the one timed fastest in this process: another process
+                // may pick another, with other rounding.
+                tune: m.tune && !c.burn_zero.deterministic,
                 profile: m.profile,
             },
             flash_attention: c.burn_zero.flash_attention,
@@ -65,6 +70,7 @@ impl OpSettings {
             attention_register_scores: c.burn_zero.attention_register_scores,
             sparse_attention: c.sparse_attention.clone(),
             fused_kernels: c.burn_zero.fused_kernels,
+            deterministic: c.burn_zero.deterministic,
         }
     }
 }
@@ -180,5 +186,33 @@ impl Drop for SettingsGuard {
                 }
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DeepSpeedConfig;
+
+    fn settings(burn_zero: &str) -> OpSettings {
+        let json = format!(r#"{{"train_batch_size": 2, "burn_zero": {burn_zero}}}"#);
+        let resolved = DeepSpeedConfig::from_json(&json)
+            .unwrap()
+            .config
+            .resolve(1)
+            .unwrap();
+        OpSettings::of(&resolved)
+    }
+
+    /// Deterministic runs take cuBLASLt's untimed first algorithm even where tuning is asked
+    /// for, and sum in a fixed order; the default tunes and takes burn's sum.
+    #[test]
+    fn deterministic_turns_tuning_off() {
+        let det = settings(r#"{"deterministic": true, "matmul": {"tune": true}}"#);
+        assert!(det.deterministic && !det.matmul.tune);
+        let default = settings("{}");
+        assert!(!default.deterministic && default.matmul.tune);
+        let untuned = settings(r#"{"matmul": {"tune": false}}"#);
+        assert!(!untuned.deterministic && !untuned.matmul.tune);
     }
 }

@@ -191,6 +191,13 @@ pub struct BurnZeroConfig {
     /// the process (exit status 124). Absent: the communicator's own (`BURN_ZERO_TIMEOUT`, else
     /// 300 s).
     pub comm_timeout_s: Option<f64>,
+    /// `deterministic`: a run repeats its bits when repeated or resumed on the same machine
+    /// (default false). Whole-tensor sums (the gradient norm, losses) reduce along dimensions
+    /// in a fixed order instead of burn-cuda's autotuned sum, whose fastest kernel adds with
+    /// atomics; cuBLASLt takes its heuristic's first algorithm per shape (`matmul.tune` is
+    /// ignored: the tuned one is timed per process), which costs the tuning's gain where the
+    /// first algorithm is not the fastest.
+    pub deterministic: bool,
 }
 
 /// `burn_zero.fused_kernels`: each fused op of `burn_zero::nn` runs its kernels on CUDA when
@@ -247,6 +254,7 @@ impl Default for BurnZeroConfig {
             peak_tflops: None,
             fused_kernels: FusedKernelsConfig::default(),
             comm_timeout_s: None,
+            deterministic: false,
         }
     }
 }

@@ -15,8 +15,11 @@
 //! layer from it: `Llama::with_activation_checkpointing`) and `--bucket N`
 //! (`reduce_bucket_size`, default 5e7 elements) and `--prefetch N`
 //! (`stage3_prefetch_bucket_size`, default 5e7) and `--loss-rows N` (tokens per chunk of the
-//! chunked loss, default 2,048). Rank 0 prints one JSON line: tokens/s per GPU,
-//! MFU, the step-time breakdown, peak and pool memory and the losses.
+//! chunked loss, default 2,048) and `--deterministic 0|1` (`burn_zero.deterministic`) and
+//! `--ckpt DIR --save-at N` (an engine checkpoint into DIR after step N) and `--resume DIR`
+//! (start from DIR's latest checkpoint, at the step it names). Rank 0 prints one JSON line:
+//! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
+//! gradient norms.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
 //! over the timed steps and writes the summary to FILE (see `host_profile`).
 
@@ -133,7 +136,8 @@ fn count_option(options: &[(String, String)], key: &str, default: usize) -> usiz
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
-                 [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--loss-rows N]";
+                 [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--loss-rows N] \
+                 [--deterministic 0|1] [--ckpt DIR --save-at N] [--resume DIR]";
     let (args, options) = split_options(&args, usage);
     let pool = match option(&options, "pool") {
         None | Some("fitted") => MemoryPoolLayout::Fitted,
@@ -172,6 +176,19 @@ fn main() {
     // about half a 3B decoder layer; a layer or two ahead lets each batch of gathers overlap
     // a whole layer's compute.
     let prefetch = count_option(&options, "prefetch", 50_000_000);
+    let deterministic = match option(&options, "deterministic") {
+        None | Some("0") => false,
+        Some("1") => true,
+        Some(other) => panic!("--deterministic is 0 or 1, not `{other}`"),
+    };
+    let save = option(&options, "ckpt").map(|dir| {
+        let at = option(&options, "save-at").expect("--ckpt needs --save-at N");
+        let at: usize = at
+            .parse()
+            .unwrap_or_else(|_| panic!("--save-at is a step count, not `{at}`"));
+        (std::path::PathBuf::from(dir), at)
+    });
+    let resume = option(&options, "resume").map(std::path::PathBuf::from);
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
@@ -199,7 +216,7 @@ fn main() {
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                 "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
                 "stage3_prefetch_bucket_size": {prefetch}}},
-            "burn_zero": {{"matmul": {{"cublaslt": true}},
+            "burn_zero": {{"matmul": {{"cublaslt": true}}, "deterministic": {deterministic},
                 "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
                 {ac}{profile}}}"#,
         ac = if checkpointing {
@@ -225,6 +242,17 @@ fn main() {
     let mut pools = vec![pool_usage(&device, "initialize", rank)];
     let shape = (micro, seq, config.vocab_size);
     let (mut times, mut forward, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+    let mut norms = Vec::new();
+    let first = match &resume {
+        Some(dir) => {
+            let loaded = engine
+                .load_checkpoint(dir, None)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let next = loaded.client_state["next_step"].as_u64();
+            next.expect("the checkpoint's client state names its next step") as usize
+        }
+        None => 0,
+    };
     let mut host_calls: Vec<[f64; 3]> = Vec::new();
     engine.take_timings();
     let mut host_profile = HostProfileRun::from_env(rank);
@@ -232,7 +260,7 @@ fn main() {
     let train_start = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
-    for step in 0..steps {
+    for step in first..steps {
         let batch = tokens(step, rank, shape, &device);
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
@@ -264,6 +292,13 @@ fn main() {
             eprintln!("step {step}: loss {l:.4}, {secs:.3} s (forward {forward_s:.3} s)");
         }
         losses.push(l);
+        norms.push(engine.last_grad_norm());
+        if let Some((dir, _)) = save.as_ref().filter(|(_, at)| *at == step + 1) {
+            let state = serde_json::json!({ "next_step": step + 1 });
+            engine
+                .save_checkpoint(dir, None, state)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
         // The first two steps compile kernels and tune matmuls.
         if step >= 2 {
             times.push(secs);
@@ -311,7 +346,8 @@ fn main() {
                 "cublaslt_per_step": {"calls": products.calls as f64 / timed,
                     "host_ms": products.host_us.iter().sum::<f64>() / timed / 1e3,
                     "gemm_gpu_ms": products.gemm_gpu_us / timed / 1e3},
-                "losses": losses, "train_start_unix": train_start,
+                "deterministic": deterministic, "first_step": first,
+                "losses": losses, "grad_norms": norms, "train_start_unix": train_start,
                 "memory_report": report.to_string(), "pool_memory": pools})
         );
     }

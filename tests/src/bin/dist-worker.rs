@@ -4,7 +4,10 @@
 //!   dist-worker train-gpu STAGE GAS [PRECISION [STEPS]]
 //!                                    the same on `Cuda`, GPU `LOCAL_RANK`, NCCL (feature nccl);
 //!                                    PRECISION fp32 (default), bf16 or fp16;
-//!                                    OVERLAP_COMM=0/1 overrides overlap_comm
+//!                                    OVERLAP_COMM=0/1 overrides overlap_comm;
+//!                                    POISON_STEP=S makes rank 1's first loss of step S
+//!                                    infinite (an fp16 overflow on one rank); every rank
+//!                                    prints `PARAMS <hash>` of its final parameters' bits
 //!   dist-worker llama-3d tied|untied the tiny Llama in pipe 2 × data 2 × model 2 (8 ranks);
 //!                                    last-stage ranks print `LOSSES [pipe, data, model] [..]`
 //!   dist-worker llama-3d-gpu STEPS [PIPE DATA MODEL]
@@ -90,7 +93,7 @@ fn train<I: burn::tensor::backend::Backend>(
 ) {
     let precision = match precision {
         "bf16" => r#", "bf16": {"enabled": true}"#,
-        "fp16" => r#", "fp16": {"enabled": true, "initial_scale_power": 8}"#,
+        "fp16" => r#", "fp16": {"enabled": true, "initial_scale_power": 8, "hysteresis": 1}"#,
         _ => "",
     };
     let (min, max, n) = WARMUP;
@@ -114,6 +117,9 @@ fn train<I: burn::tensor::backend::Backend>(
     let micro = GLOBAL_BATCH / (world * gas);
     // Inputs in the parameters' dtype (bf16/fp16 under mixed precision on a GPU).
     let dtype = engine.model().l1_weight().dtype();
+    let poison: Option<usize> = std::env::var("POISON_STEP")
+        .ok()
+        .map(|s| s.parse().expect("POISON_STEP is a step"));
     let mut first = 0;
     if let Some(c) = checkpoints.as_ref().filter(|c| c.resume) {
         let loaded = engine.load_checkpoint(c.root, None).unwrap();
@@ -124,10 +130,14 @@ fn train<I: burn::tensor::backend::Backend>(
     }
     for step in first..steps {
         let mut step_loss = 0.0f32;
+        let scale = engine.loss_scale();
         for j in 0..gas {
             let start = (j * world + rank) * micro;
             let (x, y) = engine_run::batch::<ZeroAutodiff<I>>(step, start..start + micro, &device);
-            let loss = engine_run::loss(engine.model(), x.cast(dtype), y.cast(dtype));
+            let mut loss = engine_run::loss(engine.model(), x.cast(dtype), y.cast(dtype));
+            if poison == Some(step) && rank == 1 && j == 0 {
+                loss = loss.mul_scalar(f32::INFINITY);
+            }
             step_loss += loss
                 .clone()
                 .into_data()
@@ -147,6 +157,7 @@ fn train<I: burn::tensor::backend::Backend>(
         }
         if rank == 0 {
             println!("RESULT loss_{step} {:?}", mean[0]);
+            println!("RESULT scale_{step} {scale:?}");
             println!(
                 "RESULT norm_{step} {:?}",
                 engine.last_grad_norm().unwrap() as f32
@@ -155,6 +166,14 @@ fn train<I: burn::tensor::backend::Backend>(
     }
     // Every rank reads the parameters: under ZeRO-3 that gathers them.
     let params = param_data(engine.model());
+    // FNV-1a over every parameter's bits: the ranks' copies compared without printing them.
+    let hash = params.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, p| {
+        let values = p.clone().convert::<f32>().to_vec::<f32>().unwrap();
+        values.iter().fold(h, |h, v| {
+            (h ^ u64::from(v.to_bits())).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    });
+    println!("PARAMS {hash:016x}");
     if rank == 0 {
         println!("STAT device_collectives {}", engine.device_collectives());
         println!("STAT skipped_steps {}", engine.skipped_steps());

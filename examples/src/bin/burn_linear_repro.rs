@@ -1,0 +1,144 @@
+//! A minimal program for burn upstream, burn 0.21 alone (no burn-zero code): the input
+//! gradient of a `Linear` layer on a 3-D input is wrong on burn-cuda
+//! (`docs/UPSTREAM-burn-cuda-broadcast-matmul.md`). It prints the largest error of each
+//! product against an f64 host product (relative to the largest magnitude) on burn-cuda with
+//! fusion (`Cuda`, the default) and without (`CubeBackend`):
+//! - `dY·Wᵀ` as burn's `linear_x_backward` forms it: a batched `[3, 11, 65]` times the weight
+//!   transposed and unsqueezed to `[1, 65, 129]` (a broadcast batch and a transposed view);
+//! - the same with the weight copied contiguous, with a non-broadcast transposed batch, and
+//!   folded into one 2-D product, to isolate the cause;
+//! - the `Linear` layer's input gradient through `Autodiff` (the symptom users meet).
+//!
+//! Errors near 1e-3 are TF32 (burn-cuda multiplies f32 on tensor cores); `WRONG` marks an
+//! error over 1e-2. Exit status 0 either way: the output is the evidence.
+
+use burn::backend::Autodiff;
+use burn::module::Param;
+use burn::nn::LinearConfig;
+use burn::tensor::backend::Backend;
+use burn_backend::distributed::DistributedBackend;
+use burn::tensor::{Tensor, TensorData};
+
+type CudaFusion = burn::backend::Cuda;
+type CudaNoFusion = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+const BATCH: usize = 3;
+const TOKENS: usize = 11;
+const D_IN: usize = 129;
+const D_OUT: usize = 65;
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.5 - 1.0)
+        .collect()
+}
+
+/// `g [rows, D_OUT] · wᵀ` for `w [D_IN, D_OUT]`, in f64.
+fn reference(g: &[f32], w: &[f32]) -> Vec<f64> {
+    let rows = g.len() / D_OUT;
+    let mut out = vec![0.0f64; rows * D_IN];
+    for r in 0..rows {
+        for i in 0..D_IN {
+            out[r * D_IN + i] = (0..D_OUT)
+                .map(|o| f64::from(g[r * D_OUT + o]) * f64::from(w[i * D_OUT + o]))
+                .sum();
+        }
+    }
+    out
+}
+
+/// The largest error relative to the largest reference magnitude.
+fn error<B: Backend, const D: usize>(got: Tensor<B, D>, want: &[f64]) -> f64 {
+    let got = got.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+    assert_eq!(got.len(), want.len(), "sizes");
+    let scale = want.iter().fold(1e-12f64, |s, v| s.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .fold(0.0f64, |e, (g, w)| e.max((f64::from(*g) - w).abs() / scale))
+}
+
+fn report(backend: &str, case: &str, err: f64) {
+    let verdict = if err > 1e-2 { "WRONG" } else { "ok" };
+    println!("{backend:<22} {case:<62} max rel err {err:.2e}  {verdict}");
+}
+
+/// Every product and the Linear gradient on backend `B`.
+fn cases<B: DistributedBackend>(backend: &str) {
+    let device = B::Device::default();
+    let (g_host, w_host) = (values(BATCH * TOKENS * D_OUT, 1), values(D_IN * D_OUT, 2));
+    let want = reference(&g_host, &w_host);
+    let g = Tensor::<B, 3>::from_data(
+        TensorData::new(g_host.clone(), [BATCH, TOKENS, D_OUT]),
+        &device,
+    );
+    let w = Tensor::<B, 2>::from_data(TensorData::new(w_host.clone(), [D_IN, D_OUT]), &device);
+    // The weight transposed on the host: a contiguous [D_OUT, D_IN].
+    let wt_host: Vec<f32> = (0..D_OUT * D_IN)
+        .map(|j| w_host[(j % D_IN) * D_OUT + j / D_IN])
+        .collect();
+    let wt = Tensor::<B, 2>::from_data(TensorData::new(wt_host, [D_OUT, D_IN]), &device);
+    // The weight repeated per batch on the host, then viewed transposed: no broadcast.
+    let w3_host: Vec<f32> = (0..BATCH).flat_map(|_| w_host.clone()).collect();
+    let w3 = Tensor::<B, 3>::from_data(TensorData::new(w3_host, [BATCH, D_IN, D_OUT]), &device);
+
+    let broadcast_transposed = g.clone().matmul(w.clone().transpose().unsqueeze::<3>());
+    report(
+        backend,
+        "[3,11,65] x [1,65,129] broadcast, transposed view",
+        error(broadcast_transposed, &want),
+    );
+    let broadcast_contiguous = g.clone().matmul(wt.clone().unsqueeze::<3>());
+    report(
+        backend,
+        "[3,11,65] x [1,65,129] broadcast, contiguous",
+        error(broadcast_contiguous, &want),
+    );
+    let batched_transposed = g.clone().matmul(w3.swap_dims(1, 2));
+    report(
+        backend,
+        "[3,11,65] x [3,65,129] no broadcast, transposed view",
+        error(batched_transposed, &want),
+    );
+    let folded = g
+        .clone()
+        .reshape([BATCH * TOKENS, D_OUT])
+        .matmul(w.clone().transpose())
+        .reshape([BATCH, TOKENS, D_IN]);
+    report(
+        backend,
+        "[33,65] x [65,129] folded 2-D, transposed view",
+        error(folded, &want),
+    );
+
+    // The symptom: a Linear layer's input gradient on a 3-D input, through Autodiff.
+    let mut linear = LinearConfig::new(D_IN, D_OUT)
+        .with_bias(false)
+        .init::<Autodiff<B>>(&device);
+    linear.weight = Param::from_tensor(Tensor::from_data(
+        TensorData::new(w_host, [D_IN, D_OUT]),
+        &device,
+    ));
+    let x = Tensor::<Autodiff<B>, 3>::from_data(
+        TensorData::new(values(BATCH * TOKENS * D_IN, 3), [BATCH, TOKENS, D_IN]),
+        &device,
+    )
+    .require_grad();
+    let dy = Tensor::<Autodiff<B>, 3>::from_data(
+        TensorData::new(g_host, [BATCH, TOKENS, D_OUT]),
+        &device,
+    );
+    // d(Σ out ⊙ dY)/dx = dY·Wᵀ.
+    let grads = (linear.forward(x.clone()) * dy).sum().backward();
+    report(
+        backend,
+        "Linear(129 -> 65) on [3,11,129]: input gradient (Autodiff)",
+        error(x.grad(&grads).expect("x's gradient"), &want),
+    );
+}
+
+fn main() {
+    println!("burn 0.21.0, burn-cuda; f64 reference on the host");
+    cases::<CudaFusion>("Cuda (fusion)");
+    cases::<CudaNoFusion>("CubeBackend (no fusion)");
+}
