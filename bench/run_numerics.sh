@@ -16,7 +16,8 @@
 #    mode (run-to-run variation without any resume).
 # Logs under $OUT/numerics/, the summary in $OUT/numerics-<kind>.json.
 #   bash bench/run_numerics.sh KIND        (SIZE 125m, STEPS 16, SAVE_AT 6; PARTS "1 2 3" and
-#                                          STAGES "3 2" split the work over calls of 10 minutes)
+#                                          STAGES "3 2" and MODES "default tune0 deterministic"
+#                                          split the work over calls of 10 minutes)
 source bench/prelude.sh "$1"
 size="${SIZE:-125m}"; steps="${STEPS:-16}"; save_at="${SAVE_AT:-6}"
 parts="${PARTS:-1 2 3}"; stages="${STAGES:-3 2}"
@@ -33,9 +34,13 @@ if [[ " $parts " == *" 1 "* ]]; then
 echo "== 1. products"
 timeout 300 .gpu/bin/burn-linear-repro > "$dir/burn-linear-repro.log" 2>&1
 echo "burn-linear-repro: exit $?"; cat "$dir/burn-linear-repro.log"
-timeout 300 .gpu/bin/matmul-check > "$dir/matmul-check.log" 2>&1
-echo "matmul-check: exit $?"; grep -E "Linear|\[1, 3\]|\[2, 3\]x\[1, 1\]|training|matmul-check" \
-  "$dir/matmul-check.log" | head -n 40
+# MC_SECTIONS: matmul-check's sections (default all); then its training step again with the
+# step without cuBLASLt first.
+timeout 300 .gpu/bin/matmul-check ${MC_SECTIONS:-} > "$dir/matmul-check.log" 2>&1
+echo "matmul-check: exit $?"; grep -E "\[1, 3\]|training|matmul-check" "$dir/matmul-check.log"
+timeout 300 .gpu/bin/matmul-check train --inner-first > "$dir/matmul-check-inner-first.log" 2>&1
+echo "matmul-check train --inner-first: exit $?"; grep -E "training|matmul-check" \
+  "$dir/matmul-check-inner-first.log"
 
 fi
 if [[ " $parts " == *" 2 "* ]]; then
@@ -58,7 +63,7 @@ e2e() { # LOG ENV... -- ARGS...
   echo "$(basename "$log" .log): exit $?"
 }
 [[ " $parts " == *" 3 "* ]] && for stage in $stages; do
-  for mode in default tune0 deterministic; do
+  for mode in ${MODES:-default tune0 deterministic}; do
     case $mode in
       default) envs=(BURN_ZERO_CUBLASLT_TUNE=1) ;;
       tune0) envs=(BURN_ZERO_CUBLASLT_TUNE=0) ;;
@@ -88,6 +93,8 @@ mc = text("matmul-check").splitlines()
 report["matmul_check"] = {"passed": any("matmul-check: all passed" in l for l in mc),
     "failure": [l for l in mc if "FAILED" in l],
     "training": [l for l in mc if l.startswith("training step")],
+    "training_inner_first": [l for l in text("matmul-check-inner-first").splitlines()
+                             if l.startswith("training step") or "FAILED" in l],
     "linear_shapes": [l for l in mc if "[1, 3]x[1, 1]" in l or "[2, 3]x[1, 1] 31x64x5 t=(false,true)" in l]}
 def results(name):
     r, hashes = {}, {}
@@ -118,7 +125,7 @@ for stage in (2, 3):
 report["fp16_overflow_2gpu"] = fp16
 def e2e(name):
     for line in text(name).splitlines():
-        if line.startswith("[rank 0] {") or line.startswith("{"):
+        if line.startswith("[rank 0] {"):
             try:
                 return json.loads(line[line.index("{"):])
             except ValueError:

@@ -133,28 +133,16 @@ fn matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B
     inner_matmul::<B>(lhs, rhs)
 }
 
-/// The inner backend's product, with a batched `lhs` times a broadcast `rhs` (every batch dim
-/// 1: a linear layer's weight) folded into one 2-D product over the stacked rows. burn-cuda
-/// 0.21 gets that broadcast product wrong when `rhs` is a transposed view (`dY·Wᵀ`, a linear
-/// layer's input gradient): off by 1e-1 where the folded product is exact
-/// (`docs/UPSTREAM-burn-cuda-broadcast-matmul.md`, `burn-linear-repro`).
+/// The inner backend's product. On burn-cuda it runs as an operation of fusion's stream of
+/// its own (`matmul_cuda::inner_unfused`): burn-fusion 0.21 fuses a matmul with the
+/// elementwise ops around it, and a linear layer's backward fused that way was off an f64
+/// reference by 1e-1 (`docs/UPSTREAM-burn-fusion-matmul.md`, `burn-linear-repro`).
 fn inner_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
-    let (ls, rs) = (lhs.shape(), rhs.shape());
-    let rank = ls.num_dims();
-    let folds = rank > 2
-        && rs.num_dims() == rank
-        && rs.iter().take(rank - 2).all(|d| *d == 1)
-        && ls.iter().take(rank - 2).product::<usize>() > 1;
-    if !folds {
-        return B::float_matmul(lhs, rhs);
+    #[cfg(feature = "cuda")]
+    if let Some(out) = crate::backend::matmul_cuda::inner_unfused::<B>(&lhs, &rhs) {
+        return out;
     }
-    let (k, n) = (rs[rank - 2], rs[rank - 1]);
-    let rows = ls.num_elements() / ls[rank - 1].max(1);
-    let mut out_shape: Vec<usize> = ls.iter().copied().collect();
-    out_shape[rank - 1] = n;
-    let lhs = B::float_reshape(lhs, [rows, k].into());
-    let rhs = B::float_reshape(rhs, [k, n].into());
-    B::float_reshape(B::float_matmul(lhs, rhs), out_shape.into())
+    B::float_matmul(lhs, rhs)
 }
 
 /// Prepends 1-dims to `tensor` up to `rank`.
@@ -276,26 +264,6 @@ mod tests {
         for (a, b) in g.iter().zip(&w) {
             assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
         }
-    }
-
-    /// The folded product of a batched operand and a broadcast (transposed) one equals the
-    /// batched product, and other batch shapes are left to the inner backend as they are.
-    #[test]
-    fn broadcast_products_fold_into_one() {
-        let lhs = tensor(&[2, 3, 5, 7], 5);
-        let rhs_t = B::float_swap_dims(tensor(&[1, 1, 4, 7], 6), 2, 3);
-        let rhs = tensor(&[1, 1, 7, 4], 7);
-        for r in [rhs_t, rhs] {
-            let got = inner_matmul::<B>(lhs.clone(), r.clone());
-            assert_eq!(got.shape().dims::<4>(), [2, 3, 5, 4]);
-            assert_close(got, B::float_matmul(lhs.clone(), r));
-        }
-        // A broadcast lhs (batch 1 against 3) is not a linear layer's: unchanged.
-        let (a, b) = (tensor(&[1, 5, 7], 8), tensor(&[3, 7, 2], 9));
-        assert_close(
-            inner_matmul::<B>(a.clone(), b.clone()),
-            B::float_matmul(a, b),
-        );
     }
 
     /// The Linear routes (one GEMM over stacked rows for the weight gradient) equal burn's

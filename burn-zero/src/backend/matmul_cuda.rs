@@ -399,6 +399,39 @@ fn gemm_or_inner(
     }
 }
 
+/// burn-cuda's own product of fused tensors as an operation of fusion's stream of its own,
+/// so that burn-fusion cannot fuse it with its neighbours (see `matmul::inner_matmul`); `None`
+/// for other tensors or shapes that do not broadcast.
+pub(crate) fn inner_unfused<B: Backend>(
+    lhs: &FloatTensor<B>,
+    rhs: &FloatTensor<B>,
+) -> Option<FloatTensor<B>> {
+    let fused = |t: &FloatTensor<B>| (t as &dyn Any).downcast_ref::<Fused>().cloned();
+    let (a, b) = (fused(lhs)?, fused(rhs)?);
+    let (ls, rs) = (lhs.shape(), rhs.shape());
+    let rank = ls.num_dims();
+    if rank < 2 || rs.num_dims() != rank {
+        return None;
+    }
+    let mut shape = Vec::with_capacity(rank);
+    for i in 0..rank - 2 {
+        match (ls[i], rs[i]) {
+            (x, y) if x == y || y == 1 => shape.push(x),
+            (1, y) => shape.push(y),
+            _ => return None,
+        }
+    }
+    shape.extend([ls[rank - 2], rs[rank - 1]]);
+    let [out] = run_fused(
+        "burn_zero_inner_matmul",
+        [&a, &b],
+        [(shape.into(), a.dtype)],
+        |[a, b]| [<Cube as FloatTensorOps<Cube>>::float_matmul(a, b)],
+    );
+    let boxed: Box<dyn Any> = Box::new(out);
+    boxed.downcast::<FloatTensor<B>>().ok().map(|b| *b)
+}
+
 /// The product as an operation of fusion's stream (see `fused_op.rs`) when `lhs` and `rhs` are
 /// burn-cuda's fused tensors; `None` otherwise.
 fn register_in_stream<B: Backend>(

@@ -19,7 +19,7 @@ pub mod matmul;
 mod matmul_cuda;
 pub mod memory_pool;
 mod ops_list;
-mod reduce;
+pub(crate) mod reduce;
 pub mod settings;
 #[cfg(feature = "zero3")]
 pub mod sharded;

@@ -1,5 +1,7 @@
-//! `ZeroBackend::float_sum`: the inner backend's, or under `burn_zero.deterministic` a sum
-//! whose order does not change from run to run.
+//! Whole-tensor sums: `ZeroBackend::float_sum` (the model's, on the engine's thread) and
+//! [`sum`] (the engine's own, on inner-backend tensors: the gradient norm), each the inner
+//! backend's or, under `burn_zero.deterministic`, one whose order does not change from run to
+//! run.
 //!
 //! burn-cuda 0.21 sums a whole tensor with an autotuned choice that includes one kernel whose
 //! cubes add their partial sums into the result with atomics (`shared_sum`): the order of
@@ -21,6 +23,19 @@ pub(crate) fn float_sum<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
         return B::float_sum(tensor);
     }
     deterministic_sum::<B>(tensor)
+}
+
+/// The sum of every element of `tensor` as a `[1]` tensor, in a fixed order when
+/// `deterministic`.
+pub(crate) fn sum<B: Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+    deterministic: bool,
+) -> Tensor<B, 1> {
+    if !deterministic {
+        return tensor.sum();
+    }
+    let primitive = tensor.into_primitive().tensor();
+    Tensor::from_primitive(TensorPrimitive::Float(deterministic_sum::<B>(primitive)))
 }
 
 /// The sum of every element of `tensor` as a `[1]` tensor, by reductions along dimensions only.

@@ -323,7 +323,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 .collect()
         });
         let norm = match &grad {
-            Some(grad) => global_norm(&mut *strategy, grad)?,
+            Some(grad) => global_norm(
+                &mut *strategy,
+                grad,
+                self.resolved.config.burn_zero.deterministic,
+            )?,
             None => {
                 let grads = strategy.grads();
                 let host = grads.host.as_ref().expect("gradients are in host memory");
@@ -488,10 +492,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
 }
 
 /// The L2 norm of the whole gradient: this rank's share summed across the ranks as the
-/// strategy holds it (equal to the unsharded norm; padding is zero).
+/// strategy holds it (equal to the unsharded norm; padding is zero). `deterministic`: the
+/// squares summed in a fixed order (burn-cuda's own sum adds with atomics).
 fn global_norm<I: Backend>(
     strategy: &mut dyn Strategy<I>,
     grad: &[Tensor<I, 1>],
+    deterministic: bool,
 ) -> Result<f64, CommError> {
     // In pieces: `grad · grad` of a whole partition is a second partition-sized buffer, which
     // a large model has no room for.
@@ -502,7 +508,8 @@ fn global_norm<I: Backend>(
         let n = g.dims()[0];
         for start in (0..n).step_by(PIECE) {
             let piece = g.clone().slice(start..(start + PIECE).min(n));
-            squares = squares + piece.clone().mul(piece).sum();
+            squares =
+                squares + crate::backend::reduce::sum(piece.clone().mul(piece), deterministic);
         }
     }
     let total = strategy.total_squares(squares)?;

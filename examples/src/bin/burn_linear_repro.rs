@@ -7,7 +7,8 @@
 //!   transposed and unsqueezed to `[1, 65, 129]` (a broadcast batch and a transposed view);
 //! - the same with the weight copied contiguous, with a non-broadcast transposed batch, and
 //!   folded into one 2-D product, to isolate the cause;
-//! - the `Linear` layer's input gradient through `Autodiff` (the symptom users meet).
+//! - the `Linear` layer's input gradient through `Autodiff`, and a two-layer MLP's training
+//!   step (the symptom users meet: its first layer's gradients).
 //!
 //! Errors near 1e-3 are TF32 (burn-cuda multiplies f32 on tensor cores); `WRONG` marks an
 //! error over 1e-2. Exit status 0 either way: the output is the evidence.
@@ -16,8 +17,8 @@ use burn::backend::Autodiff;
 use burn::module::Param;
 use burn::nn::LinearConfig;
 use burn::tensor::backend::Backend;
-use burn_backend::distributed::DistributedBackend;
 use burn::tensor::{Tensor, TensorData};
+use burn_backend::distributed::DistributedBackend;
 
 type CudaFusion = burn::backend::Cuda;
 type CudaNoFusion = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
@@ -137,8 +138,106 @@ fn cases<B: DistributedBackend>(backend: &str) {
     );
 }
 
+/// Row-major `a [r×k] · b [k×n]` in f64.
+fn mm(a: &[f64], b: &[f64], (r, k, n): (usize, usize, usize)) -> Vec<f64> {
+    let mut c = vec![0.0; r * n];
+    for i in 0..r {
+        for p in 0..k {
+            for j in 0..n {
+                c[i * n + j] += a[i * k + p] * b[p * n + j];
+            }
+        }
+    }
+    c
+}
+
+/// `a [r×c]` transposed.
+fn t(a: &[f64], r: usize, c: usize) -> Vec<f64> {
+    (0..r * c).map(|i| a[(i % r) * c + i / r]).collect()
+}
+
+/// A two-layer MLP's training step, `Linear(257→129) → relu → Linear(129→65)`, mean squared
+/// error, on a `[3, 11, 257]` input: the gradients of w1, b1, w2, b2 against f64.
+fn mlp<B: DistributedBackend>(backend: &str) {
+    let (rows, dims) = (33, [257usize, 129, 65]);
+    let device = B::Device::default();
+    let host =
+        |n: usize, seed: usize| -> Vec<f32> { values(n, seed).iter().map(|v| v * 0.2).collect() };
+    let (x, y) = (host(rows * dims[0], 3), host(rows * dims[2], 4));
+    let (w1, w2) = (host(dims[0] * dims[1], 1), host(dims[1] * dims[2], 2));
+    let (b1, b2) = (host(dims[1], 6), host(dims[2], 7));
+    let f64s = |v: &[f32]| -> Vec<f64> { v.iter().map(|x| f64::from(*x)).collect() };
+    // The reference.
+    let (xd, yd, w1d, w2d) = (f64s(&x), f64s(&y), f64s(&w1), f64s(&w2));
+    let mut pre = mm(&xd, &w1d, (rows, dims[0], dims[1]));
+    pre.iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v += f64::from(b1[i % dims[1]]));
+    let h: Vec<f64> = pre.iter().map(|v| v.max(0.0)).collect();
+    let mut out = mm(&h, &w2d, (rows, dims[1], dims[2]));
+    out.iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v += f64::from(b2[i % dims[2]]));
+    let count = out.len() as f64;
+    let d_o: Vec<f64> = out
+        .iter()
+        .zip(&yd)
+        .map(|(o, y)| 2.0 * (o - y) / count)
+        .collect();
+    let col_sums = |a: &[f64], n: usize| -> Vec<f64> {
+        (0..n).map(|j| a.iter().skip(j).step_by(n).sum()).collect()
+    };
+    let d_h = mm(&d_o, &t(&w2d, dims[1], dims[2]), (rows, dims[2], dims[1]));
+    let d_pre: Vec<f64> = d_h
+        .iter()
+        .zip(&pre)
+        .map(|(g, p)| if *p > 0.0 { *g } else { 0.0 })
+        .collect();
+    let want = [
+        mm(&t(&xd, rows, dims[0]), &d_pre, (dims[0], rows, dims[1])),
+        col_sums(&d_pre, dims[1]),
+        mm(&t(&h, rows, dims[1]), &d_o, (dims[1], rows, dims[2])),
+        col_sums(&d_o, dims[2]),
+    ];
+    // burn.
+    type A<B> = Autodiff<B>;
+    let layer = |w: Vec<f32>, b: Vec<f32>, [i, o]: [usize; 2]| {
+        let mut l = LinearConfig::new(i, o).init::<A<B>>(&device);
+        l.weight = Param::from_tensor(Tensor::from_data(TensorData::new(w, [i, o]), &device));
+        l.bias = Some(Param::from_tensor(Tensor::from_data(
+            TensorData::new(b, [o]),
+            &device,
+        )));
+        l
+    };
+    let (l1, l2) = (
+        layer(w1, b1, [dims[0], dims[1]]),
+        layer(w2, b2, [dims[1], dims[2]]),
+    );
+    let xt = Tensor::<A<B>, 3>::from_data(TensorData::new(x, [3, 11, dims[0]]), &device);
+    let yt = Tensor::<A<B>, 3>::from_data(TensorData::new(y, [3, 11, dims[2]]), &device);
+    let out = l2.forward(burn::tensor::activation::relu(l1.forward(xt)));
+    let grads = (out - yt).powf_scalar(2.0).mean().backward();
+    let bias = |l: &burn::nn::Linear<A<B>>| l.bias.as_ref().unwrap().val().grad(&grads).unwrap();
+    let errors = [
+        error(l1.weight.val().grad(&grads).unwrap(), &want[0]),
+        error(bias(&l1), &want[1]),
+        error(l2.weight.val().grad(&grads).unwrap(), &want[2]),
+        error(bias(&l2), &want[3]),
+    ];
+    for (name, err) in ["w1", "b1", "w2", "b2"].iter().zip(errors) {
+        report(
+            backend,
+            &format!("MLP 257-relu-129-65 on [3,11,257], MSE: gradient of {name}"),
+            err,
+        );
+    }
+}
+
 fn main() {
     println!("burn 0.21.0, burn-cuda; f64 reference on the host");
     cases::<CudaFusion>("Cuda (fusion)");
+    mlp::<CudaFusion>("Cuda (fusion)");
     cases::<CudaNoFusion>("CubeBackend (no fusion)");
+    mlp::<CudaNoFusion>("CubeBackend (no fusion)");
 }
