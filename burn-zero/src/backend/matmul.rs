@@ -26,7 +26,8 @@ pub struct MatmulPolicy {
     pub cublaslt: bool,
     /// Let f32 matmuls use TF32 tensor cores in cuBLASLt.
     pub allow_tf32: bool,
-    /// Smaller products (batch·m·n·k) stay on the inner backend.
+    /// Smaller products (batch·m·n·k) stay on the inner backend, except f32 ones without
+    /// [`allow_tf32`](Self::allow_tf32): burn-cuda multiplies f32 in TF32.
     pub min_macs: u64,
     /// Ordered GEMMs are planned for this many SMs fewer than the GPU has (0: all).
     pub sm_margin: u32,
@@ -128,18 +129,6 @@ pub(crate) fn float_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>)
 fn matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
     #[cfg(feature = "cuda")]
     if let Some(out) = crate::backend::matmul_cuda::try_cublaslt::<B>(&lhs, &rhs, matmul_policy()) {
-        return out;
-    }
-    inner_matmul::<B>(lhs, rhs)
-}
-
-/// The inner backend's product. On burn-cuda it runs as an operation of fusion's stream of
-/// its own (`matmul_cuda::inner_unfused`): burn-fusion 0.21 fuses a matmul with the
-/// elementwise ops around it, and a linear layer's backward fused that way was off an f64
-/// reference by 1e-1 (`docs/UPSTREAM-burn-fusion-matmul.md`, `burn-linear-repro`).
-fn inner_matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
-    #[cfg(feature = "cuda")]
-    if let Some(out) = crate::backend::matmul_cuda::inner_unfused::<B>(&lhs, &rhs) {
         return out;
     }
     B::float_matmul(lhs, rhs)

@@ -105,7 +105,10 @@ impl Product {
             }
         }
         let batch: usize = batch_dims.iter().product();
-        let enough = (batch * m * n * k) as u64 >= policy.min_macs;
+        // burn-cuda multiplies f32 in TF32 (10-bit mantissa): where TF32 is not allowed, every
+        // f32 product comes here, however small (bench/README, "Numerics on GPUs").
+        let full_f32 = lhs.dtype() == burn_backend::DType::F32 && !policy.allow_tf32;
+        let enough = full_f32 || (batch * m * n * k) as u64 >= policy.min_macs;
         (enough && batch <= i32::MAX as usize).then_some(Self {
             m,
             k,
@@ -397,39 +400,6 @@ fn gemm_or_inner(
             <Cube as FloatTensorOps<Cube>>::float_matmul(a, b)
         }
     }
-}
-
-/// burn-cuda's own product of fused tensors as an operation of fusion's stream of its own,
-/// so that burn-fusion cannot fuse it with its neighbours (see `matmul::inner_matmul`); `None`
-/// for other tensors or shapes that do not broadcast.
-pub(crate) fn inner_unfused<B: Backend>(
-    lhs: &FloatTensor<B>,
-    rhs: &FloatTensor<B>,
-) -> Option<FloatTensor<B>> {
-    let fused = |t: &FloatTensor<B>| (t as &dyn Any).downcast_ref::<Fused>().cloned();
-    let (a, b) = (fused(lhs)?, fused(rhs)?);
-    let (ls, rs) = (lhs.shape(), rhs.shape());
-    let rank = ls.num_dims();
-    if rank < 2 || rs.num_dims() != rank {
-        return None;
-    }
-    let mut shape = Vec::with_capacity(rank);
-    for i in 0..rank - 2 {
-        match (ls[i], rs[i]) {
-            (x, y) if x == y || y == 1 => shape.push(x),
-            (1, y) => shape.push(y),
-            _ => return None,
-        }
-    }
-    shape.extend([ls[rank - 2], rs[rank - 1]]);
-    let [out] = run_fused(
-        "burn_zero_inner_matmul",
-        [&a, &b],
-        [(shape.into(), a.dtype)],
-        |[a, b]| [<Cube as FloatTensorOps<Cube>>::float_matmul(a, b)],
-    );
-    let boxed: Box<dyn Any> = Box::new(out);
-    boxed.downcast::<FloatTensor<B>>().ok().map(|b| *b)
 }
 
 /// The product as an operation of fusion's stream (see `fused_op.rs`) when `lhs` and `rhs` are

@@ -280,7 +280,8 @@ pub struct MatmulConfig {
     pub cublaslt: bool,
     /// `allow_tf32`: let f32 matmuls use TF32 tensor cores in cuBLASLt (default false).
     pub allow_tf32: bool,
-    /// `min_macs`: smaller products (batch·m·n·k) stay on the inner backend.
+    /// `min_macs`: smaller products (batch·m·n·k) stay on the inner backend; f32 ones only
+    /// with `allow_tf32` (burn-cuda multiplies f32 in TF32).
     pub min_macs: u64,
     /// `sm_margin`: GEMMs ordered against burn's stream are planned for this many SMs fewer
     /// than the GPU has (default 1: burn's stream holds one spinning block meanwhile, and a
