@@ -267,7 +267,10 @@ fn mlp<B: DistributedBackend>(backend: &str) {
         .filter(|(a, b)| (**a > 0.0) != (**b > 0.0))
         .count();
     for (i, name) in ["w1", "b1", "w2", "b2"].iter().enumerate() {
-        let got = || Tensor::<B, 1>::from_data(got[i].clone().convert::<f32>(), &device);
+        // Flattened: `error` compares element lists.
+        let flat = got[i].clone().convert::<f32>().to_vec::<f32>().unwrap();
+        let got =
+            || Tensor::<B, 1>::from_data(TensorData::new(flat.clone(), [flat.len()]), &device);
         report(
             backend,
             &format!("MLP 257-relu-129-65 on [3,11,257], MSE: gradient of {name}"),
