@@ -1,9 +1,11 @@
-//! Pieces shared by the example programs: a small MLP and synthetic data.
+//! Pieces shared by the example programs: a small MLP and synthetic data, and the f64 step
+//! the device checks compare against.
 #![warn(missing_docs)]
 
 pub mod cli;
 #[cfg(feature = "host-profile")]
 pub mod host_profile;
+pub mod mlp_reference;
 pub mod plot;
 
 use burn::module::{Module, ModuleMapper, Param};

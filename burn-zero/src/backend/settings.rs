@@ -195,7 +195,10 @@ mod tests {
     use crate::DeepSpeedConfig;
 
     fn settings(burn_zero: &str) -> OpSettings {
-        let json = format!(r#"{{"train_batch_size": 2, "burn_zero": {burn_zero}}}"#);
+        let json = format!(
+            r#"{{"train_batch_size": 2, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+                "burn_zero": {burn_zero}}}"#
+        );
         let resolved = DeepSpeedConfig::from_json(&json)
             .unwrap()
             .config

@@ -1,5 +1,6 @@
-//! A minimal program for burn upstream, burn 0.21 alone (no burn-zero code): burn-cuda's f32
-//! matmul is TF32, with no way to ask for full f32 (`docs/UPSTREAM-burn-cuda-tf32.md`). It
+//! A minimal program for burn upstream, burn 0.21 alone (no burn-zero code; its f64 reference
+//! is plain Rust in `examples/src/mlp_reference.rs`): burn-cuda's f32 matmul is TF32, with no
+//! way to ask for full f32 (`docs/UPSTREAM-burn-cuda-tf32.md`). It
 //! prints the largest error against an f64 host computation (relative to the largest
 //! magnitude) on burn-cuda with fusion (`Cuda`, the default) and without (`CubeBackend`) of:
 //! - `dY·Wᵀ` as burn's `linear_x_backward` forms it (a batched `[3, 11, 65]` times the weight
@@ -20,6 +21,7 @@ use burn::nn::LinearConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use burn_backend::distributed::DistributedBackend;
+use burn_zero_examples::mlp_reference::{self, DIMS, mm, transposed, values};
 
 type CudaFusion = burn::backend::Cuda;
 type CudaNoFusion = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
@@ -29,25 +31,15 @@ const TOKENS: usize = 11;
 const D_IN: usize = 129;
 const D_OUT: usize = 65;
 
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: usize) -> Vec<f32> {
-    (0..n)
-        .map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.5 - 1.0)
-        .collect()
-}
-
 /// `g [rows, D_OUT] · wᵀ` for `w [D_IN, D_OUT]`, in f64.
 fn reference(g: &[f32], w: &[f32]) -> Vec<f64> {
+    let f64s = |v: &[f32]| -> Vec<f64> { v.iter().map(|x| f64::from(*x)).collect() };
     let rows = g.len() / D_OUT;
-    let mut out = vec![0.0f64; rows * D_IN];
-    for r in 0..rows {
-        for i in 0..D_IN {
-            out[r * D_IN + i] = (0..D_OUT)
-                .map(|o| f64::from(g[r * D_OUT + o]) * f64::from(w[i * D_OUT + o]))
-                .sum();
-        }
-    }
-    out
+    mm(
+        &f64s(g),
+        &transposed(&f64s(w), D_IN, D_OUT),
+        (rows, D_OUT, D_IN),
+    )
 }
 
 /// The largest error relative to the largest reference magnitude.
@@ -139,93 +131,13 @@ fn cases<B: DistributedBackend>(backend: &str) {
     );
 }
 
-/// Row-major `a [r×k] · b [k×n]` in f64.
-fn mm(a: &[f64], b: &[f64], (r, k, n): (usize, usize, usize)) -> Vec<f64> {
-    let mut c = vec![0.0; r * n];
-    for i in 0..r {
-        for p in 0..k {
-            for j in 0..n {
-                c[i * n + j] += a[i * k + p] * b[p * n + j];
-            }
-        }
-    }
-    c
-}
-
-/// `a [r×c]` transposed.
-fn t(a: &[f64], r: usize, c: usize) -> Vec<f64> {
-    (0..r * c).map(|i| a[(i % r) * c + i / r]).collect()
-}
-
-/// The MLP's sizes: input, hidden, output; and its rows (3 × 11 tokens).
-const DIMS: [usize; 3] = [257, 129, 65];
-const ROWS: usize = 33;
-
-/// The MLP's data on the host: x, y, w1, b1, w2, b2 (values in [-0.2, 0.2)).
-fn mlp_data() -> [Vec<f32>; 6] {
-    let host =
-        |n: usize, seed: usize| -> Vec<f32> { values(n, seed).iter().map(|v| v * 0.2).collect() };
-    [
-        host(ROWS * DIMS[0], 3),
-        host(ROWS * DIMS[2], 4),
-        host(DIMS[0] * DIMS[1], 1),
-        host(DIMS[1], 6),
-        host(DIMS[1] * DIMS[2], 2),
-        host(DIMS[2], 7),
-    ]
-}
-
-/// The f64 step: the gradients of w1, b1, w2, b2 and the pre-activations; relu's mask from
-/// `mask`'s signs when given, else from its own pre-activations.
-fn mlp_reference(mask: Option<&[f64]>) -> ([Vec<f64>; 4], Vec<f64>) {
-    let [x, y, w1, b1, w2, b2] =
-        mlp_data().map(|v| v.iter().map(|x| f64::from(*x)).collect::<Vec<f64>>());
-    let [d_in, d_hid, d_out] = DIMS;
-    let mut pre = mm(&x, &w1, (ROWS, d_in, d_hid));
-    pre.iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v += b1[i % d_hid]);
-    let keep: Vec<bool> = mask.unwrap_or(&pre).iter().map(|v| *v > 0.0).collect();
-    let h: Vec<f64> = pre
-        .iter()
-        .zip(&keep)
-        .map(|(v, k)| if *k { *v } else { 0.0 })
-        .collect();
-    let mut out = mm(&h, &w2, (ROWS, d_hid, d_out));
-    out.iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v += b2[i % d_out]);
-    let count = out.len() as f64;
-    let d_o: Vec<f64> = out
-        .iter()
-        .zip(&y)
-        .map(|(o, y)| 2.0 * (o - y) / count)
-        .collect();
-    let col_sums = |a: &[f64], n: usize| -> Vec<f64> {
-        (0..n).map(|j| a.iter().skip(j).step_by(n).sum()).collect()
-    };
-    let d_h = mm(&d_o, &t(&w2, d_hid, d_out), (ROWS, d_out, d_hid));
-    let d_pre: Vec<f64> = d_h
-        .iter()
-        .zip(&keep)
-        .map(|(g, k)| if *k { *g } else { 0.0 })
-        .collect();
-    let grads = [
-        mm(&t(&x, ROWS, d_in), &d_pre, (d_in, ROWS, d_hid)),
-        col_sums(&d_pre, d_hid),
-        mm(&t(&h, ROWS, d_hid), &d_o, (d_hid, ROWS, d_out)),
-        col_sums(&d_o, d_out),
-    ];
-    (grads, pre)
-}
-
 /// A two-layer MLP's training step, `Linear(257→129) → relu → Linear(129→65)`, mean squared
 /// error, on a `[3, 11, 257]` input: the gradients of w1, b1, w2, b2 against f64, then again
 /// with relu's mask taken from the device's pre-activations (TF32 rounds a value near zero
 /// across it; the flips are counted).
 fn mlp<B: DistributedBackend>(backend: &str) {
     let device = B::Device::default();
-    let [x, y, w1, b1, w2, b2] = mlp_data();
+    let [x, y, w1, b1, w2, b2] = mlp_reference::data();
     let [d_in, d_hid, d_out] = DIMS;
     type A<B> = Autodiff<B>;
     let layer = |w: Vec<f32>, b: Vec<f32>, [i, o]: [usize; 2]| {
@@ -259,8 +171,11 @@ fn mlp<B: DistributedBackend>(backend: &str) {
         l2.weight.val().grad(&grads).unwrap().into_data(),
         bias(&l2).into_data(),
     ];
-    let (want, pre_exact) = mlp_reference(None);
-    let (want_masked, _) = mlp_reference(Some(&pre_device));
+    let (exact, masked) = (
+        mlp_reference::step(None),
+        mlp_reference::step(Some(&pre_device)),
+    );
+    let (want, pre_exact, want_masked) = (exact.grads, exact.pre, masked.grads);
     let flips = pre_device
         .iter()
         .zip(&pre_exact)

@@ -15,6 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Element, Tensor, TensorData};
 use burn_zero::ZeroBackend;
 use burn_zero::backend::matmul::{MatmulPolicy, cublaslt_calls, set_matmul_policy};
+use burn_zero_examples::mlp_reference::{self, DIMS, ROWS, Step};
 
 /// lhs batch, rhs batch, m, k, n, transpose lhs, transpose rhs.
 type Case = ([usize; 2], [usize; 2], usize, usize, usize, bool, bool);
@@ -188,10 +189,8 @@ fn set_policy(cublaslt: bool) {
 
 /// Deterministic values in [-0.2, 0.2).
 fn fixed_data(shape: [usize; 2], seed: usize) -> TensorData {
-    let values: Vec<f32> = (0..shape[0] * shape[1])
-        .map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.5 - 1.0) * 0.2)
-        .collect();
-    TensorData::new(values, shape)
+    let values = mlp_reference::values(shape[0] * shape[1], seed);
+    TensorData::new(values.iter().map(|v| v * 0.2).collect(), shape)
 }
 
 fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
@@ -204,31 +203,26 @@ fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
         .collect()
 }
 
-/// One step's loss, the gradients of all four parameters and the first layer's pre-activations.
-struct Step {
-    loss: f64,
-    grads: Vec<Vec<f64>>,
-    pre: Vec<f64>,
-}
-
-/// The step on fixed data and weights.
+/// The step of [`mlp_reference`] on the device.
 fn step(cublas: bool) -> Step {
     set_policy(cublas);
     let device = Default::default();
-    let fixed = |shape: [usize; 2], seed: usize| {
-        Tensor::<Train, 2>::from_data(fixed_data(shape, seed), &device)
+    let [x, y, w1, b1, w2, b2] = mlp_reference::data();
+    let [d_in, d_hid, d_out] = DIMS;
+    let tensor = |v: Vec<f32>, shape: [usize; 2]| {
+        Tensor::<Train, 2>::from_data(TensorData::new(v, shape), &device)
     };
     let mut model = Mlp {
-        l1: LinearConfig::new(257, 129).init::<Train>(&device),
-        l2: LinearConfig::new(129, 65).init::<Train>(&device),
+        l1: LinearConfig::new(d_in, d_hid).init::<Train>(&device),
+        l2: LinearConfig::new(d_hid, d_out).init::<Train>(&device),
     };
-    model.l1.weight = Param::from_tensor(fixed([257, 129], 1));
-    model.l2.weight = Param::from_tensor(fixed([129, 65], 2));
-    model.l1.bias = Some(Param::from_tensor(fixed([1, 129], 6).reshape([129])));
-    model.l2.bias = Some(Param::from_tensor(fixed([1, 65], 7).reshape([65])));
+    model.l1.weight = Param::from_tensor(tensor(w1, [d_in, d_hid]));
+    model.l2.weight = Param::from_tensor(tensor(w2, [d_hid, d_out]));
+    model.l1.bias = Some(Param::from_tensor(tensor(b1, [1, d_hid]).reshape([d_hid])));
+    model.l2.bias = Some(Param::from_tensor(tensor(b2, [1, d_out]).reshape([d_out])));
     // [batch 3, tokens 11, 257]: the Linear layers fold the batch into one GEMM.
-    let x = fixed([33, 257], 3).reshape([3, 11, 257]);
-    let y = fixed([33, 65], 4).reshape([3, 11, 65]);
+    let x = tensor(x, [ROWS, d_in]).reshape([3, 11, d_in]);
+    let y = tensor(y, [ROWS, d_out]).reshape([3, 11, d_out]);
     let pre = model.l1.forward(x);
     let pre_values = to_vec(pre.clone());
     let out = model.l2.forward(burn::tensor::activation::relu(pre));
@@ -238,100 +232,15 @@ fn step(cublas: bool) -> Step {
     let grad_b = |p: &Option<Param<Tensor<Train, 1>>>| {
         to_vec(p.as_ref().unwrap().val().grad(&grads).unwrap())
     };
-    let all = vec![
-        grad(&model.l1.weight),
-        grad_b(&model.l1.bias),
-        grad(&model.l2.weight),
-        grad_b(&model.l2.bias),
-    ];
     Step {
         loss: f64::from(loss.into_scalar()),
-        grads: all,
+        grads: [
+            grad(&model.l1.weight),
+            grad_b(&model.l1.bias),
+            grad(&model.l2.weight),
+            grad_b(&model.l2.bias),
+        ],
         pre: pre_values,
-    }
-}
-
-/// The step of [`step`] in f64 on the host: loss, the gradients of w1, b1, w2, b2 and the
-/// pre-activations. `mask`: relu's mask taken from these pre-activations instead of its own
-/// (a TF32 forward moves values within its rounding of zero across it).
-fn reference_step(mask: Option<&[f64]>) -> Step {
-    let data = |shape: [usize; 2], seed: usize| -> Vec<f64> {
-        fixed_data(shape, seed)
-            .to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect()
-    };
-    let (rows, d_in, d_hid, d_out) = (33, 257, 129, 65);
-    let (x, w1, w2) = (
-        data([rows, d_in], 3),
-        data([d_in, d_hid], 1),
-        data([d_hid, d_out], 2),
-    );
-    let (b1, b2, y) = (
-        data([1, d_hid], 6),
-        data([1, d_out], 7),
-        data([rows, d_out], 4),
-    );
-    // c[r×n] = a[r×k]·b[k×n] (+ bias).
-    let mm = |a: &[f64], b: &[f64], r: usize, k: usize, n: usize| -> Vec<f64> {
-        let mut c = vec![0.0; r * n];
-        for i in 0..r {
-            for p in 0..k {
-                for j in 0..n {
-                    c[i * n + j] += a[i * k + p] * b[p * n + j];
-                }
-            }
-        }
-        c
-    };
-    let t = |a: &[f64], r: usize, c: usize| -> Vec<f64> {
-        (0..c * r).map(|i| a[(i % r) * c + i / r]).collect()
-    };
-    let col_sums = |a: &[f64], n: usize| -> Vec<f64> {
-        (0..n).map(|j| a.iter().skip(j).step_by(n).sum()).collect()
-    };
-    let mut pre = mm(&x, &w1, rows, d_in, d_hid);
-    pre.iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v += b1[i % d_hid]);
-    let keep: Vec<bool> = mask.unwrap_or(&pre).iter().map(|v| *v > 0.0).collect();
-    let h: Vec<f64> = pre
-        .iter()
-        .zip(&keep)
-        .map(|(v, k)| if *k { *v } else { 0.0 })
-        .collect();
-    let mut out = mm(&h, &w2, rows, d_hid, d_out);
-    out.iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v += b2[i % d_out]);
-    let count = (rows * d_out) as f64;
-    let loss = out
-        .iter()
-        .zip(&y)
-        .map(|(o, y)| (o - y).powi(2))
-        .sum::<f64>()
-        / count;
-    let d_o: Vec<f64> = out
-        .iter()
-        .zip(&y)
-        .map(|(o, y)| 2.0 * (o - y) / count)
-        .collect();
-    let g_w2 = mm(&t(&h, rows, d_hid), &d_o, d_hid, rows, d_out);
-    let g_b2 = col_sums(&d_o, d_out);
-    let d_h = mm(&d_o, &t(&w2, d_hid, d_out), rows, d_out, d_hid);
-    let d_pre: Vec<f64> = d_h
-        .iter()
-        .zip(&keep)
-        .map(|(g, k)| if *k { *g } else { 0.0 })
-        .collect();
-    let g_w1 = mm(&t(&x, rows, d_in), &d_pre, d_in, rows, d_hid);
-    let g_b1 = col_sums(&d_pre, d_hid);
-    Step {
-        loss,
-        grads: vec![g_w1, g_b1, g_w2, g_b2],
-        pre,
     }
 }
 
@@ -354,7 +263,7 @@ fn gradient_errors(got: &[Vec<f64>], want: &[Vec<f64>]) -> Result<Vec<f64>, Stri
 /// `inner_first`: the step without cuBLASLt runs before the one with it (to tell whether the
 /// first step's state affects the second).
 fn check_training(inner_first: bool) -> Result<(), String> {
-    let reference = reference_step(None);
+    let reference = mlp_reference::step(None);
     let early = inner_first.then(|| step(false));
     let before = cublaslt_calls();
     let lt = step(true);
@@ -380,7 +289,7 @@ fn check_training(inner_first: bool) -> Result<(), String> {
         .zip(&reference.pre)
         .filter(|(a, b)| (**a > 0.0) != (**b > 0.0))
         .count();
-    let masked = reference_step(Some(&inner.pre));
+    let masked = mlp_reference::step(Some(&inner.pre));
     let err_in = gradient_errors(&inner.grads, &masked.grads)?;
     let err_in_own = gradient_errors(&inner.grads, &reference.grads)?;
     progress(&format!(
