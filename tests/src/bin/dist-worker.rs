@@ -157,7 +157,7 @@ fn train<I: burn::tensor::backend::Backend>(
         }
         if rank == 0 {
             println!("RESULT loss_{step} {:?}", mean[0]);
-            println!("RESULT scale_{step} {scale:?}");
+            println!("STAT scale_{step} {scale:?}");
             println!(
                 "RESULT norm_{step} {:?}",
                 engine.last_grad_norm().unwrap() as f32
