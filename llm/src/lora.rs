@@ -292,13 +292,13 @@ mod tests {
         loaded
             .forward(tokens(&device))
             .into_data()
-            .assert_approx_eq::<f32>(&with.clone().into_data(), Tolerance::rel_abs(1e-4, 1e-4));
+            .assert_approx_eq::<f32>(&with.clone().into_data(), Tolerance::rel_abs(1e-3, 1e-3));
         let merged = lora.merge_lora();
         assert!(merged.blocks.iter().all(|b| b.lora.is_none()));
         merged
             .forward(tokens(&device))
             .into_data()
-            .assert_approx_eq::<f32>(&with.into_data(), Tolerance::rel_abs(1e-4, 1e-4));
+            .assert_approx_eq::<f32>(&with.into_data(), Tolerance::rel_abs(1e-3, 1e-3));
     }
 
     #[test]
