@@ -1,8 +1,8 @@
 //! A minimal program for burn upstream, burn 0.21 alone (no burn-zero code; its f64 reference
 //! is plain Rust in `examples/src/mlp_reference.rs`): burn-cuda's f32 matmul is TF32, with no
-//! way to ask for full f32 (`docs/UPSTREAM-burn-cuda-tf32.md`). It
-//! prints the largest error against an f64 host computation (relative to the largest
-//! magnitude) on burn-cuda with fusion (`Cuda`, the default) and without (`CubeBackend`) of:
+//! way to ask for full f32 (`docs/UPSTREAM-burn-cuda-tf32.md`). It prints the largest error
+//! against an f64 host computation (relative to the largest magnitude) on burn-cuda with
+//! fusion (`Cuda`, the default) and without (`CubeBackend`) of:
 //! - `dY·Wᵀ` as burn's `linear_x_backward` forms it (a batched `[3, 11, 65]` times the weight
 //!   transposed and unsqueezed to `[1, 65, 129]`), with the weight copied contiguous, with a
 //!   non-broadcast transposed batch, and folded into one 2-D product;
