@@ -1,17 +1,9 @@
 //! Real processes for the multi-process tests: the launcher starting dist-workers on a free
 //! port. The binaries' paths come from the test (`env!("CARGO_BIN_EXE_…")` exists there only).
 
-use std::net::TcpListener;
 use std::process::Command;
 
-/// A TCP port free at the time of asking.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use burn_zero::dist::free_port;
 
 /// `launcher` starting `nproc` copies of `worker` with `worker_args`, each rank giving up on
 /// the others after 60 s.

@@ -32,6 +32,8 @@ struct Frame {
 }
 
 const HELLO: &[u8; 4] = b"BZ02";
+/// How long an accepted connection has to say which rank it is.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn encode_call(call: &OpSignature, out: &mut Vec<u8>) {
     let (kind, op, root) = match call.kind {
@@ -254,16 +256,30 @@ impl TcpComm {
         std::thread::Builder::new()
             .name(format!("burn-zero-tcp-accept-{rank}"))
             .spawn(move || {
-                for _ in 1..world_size {
-                    let Ok((mut stream, _)) = listener.accept() else {
+                // Only a rank's hello counts: a stranger that reaches this port (a job whose
+                // rendezvous port collided with it) is dropped without taking a peer's place.
+                let mut arrived = vec![false; world_size];
+                arrived[rank] = true;
+                while arrived.iter().any(|a| !a) {
+                    let Ok((mut stream, from)) = listener.accept() else {
                         return;
                     };
                     let mut hello = [0u8; 8];
-                    if stream.read_exact(&mut hello).is_err() || &hello[..4] != HELLO {
-                        continue;
-                    }
+                    let read = stream
+                        .set_read_timeout(Some(HELLO_TIMEOUT))
+                        .and_then(|_| stream.read_exact(&mut hello))
+                        .and_then(|_| stream.set_read_timeout(None));
                     let peer =
                         u32::from_le_bytes(hello[4..8].try_into().expect("4 bytes")) as usize;
+                    if read.is_err() || &hello[..4] != HELLO || peer >= world_size || arrived[peer]
+                    {
+                        crate::log::warn(&format!(
+                            "rank {rank}: dropped a connection from {from} that is not a new \
+                             rank of this job"
+                        ));
+                        continue;
+                    }
+                    arrived[peer] = true;
                     let mailbox = inbox.clone();
                     let _ = std::thread::Builder::new()
                         .name(format!("burn-zero-tcp-{rank}<-{peer}"))
@@ -447,10 +463,21 @@ mod tests {
 
     /// Ranks as threads, but connected through real sockets on loopback.
     fn group(world: usize, timeout: Duration) -> Vec<TcpComm> {
+        group_after(world, timeout, |_| {})
+    }
+
+    /// `group`, with `before` run on the data addresses once they listen and before any rank
+    /// connects.
+    fn group_after(
+        world: usize,
+        timeout: Duration,
+        before: impl FnOnce(&[SocketAddr]),
+    ) -> Vec<TcpComm> {
         let listeners: Vec<TcpListener> = (0..world)
             .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
             .collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        before(&addrs);
         let handles: Vec<_> = listeners
             .into_iter()
             .enumerate()
@@ -460,6 +487,37 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// Another job's rank whose rendezvous port collided with a data port (the CI failure
+    /// that motivated this), a silent connection and a rank number out of range reach every
+    /// rank's data port first: each is dropped, and the job's own ranks still all connect.
+    #[test]
+    fn strangers_on_a_data_port_do_not_take_a_peer_s_place() {
+        let mut strangers = Vec::new();
+        let comms = group_after(3, Duration::from_secs(20), |addrs| {
+            for addr in addrs {
+                let mut other_job = TcpStream::connect(addr).unwrap();
+                other_job.write_all(b"BZRV\x01\0\0\0\x06\0\0\0").unwrap();
+                strangers.push(other_job);
+                drop(TcpStream::connect(addr).unwrap());
+                let mut out_of_range = TcpStream::connect(addr).unwrap();
+                let mut hello = HELLO.to_vec();
+                hello.extend_from_slice(&7u32.to_le_bytes());
+                out_of_range.write_all(&hello).unwrap();
+                strangers.push(out_of_range);
+            }
+        });
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    let mut v = [c.rank as f32 + 1.0; 5];
+                    c.all_reduce(v.as_mut_slice().into(), ReduceOp::Sum)
+                        .unwrap();
+                    assert_eq!(v, [6.0; 5]);
+                });
+            }
+        });
     }
 
     #[test]

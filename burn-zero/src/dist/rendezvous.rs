@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use super::env::{DistEnv, EnvError};
 
 const MAGIC: &[u8; 4] = b"BZRV";
+/// How long a connection to rank 0 has to say it is a rank.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the rendezvous gives every rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,14 +77,18 @@ pub fn rendezvous(
             stream
                 .set_read_timeout(Some(timeout))
                 .map_err(io("stream"))?;
+            // Something other than a rank (a port scan, a job whose data port collided with
+            // this one) is dropped; a rank's own inconsistency below fails the job.
             let mut magic = [0u8; 4];
-            stream
-                .read_exact(&mut magic)
-                .map_err(io(format!("hello from {from}")))?;
-            if &magic != MAGIC {
-                return Err(EnvError(format!(
-                    "rendezvous: {from} is not a burn-zero rank"
-                )));
+            let said = stream
+                .set_read_timeout(Some(timeout.min(HELLO_TIMEOUT)))
+                .and_then(|_| stream.read_exact(&mut magic))
+                .and_then(|_| stream.set_read_timeout(Some(timeout)));
+            if said.is_err() || &magic != MAGIC {
+                crate::log::warn(&format!(
+                    "rendezvous: dropped a connection from {from} that is not a burn-zero rank"
+                ));
+                continue;
             }
             let rank = read_u32(&mut stream).map_err(io("hello"))? as usize;
             let world = read_u32(&mut stream).map_err(io("hello"))? as usize;
@@ -169,4 +175,55 @@ pub fn rendezvous(
         );
     }
     Ok(Rendezvous { peers, shared })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::EnvSource;
+
+    fn env(rank: usize, world_size: usize, master_port: u16) -> DistEnv {
+        DistEnv {
+            rank,
+            local_rank: rank,
+            world_size,
+            local_world_size: world_size,
+            master_addr: "127.0.0.1".into(),
+            master_port,
+            source: EnvSource::Torchrun,
+        }
+    }
+
+    /// A connection that is not a rank (silent, or speaking another protocol) reaches rank 0
+    /// before the ranks do: it is dropped, and the three ranks still meet and agree.
+    #[test]
+    fn a_stranger_at_the_master_port_is_dropped() {
+        let port = crate::dist::free_port();
+        let timeout = Duration::from_secs(20);
+        let zero = std::thread::spawn(move || rendezvous(&env(0, 3, port), 1000, b"id", timeout));
+        let master = SocketAddr::from(([127, 0, 0, 1], port));
+        let connect = || loop {
+            if let Ok(s) = TcpStream::connect(master) {
+                break s;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let mut other = connect();
+        other.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        drop(connect());
+        let ranks: Vec<_> = (1..3)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    rendezvous(&env(r, 3, port), 1000 + r as u16, &[], timeout)
+                })
+            })
+            .collect();
+        let mut met = vec![zero.join().unwrap().unwrap()];
+        met.extend(ranks.into_iter().map(|h| h.join().unwrap().unwrap()));
+        for m in &met {
+            assert_eq!(m.shared, b"id");
+            let ports: Vec<u16> = m.peers.iter().map(SocketAddr::port).collect();
+            assert_eq!(ports, [1000, 1001, 1002]);
+        }
+    }
 }
