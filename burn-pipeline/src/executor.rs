@@ -1,8 +1,10 @@
-//! The executor: runs one stage's instruction stream (see [`crate::schedule`]) on a burn
-//! module. Activations and their gradients travel as f32 between neighbouring stages over the
-//! communicator's `send`/`recv`; each backward seeds the stage's output with the gradient
-//! received from the next stage (`sum(output · grad)` has exactly that gradient), and
-//! parameter gradients accumulate over the micro-batches until the optimizer step.
+//! The executor: runs one rank's instruction stream (see [`crate::schedule`]) on its burn
+//! modules (one per model chunk; more than one for interleaved schedules). Activations and
+//! their gradients travel as f32 between neighbouring virtual stages over the communicator's
+//! `send`/`recv`; each backward seeds the chunk's output with the gradient received from the
+//! next stage (`sum(output · grad)` has exactly that gradient), and parameter gradients
+//! accumulate over the micro-batches until the optimizer step. A split backward
+//! (zero-bubble schedules) runs its weight half from what [`WeightSplit`] recorded.
 
 use std::collections::HashMap;
 
@@ -15,11 +17,20 @@ use burn_zero::comm::{CommError, Communicator};
 use crate::checkpoint::{Checkpointing, Saved};
 use crate::optimizer::StageOptimizer;
 use crate::schedule::Instr;
+use crate::weight_split::{WeightSplit, WeightWork};
 
 /// What one stage computes, and what the pipeline feeds it.
 pub trait PipeStage<B: AutodiffBackend>: AutodiffModule<B> {
     /// This stage's layers on a `[rows, features]` activation.
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2>;
+
+    /// [`PipeStage::forward`] with the linear layers whose weight gradients a zero-bubble
+    /// schedule defers routed through `split` ([`WeightSplit::linear`]). The default routes
+    /// none: the stage still runs under such a schedule, its whole backward in the input half.
+    fn forward_split(&self, x: Tensor<B, 2>, split: &mut WeightSplit<B>) -> Tensor<B, 2> {
+        let _ = split;
+        self.forward(x)
+    }
 
     /// The matrix this stage shares with the other end of the pipeline (a tied embedding: the
     /// first stage's input table, the last stage's output projection), if any. The executor
@@ -31,17 +42,18 @@ pub trait PipeStage<B: AutodiffBackend>: AutodiffModule<B> {
 }
 
 /// Sums the gradient of the tied matrix `id` in `grads` with the other end's (the first and
-/// the last stage exchange theirs; the first sends first).
+/// the last virtual stage exchange theirs, on ranks 0 and `ranks − 1`; the first sends first).
 fn sum_tied<B: AutodiffBackend>(
     mut grads: GradientsParams,
     id: ParamId,
     spec: &StageSpec<'_, B>,
+    ranks: usize,
     comm: &dyn Communicator,
     device: &B::Device,
 ) -> Result<GradientsParams, CommError> {
     let last = spec.stages - 1;
     let peer = match spec.stage {
-        0 => last,
+        0 => last % ranks,
         s if s == last => 0,
         s => panic!(
             "stage {s} of {} holds a tied matrix: only the first and last may",
@@ -75,9 +87,9 @@ fn sum_tied<B: AutodiffBackend>(
 
 /// Where a stage sits and what its data looks like.
 pub struct StageSpec<'a, B: AutodiffBackend> {
-    /// This stage.
+    /// This (virtual) stage: `chunk × ranks + rank`.
     pub stage: usize,
-    /// Stages in the pipeline.
+    /// (Virtual) stages in the pipeline: ranks × chunks per rank.
     pub stages: usize,
     /// Micro-batches per step (the loss is averaged over them).
     pub micro_batches: usize,
@@ -112,9 +124,9 @@ fn fresh_leaves<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> M {
     module.clone().map(&mut Fresh)
 }
 
-/// A micro-batch between its forward and its backward.
+/// A micro-batch of one chunk between its forward and its backward.
 struct Live<B: AutodiffBackend, M> {
-    /// The stage's parameters as this micro-batch's own leaves.
+    /// The chunk's parameters as this micro-batch's own leaves.
     module: Option<M>,
     input: Tensor<B, 2>,
     /// The checkpointed input, while the forward's graph is gone (`input` is then detached).
@@ -123,6 +135,8 @@ struct Live<B: AutodiffBackend, M> {
     loss: Option<Tensor<B, 1>>,
     grad_out: Option<Tensor<B, 2>>,
     grad_in: Option<Tensor<B, 2>>,
+    /// The split layers of its forward (a zero-bubble schedule).
+    split: Option<WeightSplit<B>>,
 }
 
 fn values<B: AutodiffBackend>(t: Tensor<B, 2>) -> Vec<f32> {
@@ -144,8 +158,25 @@ fn stage_loss<B: AutodiffBackend>(
     })
 }
 
+/// The chunk's forward on fresh leaves, through a [`WeightSplit`] when the backward is split.
+fn forward_on<B: AutodiffBackend, M: PipeStage<B>>(
+    module: &M,
+    input: Tensor<B, 2>,
+    split: bool,
+) -> (M, Tensor<B, 2>, Option<WeightSplit<B>>) {
+    let leaves = fresh_leaves(module);
+    if split {
+        let mut record = WeightSplit::new();
+        let output = leaves.forward_split(input, &mut record);
+        (leaves, output, Some(record))
+    } else {
+        let output = leaves.forward(input);
+        (leaves, output, None)
+    }
+}
+
 /// Runs `stream` for one optimizer step of `module` with `optimizer` at learning rate `lr`,
-/// exchanging activations over `pipe` (neighbouring stages at ranks `stage ± 1`) and, at
+/// exchanging activations over `comm` (neighbouring stages at ranks `stage ± 1`) and, at
 /// `ReduceGrads` and `OptimizerStep`, reducing gradients over `data` when given as the
 /// optimizer does it ([`crate::Replicated`]: averaged; [`crate::Zero1`]: reduce-scattered);
 /// returns the new module and, on the last stage, the step's loss (mean over micro-batches).
@@ -163,29 +194,85 @@ where
     M: PipeStage<B>,
     O: StageOptimizer<B, M>,
 {
-    let device = module.devices().into_iter().next().unwrap_or_default();
-    let (prev, next) = (spec.stage.wrapping_sub(1), spec.stage + 1);
-    let mut live: HashMap<usize, Live<B, M>> = HashMap::new();
-    let mut accumulated = GradientsAccumulator::<M>::new();
-    let mut reduced: Option<GradientsParams> = None;
+    let (mut modules, loss) = run_chunks(
+        vec![module],
+        std::slice::from_mut(optimizer),
+        lr,
+        stream,
+        std::slice::from_ref(spec),
+        comm,
+        data,
+    )?;
+    Ok((modules.remove(0), loss))
+}
+
+/// [`run_step`] for a rank holding several model chunks (an interleaved schedule): chunk `c`
+/// is `chunks[c]`, stepped by `optimizers[c]`, described by `specs[c]` (virtual stage
+/// `c × ranks + rank`). Neighbouring virtual stages are at pipe ranks `(stage ± 1) mod ranks`.
+///
+/// # Panics
+/// If the three slices differ in length or the specs' stages are not one rank's chunks.
+pub fn run_chunks<B, M, O>(
+    chunks: Vec<M>,
+    optimizers: &mut [O],
+    lr: f64,
+    stream: &[Instr],
+    specs: &[StageSpec<'_, B>],
+    comm: &dyn Communicator,
+    data: Option<&dyn Communicator>,
+) -> Result<(Vec<M>, Option<f32>), CommError>
+where
+    B: AutodiffBackend,
+    M: PipeStage<B>,
+    O: StageOptimizer<B, M>,
+{
+    let v = chunks.len();
+    assert!(
+        v > 0 && optimizers.len() == v && specs.len() == v,
+        "{v} chunks, {} optimizers and {} specs: one of each per chunk",
+        optimizers.len(),
+        specs.len()
+    );
+    let ranks = specs[0].stages / v;
+    let rank = specs[0].stage;
+    for (c, spec) in specs.iter().enumerate() {
+        assert!(
+            spec.stages == ranks * v && spec.stage == c * ranks + rank,
+            "chunk {c} of rank {rank} is virtual stage {} of {}, not {} of {}",
+            spec.stage,
+            spec.stages,
+            c * ranks + rank,
+            ranks * v
+        );
+    }
+    let device = chunks[0].devices().into_iter().next().unwrap_or_default();
+    let prev = |c: usize| (specs[c].stage + ranks - 1) % ranks;
+    let next = |c: usize| (specs[c].stage + 1) % ranks;
+    // Whether the schedule splits backwards: then forwards record their split layers.
+    let split = stream
+        .iter()
+        .any(|i| matches!(i, Instr::BackwardWeight { .. }));
+    let mut live: HashMap<(usize, usize), Live<B, M>> = HashMap::new();
+    let mut weight_work: HashMap<(usize, usize), WeightWork<B>> = HashMap::new();
+    let mut accumulated: Vec<GradientsAccumulator<M>> =
+        (0..v).map(|_| GradientsAccumulator::new()).collect();
+    let mut reduced: Vec<Option<GradientsParams>> = (0..v).map(|_| None).collect();
     let mut loss_sum = 0.0f32;
-    // The output's shape: a stage may change the rows too (the Llama's first stage turns
-    // `[batch, seq]` token ids into `[batch·seq, hidden]`).
-    let mut out_dims = [0usize; 2];
     for instr in stream {
         match *instr {
             // Inputs are produced at the forward (first stage), labels inside the loss.
             Instr::Load { .. } => {}
-            Instr::RecvActivation { mb } => {
+            Instr::RecvActivation { mb, chunk } => {
+                let spec = &specs[chunk];
                 let mut buf = vec![0.0f32; spec.rows * spec.in_features];
-                comm.recv(buf.as_mut_slice().into(), prev)?;
+                comm.recv(buf.as_mut_slice().into(), prev(chunk))?;
                 let x = Tensor::<B, 2>::from_data(
                     TensorData::new(buf, [spec.rows, spec.in_features]),
                     &device,
                 )
                 .require_grad();
                 live.insert(
-                    mb,
+                    (mb, chunk),
                     Live {
                         module: None,
                         input: x.clone(),
@@ -194,17 +281,17 @@ where
                         loss: None,
                         grad_out: None,
                         grad_in: None,
+                        split: None,
                     },
                 );
             }
-            Instr::Forward { mb } => {
-                let input = match live.remove(&mb) {
+            Instr::Forward { mb, chunk } => {
+                let spec = &specs[chunk];
+                let input = match live.remove(&(mb, chunk)) {
                     Some(l) => l.input,
                     None => (spec.inputs)(mb),
                 };
-                let leaves = fresh_leaves(&module);
-                let output = leaves.forward(input.clone());
-                out_dims = output.dims();
+                let (leaves, output, record) = forward_on(&chunks[chunk], input.clone(), split);
                 let l = match spec.checkpoint {
                     // Only the input is kept; the graph of the activations goes with `leaves`.
                     Some(ckpt) => Live {
@@ -215,6 +302,7 @@ where
                         loss: None,
                         grad_out: None,
                         grad_in: None,
+                        split: None,
                     },
                     None => {
                         let loss = stage_loss(spec, mb, &output);
@@ -226,23 +314,26 @@ where
                             loss,
                             grad_out: None,
                             grad_in: None,
+                            split: record,
                         }
                     }
                 };
-                live.insert(mb, l);
+                live.insert((mb, chunk), l);
             }
-            Instr::SendActivation { mb } => {
-                let out = live[&mb].output.clone().detach();
-                comm.send(values(out).as_slice().into(), next)?;
+            Instr::SendActivation { mb, chunk } => {
+                let out = live[&(mb, chunk)].output.clone().detach();
+                comm.send(values(out).as_slice().into(), next(chunk))?;
             }
-            Instr::RecvGrad { mb } => {
-                let mut buf = vec![0.0f32; out_dims[0] * out_dims[1]];
-                comm.recv(buf.as_mut_slice().into(), next)?;
-                let g = Tensor::<B, 2>::from_data(TensorData::new(buf, out_dims), &device);
-                live.get_mut(&mb).expect("forwarded before").grad_out = Some(g);
+            Instr::RecvGrad { mb, chunk } => {
+                let l = live.get_mut(&(mb, chunk)).expect("forwarded before");
+                let dims = l.output.dims();
+                let mut buf = vec![0.0f32; dims[0] * dims[1]];
+                comm.recv(buf.as_mut_slice().into(), next(chunk))?;
+                l.grad_out = Some(Tensor::from_data(TensorData::new(buf, dims), &device));
             }
-            Instr::Backward { mb } => {
-                let l = live.get_mut(&mb).expect("forwarded before");
+            Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
+                let spec = &specs[chunk];
+                let l = live.get_mut(&(mb, chunk)).expect("forwarded before");
                 if let (Some(saved), Some(ckpt)) = (l.saved.take(), spec.checkpoint) {
                     // The forward again, from the checkpoint, with its graph this time.
                     let input = ckpt.restore(saved, &device)?;
@@ -251,11 +342,12 @@ where
                     } else {
                         input
                     };
-                    let leaves = fresh_leaves(&module);
-                    l.output = leaves.forward(input.clone());
+                    let (leaves, output, record) = forward_on(&chunks[chunk], input.clone(), split);
+                    l.output = output;
                     l.loss = stage_loss(spec, mb, &l.output);
                     l.input = input;
                     l.module = Some(leaves);
+                    l.split = record;
                 }
                 let seed = match (&l.loss, &l.grad_out) {
                     (Some(loss), _) => {
@@ -279,34 +371,53 @@ where
                     });
                     l.grad_in = Some(Tensor::from_inner(g));
                 }
+                let work = l.split.take().map(|record| record.into_work(&grads));
                 let leaves = l.module.take().expect("forwarded before");
-                accumulated.accumulate(&module, GradientsParams::from_grads(grads, &leaves));
+                let module = &chunks[chunk];
+                accumulated[chunk].accumulate(module, GradientsParams::from_grads(grads, &leaves));
+                if let Some(work) = work {
+                    if matches!(instr, Instr::Backward { .. }) {
+                        accumulated[chunk].accumulate(module, work.run());
+                    } else {
+                        weight_work.insert((mb, chunk), work);
+                    }
+                }
                 if spec.stage == 0 {
-                    live.remove(&mb);
+                    live.remove(&(mb, chunk));
                 }
             }
-            Instr::SendGrad { mb } => {
-                let l = live.remove(&mb).expect("backwarded before");
+            Instr::BackwardWeight { mb, chunk } => {
+                if let Some(work) = weight_work.remove(&(mb, chunk)) {
+                    accumulated[chunk].accumulate(&chunks[chunk], work.run());
+                }
+            }
+            Instr::SendGrad { mb, chunk } => {
+                let l = live.remove(&(mb, chunk)).expect("backwarded before");
                 let g = l.grad_in.expect("backward computed it");
-                comm.send(values(g).as_slice().into(), prev)?;
+                comm.send(values(g).as_slice().into(), prev(chunk))?;
             }
             Instr::ReduceGrads => {
-                let mut grads = accumulated.grads();
-                if let Some(id) = module.tied().filter(|_| spec.stages > 1) {
-                    grads = sum_tied(grads, id, spec, comm, &device)?;
+                for c in 0..v {
+                    let mut grads = accumulated[c].grads();
+                    if let Some(id) = chunks[c].tied().filter(|_| specs[c].stages > 1) {
+                        grads = sum_tied(grads, id, &specs[c], ranks, comm, &device)?;
+                    }
+                    reduced[c] = Some(optimizers[c].reduce(&chunks[c], grads, data)?);
                 }
-                reduced = Some(optimizer.reduce(&module, grads, data)?);
             }
             Instr::OptimizerStep => {
-                let grads = match reduced.take() {
-                    Some(grads) => grads,
-                    None => optimizer.reduce(&module, accumulated.grads(), data)?,
-                };
-                let module = optimizer.step(lr, module, grads, data)?;
-                let last = spec.stage + 1 == spec.stages;
-                return Ok((module, last.then_some(loss_sum)));
+                let mut stepped = Vec::with_capacity(v);
+                for (c, module) in chunks.into_iter().enumerate() {
+                    let grads = match reduced[c].take() {
+                        Some(grads) => grads,
+                        None => optimizers[c].reduce(&module, accumulated[c].grads(), data)?,
+                    };
+                    stepped.push(optimizers[c].step(lr, module, grads, data)?);
+                }
+                let last = specs[v - 1].stage + 1 == specs[v - 1].stages;
+                return Ok((stepped, last.then_some(loss_sum)));
             }
         }
     }
-    Ok((module, None))
+    Ok((chunks, None))
 }

@@ -1,7 +1,9 @@
-//! A 4-stage pipeline on thread ranks (one stage per rank, activations and gradients over
-//! the communicator's send/recv), 8 micro-batches of 3 rows, GPipe and 1F1B, against the
-//! unpartitioned model trained in one process on the same 24 rows: losses and parameters of
-//! 10 Adam steps within fp32 tolerance.
+//! A 4-stage pipeline on thread ranks (activations and gradients over the communicator's
+//! send/recv), 8 micro-batches of 3 rows, against the unpartitioned model trained in one
+//! process on the same 24 rows: losses and parameters of 10 Adam steps within fp32 tolerance.
+//! GPipe, 1F1B and zero-bubble ZB-H1 (each layer's weight gradient split off and deferred) on
+//! 4 ranks of one stage each; interleaved 1F1B on 2 ranks of 2 chunks each (rank 0 holds
+//! layers 0 and 2, rank 1 layers 1 and 3).
 
 use std::sync::Arc;
 
@@ -12,7 +14,8 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, activation};
 use burn_pipeline::{
-    Checkpointing, PipeStage, Replicated, Schedule, StageOptimizer, StageSpec, Zero1, run_step,
+    Checkpointing, PipeStage, Replicated, Schedule, StageOptimizer, StageSpec, WeightSplit, Zero1,
+    run_chunks, run_step,
 };
 use burn_zero::comm::Communicator;
 use burn_zero::config::{OptimizerKind, OptimizerParams};
@@ -53,6 +56,11 @@ impl<B: Backend> Layer<B> {
 impl<B: AutodiffBackend> PipeStage<B> for Layer<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.apply(x)
+    }
+
+    fn forward_split(&self, x: Tensor<B, 2>, split: &mut WeightSplit<B>) -> Tensor<B, 2> {
+        let linear = &self.linear;
+        activation::tanh(split.linear(x, &linear.weight, linear.bias.as_ref()))
     }
 }
 
@@ -106,50 +114,66 @@ fn pipeline_with(
     schedule: Schedule,
     checkpoint: Option<&Checkpointing>,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let stages = 4;
-    let results = run_ranks(stages, |ctx| {
+    let chunks = schedule.chunks();
+    let ranks = 4 / chunks;
+    let results = run_ranks(ranks, |ctx| {
         let device = Default::default();
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
-        let stage = ctx.rank;
-        let mut layer = Layer::<B>::new(stage, &device);
-        let mut optim = Replicated(AdamConfig::new().init::<B, Layer<B>>());
-        let stream = schedule.stream(stages, MICRO, stage);
+        let rank = ctx.rank;
+        // Chunk c of this rank is layer (virtual stage) c·ranks + rank.
+        let stages: Vec<usize> = (0..chunks).map(|c| c * ranks + rank).collect();
+        let mut layers: Vec<Layer<B>> = stages.iter().map(|&s| Layer::new(s, &device)).collect();
+        let mut optims: Vec<_> = stages
+            .iter()
+            .map(|_| Replicated(AdamConfig::new().init::<B, Layer<B>>()))
+            .collect();
+        let stream = schedule.stream(ranks, MICRO, rank);
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let inputs = |mb: usize| data(step, mb, &device).0;
             let loss = |mb: usize, out: Tensor<B, 2>| mse(out, data(step, mb, &device).1);
-            let spec = StageSpec {
-                stage,
-                stages,
-                micro_batches: MICRO,
-                rows: ROWS,
-                in_features: DIMS[stage],
-                inputs: &inputs,
-                loss: &loss,
-                checkpoint,
-            };
-            let (next, step_loss) = run_step(
-                layer,
-                &mut optim,
+            let specs: Vec<StageSpec<'_, B>> = stages
+                .iter()
+                .map(|&stage| StageSpec {
+                    stage,
+                    stages: 4,
+                    micro_batches: MICRO,
+                    rows: ROWS,
+                    in_features: DIMS[stage],
+                    inputs: &inputs,
+                    loss: &loss,
+                    checkpoint,
+                })
+                .collect();
+            let (next, step_loss) = run_chunks(
+                layers,
+                &mut optims,
                 lr(step),
                 &stream,
-                &spec,
+                &specs,
                 comm.as_ref(),
                 None,
             )
             .unwrap();
-            layer = next;
+            layers = next;
             losses.extend(step_loss);
         }
-        let params: Vec<Vec<f32>> = param_data(&layer)
-            .into_iter()
-            .map(|d| d.to_vec::<f32>().unwrap())
+        let params: Vec<(usize, Vec<f32>)> = stages
+            .iter()
+            .zip(&layers)
+            .flat_map(|(&stage, layer)| {
+                param_data(layer)
+                    .into_iter()
+                    .map(move |d| (stage, d.to_vec::<f32>().unwrap()))
+            })
             .collect();
         (losses, params)
     });
-    let losses = results[stages - 1].0.clone();
-    let params = results.into_iter().flat_map(|(_, p)| p).collect();
-    (losses, params)
+    let losses = results[ranks - 1].0.clone();
+    // Parameters in layer order, as the unpartitioned model lists them.
+    let mut params: Vec<(usize, Vec<f32>)> = results.into_iter().flat_map(|(_, p)| p).collect();
+    params.sort_by_key(|(stage, _)| *stage);
+    (losses, params.into_iter().map(|(_, p)| p).collect())
 }
 
 fn close(a: &[f32], b: &[f32]) -> bool {
@@ -166,7 +190,12 @@ fn four_stages_match_the_unpartitioned_model() {
         losses[STEPS - 1] < losses[0],
         "the reference trains: {losses:?}"
     );
-    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+    for schedule in [
+        Schedule::GPipe,
+        Schedule::OneFOneB,
+        Schedule::Interleaved { chunks: 2 },
+        Schedule::ZeroBubbleH1,
+    ] {
         let (p_losses, p_params) = pipeline(schedule);
         assert!(
             close(&p_losses, &losses),
@@ -180,17 +209,20 @@ fn four_stages_match_the_unpartitioned_model() {
 }
 
 /// Activation checkpointing (whole inputs on the device, then in host memory) recomputes each
-/// stage's forward in backward: the same bits as keeping the graphs.
+/// stage's forward in backward: the same bits as keeping the graphs, with a whole backward
+/// and with a split one.
 #[test]
 fn checkpointed_stages_give_the_same_bits() {
-    let kept = pipeline(Schedule::GPipe);
-    for on_host in [false, true] {
-        let ckpt = Checkpointing {
-            partition: None,
-            on_host,
-        };
-        let checkpointed = pipeline_with(Schedule::GPipe, Some(&ckpt));
-        assert!(checkpointed == kept, "on host: {on_host}");
+    for schedule in [Schedule::GPipe, Schedule::ZeroBubbleH1] {
+        let kept = pipeline(schedule);
+        for on_host in [false, true] {
+            let ckpt = Checkpointing {
+                partition: None,
+                on_host,
+            };
+            let checkpointed = pipeline_with(schedule, Some(&ckpt));
+            assert!(checkpointed == kept, "{schedule:?} on host: {on_host}");
+        }
     }
 }
 

@@ -1,0 +1,120 @@
+//! The messages around each rank's computations: a forward sends its activation to the next
+//! virtual stage's rank and a backward (or its input half) sends the input's gradient to the
+//! previous one; each computation first receives what it needs. A rank receives from a
+//! neighbour in exactly the order the neighbour sends (one ordered link per pair of ranks,
+//! whatever the messages carry), so before the message it needs it takes the ones sent ahead
+//! of it, which its executor keeps until their computation.
+
+use std::collections::VecDeque;
+
+use super::Instr;
+
+/// Where `(rank, chunk)` sits among the `ranks × chunks` virtual stages.
+fn virtual_stage(ranks: usize, rank: usize, chunk: usize) -> usize {
+    chunk * ranks + rank
+}
+
+/// The message computation `op` of `rank` sends, as `(to rank, the receive it matches)`.
+fn sent(op: Instr, rank: usize, ranks: usize, chunks: usize) -> Option<(usize, Instr)> {
+    let last = ranks * chunks - 1;
+    match op {
+        Instr::Forward { mb, chunk } => {
+            let vs = virtual_stage(ranks, rank, chunk);
+            (vs < last).then(|| {
+                let to = vs + 1;
+                (
+                    to % ranks,
+                    Instr::RecvActivation {
+                        mb,
+                        chunk: to / ranks,
+                    },
+                )
+            })
+        }
+        Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
+            let vs = virtual_stage(ranks, rank, chunk);
+            (vs > 0).then(|| {
+                let to = vs - 1;
+                (
+                    to % ranks,
+                    Instr::RecvGrad {
+                        mb,
+                        chunk: to / ranks,
+                    },
+                )
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The send instruction that goes with computation `op`.
+fn send_of(op: Instr) -> Instr {
+    match op {
+        Instr::Forward { mb, chunk } => Instr::SendActivation { mb, chunk },
+        Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
+            Instr::SendGrad { mb, chunk }
+        }
+        other => unreachable!("{other:?} sends nothing"),
+    }
+}
+
+/// The message computation `op` of `rank` needs, as `(from rank, the receive)`.
+fn needed(op: Instr, rank: usize, ranks: usize, chunks: usize) -> Option<(usize, Instr)> {
+    let last = ranks * chunks - 1;
+    match op {
+        Instr::Forward { mb, chunk } => {
+            let vs = virtual_stage(ranks, rank, chunk);
+            (vs > 0).then(|| ((vs - 1) % ranks, Instr::RecvActivation { mb, chunk }))
+        }
+        Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
+            let vs = virtual_stage(ranks, rank, chunk);
+            (vs < last).then(|| ((vs + 1) % ranks, Instr::RecvGrad { mb, chunk }))
+        }
+        _ => None,
+    }
+}
+
+/// Every rank's stream from every rank's computations (`orders[rank]`) over `chunks` chunks.
+pub(super) fn with_messages(orders: &[Vec<Instr>], chunks: usize) -> Vec<Vec<Instr>> {
+    let ranks = orders.len();
+    let last = ranks * chunks - 1;
+    // incoming[to][from]: the receives `to` must post for `from`, in `from`'s send order.
+    let mut incoming = vec![vec![VecDeque::new(); ranks]; ranks];
+    for (from, order) in orders.iter().enumerate() {
+        for &op in order {
+            if let Some((to, recv)) = sent(op, from, ranks, chunks) {
+                incoming[to][from].push_back(recv);
+            }
+        }
+    }
+    let mut streams = Vec::with_capacity(ranks);
+    for (rank, order) in orders.iter().enumerate() {
+        let mut out = Vec::new();
+        for &op in order {
+            if let Instr::Forward { mb, chunk } = op {
+                let vs = virtual_stage(ranks, rank, chunk);
+                if vs == 0 || vs == last {
+                    out.push(Instr::Load { mb, chunk });
+                }
+            }
+            if let Some((from, want)) = needed(op, rank, ranks, chunks) {
+                loop {
+                    let recv = incoming[rank][from].pop_front().unwrap_or_else(|| {
+                        panic!("rank {rank}: {want:?} from rank {from} is never sent")
+                    });
+                    out.push(recv);
+                    if recv == want {
+                        break;
+                    }
+                }
+            }
+            out.push(op);
+            if sent(op, rank, ranks, chunks).is_some() {
+                out.push(send_of(op));
+            }
+        }
+        streams.push(out);
+    }
+    streams
+}
