@@ -1,34 +1,41 @@
 #!/usr/bin/env bash
-# Device side of issue 11's pipeline check, one call: the recipe's model shape in a pipeline of
-# one stage per GPU (examples/src/bin/bench_pipeline.rs) on 1 GPU and on every GPU of the
-# machine, same seeded weights and tokens: losses compared step by step, step times, and the
-# idle fraction measured against the 1-GPU run beside the one 1F1B implies.
+# Device side of issue 11's and 39's pipeline checks, one call: the recipe's model shape in a
+# pipeline over the GPUs (examples/src/bin/bench_pipeline.rs) on 1 GPU and, for each schedule, on
+# every GPU of the machine, same seeded weights and tokens: losses compared step by step, step
+# times, and the idle fraction measured against the 1-GPU run beside the one the schedule implies.
 #   bash bench/run_pipeline.sh KIND      (carry [".gpu"], staged by
-#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-pipeline; STEPS, MICRO, RUN_TIMEOUT)
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-pipeline; STEPS, MICRO, RUN_TIMEOUT,
+#   SCHEDULES: space-separated, default "1f1b"; e.g. "1f1b interleaved:2 zb-h1")
 source bench/prelude.sh "$1"
-steps="${STEPS:-8}"; micro="${MICRO:-8}"
-for n in 1 "$gpus"; do
-  timeout "${RUN_TIMEOUT:-280}" .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port $((29800 + n)) \
-    -- .gpu/bin/bench-pipeline "$steps" "$micro" > "/tmp/pipe-$n.out" 2> "$out/pipeline-$n.log"
-  echo "pipeline on $n GPU(s): exit $?"; tail -n 3 "$out/pipeline-$n.log"
-done
-python3 - "$kind" "$gpus" "$out/pipeline-$kind.json" <<'PY'
+steps="${STEPS:-8}"; micro="${MICRO:-8}"; schedules="${SCHEDULES:-1f1b}"
+run() {  # run N SCHEDULE TAG
+  timeout "${RUN_TIMEOUT:-280}" .gpu/bin/burn-zero run --nproc-per-node "$1" --master-port $((29800 + $1)) \
+    -- .gpu/bin/bench-pipeline "$steps" "$micro" "$2" > "/tmp/pipe-$3.out" 2> "$out/pipeline-$3.log"
+  echo "pipeline $2 on $1 GPU(s): exit $?"; tail -n 3 "$out/pipeline-$3.log"
+}
+run 1 1f1b one
+for s in $schedules; do run "$gpus" "$s" "${s//:/-}"; done
+python3 - "$kind" "$gpus" "$out/pipeline-$kind.json" $schedules <<'PY'
 import json, sys
-kind, n, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-def run(k):
+kind, n, path, schedules = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+def run(tag):
     try:
-        line = [l for l in open(f"/tmp/pipe-{k}.out") if "{" in l][-1]
+        line = [l for l in open(f"/tmp/pipe-{tag}.out") if "{" in l][-1]
         return json.loads(line[line.index("{"):])  # the launcher prefixes "[rank r] "
     except Exception as e:
         return {"error": f"no result ({e})"}
-one, many = run(1), run(n)
-result = {"device": kind, "commit": open(".gpu/commit").read().split()[0], "one_gpu": one, "pipeline": many}
-if "losses" in one and "losses" in many:
-    diffs = [abs(a - b) / abs(b) for a, b in zip(many["losses"], one["losses"])]
-    result["max_rel_loss_diff"] = max(diffs)
-    if one.get("median_step_s") and many.get("median_step_s"):
-        efficiency = one["median_step_s"] / (n * many["median_step_s"])
-        result["measured_idle_fraction"] = 1 - efficiency
+one = run("one")
+result = {"device": kind, "commit": open(".gpu/commit").read().split()[0], "one_gpu": one,
+          "pipelines": {}}
+for s in schedules:
+    many = run(s.replace(":", "-"))
+    if "losses" in one and "losses" in many:
+        many["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(many["losses"], one["losses"]))
+        if one.get("median_step_s") and many.get("median_step_s"):
+            many["measured_idle_fraction"] = 1 - one["median_step_s"] / (n * many["median_step_s"])
+    result["pipelines"][s] = many
 json.dump(result, open(path, "w"), indent=1)
-print(json.dumps({k: v for k, v in result.items() if k not in ("one_gpu", "pipeline")}))
+print(json.dumps({s: {k: r.get(k) for k in ("median_step_s", "measured_idle_fraction",
+                  "schedule_bubble_fraction", "max_rel_loss_diff", "error")}
+                  for s, r in result["pipelines"].items()}))
 PY

@@ -412,6 +412,35 @@ mod swap {
         let _ = std::fs::remove_dir_all(&cfg.dir);
     }
 
+    /// A swap file cut short (a disk that filled, a copy that stopped) fails the read of every
+    /// sub-group past the cut with the file named, and a rewrite of the whole state heals it.
+    #[test]
+    fn a_truncated_swap_file_is_named() {
+        let cfg = config("truncated");
+        let n = 5000;
+        let mut store = NvmeStore::create(&cfg, &["master", "exp_avg_sq"], n, 2048, &|_, r| {
+            Some(r.map(|i| i as f32).collect())
+        })
+        .unwrap();
+        let victim: PathBuf = store.paths()[1].clone();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&victim)
+            .unwrap();
+        file.set_len(8192 + 1000).unwrap(); // inside sub-group 1's region
+        drop(file);
+        let err = store.read_all(1).unwrap_err().to_string();
+        assert!(
+            err.contains("exp_avg_sq.swp") && err.contains("short read"),
+            "{err}"
+        );
+        let want: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        store.write_all(&[want.clone(), want.clone()]).unwrap();
+        assert_eq!(store.read_all(1).unwrap(), want);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&cfg.dir);
+    }
+
     /// Any range of a tensor reads back what was written, across sub-group boundaries.
     #[test]
     fn ranges_read_back_across_sub_groups() {

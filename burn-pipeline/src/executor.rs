@@ -374,10 +374,13 @@ where
                 let work = l.split.take().map(|record| record.into_work(&grads));
                 let leaves = l.module.take().expect("forwarded before");
                 let module = &chunks[chunk];
-                accumulated[chunk].accumulate(module, GradientsParams::from_grads(grads, &leaves));
+                let tied = module.tied();
+                let grads = GradientsParams::from_grads(grads, &leaves);
+                let opt = &mut optimizers[chunk];
+                opt.accumulate(module, grads, tied, &mut accumulated[chunk], data)?;
                 if let Some(work) = work {
                     if matches!(instr, Instr::Backward { .. }) {
-                        accumulated[chunk].accumulate(module, work.run());
+                        opt.accumulate(module, work.run(), tied, &mut accumulated[chunk], data)?;
                     } else {
                         weight_work.insert((mb, chunk), work);
                     }
@@ -388,7 +391,14 @@ where
             }
             Instr::BackwardWeight { mb, chunk } => {
                 if let Some(work) = weight_work.remove(&(mb, chunk)) {
-                    accumulated[chunk].accumulate(&chunks[chunk], work.run());
+                    let module = &chunks[chunk];
+                    optimizers[chunk].accumulate(
+                        module,
+                        work.run(),
+                        module.tied(),
+                        &mut accumulated[chunk],
+                        data,
+                    )?;
                 }
             }
             Instr::SendGrad { mb, chunk } => {

@@ -10,7 +10,7 @@
 //! [`weight_split`]: the backward split into input and weight halves for zero-bubble schedules.
 //! [`checkpoint`]: activation checkpointing of a stage's micro-batches (partitioned over the
 //! model axis, or in host memory, as the config says).
-//! [`optimizer`]: a stage's optimizer step over the data axis: replicated, or ZeRO-1.
+//! [`optimizer`]: a stage's optimizer step over the data axis: replicated, ZeRO-1 or ZeRO-2.
 //! [`tensor_parallel`]: column/row-parallel linear layers, a vocab-parallel embedding and
 //! cross-entropy over the model axis, with the two model-parallel autodiff ops.
 #![warn(missing_docs)]
@@ -26,7 +26,7 @@ pub mod weight_split;
 
 pub use checkpoint::Checkpointing;
 pub use executor::{PipeStage, StageSpec, run_chunks, run_step};
-pub use optimizer::{Replicated, StageOptimizer, Zero1};
+pub use optimizer::{Replicated, StageOptimizer, Zero1, Zero2};
 pub use schedule::{Instr, Schedule, Timeline, peak_in_flight, simulate, simulate_timed};
 pub use split::{SplitMethod, split};
 pub use tensor_parallel::{

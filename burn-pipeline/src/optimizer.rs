@@ -1,10 +1,11 @@
 //! How a pipeline stage applies its gradients at the end of a step: any burn optimizer with
-//! gradients averaged over the data axis (every data rank holds the whole optimizer state), or
+//! gradients averaged over the data axis (every data rank holds the whole optimizer state),
 //! [`Zero1`]: ZeRO stage 1 across the data axis, where each data rank holds the fp32 master
-//! and optimizer state of one partition of the stage's parameters only.
+//! and optimizer state of one partition of the stage's parameters only, or [`Zero2`], which
+//! also keeps only its partition of the gradients, reduce-scattered after every backward.
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, Optimizer};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_zero::comm::{CommError, Communicator, ReduceOp};
@@ -12,8 +13,25 @@ use burn_zero::config::{OptimizerKind, OptimizerParams};
 use burn_zero::optim::{FlatOptimizer, StepParams};
 use burn_zero::partition::PartitionPlan;
 
-/// A stage's optimizer, in the executor's two instructions.
+/// A stage's optimizer, in the executor's instructions.
 pub trait StageOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
+    /// After each backward (or each half of a split one): one micro-batch's gradients join
+    /// the step's. The default keeps them whole in `whole`, which `ReduceGrads` hands to
+    /// [`StageOptimizer::reduce`]; `tied` is the stage's tied matrix, whose gradient must
+    /// stay whole (the executor sums it across the pipeline's ends at `ReduceGrads`).
+    fn accumulate(
+        &mut self,
+        module: &M,
+        grads: GradientsParams,
+        tied: Option<ParamId>,
+        whole: &mut GradientsAccumulator<M>,
+        data: Option<&dyn Communicator>,
+    ) -> Result<(), CommError> {
+        let _ = (tied, data);
+        whole.accumulate(module, grads);
+        Ok(())
+    }
+
     /// `ReduceGrads`: the step's accumulated gradients reduced over `data` (when given).
     fn reduce(
         &mut self,
@@ -30,6 +48,44 @@ pub trait StageOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
         grads: GradientsParams,
         data: Option<&dyn Communicator>,
     ) -> Result<M, CommError>;
+}
+
+/// A boxed stage optimizer (chunks of one rank may step differently).
+impl<B, M, O> StageOptimizer<B, M> for Box<O>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: StageOptimizer<B, M> + ?Sized,
+{
+    fn accumulate(
+        &mut self,
+        module: &M,
+        grads: GradientsParams,
+        tied: Option<ParamId>,
+        whole: &mut GradientsAccumulator<M>,
+        data: Option<&dyn Communicator>,
+    ) -> Result<(), CommError> {
+        (**self).accumulate(module, grads, tied, whole, data)
+    }
+
+    fn reduce(
+        &mut self,
+        module: &M,
+        grads: GradientsParams,
+        data: Option<&dyn Communicator>,
+    ) -> Result<GradientsParams, CommError> {
+        (**self).reduce(module, grads, data)
+    }
+
+    fn step(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+        data: Option<&dyn Communicator>,
+    ) -> Result<M, CommError> {
+        (**self).step(lr, module, grads, data)
+    }
 }
 
 /// A burn optimizer on every data rank: gradients averaged over the data axis (one flat
@@ -276,5 +332,110 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> StageOptimizer<B, M> for Zero1 {
         }
         full.truncate(state.plan.numel());
         Ok(unflatten_params(module, &full))
+    }
+}
+
+/// ZeRO stage 2 across the data axis: [`Zero1`]'s partitioned master and optimizer state, and
+/// the gradients partitioned too. Each micro-batch's gradients are reduce-scattered (summed)
+/// into this rank's partition as soon as its backward ends, so no data rank holds a whole
+/// accumulated gradient across the step (DeepSpeed's pipeline engine allows ZeRO-1 only).
+/// The cost is one reduce-scatter per backward instead of one per step. A tied matrix's
+/// gradient is kept whole until `ReduceGrads`, where it joins the partition after the
+/// executor summed it across the pipeline's ends.
+pub struct Zero2 {
+    inner: Zero1,
+    /// The step's summed gradient, this rank's partition (empty before the first backward).
+    sum: Vec<f32>,
+}
+
+impl Zero2 {
+    /// An optimizer of `kind` with `params` (as [`Zero1::new`]).
+    pub fn new(kind: OptimizerKind, params: OptimizerParams) -> Self {
+        Self {
+            inner: Zero1::new(kind, params),
+            sum: Vec::new(),
+        }
+    }
+
+    /// Bytes of master, optimizer state and gradient partition this rank holds.
+    pub fn state_bytes(&self) -> usize {
+        self.inner.state_bytes() + 4 * self.sum.len()
+    }
+
+    /// `grads`, flattened over `module`, reduce-scattered (summed) into the partition.
+    fn scatter_in<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        module: &M,
+        grads: &GradientsParams,
+        data: Option<&dyn Communicator>,
+    ) -> Result<(), CommError> {
+        let state = self.inner.state(module, data);
+        let (padding, chunk) = (state.plan.padding(), state.plan.chunk());
+        let flat = flatten_grads(module, grads, padding);
+        let mut mine = vec![0.0f32; chunk];
+        match data {
+            Some(data) => data.reduce_scatter(
+                flat.as_slice().into(),
+                mine.as_mut_slice().into(),
+                ReduceOp::Sum,
+            )?,
+            None => mine.copy_from_slice(&flat),
+        }
+        if self.sum.is_empty() {
+            self.sum = mine;
+        } else {
+            self.sum.iter_mut().zip(&mine).for_each(|(s, g)| *s += g);
+        }
+        Ok(())
+    }
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> StageOptimizer<B, M> for Zero2 {
+    fn accumulate(
+        &mut self,
+        module: &M,
+        mut grads: GradientsParams,
+        tied: Option<ParamId>,
+        whole: &mut GradientsAccumulator<M>,
+        data: Option<&dyn Communicator>,
+    ) -> Result<(), CommError> {
+        if let Some(id) = tied {
+            let mut kept = GradientsParams::new();
+            if let Some(g) = grads.remove::<B::InnerBackend, 2>(id) {
+                kept.register(id, g);
+            }
+            whole.accumulate(module, kept);
+        }
+        self.scatter_in(module, &grads, data)
+    }
+
+    /// What stayed whole (a tied matrix's gradient, or everything from a caller that did not
+    /// go through [`StageOptimizer::accumulate`]) joins the partition; the sum becomes the
+    /// data ranks' mean.
+    fn reduce(
+        &mut self,
+        module: &M,
+        grads: GradientsParams,
+        data: Option<&dyn Communicator>,
+    ) -> Result<GradientsParams, CommError> {
+        if !grads.is_empty() || self.sum.is_empty() {
+            self.scatter_in(module, &grads, data)?;
+        }
+        let world = data.map_or(1, |d| d.world_size()) as f32;
+        self.inner.grad = std::mem::take(&mut self.sum)
+            .into_iter()
+            .map(|g| g / world)
+            .collect();
+        Ok(GradientsParams::new())
+    }
+
+    fn step(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+        data: Option<&dyn Communicator>,
+    ) -> Result<M, CommError> {
+        StageOptimizer::<B, M>::step(&mut self.inner, lr, module, grads, data)
     }
 }

@@ -396,3 +396,21 @@ fn bad_shapes_are_refused_by_name() {
     assert!(Schedule::OneFOneB.check(0, 4).is_err());
     assert!(Schedule::ZeroBubbleH1.check(2, 0).is_err());
 }
+
+#[test]
+fn schedules_parse_by_name() {
+    assert_eq!("1F1B".parse(), Ok(Schedule::OneFOneB));
+    assert_eq!("gpipe".parse(), Ok(Schedule::GPipe));
+    assert_eq!("zb-h1".parse(), Ok(Schedule::ZeroBubbleH1));
+    assert_eq!(
+        "interleaved:3".parse(),
+        Ok(Schedule::Interleaved { chunks: 3 })
+    );
+    let bad = "interleaved:0".parse::<Schedule>().unwrap_err();
+    assert!(bad.contains("positive integer"), "{bad}");
+    let bad = "pipedream".parse::<Schedule>().unwrap_err();
+    assert!(
+        bad.contains("\"pipedream\"") && bad.contains("zb-h1"),
+        "{bad}"
+    );
+}

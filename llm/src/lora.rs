@@ -9,7 +9,7 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 
-use crate::model::{Block, Llama};
+use crate::model::{Block, Llama, Projector};
 
 /// The projections of a decoder layer that can carry an adapter (Hugging Face names).
 pub const TARGETS: [&str; 7] = [
@@ -116,15 +116,16 @@ impl<B: Backend> Block<B> {
     }
 }
 
-/// `linear(x)` plus the adapter's update, if any.
+/// `linear(x)`, applied by `projector`, plus the adapter's update, if any.
 pub(crate) fn project<B: Backend, const D: usize>(
+    projector: &mut impl Projector<B>,
     linear: &Linear<B>,
     adapter: Option<&Adapter<B>>,
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
     match adapter {
-        Some(adapter) => linear.forward(x.clone()) + adapter.forward(x),
-        None => linear.forward(x),
+        Some(adapter) => projector.linear(linear, x.clone()) + adapter.forward(x),
+        None => projector.linear(linear, x),
     }
 }
 

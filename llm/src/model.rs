@@ -202,7 +202,7 @@ pub struct Llama<B: Backend> {
     loss_chunk: usize,
     /// Whether each decoder layer's activations are recomputed in backward
     /// ([`Llama::with_activation_checkpointing`]).
-    checkpoint_layers: bool,
+    pub(crate) checkpoint_layers: bool,
 }
 
 impl<B: Backend> Llama<B> {
@@ -334,6 +334,22 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int
     (log_z - picked).mean()
 }
 
+/// How a decoder layer applies its linear layers: burn's own forward ([`Plain`]), or another
+/// way with the same value (a zero-bubble pipeline defers the weights' gradients).
+pub trait Projector<B: Backend> {
+    /// `linear` on `x` (`[.., in]` → `[.., out]`).
+    fn linear<const D: usize>(&mut self, linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D>;
+}
+
+/// burn's `Linear::forward`.
+pub struct Plain;
+
+impl<B: Backend> Projector<B> for Plain {
+    fn linear<const D: usize>(&mut self, linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+        linear.forward(x)
+    }
+}
+
 impl<B: Backend> Block<B> {
     pub(crate) fn forward(
         &self,
@@ -343,22 +359,39 @@ impl<B: Backend> Block<B> {
         heads: usize,
         kv_heads: usize,
     ) -> Tensor<B, 3> {
+        self.forward_with(x, rope, mask, heads, kv_heads, &mut Plain)
+    }
+
+    /// [`Block::forward`] with its seven projections applied by `p`.
+    pub(crate) fn forward_with(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        mask: &Tensor<B, 2, Bool>,
+        heads: usize,
+        kv_heads: usize,
+        p: &mut impl Projector<B>,
+    ) -> Tensor<B, 3> {
         let h = scope("attn_norm", || norm(&self.attn_norm, x.clone()));
-        let q = scope("q", || project(&self.q, self.adapter(|l| &l.q), h.clone()));
-        let k = scope("k", || project(&self.k, self.adapter(|l| &l.k), h.clone()));
-        let v = scope("v", || project(&self.v, self.adapter(|l| &l.v), h));
+        let q = scope("q", || {
+            project(p, &self.q, self.adapter(|l| &l.q), h.clone())
+        });
+        let k = scope("k", || {
+            project(p, &self.k, self.adapter(|l| &l.k), h.clone())
+        });
+        let v = scope("v", || project(p, &self.v, self.adapter(|l| &l.v), h));
         let attn = causal_attention(q, k, v, rope, mask, heads, kv_heads);
-        let x = x + scope("o", || project(&self.o, self.adapter(|l| &l.o), attn));
+        let x = x + scope("o", || project(p, &self.o, self.adapter(|l| &l.o), attn));
         let h = scope("mlp_norm", || norm(&self.mlp_norm, x.clone()));
         let gate = scope("gate", || {
-            project(&self.gate, self.adapter(|l| &l.gate), h.clone())
+            project(p, &self.gate, self.adapter(|l| &l.gate), h.clone())
         });
-        let up = scope("up", || project(&self.up, self.adapter(|l| &l.up), h));
+        let up = scope("up", || project(p, &self.up, self.adapter(|l| &l.up), h));
         // A scope of its own: the profiler's sync at its end runs `silu(gate) · up` here
         // instead of inside the `down` projection that reads it.
         let act = scope("swiglu", || swiglu(gate, up));
         x + scope("down", || {
-            project(&self.down, self.adapter(|l| &l.down), act)
+            project(p, &self.down, self.adapter(|l| &l.down), act)
         })
     }
 }

@@ -10,9 +10,10 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor};
-use burn_pipeline::PipeStage;
+use burn_pipeline::{PipeStage, WeightSplit};
+use burn_zero::nn::checkpoint;
 
-use crate::model::{Block, Llama, Rope, norm};
+use crate::model::{Block, Llama, Plain, Projector, Rope, norm};
 
 /// Layers `layers` of a [`Llama`] as one pipeline stage.
 #[derive(Module, Debug)]
@@ -27,6 +28,8 @@ pub struct LlamaStage<B: Backend> {
     rope_theta: f64,
     /// Positions per sequence (activations are `[batch·seq, hidden]` between stages).
     seq: usize,
+    /// Each decoder layer checkpointed, as the model's ([`Llama::with_activation_checkpointing`]).
+    checkpoint_layers: bool,
 }
 
 impl<B: Backend> LlamaStage<B> {
@@ -54,11 +57,20 @@ impl<B: Backend> LlamaStage<B> {
             num_kv_heads: model.num_kv_heads(),
             rope_theta: model.rope_theta(),
             seq,
+            checkpoint_layers: model.checkpoint_layers,
         })
     }
 
     /// This stage's layers on `x` (see the module doc for the shapes).
     pub fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.apply_with(x, &mut Plain)
+    }
+
+    /// [`LlamaStage::apply`] with the decoder layers' projections and an untied output
+    /// projection applied by `p`. A checkpointed layer (per-layer activation checkpointing,
+    /// inside a stage as in the whole model) applies its own: it runs again in backward, so its
+    /// weights' gradients come with its input's.
+    fn apply_with(&self, x: Tensor<B, 2>, p: &mut impl Projector<B>) -> Tensor<B, 2> {
         let device = x.device();
         let h = match &self.embed {
             Some(embed) => embed.forward(x.int()),
@@ -73,7 +85,16 @@ impl<B: Backend> LlamaStage<B> {
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         let mut h = h;
         for block in &self.blocks {
-            h = block.forward(h, &rope, &mask, self.num_heads, self.num_kv_heads);
+            let (heads, kv) = (self.num_heads, self.num_kv_heads);
+            h = match self.checkpoint_layers {
+                false => block.forward_with(h, &rope, &mask, heads, kv, p),
+                true => {
+                    let (rope, mask) = (rope.clone(), mask.clone());
+                    checkpoint(block, h, move |block: &Block<B>, x| {
+                        block.forward(x, &rope, &mask, heads, kv)
+                    })
+                }
+            };
         }
         if let Some(n) = &self.norm {
             h = norm(n, h);
@@ -83,7 +104,7 @@ impl<B: Backend> LlamaStage<B> {
             &self.head,
             self.tied.weight(self.embed.as_ref().map(|e| &e.weight)),
         ) {
-            (Some(head), _) => head.forward(h),
+            (Some(head), _) => p.linear(head, h),
             (None, Some(w)) => h.matmul(transposed(w)),
             _ => h,
         };
@@ -92,9 +113,22 @@ impl<B: Backend> LlamaStage<B> {
     }
 }
 
+/// A zero-bubble schedule's split backward: each projection's weight gradient deferred.
+impl<B: AutodiffBackend> Projector<B> for WeightSplit<B> {
+    fn linear<const D: usize>(&mut self, linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+        WeightSplit::linear(self, x, &linear.weight, linear.bias.as_ref())
+    }
+}
+
 impl<B: AutodiffBackend> PipeStage<B> for LlamaStage<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.apply(x)
+    }
+
+    /// The seven projections of every layer and an untied output projection defer their
+    /// weights' gradients; norms, the embedding and a tied output projection do not.
+    fn forward_split(&self, x: Tensor<B, 2>, split: &mut WeightSplit<B>) -> Tensor<B, 2> {
+        self.apply_with(x, split)
     }
 
     fn tied(&self) -> Option<ParamId> {

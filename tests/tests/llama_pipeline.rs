@@ -1,16 +1,19 @@
 //! The recipe's Llama split into pipeline stages (embedding first, norm and output projection
-//! last, decoder layers by `split` bounds) on thread ranks, 1F1B over 4 micro-batches, against
-//! the unsplit model on the whole batch: the loss of 5 Adam steps within fp32 tolerance, for 2
+//! last, decoder layers by `split` bounds) on thread ranks, 4 micro-batches, against the
+//! unsplit model on the whole batch: the loss of 5 Adam steps within fp32 tolerance, for 2
 //! and 3 stages, with untied and tied embeddings (the tied table's two copies summing their
-//! gradients across the first and last stages).
+//! gradients across the first and last stages). 1F1B; zero-bubble ZB-H1, where every
+//! projection's weight gradient waits for its weight half; interleaved 1F1B over 2 ranks × 2
+//! chunks (virtual stages: one layer each).
 
 use std::sync::Arc;
 
 use burn::backend::NdArray;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_pipeline::{Replicated, Schedule, StageSpec, run_step};
+use burn_pipeline::{Replicated, Schedule, StageOptimizer, StageSpec, Zero2, run_chunks};
 use burn_zero::comm::Communicator;
+use burn_zero::config::{OptimizerKind, OptimizerParams};
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero::testing::run_ranks;
 use burn_zero_llm::LlamaConfig;
@@ -56,10 +59,36 @@ fn ranges(bounds: &[usize]) -> Vec<std::ops::Range<usize>> {
 }
 
 fn pipeline_matches(bounds: &[usize], tied: bool) {
+    schedule_matches(bounds, tied, Schedule::OneFOneB, Options::default());
+}
+
+/// What a case changes beyond bounds, tying and schedule.
+#[derive(Clone, Copy, Default, Debug)]
+struct Options {
+    /// Step with [`Zero2`] instead of burn's Adam.
+    zero2: bool,
+    /// Checkpoint every decoder layer (in the reference too).
+    checkpointed: bool,
+}
+
+/// burn's Adam with PyTorch's ε (what burn-zero's Adam uses).
+fn adam() -> AdamConfig {
+    AdamConfig::new().with_epsilon(1e-8)
+}
+
+/// `bounds` are the virtual stages' layers: `schedule.chunks()` per rank. Each chunk steps with
+/// burn's Adam, or with [`Zero2`] (one data rank: the partition is the whole stage, and a tied
+/// matrix's gradient stays whole until the pipeline's ends have summed it).
+fn schedule_matches(bounds: &[usize], tied: bool, schedule: Schedule, options: Options) {
+    let Options {
+        zero2,
+        checkpointed,
+    } = options;
     let device = Default::default();
-    let full = draw_parameters(config(tied).init::<B>(&device));
+    let full = draw_parameters(config(tied).init::<B>(&device))
+        .with_activation_checkpointing(checkpointed);
     let mut reference = full.clone();
-    let mut optim = AdamConfig::new().init();
+    let mut optim = adam().init();
     let mut want = Vec::new();
     for step in 0..STEPS {
         let loss = reference.loss(tokens(step, &device));
@@ -68,14 +97,32 @@ fn pipeline_matches(bounds: &[usize], tied: bool) {
         reference = optim.step(LR, reference, grads);
     }
     let stages = bounds.len() - 1;
+    let chunks = schedule.chunks();
+    let ranks = stages / chunks;
     let layers = ranges(bounds);
-    let results = run_ranks(stages, |ctx| {
+    let results = run_ranks(ranks, |ctx| {
         let device = Default::default();
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
-        let stage = ctx.rank;
-        let mut part = LlamaStage::new(&full, &layers, stage, SEQ).unwrap();
-        let mut optim = Replicated(AdamConfig::new().init::<B, LlamaStage<B>>());
-        let stream = Schedule::OneFOneB.stream(stages, MICRO, stage);
+        let mine: Vec<usize> = (0..chunks).map(|c| c * ranks + ctx.rank).collect();
+        let mut parts: Vec<LlamaStage<B>> = mine
+            .iter()
+            .map(|&stage| LlamaStage::new(&full, &layers, stage, SEQ).unwrap())
+            .collect();
+        let mut optims: Vec<Box<dyn StageOptimizer<B, LlamaStage<B>>>> = mine
+            .iter()
+            .map(|_| -> Box<dyn StageOptimizer<B, LlamaStage<B>>> {
+                match zero2 {
+                    true => Box::new(Zero2::new(
+                        OptimizerKind::Adam {
+                            decoupled_weight_decay: false,
+                        },
+                        OptimizerParams::default(),
+                    )),
+                    false => Box::new(Replicated(adam().init::<B, LlamaStage<B>>())),
+                }
+            })
+            .collect();
+        let stream = schedule.stream(ranks, MICRO, ctx.rank);
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let inputs = |mb: usize| ids_as_input(micro(step, mb, &device).0);
@@ -86,29 +133,33 @@ fn pipeline_matches(bounds: &[usize], tied: bool) {
                     micro(step, mb, &device).1,
                 )
             };
-            let spec = StageSpec {
-                stage,
-                stages,
-                micro_batches: MICRO,
-                rows: if stage == 0 { BATCH } else { BATCH * SEQ },
-                in_features: if stage == 0 { SEQ } else { 16 },
-                inputs: &inputs,
-                loss: &loss,
-                checkpoint: None,
-            };
+            let specs: Vec<StageSpec<'_, B>> = mine
+                .iter()
+                .map(|&stage| StageSpec {
+                    stage,
+                    stages,
+                    micro_batches: MICRO,
+                    rows: if stage == 0 { BATCH } else { BATCH * SEQ },
+                    in_features: if stage == 0 { SEQ } else { 16 },
+                    inputs: &inputs,
+                    loss: &loss,
+                    checkpoint: None,
+                })
+                .collect();
             let (next, l) =
-                run_step(part, &mut optim, LR, &stream, &spec, comm.as_ref(), None).unwrap();
-            part = next;
+                run_chunks(parts, &mut optims, LR, &stream, &specs, comm.as_ref(), None).unwrap();
+            parts = next;
             losses.extend(l);
         }
         losses
     });
-    let got = &results[stages - 1];
+    let got = &results[ranks - 1];
     assert_eq!(got.len(), STEPS);
     for (step, (a, b)) in got.iter().zip(&want).enumerate() {
         assert!(
             (a - b).abs() <= 2e-5 * b.abs().max(1.0),
-            "{stages} stages (tied: {tied}), step {step}: {got:?} vs {want:?}"
+            "{schedule:?}, {stages} stages (tied: {tied}, {options:?}), step {step}: \
+             {got:?} vs {want:?}"
         );
     }
     assert!(want[STEPS - 1] < want[0], "the reference trains: {want:?}");
@@ -131,6 +182,56 @@ fn tied_embeddings_across_stages_match_the_unsplit_llama() {
     pipeline_matches(&[0, 2, 4], true);
     pipeline_matches(&[0, 1, 3, 4], true);
     pipeline_matches(&[0, 4], true);
+}
+
+/// ZB-H1: the projections' weight gradients (the untied output projection's too) computed in
+/// the weight halves, the rest in the input halves.
+#[test]
+fn zero_bubble_stages_match_the_unsplit_llama() {
+    for tied in [false, true] {
+        let zb = Schedule::ZeroBubbleH1;
+        schedule_matches(&[0, 1, 3, 4], tied, zb, Options::default());
+        schedule_matches(&[0, 2, 4], tied, zb, Options::default());
+    }
+}
+
+/// Interleaved 1F1B, 2 ranks × 2 chunks of one layer: rank 0 holds the embedding with layer 0
+/// and layer 2, rank 1 layer 1 and layer 3 with the norm and output projection.
+#[test]
+fn interleaved_stages_match_the_unsplit_llama() {
+    for tied in [false, true] {
+        let interleaved = Schedule::Interleaved { chunks: 2 };
+        schedule_matches(&[0, 1, 2, 3, 4], tied, interleaved, Options::default());
+    }
+}
+
+/// ZeRO-2's stage optimizer, tied and untied, under 1F1B and ZB-H1 (two accumulations per
+/// micro-batch, one per half).
+#[test]
+fn zero2_stages_match_the_unsplit_llama() {
+    for tied in [false, true] {
+        for schedule in [Schedule::OneFOneB, Schedule::ZeroBubbleH1] {
+            let options = Options {
+                zero2: true,
+                ..Options::default()
+            };
+            schedule_matches(&[0, 2, 4], tied, schedule, options);
+        }
+    }
+}
+
+/// Every decoder layer checkpointed inside its stage (it runs again in backward, its weights'
+/// gradients with its input's, also under ZB-H1), in 1F1B and ZB-H1 and interleaved.
+#[test]
+fn checkpointed_layers_in_stages_match_the_unsplit_llama() {
+    let options = Options {
+        checkpointed: true,
+        ..Options::default()
+    };
+    schedule_matches(&[0, 1, 3, 4], true, Schedule::OneFOneB, options);
+    schedule_matches(&[0, 2, 4], false, Schedule::ZeroBubbleH1, options);
+    let interleaved = Schedule::Interleaved { chunks: 2 };
+    schedule_matches(&[0, 1, 2, 3, 4], false, interleaved, options);
 }
 
 #[test]

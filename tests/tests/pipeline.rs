@@ -15,7 +15,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, activation};
 use burn_pipeline::{
     Checkpointing, PipeStage, Replicated, Schedule, StageOptimizer, StageSpec, WeightSplit, Zero1,
-    run_chunks, run_step,
+    Zero2, run_chunks, run_step,
 };
 use burn_zero::comm::Communicator;
 use burn_zero::config::{OptimizerKind, OptimizerParams};
@@ -236,19 +236,25 @@ impl<B: AutodiffBackend> PipeStage<B> for Pair<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.layers.iter().fold(x, |h, l| l.apply(h))
     }
+
+    fn forward_split(&self, x: Tensor<B, 2>, split: &mut WeightSplit<B>) -> Tensor<B, 2> {
+        self.layers.iter().fold(x, |h, l| l.forward_split(h, split))
+    }
 }
 
 /// Pipe 2 × data 2 with burn's Adam on every data rank (gradients averaged at `ReduceGrads`).
 #[test]
 fn pipe_by_data_matches_the_unpartitioned_model() {
-    pipe_by_data(|| Replicated(adam().init::<B, Pair<B>>()));
+    pipe_by_data(Schedule::OneFOneB, || {
+        Replicated(adam().init::<B, Pair<B>>())
+    });
 }
 
 /// Pipe 2 × data 2 with ZeRO-1 over the data axis: each data rank holds the Adam state of half
 /// of its stage (gradients reduce-scattered, parameters all-gathered).
 #[test]
 fn pipe_by_data_with_zero1_matches_the_unpartitioned_model() {
-    pipe_by_data(|| {
+    pipe_by_data(Schedule::OneFOneB, || {
         Zero1::new(
             OptimizerKind::Adam {
                 decoupled_weight_decay: false,
@@ -256,6 +262,23 @@ fn pipe_by_data_with_zero1_matches_the_unpartitioned_model() {
             OptimizerParams::default(),
         )
     });
+}
+
+/// Pipe 2 × data 2 with ZeRO-2 over the data axis: each data rank keeps only its half of the
+/// stage's gradients, reduce-scattered after every backward; under 1F1B and under ZB-H1 (a
+/// reduce-scatter per half: the weight halves' gradients arrive on their own).
+#[test]
+fn pipe_by_data_with_zero2_matches_the_unpartitioned_model() {
+    for schedule in [Schedule::OneFOneB, Schedule::ZeroBubbleH1] {
+        pipe_by_data(schedule, || {
+            Zero2::new(
+                OptimizerKind::Adam {
+                    decoupled_weight_decay: false,
+                },
+                OptimizerParams::default(),
+            )
+        });
+    }
 }
 
 /// burn's Adam with PyTorch's ε (what burn-zero's Adam uses).
@@ -266,7 +289,7 @@ fn adam() -> AdamConfig {
 /// Pipe 2 × data 2 on 4 thread ranks (the topology's groups as sub-communicators): each data
 /// rank runs its own 24 rows through both stages with the optimizer `make` builds; against one
 /// process on all 48 rows.
-fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(make: impl Fn() -> O + Sync) {
+fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(schedule: Schedule, make: impl Fn() -> O + Sync) {
     use burn_pipeline::Topology;
     let rows = MICRO * ROWS;
     // Reference: the four layers on both data shards' rows at once.
@@ -304,7 +327,7 @@ fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(make: impl Fn() -> O + Sync) {
                 .collect(),
         };
         let mut optim = make();
-        let stream = Schedule::OneFOneB.stream(2, MICRO, stage);
+        let stream = schedule.stream(2, MICRO, stage);
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let shard_rows = |mb: usize| {
@@ -347,14 +370,17 @@ fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(make: impl Fn() -> O + Sync) {
     let losses: Vec<f32> = (0..STEPS)
         .map(|s| (last[0].2[s] + last[1].2[s]) / 2.0)
         .collect();
-    assert!(close(&losses, &ref_losses), "{losses:?} vs {ref_losses:?}");
+    assert!(
+        close(&losses, &ref_losses),
+        "{schedule:?}: {losses:?} vs {ref_losses:?}"
+    );
     for r in &results {
         let (stage, shard, _, params) = r;
         let want = &ref_params[4 * stage..4 * stage + 4];
         for (i, (a, b)) in params.iter().zip(want).enumerate() {
             assert!(
                 close(a, b),
-                "stage {stage}, data shard {shard}: parameter {i}"
+                "{schedule:?}: stage {stage}, data shard {shard}: parameter {i}"
             );
         }
     }

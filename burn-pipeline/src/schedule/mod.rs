@@ -148,6 +148,33 @@ pub enum Schedule {
     ZeroBubbleH1,
 }
 
+impl std::str::FromStr for Schedule {
+    type Err = String;
+
+    /// `gpipe`, `1f1b`, `interleaved:V` (V chunks per rank) or `zb-h1`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let lower = s.to_ascii_lowercase();
+        match lower.as_str() {
+            "gpipe" => return Ok(Schedule::GPipe),
+            "1f1b" => return Ok(Schedule::OneFOneB),
+            "zb-h1" | "zbh1" => return Ok(Schedule::ZeroBubbleH1),
+            _ => {}
+        }
+        if let Some(v) = lower.strip_prefix("interleaved:") {
+            return match v.parse() {
+                Ok(chunks) if chunks > 0 => Ok(Schedule::Interleaved { chunks }),
+                _ => Err(format!(
+                    "schedule {s:?}: the chunks per rank after `interleaved:` must be a \
+                     positive integer"
+                )),
+            };
+        }
+        Err(format!(
+            "unknown pipeline schedule {s:?}: expected gpipe, 1f1b, interleaved:V or zb-h1"
+        ))
+    }
+}
+
 impl Schedule {
     /// Model chunks each rank holds.
     pub fn chunks(self) -> usize {

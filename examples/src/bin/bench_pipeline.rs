@@ -1,11 +1,13 @@
 //! The recipe's model (SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads, 3 key/value heads,
-//! vocabulary 49152, tied embeddings) trained in a pipeline of one stage per GPU: burn-pipeline's
-//! executor, 1F1B, fp32, Adam, seeded random weights and token ids (the same on every run), so
-//! a 1-GPU and an N-GPU run can be compared step by step. Stage boundaries balance the layers'
+//! vocabulary 49152, tied embeddings) trained in a pipeline over the GPUs: burn-pipeline's
+//! executor, fp32, Adam, seeded random weights and token ids (the same on every run), so a
+//! 1-GPU and an N-GPU run can be compared step by step. Stage boundaries balance the layers'
 //! parameters; activations and gradients travel over the launcher's side channel.
-//!   burn-zero run --nproc-per-node N -- bench-pipeline [STEPS] [MICRO_BATCHES]
-//! The last stage prints one JSON line: losses, step times, and the bubble fraction 1F1B
-//! implies for (stages, micro-batches).
+//!   burn-zero run --nproc-per-node N -- bench-pipeline [STEPS] [MICRO_BATCHES] [SCHEDULE]
+//! SCHEDULE: `1f1b` (default), `gpipe`, `interleaved:V` (V chunks per GPU) or `zb-h1`. The
+//! rank holding the last stage prints one JSON line: losses, step times, and the bubble the
+//! schedule implies for (GPUs, micro-batches), from its streams with a forward, each half of a
+//! backward and each of a chunk's parts costing the same.
 
 use std::time::Instant;
 
@@ -13,7 +15,9 @@ use burn::backend::Cuda;
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_pipeline::{Replicated, Schedule, SplitMethod, StageSpec, run_step, split};
+use burn_pipeline::{
+    Instr, Replicated, Schedule, SplitMethod, StageSpec, run_chunks, simulate_timed, split,
+};
 use burn_zero::comm::Communicator;
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::ZeroAutodiff;
@@ -51,8 +55,19 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let steps: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(8);
     let micro: usize = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(8);
+    let schedule: Schedule = args
+        .get(3)
+        .map_or(Ok(Schedule::OneFOneB), |s| s.parse())
+        .unwrap_or_else(|e| panic!("{e}"));
     let (env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
-    let (stage, stages) = (env.rank, env.world_size);
+    let (rank, ranks) = (env.rank, env.world_size);
+    schedule
+        .check(ranks, micro)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let chunks = schedule.chunks();
+    let stages = ranks * chunks;
+    // This rank's virtual stages: chunk c is stage c·ranks + rank.
+    let mine: Vec<usize> = (0..chunks).map(|c| c * ranks + rank).collect();
     let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
     let config = smollm2();
     <Cuda as Backend>::seed(&device, 1234);
@@ -66,14 +81,22 @@ fn main() {
         })
         .collect();
     let ranges = split(&weights, stages, SplitMethod::Balanced);
-    let mut part = LlamaStage::new(&full, &ranges, stage, SEQ).unwrap_or_else(|e| panic!("{e}"));
+    let mut parts: Vec<LlamaStage<B>> = mine
+        .iter()
+        .map(|&s| LlamaStage::new(&full, &ranges, s, SEQ).unwrap_or_else(|e| panic!("{e}")))
+        .collect();
     drop(full);
-    let mut optim = Replicated(
-        AdamConfig::new()
-            .with_epsilon(1e-8)
-            .init::<B, LlamaStage<B>>(),
-    );
-    let stream = Schedule::OneFOneB.stream(stages, micro, stage);
+    let mut optims: Vec<_> = mine
+        .iter()
+        .map(|_| {
+            Replicated(
+                AdamConfig::new()
+                    .with_epsilon(1e-8)
+                    .init::<B, LlamaStage<B>>(),
+            )
+        })
+        .collect();
+    let stream = schedule.stream(ranks, micro, rank);
     let comm: &dyn Communicator = &nccl;
     let vocab = config.vocab_size;
     let (mut losses, mut times) = (Vec::new(), Vec::new());
@@ -84,42 +107,55 @@ fn main() {
             let targets = tokens(step, mb, vocab, &device).slice([0..BATCH, 1..SEQ + 1]);
             cross_entropy(logits.reshape([BATCH, SEQ, vocab]), targets)
         };
-        let spec = StageSpec {
-            stage,
-            stages,
-            micro_batches: micro,
-            rows: if stage == 0 { BATCH } else { BATCH * SEQ },
-            in_features: if stage == 0 { SEQ } else { config.hidden_size },
-            inputs: &inputs,
-            loss: &loss,
-            checkpoint: None,
-        };
+        let specs: Vec<StageSpec<'_, B>> = mine
+            .iter()
+            .map(|&stage| StageSpec {
+                stage,
+                stages,
+                micro_batches: micro,
+                rows: if stage == 0 { BATCH } else { BATCH * SEQ },
+                in_features: if stage == 0 { SEQ } else { config.hidden_size },
+                inputs: &inputs,
+                loss: &loss,
+                checkpoint: None,
+            })
+            .collect();
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
-        let (next, l) = run_step(part, &mut optim, LR, &stream, &spec, comm, None)
+        let (next, l) = run_chunks(parts, &mut optims, LR, &stream, &specs, comm, None)
             .unwrap_or_else(|e| panic!("step {step}: {e}"));
         <Cuda as Backend>::sync(&device).expect("sync");
         comm.barrier().expect("barrier");
         times.push(start.elapsed().as_secs_f64());
-        part = next;
+        parts = next;
         if let Some(l) = l {
             eprintln!("step {step}: loss {l:.5}, {:.3} s", times[step]);
             losses.push(l);
         }
     }
-    if stage + 1 == stages {
+    if rank + 1 == ranks {
         // Steps after the first two (kernel compilation and autotuning).
         let mut timed: Vec<f64> = times.iter().skip(2).copied().collect();
         timed.sort_by(f64::total_cmp);
         let median = timed.get(timed.len() / 2).copied();
-        let bubble = (stages - 1) as f64 / (micro + stages - 1) as f64;
+        let cost = |i: Instr| match i {
+            Instr::Forward { .. } | Instr::BackwardInput { .. } | Instr::BackwardWeight { .. } => {
+                1.0 / chunks as f64
+            }
+            Instr::Backward { .. } => 2.0 / chunks as f64,
+            _ => 0.0,
+        };
+        let bubble = simulate_timed(&schedule.streams(ranks, micro), cost)
+            .expect("the schedule's streams run")
+            .bubble();
         println!(
             "{}",
-            serde_json::json!({"stages": stages, "micro_batches": micro, "batch": BATCH,
+            serde_json::json!({"schedule": format!("{schedule:?}"), "gpus": ranks,
+                "stages": stages, "micro_batches": micro, "batch": BATCH,
                 "seq": SEQ, "layers_per_stage": ranges.iter().map(|r| r.len()).collect::<Vec<_>>(),
                 "losses": losses, "step_times_s": times, "median_step_s": median,
                 "tokens_per_s": median.map(|m| (micro * BATCH * SEQ) as f64 / m),
-                "one_f_one_b_bubble_fraction": bubble})
+                "schedule_bubble_fraction": bubble})
         );
     }
 }
