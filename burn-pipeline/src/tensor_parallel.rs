@@ -292,6 +292,16 @@ impl<B: ModelParallelBackend> RowParallelLinear<B> {
     /// This rank's `[.., d_in slice]` → `[.., d_out]`, the same on every rank.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>, group: &ModelGroup) -> Tensor<B, D> {
         let partial = burn::tensor::module::linear(x, self.weight.val(), None);
+        self.finish(partial, group)
+    }
+
+    /// The output from this rank's partial product `x · weight` (computed by the caller, for
+    /// one that applies the weight its own way): summed over the group, plus the bias.
+    pub fn finish<const D: usize>(
+        &self,
+        partial: Tensor<B, D>,
+        group: &ModelGroup,
+    ) -> Tensor<B, D> {
         let out = reduce_from_group(partial, group);
         match &self.bias {
             Some(b) => out + b.val().unsqueeze(),

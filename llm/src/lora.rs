@@ -124,8 +124,11 @@ pub(crate) fn project<B: Backend, const D: usize>(
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
     match adapter {
-        Some(adapter) => projector.linear(linear, x.clone()) + adapter.forward(x),
-        None => projector.linear(linear, x),
+        Some(adapter) => {
+            let base = projector.linear(x.clone(), &linear.weight, linear.bias.as_ref());
+            base + adapter.forward(x)
+        }
+        None => projector.linear(x, &linear.weight, linear.bias.as_ref()),
     }
 }
 

@@ -334,19 +334,29 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int
     (log_z - picked).mean()
 }
 
-/// How a decoder layer applies its linear layers: burn's own forward ([`Plain`]), or another
+/// How a decoder layer applies its linear layers: burn's own `linear` ([`Plain`]), or another
 /// way with the same value (a zero-bubble pipeline defers the weights' gradients).
 pub trait Projector<B: Backend> {
-    /// `linear` on `x` (`[.., in]` → `[.., out]`).
-    fn linear<const D: usize>(&mut self, linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D>;
+    /// `x · weight + bias` on `[.., in]` (`weight` is `[in, out]`, as burn's `Linear` holds it).
+    fn linear<const D: usize>(
+        &mut self,
+        x: Tensor<B, D>,
+        weight: &Param<Tensor<B, 2>>,
+        bias: Option<&Param<Tensor<B, 1>>>,
+    ) -> Tensor<B, D>;
 }
 
-/// burn's `Linear::forward`.
+/// burn's `linear`, as `Linear::forward` runs it.
 pub struct Plain;
 
 impl<B: Backend> Projector<B> for Plain {
-    fn linear<const D: usize>(&mut self, linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
-        linear.forward(x)
+    fn linear<const D: usize>(
+        &mut self,
+        x: Tensor<B, D>,
+        weight: &Param<Tensor<B, 2>>,
+        bias: Option<&Param<Tensor<B, 1>>>,
+    ) -> Tensor<B, D> {
+        burn::tensor::module::linear(x, weight.val(), bias.map(Param::val))
     }
 }
 

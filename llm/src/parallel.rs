@@ -16,7 +16,7 @@ use burn_pipeline::tensor_parallel::{
 
 use burn_zero::nn::swiglu;
 
-use crate::model::{Block, Llama, Rope, causal_attention, norm};
+use crate::model::{Block, Llama, Plain, Projector, Rope, causal_attention, norm};
 
 /// One decoder layer's slice.
 #[derive(Module, Debug)]
@@ -107,18 +107,32 @@ impl<B: ModelParallelBackend> ParallelBlock<B> {
         mask: &Tensor<B, 2, Bool>,
         group: &ModelGroup,
     ) -> Tensor<B, 3> {
+        self.forward_with(x, rope, mask, group, &mut Plain)
+    }
+
+    /// [`ParallelBlock::forward`] with this rank's slices of the seven projections applied
+    /// by `p`.
+    pub(crate) fn forward_with(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        mask: &Tensor<B, 2, Bool>,
+        group: &ModelGroup,
+        p: &mut impl Projector<B>,
+    ) -> Tensor<B, 3> {
         // One `f` for the three projections of the same input.
         let h = copy_to_group(norm(&self.attn_norm, x.clone()), group);
-        let local = |l: &ColumnParallelLinear<B>, h: Tensor<B, 3>| {
-            burn::tensor::module::linear(h, l.weight.val(), None)
-        };
+        let mut local = |l: &ColumnParallelLinear<B>, h: Tensor<B, 3>| p.linear(h, &l.weight, None);
         let (q, k) = (local(&self.q, h.clone()), local(&self.k, h.clone()));
         let v = local(&self.v, h);
         let attn = causal_attention(q, k, v, rope, mask, self.heads, self.kv_heads);
-        let x = x + self.o.forward(attn, group);
+        let x = x + self.o.finish(p.linear(attn, &self.o.weight, None), group);
         let h = copy_to_group(norm(&self.mlp_norm, x.clone()), group);
+        let mut local = |l: &ColumnParallelLinear<B>, h: Tensor<B, 3>| p.linear(h, &l.weight, None);
         let act = swiglu(local(&self.gate, h.clone()), local(&self.up, h));
-        x + self.down.forward(act, group)
+        x + self
+            .down
+            .finish(p.linear(act, &self.down.weight, None), group)
     }
 }
 

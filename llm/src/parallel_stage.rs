@@ -11,12 +11,12 @@ use burn::module::{Module, ParamId};
 use burn::nn::RmsNorm;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Tensor};
-use burn_pipeline::PipeStage;
 use burn_pipeline::tensor_parallel::{
     ColumnParallelLinear, ModelGroup, ModelParallelBackend, VocabParallelEmbedding, copy_to_group,
 };
+use burn_pipeline::{PipeStage, WeightSplit};
 
-use crate::model::{Llama, Rope, norm};
+use crate::model::{Llama, Plain, Projector, Rope, norm};
 use crate::parallel::{ParallelBlock, check};
 use crate::pipeline::{TiedOutput, stage_layers};
 
@@ -87,6 +87,12 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
 
     /// This stage's layers on `x` (see the module doc for the shapes).
     pub fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.apply_with(x, &mut Plain)
+    }
+
+    /// [`ParallelLlamaStage::apply`] with the decoder layers' projection slices and an untied
+    /// output projection's slice applied by `p`.
+    fn apply_with(&self, x: Tensor<B, 2>, p: &mut impl Projector<B>) -> Tensor<B, 2> {
         let (device, group) = (x.device(), &self.group);
         let h = match &self.embed {
             Some(embed) => embed.forward(x.int(), group),
@@ -100,7 +106,7 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
         let mask = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
         let mut h = h;
         for block in &self.blocks {
-            h = block.forward(h, &rope, &mask, group);
+            h = block.forward_with(h, &rope, &mask, group, p);
         }
         if let Some(n) = &self.norm {
             h = norm(n, h);
@@ -110,7 +116,10 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
             &self.head,
             self.tied.weight(self.embed.as_ref().map(|e| &e.weight)),
         ) {
-            (Some(head), _) => head.forward(h, group),
+            (Some(head), _) => {
+                let bias = head.bias.as_ref();
+                p.linear(copy_to_group(h, group), &head.weight, bias)
+            }
             (None, Some(w)) => copy_to_group(h, group).matmul(transposed(w)),
             _ => h,
         };
@@ -122,6 +131,12 @@ impl<B: ModelParallelBackend> ParallelLlamaStage<B> {
 impl<B: AutodiffBackend + ModelParallelBackend> PipeStage<B> for ParallelLlamaStage<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.apply(x)
+    }
+
+    /// Every projection slice and an untied output projection's slice defer their weights'
+    /// gradients; norms, the embedding slice and a tied output projection do not.
+    fn forward_split(&self, x: Tensor<B, 2>, split: &mut WeightSplit<B>) -> Tensor<B, 2> {
+        self.apply_with(x, split)
     }
 
     fn tied(&self) -> Option<ParamId> {

@@ -104,7 +104,7 @@ impl<B: Backend> LlamaStage<B> {
             &self.head,
             self.tied.weight(self.embed.as_ref().map(|e| &e.weight)),
         ) {
-            (Some(head), _) => p.linear(head, h),
+            (Some(head), _) => p.linear(h, &head.weight, head.bias.as_ref()),
             (None, Some(w)) => h.matmul(transposed(w)),
             _ => h,
         };
@@ -115,8 +115,13 @@ impl<B: Backend> LlamaStage<B> {
 
 /// A zero-bubble schedule's split backward: each projection's weight gradient deferred.
 impl<B: AutodiffBackend> Projector<B> for WeightSplit<B> {
-    fn linear<const D: usize>(&mut self, linear: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
-        WeightSplit::linear(self, x, &linear.weight, linear.bias.as_ref())
+    fn linear<const D: usize>(
+        &mut self,
+        x: Tensor<B, D>,
+        weight: &Param<Tensor<B, 2>>,
+        bias: Option<&Param<Tensor<B, 1>>>,
+    ) -> Tensor<B, D> {
+        WeightSplit::linear(self, x, weight, bias)
     }
 }
 

@@ -1,4 +1,4 @@
-//! The Llama in 3D (pipe × data × model, `ParallelLlamaStage`, 1F1B, Adam) against the unsplit,
+//! The Llama in 3D (pipe × data × model, `ParallelLlamaStage`, 1F1B or ZB-H1, Adam) against the unsplit,
 //! unsliced model trained on the whole batch: one rank's loop and the reference, for any
 //! backend. Run as processes (`dist-worker llama-3d`, on CPU in `tests/llama_3d.rs` and on GPUs
 //! with NCCL): burn 0.21's autodiff cleans up every graph of a process after each backward, so
@@ -39,6 +39,8 @@ pub struct Run3d {
     pub lr: f64,
     /// Seed of the weights.
     pub seed: u64,
+    /// The pipeline schedule (one chunk per rank).
+    pub schedule: Schedule,
 }
 
 impl Run3d {
@@ -102,7 +104,7 @@ impl Run3d {
         drop(full);
         let vocab_start = module.vocab_start();
         let mut optim = Replicated(AdamConfig::new().init::<B, ParallelLlamaStage<B>>());
-        let stream = Schedule::OneFOneB.stream(pipes, self.micro, stage);
+        let stream = self.schedule.stream(pipes, self.micro, stage);
         let (batch, seq) = (self.batch, self.seq);
         let mut losses = Vec::new();
         for step in 0..self.steps {
@@ -170,6 +172,7 @@ pub fn tiny(tied: bool) -> Run3d {
         steps: 5,
         lr: 3e-3,
         seed: 7,
+        schedule: Schedule::OneFOneB,
     }
 }
 
@@ -187,5 +190,6 @@ pub fn smollm2(steps: usize, grid: [usize; 3]) -> Run3d {
         steps,
         lr: 3e-4,
         seed: 1234,
+        schedule: Schedule::OneFOneB,
     }
 }

@@ -14,6 +14,10 @@ use burn_zero_tests::llama_3d::tiny;
 use burn_zero_tests::processes;
 
 fn three_d_matches(tied: bool) {
+    three_d_matches_with(tied, "1f1b");
+}
+
+fn three_d_matches_with(tied: bool, schedule: &str) {
     let want = tiny(tied).reference::<ZeroAutodiff<NdArray>>(&Default::default());
     assert!(
         want[want.len() - 1] < want[0],
@@ -23,7 +27,7 @@ fn three_d_matches(tied: bool) {
         env!("CARGO_BIN_EXE_launcher"),
         env!("CARGO_BIN_EXE_dist-worker"),
         8,
-        &["llama-3d", if tied { "tied" } else { "untied" }],
+        &["llama-3d", if tied { "tied" } else { "untied" }, schedule],
     )
     .output()
     .expect("start the launcher");
@@ -48,7 +52,7 @@ fn three_d_matches(tied: bool) {
         for (step, (got, w)) in losses.iter().zip(&want).enumerate() {
             assert!(
                 (got - w).abs() <= 2e-5 * w.abs().max(1.0),
-                "tied {tied}, rank {coords}], step {step}: {got} vs {w}\n{losses:?}\n{want:?}"
+                "{schedule}, tied {tied}, rank {coords}], step {step}: {got} vs {w}\n{losses:?}\n{want:?}"
             );
         }
         reported.push(coords.to_string());
@@ -71,6 +75,12 @@ fn pipe_by_data_by_model_llama_matches_the_unsplit_one() {
 #[test]
 fn tied_pipe_by_data_by_model_llama_matches_the_unsplit_one() {
     three_d_matches(true);
+}
+
+/// ZB-H1 in 3D: every projection slice's weight gradient in the weight halves.
+#[test]
+fn zero_bubble_pipe_by_data_by_model_llama_matches_the_unsplit_one() {
+    three_d_matches_with(true, "zb-h1");
 }
 
 #[test]

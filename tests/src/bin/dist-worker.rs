@@ -8,11 +8,13 @@
 //!                                    POISON_STEP=S makes rank 1's first loss of step S
 //!                                    infinite (an fp16 overflow on one rank); every rank
 //!                                    prints `PARAMS <hash>` of its final parameters' bits
-//!   dist-worker llama-3d tied|untied the tiny Llama in pipe 2 × data 2 × model 2 (8 ranks);
-//!                                    last-stage ranks print `LOSSES [pipe, data, model] [..]`
-//!   dist-worker llama-3d-gpu STEPS [PIPE DATA MODEL]
+//!   dist-worker llama-3d tied|untied [SCHEDULE]
+//!                                    the tiny Llama in pipe 2 × data 2 × model 2 (8 ranks),
+//!                                    1F1B or SCHEDULE (`zb-h1`, ...); last-stage ranks print
+//!                                    `LOSSES [pipe, data, model] [..]`
+//!   dist-worker llama-3d-gpu STEPS [PIPE DATA MODEL [SCHEDULE]]
 //!                                    the same with the recipe's model on `Cuda`, NCCL (nccl),
-//!                                    in PIPE × DATA × MODEL (default 2 2 2)
+//!                                    in PIPE × DATA × MODEL (default 2 2 2), 1F1B or SCHEDULE
 //!   dist-worker llama-ref-gpu STEPS [PIPE DATA MODEL]
 //!                                    its reference on one GPU: prints `REFERENCE [..]`
 //!   dist-worker die RANK HOW         rank RANK dies (`kill`: SIGKILL, `exit`: status 3) after
@@ -211,7 +213,10 @@ fn main() {
     if let Some(mode @ ("llama-3d-gpu" | "llama-ref-gpu")) = args.first().map(String::as_str) {
         type G = ZeroAutodiff<burn::backend::Cuda>;
         let arg = |i: usize, default: usize| args.get(i).map_or(default, |s| s.parse().unwrap());
-        let run = llama_3d::smollm2(arg(1, 10), [arg(2, 2), arg(3, 2), arg(4, 2)]);
+        let mut run = llama_3d::smollm2(arg(1, 10), [arg(2, 2), arg(3, 2), arg(4, 2)]);
+        if let Some(s) = args.get(5) {
+            run.schedule = s.parse().unwrap_or_else(|e| panic!("{e}"));
+        }
         if mode == "llama-ref-gpu" {
             let device = burn::backend::cuda::CudaDevice::new(0);
             println!("REFERENCE {:?}", run.reference::<G>(&device));
@@ -265,11 +270,13 @@ fn main() {
                 resume: args[4] == "1",
             }),
         ),
-        Some("llama-3d") => run_llama_3d::<ZeroAutodiff<NdArray>>(
-            &llama_3d::tiny(args[1] == "tied"),
-            dist.comm,
-            Default::default(),
-        ),
+        Some("llama-3d") => {
+            let mut run = llama_3d::tiny(args[1] == "tied");
+            if let Some(s) = args.get(2) {
+                run.schedule = s.parse().unwrap_or_else(|e| panic!("{e}"));
+            }
+            run_llama_3d::<ZeroAutodiff<NdArray>>(&run, dist.comm, Default::default())
+        }
         Some("die") => {
             let victim: usize = args[1].parse().unwrap();
             dist.comm.barrier().unwrap();
