@@ -383,6 +383,14 @@ fn failure_code(status: ExitStatus) -> i32 {
         .max(1)
 }
 
+/// A name for one launch: this process, the time and the port.
+fn fresh_run_id(port: u16) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}-{nanos}-{port}", std::process::id())
+}
+
 /// Runs the job; returns the launcher's exit code.
 pub fn run(opts: &LaunchOptions) -> i32 {
     if let Some(multi) = &opts.multi_node {
@@ -391,6 +399,12 @@ pub fn run(opts: &LaunchOptions) -> i32 {
     let world = opts.world();
     let first = opts.first_rank();
     install_handlers(opts.watch_stdin);
+    // One node: this launcher names the job, so that rank 0 can tell its ranks from another
+    // job's that reached its port. Several nodes' launchers cannot agree on a name by
+    // themselves: there the user's (or the scheduler's) id, if any, is what the ranks compare.
+    let run_id = std::env::var("BURN_ZERO_RUN_ID")
+        .ok()
+        .or_else(|| (opts.nnodes == 1).then(|| fresh_run_id(opts.master_port)));
     let mut children = Vec::new();
     let mut printers = Vec::new();
     // The flight lines ranks print when a collective times out: read to name the rank that
@@ -407,6 +421,7 @@ pub fn run(opts: &LaunchOptions) -> i32 {
             .env("GROUP_RANK", opts.node_rank.to_string())
             .env("MASTER_ADDR", &opts.master_addr)
             .env("MASTER_PORT", opts.master_port.to_string())
+            .envs(run_id.as_ref().map(|id| ("BURN_ZERO_RUN_ID", id)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

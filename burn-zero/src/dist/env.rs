@@ -32,6 +32,10 @@ pub struct DistEnv {
     pub master_port: u16,
     /// Where the values came from.
     pub source: EnvSource,
+    /// The job's id, when its launcher gives one (`BURN_ZERO_RUN_ID`, torchrun's
+    /// `TORCHELASTIC_RUN_ID`, SLURM's `SLURM_JOB_ID`; empty otherwise): rank 0's rendezvous
+    /// drops a rank of another job that reached its port.
+    pub run_id: String,
 }
 
 /// A variable that is missing or malformed.
@@ -130,6 +134,10 @@ impl DistEnv {
             master_addr,
             master_port,
             source,
+            run_id: ["BURN_ZERO_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"]
+                .into_iter()
+                .find_map(&get)
+                .unwrap_or_default(),
         })
     }
 }
@@ -184,6 +192,17 @@ mod tests {
                 t.source
             ),
             (5, 8, 1, 4, "node0", 1234, EnvSource::Torchrun)
+        );
+        assert_eq!(t.run_id, "", "no launcher named the job");
+        let named = |vars: &[(&str, &str)]| {
+            let mut all = vec![("RANK", "0"), ("WORLD_SIZE", "2")];
+            all.extend_from_slice(vars);
+            env(&all).unwrap().run_id
+        };
+        assert_eq!(named(&[("TORCHELASTIC_RUN_ID", "t1")]), "t1");
+        assert_eq!(
+            named(&[("SLURM_JOB_ID", "77"), ("BURN_ZERO_RUN_ID", "b2")]),
+            "b2"
         );
         let s = env(&[
             ("SLURM_PROCID", "3"),

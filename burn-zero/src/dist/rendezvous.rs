@@ -26,6 +26,13 @@ fn io(context: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> EnvErro
     move |e| EnvError(format!("rendezvous: {context}: {e}"))
 }
 
+/// The run id as the hello carries it (FNV-1a).
+fn run_hash(run_id: &str) -> u64 {
+    run_id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
 fn read_u32(stream: &mut TcpStream) -> std::io::Result<u32> {
     let mut b = [0u8; 4];
     stream.read_exact(&mut b)?;
@@ -93,6 +100,16 @@ pub fn rendezvous(
             let rank = read_u32(&mut stream).map_err(io("hello"))? as usize;
             let world = read_u32(&mut stream).map_err(io("hello"))? as usize;
             let port = read_u32(&mut stream).map_err(io("hello"))? as u16;
+            let mut job = [0u8; 8];
+            stream.read_exact(&mut job).map_err(io("hello"))?;
+            if u64::from_le_bytes(job) != run_hash(&env.run_id) {
+                crate::log::warn(&format!(
+                    "rendezvous: dropped rank {rank} of another job (from {from}; this job's run \
+                     id is {:?})",
+                    env.run_id
+                ));
+                continue;
+            }
             if world != env.world_size {
                 return Err(EnvError(format!(
                     "rendezvous: rank {rank} has WORLD_SIZE {world} but rank 0 has {}",
@@ -153,6 +170,7 @@ pub fn rendezvous(
     for v in [env.rank as u32, env.world_size as u32, u32::from(data_port)] {
         hello.extend_from_slice(&v.to_le_bytes());
     }
+    hello.extend_from_slice(&run_hash(&env.run_id).to_le_bytes());
     stream.write_all(&hello).map_err(io("hello"))?;
     let context = || {
         format!(
@@ -191,11 +209,13 @@ mod tests {
             master_addr: "127.0.0.1".into(),
             master_port,
             source: EnvSource::Torchrun,
+            run_id: "job-a".into(),
         }
     }
 
-    /// A connection that is not a rank (silent, or speaking another protocol) reaches rank 0
-    /// before the ranks do: it is dropped, and the three ranks still meet and agree.
+    /// A connection that is not a rank (silent, or speaking another protocol) and a rank of
+    /// another job of the same size reach rank 0 before the ranks do: they are dropped, and
+    /// the three ranks still meet and agree.
     #[test]
     fn a_stranger_at_the_master_port_is_dropped() {
         let port = crate::dist::free_port();
@@ -211,6 +231,14 @@ mod tests {
         let mut other = connect();
         other.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
         drop(connect());
+        // Rank 1 of another job of the same size, whose rank 0 could not take the port.
+        let other_job = std::thread::spawn(move || {
+            let mut env = env(1, 3, port);
+            env.run_id = "job-b".into();
+            rendezvous(&env, 999, &[], Duration::from_secs(2))
+        });
+        // Its hello arrives before this job's ranks connect.
+        std::thread::sleep(Duration::from_millis(300));
         let ranks: Vec<_> = (1..3)
             .map(|r| {
                 std::thread::spawn(move || {
@@ -220,6 +248,10 @@ mod tests {
             .collect();
         let mut met = vec![zero.join().unwrap().unwrap()];
         met.extend(ranks.into_iter().map(|h| h.join().unwrap().unwrap()));
+        assert!(
+            other_job.join().unwrap().is_err(),
+            "the other job's rank gets no answer"
+        );
         for m in &met {
             assert_eq!(m.shared, b"id");
             let ports: Vec<u16> = m.peers.iter().map(SocketAddr::port).collect();
