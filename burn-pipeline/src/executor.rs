@@ -246,8 +246,12 @@ where
         );
     }
     let device = chunks[0].devices().into_iter().next().unwrap_or_default();
-    let prev = |c: usize| (specs[c].stage + ranks - 1) % ranks;
-    let next = |c: usize| (specs[c].stage + 1) % ranks;
+    // The rank at the other end of a message instruction.
+    let peer = |i: &Instr| {
+        i.peer(rank, ranks, v)
+            .expect("the schedule's messages have peers")
+            .0
+    };
     // Whether the schedule splits backwards: then forwards record their split layers.
     let split = stream
         .iter()
@@ -265,7 +269,7 @@ where
             Instr::RecvActivation { mb, chunk } => {
                 let spec = &specs[chunk];
                 let mut buf = vec![0.0f32; spec.rows * spec.in_features];
-                comm.recv(buf.as_mut_slice().into(), prev(chunk))?;
+                comm.recv(buf.as_mut_slice().into(), peer(instr))?;
                 let x = Tensor::<B, 2>::from_data(
                     TensorData::new(buf, [spec.rows, spec.in_features]),
                     &device,
@@ -322,13 +326,13 @@ where
             }
             Instr::SendActivation { mb, chunk } => {
                 let out = live[&(mb, chunk)].output.clone().detach();
-                comm.send(values(out).as_slice().into(), next(chunk))?;
+                comm.send(values(out).as_slice().into(), peer(instr))?;
             }
             Instr::RecvGrad { mb, chunk } => {
                 let l = live.get_mut(&(mb, chunk)).expect("forwarded before");
                 let dims = l.output.dims();
                 let mut buf = vec![0.0f32; dims[0] * dims[1]];
-                comm.recv(buf.as_mut_slice().into(), next(chunk))?;
+                comm.recv(buf.as_mut_slice().into(), peer(instr))?;
                 l.grad_out = Some(Tensor::from_data(TensorData::new(buf, dims), &device));
             }
             Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
@@ -404,7 +408,7 @@ where
             Instr::SendGrad { mb, chunk } => {
                 let l = live.remove(&(mb, chunk)).expect("backwarded before");
                 let g = l.grad_in.expect("backward computed it");
-                comm.send(values(g).as_slice().into(), prev(chunk))?;
+                comm.send(values(g).as_slice().into(), peer(instr))?;
             }
             Instr::ReduceGrads => {
                 for c in 0..v {

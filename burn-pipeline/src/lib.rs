@@ -27,7 +27,9 @@ pub mod weight_split;
 pub use checkpoint::Checkpointing;
 pub use executor::{PipeStage, StageSpec, run_chunks, run_step};
 pub use optimizer::{Replicated, StageOptimizer, Zero1, Zero2};
-pub use schedule::{Instr, Schedule, Timeline, peak_in_flight, simulate, simulate_timed};
+pub use schedule::{
+    Instr, Schedule, Timeline, peak_in_flight, simulate, simulate_timed, unit_cost,
+};
 pub use split::{SplitMethod, split};
 pub use tensor_parallel::{
     ColumnParallelLinear, ModelGroup, ModelParallelBackend, RowParallelLinear,

@@ -2,7 +2,7 @@
 //! more: every micro-batch forwarded then backwarded once per stage, messages matched in
 //! order without deadlock, and 1F1B's bound on live micro-batches.
 
-use crate::schedule::{Instr, Schedule, peak_in_flight, simulate, simulate_timed};
+use crate::schedule::{Instr, Schedule, peak_in_flight, simulate, simulate_timed, unit_cost};
 
 /// `L0 RA0 F0 SA0 RG0 B0 SG0 R S`, space-separated; chunk `c > 0` as a suffix `.c`, the halves
 /// of a split backward as `Bi` and `W`.
@@ -337,20 +337,11 @@ fn interleaved_and_zero_bubble_run_matched_and_bounded() {
 /// `(p − 1)/(3m + p − 1)`, a third of 1F1B's idle time.
 #[test]
 fn the_simulated_bubbles_are_the_schedules_own() {
-    let unit = |chunks: f64| {
-        move |i: Instr| match i {
-            Instr::Forward { .. } | Instr::BackwardInput { .. } | Instr::BackwardWeight { .. } => {
-                1.0 / chunks
-            }
-            Instr::Backward { .. } => 2.0 / chunks,
-            _ => 0.0,
-        }
-    };
     for (p, m) in [(2usize, 4usize), (4, 8), (4, 16), (3, 6)] {
         let (pf, mf) = (p as f64, m as f64);
         let want = (pf - 1.0) / (mf + pf - 1.0);
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let t = simulate_timed(&schedule.streams(p, m), unit(1.0)).unwrap();
+            let t = simulate_timed(&schedule.streams(p, m), unit_cost(1)).unwrap();
             assert!(
                 (t.bubble() - want).abs() < 1e-9,
                 "{schedule:?} {p} {m}: {}",
@@ -359,7 +350,7 @@ fn the_simulated_bubbles_are_the_schedules_own() {
         }
         for v in [2usize, 3] {
             let s = Schedule::Interleaved { chunks: v };
-            let t = simulate_timed(&s.streams(p, m), unit(v as f64)).unwrap();
+            let t = simulate_timed(&s.streams(p, m), unit_cost(v)).unwrap();
             let want = (pf - 1.0) / (v as f64 * mf + pf - 1.0);
             assert!(
                 (t.bubble() - want).abs() < 1e-9,
@@ -367,7 +358,7 @@ fn the_simulated_bubbles_are_the_schedules_own() {
                 t.bubble()
             );
         }
-        let zb = simulate_timed(&Schedule::ZeroBubbleH1.streams(p, m), unit(1.0)).unwrap();
+        let zb = simulate_timed(&Schedule::ZeroBubbleH1.streams(p, m), unit_cost(1)).unwrap();
         let want = (pf - 1.0) / (3.0 * mf + pf - 1.0);
         assert!(
             (zb.bubble() - want).abs() < 1e-9,

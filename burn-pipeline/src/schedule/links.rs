@@ -9,70 +9,28 @@ use std::collections::VecDeque;
 
 use super::Instr;
 
-/// Where `(rank, chunk)` sits among the `ranks × chunks` virtual stages.
-fn virtual_stage(ranks: usize, rank: usize, chunk: usize) -> usize {
-    chunk * ranks + rank
-}
-
-/// The message computation `op` of `rank` sends, as `(to rank, the receive it matches)`.
-fn sent(op: Instr, rank: usize, ranks: usize, chunks: usize) -> Option<(usize, Instr)> {
-    let last = ranks * chunks - 1;
-    match op {
-        Instr::Forward { mb, chunk } => {
-            let vs = virtual_stage(ranks, rank, chunk);
-            (vs < last).then(|| {
-                let to = vs + 1;
-                (
-                    to % ranks,
-                    Instr::RecvActivation {
-                        mb,
-                        chunk: to / ranks,
-                    },
-                )
-            })
-        }
-        Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
-            let vs = virtual_stage(ranks, rank, chunk);
-            (vs > 0).then(|| {
-                let to = vs - 1;
-                (
-                    to % ranks,
-                    Instr::RecvGrad {
-                        mb,
-                        chunk: to / ranks,
-                    },
-                )
-            })
-        }
-        _ => None,
-    }
-}
-
-/// The send instruction that goes with computation `op`.
-fn send_of(op: Instr) -> Instr {
-    match op {
+/// The send that goes with computation `op`, if it has a peer to send to.
+fn send_of(op: Instr, rank: usize, ranks: usize, chunks: usize) -> Option<Instr> {
+    let send = match op {
         Instr::Forward { mb, chunk } => Instr::SendActivation { mb, chunk },
         Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
             Instr::SendGrad { mb, chunk }
         }
-        other => unreachable!("{other:?} sends nothing"),
-    }
+        _ => return None,
+    };
+    send.peer(rank, ranks, chunks).map(|_| send)
 }
 
 /// The message computation `op` of `rank` needs, as `(from rank, the receive)`.
 fn needed(op: Instr, rank: usize, ranks: usize, chunks: usize) -> Option<(usize, Instr)> {
-    let last = ranks * chunks - 1;
-    match op {
-        Instr::Forward { mb, chunk } => {
-            let vs = virtual_stage(ranks, rank, chunk);
-            (vs > 0).then(|| ((vs - 1) % ranks, Instr::RecvActivation { mb, chunk }))
-        }
+    let recv = match op {
+        Instr::Forward { mb, chunk } => Instr::RecvActivation { mb, chunk },
         Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
-            let vs = virtual_stage(ranks, rank, chunk);
-            (vs < last).then(|| ((vs + 1) % ranks, Instr::RecvGrad { mb, chunk }))
+            Instr::RecvGrad { mb, chunk }
         }
-        _ => None,
-    }
+        _ => return None,
+    };
+    recv.peer(rank, ranks, chunks)
 }
 
 /// Every rank's stream from every rank's computations (`orders[rank]`) over `chunks` chunks.
@@ -83,7 +41,8 @@ pub(super) fn with_messages(orders: &[Vec<Instr>], chunks: usize) -> Vec<Vec<Ins
     let mut incoming = vec![vec![VecDeque::new(); ranks]; ranks];
     for (from, order) in orders.iter().enumerate() {
         for &op in order {
-            if let Some((to, recv)) = sent(op, from, ranks, chunks) {
+            let sent = send_of(op, from, ranks, chunks).and_then(|s| s.peer(from, ranks, chunks));
+            if let Some((to, recv)) = sent {
                 incoming[to][from].push_back(recv);
             }
         }
@@ -95,7 +54,7 @@ pub(super) fn with_messages(orders: &[Vec<Instr>], chunks: usize) -> Vec<Vec<Ins
         let mut posted = std::collections::HashSet::new();
         for &op in order {
             if let Instr::Forward { mb, chunk } = op {
-                let vs = virtual_stage(ranks, rank, chunk);
+                let vs = chunk * ranks + rank;
                 if vs == 0 || vs == last {
                     out.push(Instr::Load { mb, chunk });
                 }
@@ -115,9 +74,7 @@ pub(super) fn with_messages(orders: &[Vec<Instr>], chunks: usize) -> Vec<Vec<Ins
                 }
             }
             out.push(op);
-            if sent(op, rank, ranks, chunks).is_some() {
-                out.push(send_of(op));
-            }
+            out.extend(send_of(op, rank, ranks, chunks));
         }
         streams.push(out);
     }

@@ -18,7 +18,7 @@ mod links;
 mod order;
 mod simulate;
 
-pub use simulate::{Timeline, peak_in_flight, simulate, simulate_timed};
+pub use simulate::{Timeline, peak_in_flight, simulate, simulate_timed, unit_cost};
 
 /// One instruction of a rank's stream. `mb` is the micro-batch index within the step and
 /// `chunk` the model chunk of this rank it runs on (always 0 but for interleaved schedules,
@@ -110,6 +110,36 @@ impl Instr {
             | Instr::SendGrad { mb, chunk } => Some((mb, chunk)),
             Instr::ReduceGrads | Instr::OptimizerStep => None,
         }
+    }
+
+    /// For a message of `rank` in a pipeline of `ranks × chunks` virtual stages: the rank at
+    /// the other end, and the receive that matches it (for a receive, itself). `None` for
+    /// anything else, and for a message the first or last virtual stage has no peer for.
+    pub fn peer(self, rank: usize, ranks: usize, chunks: usize) -> Option<(usize, Instr)> {
+        let (mb, chunk) = self.at()?;
+        let vs = chunk * ranks + rank;
+        let last = ranks * chunks - 1;
+        // The other end's virtual stage, and what this message's receive is.
+        let (other, recv) = match self {
+            Instr::RecvActivation { .. } if vs > 0 => (vs - 1, self),
+            Instr::RecvGrad { .. } if vs < last => (vs + 1, self),
+            Instr::SendActivation { .. } if vs < last => (
+                vs + 1,
+                Instr::RecvActivation {
+                    mb,
+                    chunk: (vs + 1) / ranks,
+                },
+            ),
+            Instr::SendGrad { .. } if vs > 0 => (
+                vs - 1,
+                Instr::RecvGrad {
+                    mb,
+                    chunk: (vs - 1) / ranks,
+                },
+            ),
+            _ => return None,
+        };
+        Some((other % ranks, recv))
     }
 
     /// Whether this instruction computes (forward or any part of a backward).
@@ -218,6 +248,20 @@ impl Schedule {
     pub fn stream(self, stages: usize, micro_batches: usize, stage: usize) -> Vec<Instr> {
         assert!(stage < stages, "stage {stage} must be below {stages}");
         self.streams(stages, micro_batches).swap_remove(stage)
+    }
+
+    /// The fraction of the ranks' time this schedule leaves idle over `micro_batches` on
+    /// `stages` ranks, simulated with [`unit_cost`]: its theoretical bubble.
+    ///
+    /// # Panics
+    /// If [`Schedule::check`] refuses the shape.
+    pub fn bubble(self, stages: usize, micro_batches: usize) -> f64 {
+        simulate_timed(
+            &self.streams(stages, micro_batches),
+            unit_cost(self.chunks()),
+        )
+        .expect("a schedule's own streams run")
+        .bubble()
     }
 
     /// Every rank's stream.

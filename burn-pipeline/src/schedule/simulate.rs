@@ -53,6 +53,18 @@ impl Timeline {
     }
 }
 
+/// The costs a schedule's theoretical bubble assumes: a forward and each half of a split
+/// backward one unit, a whole backward two, each divided by the chunks per rank (a chunk is
+/// that share of a rank's layers); messages cost nothing.
+pub fn unit_cost(chunks: usize) -> impl Fn(Instr) -> f64 {
+    let share = 1.0 / chunks as f64;
+    move |i: Instr| match i {
+        Instr::Forward { .. } | Instr::BackwardInput { .. } | Instr::BackwardWeight { .. } => share,
+        Instr::Backward { .. } => 2.0 * share,
+        _ => 0.0,
+    }
+}
+
 /// Runs every rank's stream against buffered, ordered links with every computation taking
 /// one unit of time; see [`simulate_timed`].
 pub fn simulate(streams: &[Vec<Instr>]) -> Result<Vec<(usize, Instr)>, String> {
@@ -76,7 +88,6 @@ pub fn simulate_timed(
         .filter_map(|i| i.at().map(|(_, c)| c))
         .max()
         .unwrap_or(0);
-    let last = ranks * chunks - 1;
     // links[(from, to)]: messages in flight as (the receive they match, when they were sent).
     let mut links: HashMap<(usize, usize), VecDeque<(Instr, f64)>> = HashMap::new();
     let mut next = vec![0usize; ranks];
@@ -87,16 +98,10 @@ pub fn simulate_timed(
         let mut moved = false;
         for s in 0..ranks {
             while let Some(&instr) = streams[s].get(next[s]) {
-                let vs = instr.at().map(|(_, chunk)| chunk * ranks + s);
                 let no_peer = || format!("rank {s} has no peer for {instr:?}");
                 match instr {
                     Instr::RecvActivation { .. } | Instr::RecvGrad { .. } => {
-                        let vs = vs.expect("a receive names its chunk");
-                        let from = match instr {
-                            Instr::RecvActivation { .. } if vs > 0 => (vs - 1) % ranks,
-                            Instr::RecvGrad { .. } if vs < last => (vs + 1) % ranks,
-                            _ => return Err(no_peer()),
-                        };
+                        let (from, _) = instr.peer(s, ranks, chunks).ok_or_else(no_peer)?;
                         let link = links.entry((from, s)).or_default();
                         match link.front() {
                             None => break,
@@ -112,27 +117,10 @@ pub fn simulate_timed(
                             }
                         }
                     }
-                    Instr::SendActivation { mb, .. } | Instr::SendGrad { mb, .. } => {
-                        let vs = vs.expect("a send names its chunk");
-                        let (to_vs, recv) = match instr {
-                            Instr::SendActivation { .. } if vs < last => (
-                                vs + 1,
-                                Instr::RecvActivation {
-                                    mb,
-                                    chunk: (vs + 1) / ranks,
-                                },
-                            ),
-                            Instr::SendGrad { .. } if vs > 0 => (
-                                vs - 1,
-                                Instr::RecvGrad {
-                                    mb,
-                                    chunk: (vs - 1) / ranks,
-                                },
-                            ),
-                            _ => return Err(no_peer()),
-                        };
+                    Instr::SendActivation { .. } | Instr::SendGrad { .. } => {
+                        let (to, recv) = instr.peer(s, ranks, chunks).ok_or_else(no_peer)?;
                         links
-                            .entry((s, to_vs % ranks))
+                            .entry((s, to))
                             .or_default()
                             .push_back((recv, clock[s]));
                     }

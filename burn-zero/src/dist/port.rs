@@ -30,11 +30,9 @@ pub fn free_port() -> u16 {
     // Processes that start at once (other checkouts, other test binaries) start apart and
     // walk with different strides.
     let start = std::process::id() % span;
-    let stride = [7919, 7907, 7901, 7883, 1]
-        .into_iter()
-        .nth(std::process::id() as usize % 4)
-        .filter(|s| span % s != 0)
-        .unwrap_or(1);
+    // A prime stride visits every port of the span once, unless it divides the span.
+    let stride = [7919, 7907, 7901, 7883][std::process::id() as usize % 4];
+    let stride = if span % stride == 0 { 1 } else { stride };
     for _ in 0..span {
         let k = NEXT.fetch_add(1, Ordering::Relaxed);
         let port = low + (start + k.wrapping_mul(stride)) % span;

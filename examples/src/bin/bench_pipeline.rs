@@ -15,9 +15,7 @@ use burn::backend::Cuda;
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_pipeline::{
-    Instr, Replicated, Schedule, SplitMethod, StageSpec, run_chunks, simulate_timed, split,
-};
+use burn_pipeline::{Replicated, Schedule, SplitMethod, StageSpec, run_chunks, split};
 use burn_zero::comm::Communicator;
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::ZeroAutodiff;
@@ -138,16 +136,7 @@ fn main() {
         let mut timed: Vec<f64> = times.iter().skip(2).copied().collect();
         timed.sort_by(f64::total_cmp);
         let median = timed.get(timed.len() / 2).copied();
-        let cost = |i: Instr| match i {
-            Instr::Forward { .. } | Instr::BackwardInput { .. } | Instr::BackwardWeight { .. } => {
-                1.0 / chunks as f64
-            }
-            Instr::Backward { .. } => 2.0 / chunks as f64,
-            _ => 0.0,
-        };
-        let bubble = simulate_timed(&schedule.streams(ranks, micro), cost)
-            .expect("the schedule's streams run")
-            .bubble();
+        let bubble = schedule.bubble(ranks, micro);
         println!(
             "{}",
             serde_json::json!({"schedule": format!("{schedule:?}"), "gpus": ranks,
