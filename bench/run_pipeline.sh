@@ -5,16 +5,23 @@
 # times, and the idle fraction measured against the 1-GPU run beside the one the schedule implies.
 #   bash bench/run_pipeline.sh KIND      (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-pipeline; STEPS, MICRO, RUN_TIMEOUT,
-#   SCHEDULES: space-separated, default "1f1b"; e.g. "1f1b interleaved:2 zb-h1")
+#   SCHEDULES: space-separated, default "1f1b"; e.g. "1f1b interleaved:2 zb-h1";
+#   MODEL: smollm2 (default) or 3b; SEQ, BATCH: override the model's; a schedule written
+#   NAME/host, e.g. 1f1b/host, runs with messages through the host instead of NCCL's links)
 source bench/prelude.sh "$1"
 steps="${STEPS:-8}"; micro="${MICRO:-8}"; schedules="${SCHEDULES:-1f1b}"
-run() {  # run N SCHEDULE TAG
-  timeout "${RUN_TIMEOUT:-280}" .gpu/bin/burn-zero run --nproc-per-node "$1" --master-port $((29800 + $1)) \
-    -- .gpu/bin/bench-pipeline "$steps" "$micro" "$2" > "/tmp/pipe-$3.out" 2> "$out/pipeline-$3.log"
+shape=("${MODEL:-smollm2}" ${SEQ:+"$SEQ"} ${BATCH:+"$BATCH"})
+run() {  # run N SCHEDULE TAG [LINKS]
+  PIPE_LINKS="${4:-device}" timeout "${RUN_TIMEOUT:-280}" .gpu/bin/burn-zero run --nproc-per-node "$1" --master-port $((29800 + $1)) \
+    -- .gpu/bin/bench-pipeline "$steps" "$micro" "$2" "${shape[@]}" > "/tmp/pipe-$3.out" 2> "$out/pipeline-$3.log"
   echo "pipeline $2 on $1 GPU(s): exit $?"; tail -n 3 "$out/pipeline-$3.log"
 }
 run 1 1f1b one
-for s in $schedules; do run "$gpus" "$s" "${s//:/-}"; done
+# A schedule written NAME/host sends through the host side channel instead of NCCL's links.
+for s in $schedules; do
+  links=device; [ "${s%/host}" != "$s" ] && links=host
+  tag="${s//:/-}"; run "$gpus" "${s%/host}" "${tag//\//-}" "$links"
+done
 python3 - "$kind" "$gpus" "$out/pipeline-$kind.json" $schedules <<'PY'
 import json, sys
 kind, n, path, schedules = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -28,7 +35,7 @@ one = run("one")
 result = {"device": kind, "commit": open(".gpu/commit").read().split()[0], "one_gpu": one,
           "pipelines": {}}
 for s in schedules:
-    many = run(s.replace(":", "-"))
+    many = run(s.replace(":", "-").replace("/", "-"))
     if "losses" in one and "losses" in many:
         many["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(many["losses"], one["losses"]))
         if one.get("median_step_s") and many.get("median_step_s"):
@@ -36,6 +43,6 @@ for s in schedules:
     result["pipelines"][s] = many
 json.dump(result, open(path, "w"), indent=1)
 print(json.dumps({s: {k: r.get(k) for k in ("median_step_s", "measured_idle_fraction",
-                  "schedule_bubble_fraction", "max_rel_loss_diff", "error")}
+                  "schedule_bubble_fraction", "max_rel_loss_diff", "peak_gpu_bytes", "error")}
                   for s, r in result["pipelines"].items()}))
 PY

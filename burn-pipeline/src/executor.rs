@@ -1,7 +1,9 @@
 //! The executor: runs one rank's instruction stream (see [`crate::schedule`]) on its burn
 //! modules (one per model chunk; more than one for interleaved schedules). Activations and
-//! their gradients travel as f32 between neighbouring virtual stages over the communicator's
-//! `send`/`recv`; each backward seeds the chunk's output with the gradient received from the
+//! their gradients travel between neighbouring virtual stages as [`TensorLinks`] carries them:
+//! in device memory over the communicator's one-way links where it has them (NCCL), without a
+//! host wait; as f32 over its `send`/`recv` otherwise. The loss stays on the device until the
+//! step's end. Each backward seeds the chunk's output with the gradient received from the
 //! next stage (`sum(output · grad)` has exactly that gradient), and parameter gradients
 //! accumulate over the micro-batches until the optimizer step. A split backward
 //! (zero-bubble schedules) runs its weight half from what [`WeightSplit`] recorded.
@@ -10,9 +12,10 @@ use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, ElementConversion, Tensor};
 use burn_zero::comm::{CommError, Communicator};
+use burn_zero::p2p::TensorLinks;
 
 use crate::checkpoint::{Checkpointing, Saved};
 use crate::optimizer::StageOptimizer;
@@ -48,7 +51,7 @@ fn sum_tied<B: AutodiffBackend>(
     id: ParamId,
     spec: &StageSpec<'_, B>,
     ranks: usize,
-    comm: &dyn Communicator,
+    links: &mut TensorLinks<'_>,
     device: &B::Device,
 ) -> Result<GradientsParams, CommError> {
     let last = spec.stages - 1;
@@ -63,24 +66,21 @@ fn sum_tied<B: AutodiffBackend>(
     let grad = grads
         .remove::<B::InnerBackend, 2>(id)
         .unwrap_or_else(|| panic!("stage {}: no gradient for its tied matrix", spec.stage));
-    let dims = grad.dims();
-    let mine: Vec<f32> = grad.into_data().convert::<f32>().into_vec().expect("f32");
-    let mut theirs = vec![0.0f32; mine.len()];
-    if spec.stage == 0 {
-        comm.send(mine.as_slice().into(), peer)?;
-        comm.recv(theirs.as_mut_slice().into(), peer)?;
+    let (dims, dtype) = (grad.dims(), grad.dtype());
+    let theirs = if spec.stage == 0 {
+        links.send(grad.clone(), peer)?;
+        links.recv::<B::InnerBackend, 2>(dims, dtype, device, peer)?
     } else {
-        comm.recv(theirs.as_mut_slice().into(), peer)?;
-        comm.send(mine.as_slice().into(), peer)?;
-    }
-    // The same order of addition on both ends: first stage's + last stage's.
-    let (a, b) = if spec.stage == 0 {
-        (&mine, &theirs)
-    } else {
-        (&theirs, &mine)
+        let theirs = links.recv::<B::InnerBackend, 2>(dims, dtype, device, peer)?;
+        links.send(grad.clone(), peer)?;
+        theirs
     };
-    let sum: Vec<f32> = a.iter().zip(b).map(|(x, y)| x + y).collect();
-    let summed = Tensor::<B::InnerBackend, 2>::from_data(TensorData::new(sum, dims), device);
+    // The same order of addition on both ends: first stage's + last stage's.
+    let summed = if spec.stage == 0 {
+        grad + theirs
+    } else {
+        theirs + grad
+    };
     grads.register(id, summed);
     Ok(grads)
 }
@@ -139,11 +139,10 @@ struct Live<B: AutodiffBackend, M> {
     split: Option<WeightSplit<B>>,
 }
 
-fn values<B: AutodiffBackend>(t: Tensor<B, 2>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .into_vec()
-        .expect("f32 values")
+/// The dtype activations and their gradients travel in: the backend's default float type,
+/// which both ends of a link know without a message.
+fn wire_dtype<B: Backend>() -> DType {
+    <B::FloatElem as burn::tensor::Element>::dtype()
 }
 
 /// The last stage's loss of micro-batch `mb` (its share of the step's mean); `None` elsewhere.
@@ -261,20 +260,19 @@ where
     let mut accumulated: Vec<GradientsAccumulator<M>> =
         (0..v).map(|_| GradientsAccumulator::new()).collect();
     let mut reduced: Vec<Option<GradientsParams>> = (0..v).map(|_| None).collect();
-    let mut loss_sum = 0.0f32;
+    // The step's loss, summed on the device and read once at the step's end.
+    let mut loss_sum: Option<Tensor<B, 1>> = None;
+    let mut links = TensorLinks::new(comm);
+    let wire = wire_dtype::<B>();
     for instr in stream {
         match *instr {
             // Inputs are produced at the forward (first stage), labels inside the loss.
             Instr::Load { .. } => {}
             Instr::RecvActivation { mb, chunk } => {
                 let spec = &specs[chunk];
-                let mut buf = vec![0.0f32; spec.rows * spec.in_features];
-                comm.recv(buf.as_mut_slice().into(), peer(instr))?;
-                let x = Tensor::<B, 2>::from_data(
-                    TensorData::new(buf, [spec.rows, spec.in_features]),
-                    &device,
-                )
-                .require_grad();
+                let dims = [spec.rows, spec.in_features];
+                let x = links.recv::<B::InnerBackend, 2>(dims, wire, &device, peer(instr))?;
+                let x = Tensor::<B, 2>::from_inner(x).require_grad();
                 live.insert(
                     (mb, chunk),
                     Live {
@@ -325,15 +323,14 @@ where
                 live.insert((mb, chunk), l);
             }
             Instr::SendActivation { mb, chunk } => {
-                let out = live[&(mb, chunk)].output.clone().detach();
-                comm.send(values(out).as_slice().into(), peer(instr))?;
+                let out = live[&(mb, chunk)].output.clone().inner().cast(wire);
+                links.send(out, peer(instr))?;
             }
             Instr::RecvGrad { mb, chunk } => {
                 let l = live.get_mut(&(mb, chunk)).expect("forwarded before");
                 let dims = l.output.dims();
-                let mut buf = vec![0.0f32; dims[0] * dims[1]];
-                comm.recv(buf.as_mut_slice().into(), peer(instr))?;
-                l.grad_out = Some(Tensor::from_data(TensorData::new(buf, dims), &device));
+                let g = links.recv::<B::InnerBackend, 2>(dims, wire, &device, peer(instr))?;
+                l.grad_out = Some(Tensor::from_inner(g.cast(l.output.dtype())));
             }
             Instr::Backward { mb, chunk } | Instr::BackwardInput { mb, chunk } => {
                 let spec = &specs[chunk];
@@ -355,7 +352,11 @@ where
                 }
                 let seed = match (&l.loss, &l.grad_out) {
                     (Some(loss), _) => {
-                        loss_sum += loss.clone().into_scalar().elem::<f32>();
+                        let value = loss.clone().detach();
+                        loss_sum = Some(match loss_sum.take() {
+                            Some(sum) => sum + value,
+                            None => value,
+                        });
                         loss.clone()
                     }
                     (None, Some(g)) => (l.output.clone() * g.clone()).sum(),
@@ -408,13 +409,13 @@ where
             Instr::SendGrad { mb, chunk } => {
                 let l = live.remove(&(mb, chunk)).expect("backwarded before");
                 let g = l.grad_in.expect("backward computed it");
-                comm.send(values(g).as_slice().into(), peer(instr))?;
+                links.send(g.inner().cast(wire), peer(instr))?;
             }
             Instr::ReduceGrads => {
                 for c in 0..v {
                     let mut grads = accumulated[c].grads();
                     if let Some(id) = chunks[c].tied().filter(|_| specs[c].stages > 1) {
-                        grads = sum_tied(grads, id, &specs[c], ranks, comm, &device)?;
+                        grads = sum_tied(grads, id, &specs[c], ranks, &mut links, &device)?;
                     }
                     reduced[c] = Some(optimizers[c].reduce(&chunks[c], grads, data)?);
                 }
@@ -428,10 +429,14 @@ where
                     };
                     stepped.push(optimizers[c].step(lr, module, grads, data)?);
                 }
+                links.finish()?;
                 let last = specs[v - 1].stage + 1 == specs[v - 1].stages;
-                return Ok((stepped, last.then_some(loss_sum)));
+                let loss =
+                    last.then(|| loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f32>()));
+                return Ok((stepped, loss));
             }
         }
     }
+    links.finish()?;
     Ok((chunks, None))
 }

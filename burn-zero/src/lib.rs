@@ -26,6 +26,7 @@ pub mod launch;
 mod log;
 pub mod nn;
 pub mod optim;
+pub mod p2p;
 pub mod partition;
 pub mod precision;
 pub mod profile;

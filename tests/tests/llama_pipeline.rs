@@ -229,6 +229,7 @@ fn checkpointed_layers_in_stages_match_the_unsplit_llama() {
         ..Options::default()
     };
     schedule_matches(&[0, 1, 3, 4], true, Schedule::OneFOneB, options);
+    schedule_matches(&[0, 2, 4], true, Schedule::OneFOneB, options);
     schedule_matches(&[0, 2, 4], false, Schedule::ZeroBubbleH1, options);
     let interleaved = Schedule::Interleaved { chunks: 2 };
     schedule_matches(&[0, 1, 2, 3, 4], false, interleaved, options);

@@ -19,6 +19,7 @@ use cubecl::prelude::ComputeClient;
 use cubecl::server::ComputeServer;
 use cubecl::stream_id::StreamId;
 
+use crate::backend::ZeroTensor;
 use crate::backend::stream_order::{self, Handshake};
 use crate::comm::{DType, DeviceBuf};
 
@@ -72,7 +73,25 @@ pub(crate) fn cuda_view<I: Backend>(tensor: &I::FloatTensorPrimitive) -> Option<
 pub(crate) fn cube_tensor<I: Backend>(
     tensor: &I::FloatTensorPrimitive,
 ) -> Option<CubeTensor<CudaRuntime>> {
-    let any = tensor as &dyn Any;
+    cube_tensor_of(tensor as &dyn Any)
+}
+
+/// [`cube_tensor`] of any backend's float primitive: a cubecl CUDA tensor, one behind burn's
+/// fusion, or either held whole by `ZeroBackend` (a ZeRO-3 shard is not: `None`).
+pub(crate) fn cube_tensor_of(any: &dyn Any) -> Option<CubeTensor<CudaRuntime>> {
+    type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+    if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+        return zero
+            .is_local()
+            .then(|| cube_tensor_of(zero.inner()))
+            .flatten();
+    }
+    if let Some(zero) = any.downcast_ref::<ZeroTensor<Cube>>() {
+        return zero
+            .is_local()
+            .then(|| cube_tensor_of(zero.inner()))
+            .flatten();
+    }
     match any.downcast_ref::<CubeTensor<CudaRuntime>>() {
         Some(cube) => Some(cube.clone()),
         None => {
@@ -203,7 +222,13 @@ pub(crate) struct Fence {
     /// burn's stream the collective was ordered after.
     stream: StreamId,
     handshake: Handshake,
+    /// Fusion's client when the handshake was taken in fusion's order ([`fence_in_order`]):
+    /// the wait then goes the same way.
+    fusion: Option<FusionClient>,
 }
+
+/// burn-cuda's fusion client.
+type FusionClient = burn_fusion::Client<FusionCubeRuntime<CudaRuntime>>;
 
 impl Fence {
     /// Where the collective stream waits for burn's stream, and for which number.
@@ -231,7 +256,14 @@ impl Fence {
             ordinal,
             stream,
             handshake,
+            fusion,
         } = self;
+        if let Some(fusion) = fusion {
+            stream.executes(|| {
+                fusion.sync(move || stream_order::end(&client, ordinal, handshake));
+            });
+            return Ok(());
+        }
         stream
             .executes(|| client.exclusive(|| stream_order::end(&client, ordinal, handshake)))
             .map_err(|e| format!("{e:?}"))
@@ -270,6 +302,159 @@ pub(crate) fn ordered_output(
         ordinal,
         stream: StreamId::current(),
         handshake,
+        fusion: None,
     };
     Some((output, fence))
+}
+
+/// The memory of the CUDA float tensor `any` (any backend's primitive, as [`cube_tensor_of`]
+/// takes it), made contiguous by a copy on burn's stream when it is a strided view (the copy
+/// is held by the buffer). `None`
+/// for other backends and dtypes NCCL does not move.
+pub(crate) fn contiguous_buffer(any: &dyn Any) -> Option<CudaBuffer> {
+    let cube = cube_tensor_of(any)?;
+    // The copy is launched in fusion's order, after the kernels that computed the view (a
+    // launch from this thread could reach burn's stream before them and copy stale memory:
+    // a transposed gradient, such as a tied output projection's, was sent wrong that way).
+    let cube = match (cube.is_contiguous(), fusion_client_of(any)) {
+        (true, _) => cube,
+        (false, Some(fusion)) => fusion.sync(move || burn_cubecl::kernel::into_contiguous(cube)),
+        (false, None) => burn_cubecl::kernel::into_contiguous(cube),
+    };
+    let view = view_of(cube)?;
+    let len = view.shape.iter().product();
+    Some(CudaBuffer {
+        buf: DeviceBuf {
+            ptr: view.ptr,
+            len,
+            dtype: view.dtype,
+        },
+        _keep: view.keep,
+    })
+}
+
+/// A handshake on `buffer`'s device for the foreign stream of `channel`, raised on burn's
+/// stream from cubecl's thread (one blocking visit, no device wait): after everything cubecl
+/// has been handed, which behind fusion may not yet be everything queued ([`fence_in_order`]).
+pub(crate) fn fence_after(buffer: &CudaBuffer, channel: u64) -> Option<Fence> {
+    let cube = &buffer._keep;
+    let (client, ordinal) = (cube.client.clone(), cube.device.index);
+    let handshake = client
+        .exclusive(|| stream_order::begin(&client, ordinal, channel))
+        .ok()
+        .flatten()?;
+    Some(Fence {
+        client,
+        ordinal,
+        stream: StreamId::current(),
+        handshake,
+        fusion: None,
+    })
+}
+
+/// A handshake on `buffer`'s device for the foreign stream of `channel`, taken in the order
+/// of burn's work on `any` (the tensor `buffer` came from, as [`cube_tensor_of`] takes it):
+/// burn's stream raises `ready` after everything queued before, and the fence's wait goes
+/// into burn's stream the same way.
+///
+/// Behind fusion, that order is fusion's: its thread hands the kernels it ran to cubecl
+/// without waiting, so a flag raised from this thread could reach burn's stream before the
+/// kernels that computed the tensor (a pipeline's receiver then read the memory before the
+/// activation was written). The handshake is taken on fusion's thread instead, after its
+/// queue for this stream has run (one blocking visit, no device wait). `None` if it cannot.
+pub(crate) fn fence_in_order(any: &dyn Any, buffer: &CudaBuffer, channel: u64) -> Option<Fence> {
+    let cube = &buffer._keep;
+    let (client, ordinal) = (cube.client.clone(), cube.device.index);
+    let fusion = fusion_client_of(any);
+    let Some(fusion) = fusion else {
+        return fence_after(buffer, channel);
+    };
+    let begun = client.clone();
+    let handshake = fusion.sync(move || stream_order::begin(&begun, ordinal, channel))?;
+    Some(Fence {
+        client,
+        ordinal,
+        stream: StreamId::current(),
+        handshake,
+        fusion: Some(fusion),
+    })
+}
+
+/// The fusion client of a burn-cuda tensor behind fusion (also held whole by `ZeroBackend`).
+fn fusion_client_of(any: &dyn Any) -> Option<FusionClient> {
+    type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+    if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+        return zero
+            .is_local()
+            .then(|| fusion_client_of(zero.inner()))
+            .flatten();
+    }
+    any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()
+        .map(|fused| fused.client.clone())
+}
+
+/// A fresh contiguous CUDA float tensor of `shape` and `dtype` on `device` (a burn-cuda device,
+/// as the backend `I` names it), for a foreign stream (`channel`) to write: allocated on burn's
+/// stream and a flag raised there after it from cubecl's thread, so the writer waits for burn's
+/// stream to be done with whatever the memory held before; the wait for the writer goes into
+/// burn's stream in fusion's order when `I` is behind fusion. Returns the buffer, its fence and
+/// the tensor as `I`'s primitive (fusion's, and held by `ZeroBackend`, as `I` needs). `None`
+/// for other backends.
+pub(crate) fn ordered_empty<I: Backend>(
+    device: &I::Device,
+    shape: &[usize],
+    dtype: BurnDType,
+    channel: u64,
+) -> Option<(CudaBuffer, Fence, I::FloatTensorPrimitive)> {
+    type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+    let cuda = (device as &dyn Any)
+        .downcast_ref::<cubecl::cuda::CudaDevice>()?
+        .clone();
+    let client = <CudaRuntime as cubecl::Runtime>::client(&cuda);
+    let len: usize = shape.iter().product();
+    let ordinal = cuda.index;
+    let outcome = client.exclusive(|| {
+        let handle = client.empty(len.max(1) * dtype.size());
+        let out =
+            CubeTensor::new_contiguous(client.clone(), cuda.clone(), shape.into(), handle, dtype);
+        let view = view_of(out)?;
+        let handshake = stream_order::begin(&client, ordinal, channel)?;
+        Some((view, handshake))
+    });
+    let (view, handshake) = outcome.ok().flatten()?;
+    let cube = view.keep.clone();
+    let buffer = CudaBuffer {
+        buf: DeviceBuf {
+            ptr: view.ptr,
+            len,
+            dtype: view.dtype,
+        },
+        _keep: view.keep,
+    };
+    // The primitive `I` holds: cubecl's tensor, fusion's, or either inside `ZeroTensor`.
+    type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
+    let want = core::any::TypeId::of::<I::FloatTensorPrimitive>();
+    let fused = || fused_from_cube(&burn_fusion::get_client::<Cube>(&cuda), cube.clone());
+    let boxed: Box<dyn Any> = if want == core::any::TypeId::of::<CubeTensor<CudaRuntime>>() {
+        Box::new(cube.clone())
+    } else if want == core::any::TypeId::of::<Fused>() {
+        Box::new(fused())
+    } else if want == core::any::TypeId::of::<ZeroTensor<Cube>>() {
+        Box::new(ZeroTensor::<Cube>::local(cube.clone()))
+    } else if want == core::any::TypeId::of::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+        Box::new(ZeroTensor::<burn_fusion::Fusion<Cube>>::local(fused()))
+    } else {
+        return None;
+    };
+    let primitive = *boxed.downcast::<I::FloatTensorPrimitive>().ok()?;
+    let any = &primitive as &dyn Any;
+    let fusion = fusion_client_of(any);
+    let fence = Fence {
+        client,
+        ordinal,
+        stream: StreamId::current(),
+        handshake,
+        fusion,
+    };
+    Some((buffer, fence, primitive))
 }

@@ -443,6 +443,35 @@ pub trait DeviceCollectives: Send + Sync {
         output: DeviceBuf,
         root: usize,
     ) -> Result<(), CommError>;
+    /// Sends `input` to `peer`, which receives it with [`DeviceCollectives::recv`] of the same
+    /// length and dtype. NCCL's send waits on the device until the receive is posted: ranks that
+    /// exchange messages both ways use one-way links ([`DeviceCollectives::link`]).
+    ///
+    /// # Safety
+    /// As for [`DeviceCollectives::all_reduce`].
+    unsafe fn send(&self, input: DeviceBuf, peer: usize) -> Result<(), CommError> {
+        let _ = (input, peer);
+        Err(CommError::Aborted(
+            "this communicator has no device point-to-point".into(),
+        ))
+    }
+    /// Receives into `output` what `peer` sent.
+    ///
+    /// # Safety
+    /// As for [`DeviceCollectives::all_reduce`].
+    unsafe fn recv(&self, output: DeviceBuf, peer: usize) -> Result<(), CommError> {
+        let _ = (output, peer);
+        Err(CommError::Aborted(
+            "this communicator has no device point-to-point".into(),
+        ))
+    }
+    /// The one-way communicator that carries this rank's messages to `peer` ([`Way::To`]) or
+    /// from it ([`Way::From`]), with its own stream and flags, and `peer`'s rank in it; `None`
+    /// when none was opened (NCCL: `NcclComm::open_links`).
+    fn link(&self, peer: usize, way: Way) -> Option<(&dyn DeviceCollectives, usize)> {
+        let _ = (peer, way);
+        None
+    }
     /// Blocks until every enqueued collective has finished.
     fn synchronize(&self) -> Result<(), CommError>;
     /// Whether [`DeviceCollectives::wait_for_flag`] and [`DeviceCollectives::raise_flag`] work
@@ -472,6 +501,15 @@ pub trait DeviceCollectives: Send + Sync {
             "this communicator cannot order its stream by flags".into(),
         ))
     }
+}
+
+/// Which way a one-way link carries messages, seen from this rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Way {
+    /// From this rank to the peer.
+    To,
+    /// From the peer to this rank.
+    From,
 }
 
 /// Default time a rank waits for the others before failing.

@@ -37,7 +37,21 @@ pub struct NcclComm {
     /// Watches every enqueued collective until its event completes; one that takes longer
     /// than the timeout ends the process with this rank's flight record.
     watchdog: Watchdog,
+    /// One-way communicators to and from other ranks ([`NcclComm::open_links`]).
+    links: Vec<Link>,
 }
+
+/// A one-way communicator of two ranks: this rank and `peer`, messages going `way`.
+struct Link {
+    peer: usize,
+    way: Way,
+    comm: NcclComm,
+    /// `peer`'s rank in `comm`.
+    peer_in_link: usize,
+}
+
+/// What `ncclCommSplit` takes from a rank that joins no new communicator.
+const NCCL_SPLIT_NOCOLOR: i32 = -1;
 
 /// Exit status of a process the watchdog ended (as `timeout(1)`'s).
 pub const WATCHDOG_EXIT: i32 = 124;
@@ -162,6 +176,10 @@ enum Raw {
     ReduceScatter(ReduceOp),
     AllGather,
     Broadcast(usize),
+    /// To a peer.
+    Send(usize),
+    /// From a peer.
+    Recv(usize),
 }
 
 impl Raw {
@@ -171,6 +189,7 @@ impl Raw {
             Raw::ReduceScatter(op) => OpKind::ReduceScatter(op),
             Raw::AllGather => OpKind::AllGather,
             Raw::Broadcast(root) => OpKind::Broadcast { root },
+            Raw::Send(_) | Raw::Recv(_) => OpKind::PointToPoint,
         };
         OpSignature::new(kind, dtype, count)
     }
@@ -211,18 +230,139 @@ impl NcclComm {
             comm.assume_init()
         };
         let timeout = checker.as_ref().map_or(DEFAULT_TIMEOUT, Exchange::timeout);
+        let nccl = Self::wrap(comm, rank, world_size, stream, checker, timeout);
+        nccl.connect()
+            .map_err(|e| format!("connecting NCCL's channels (rank {rank}): {e}"))?;
+        Ok(nccl)
+    }
+
+    /// A communicator around the raw handle `comm`, watched with `timeout`.
+    fn wrap(
+        comm: ncclComm_t,
+        rank: usize,
+        world_size: usize,
+        stream: Arc<CudaStream>,
+        checker: Option<TcpComm>,
+        timeout: std::time::Duration,
+    ) -> Self {
         let watchdog = Watchdog::new(rank, timeout, WATCHDOG_POLL, watchdog_handler(comm));
-        let nccl = Self {
+        Self {
             comm: CommCell(std::sync::Mutex::new(comm)),
             rank,
             world_size,
             stream,
             checker,
             watchdog,
+            links: Vec::new(),
+        }
+    }
+
+    /// Splits this communicator (`ncclCommSplit`): the ranks passing the same `color` form a
+    /// new one, ranked by `key`, with a stream of its own; `None` joins none and gets `None`.
+    /// Every rank of this communicator calls it, in the same order as its other calls. The new
+    /// communicator has no side channel: its calls are not checked against each other's
+    /// signatures (the watchdog still bounds them), and its host `send`/`recv` go through NCCL.
+    pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<NcclComm>, String> {
+        let rank = self.rank;
+        let context = self.stream.context();
+        let stream = context
+            .new_stream()
+            .map_err(|e| format!("a CUDA stream for a split of rank {rank}: {e:?}"))?;
+        let color_arg = match color {
+            Some(c) => i32::try_from(c).map_err(|_| format!("split color {c} is too large"))?,
+            None => NCCL_SPLIT_NOCOLOR,
         };
-        nccl.connect()
-            .map_err(|e| format!("connecting NCCL's channels (rank {rank}): {e}"))?;
-        Ok(nccl)
+        let mut child = core::mem::MaybeUninit::<ncclComm_t>::uninit();
+        {
+            let comm = self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = context.bind_to_thread();
+            // SAFETY: `comm` is live and used by this call alone; NCCL writes `child` (NULL
+            // for a rank without a color); a null config inherits the parent's.
+            unsafe {
+                cudarc::nccl::sys::ncclCommSplit(
+                    *comm,
+                    color_arg,
+                    key as i32,
+                    child.as_mut_ptr(),
+                    core::ptr::null_mut(),
+                )
+            }
+            .result()
+            .map_err(|e| {
+                format!(
+                    "ncclCommSplit on rank {rank}: {}",
+                    nccl_reason(e, Some(*comm))
+                )
+            })?;
+        }
+        if color.is_none() {
+            return Ok(None);
+        }
+        // SAFETY: written by a successful split with a color.
+        let child = unsafe { child.assume_init() };
+        // SAFETY: `child` is a live communicator.
+        let (child_rank, child_world) = unsafe {
+            let r = raw::comm_user_rank(child);
+            let n = raw::comm_count(child);
+            (r, n)
+        };
+        let fail =
+            |e: NcclError| format!("a split of rank {rank}: {}", nccl_reason(e, Some(child)));
+        let (child_rank, child_world) = (child_rank.map_err(fail)?, child_world.map_err(fail)?);
+        Ok(Some(Self::wrap(
+            child,
+            child_rank as usize,
+            child_world as usize,
+            stream,
+            None,
+            self.watchdog.timeout(),
+        )))
+    }
+
+    /// Opens a one-way communicator, with its own stream, for each pair `(from, to)` of this
+    /// communicator's ranks in `pairs` that involves this rank: `from`'s messages to `to` then
+    /// queue apart from those going the other way and from the collectives, so a send waiting
+    /// for its receiver never holds up a receive (a pipeline's 1F1B sends an activation
+    /// downstream while the gradient comes up). Every rank passes the same pairs in the same
+    /// order (one `ncclCommSplit` each); each link is connected here with a one-element message.
+    /// [`DeviceCollectives::link`] finds them.
+    pub fn open_links(&mut self, pairs: &[(usize, usize)]) -> Result<(), String> {
+        let (rank, world) = (self.rank, self.world_size);
+        for &(from, to) in pairs {
+            if from >= world || to >= world || from == to {
+                return Err(format!(
+                    "a link from rank {from} to rank {to} in a communicator of {world} ranks"
+                ));
+            }
+            let member = rank == from || rank == to;
+            let key = usize::from(rank == to);
+            let Some(link) = self.split(member.then_some(0), key)? else {
+                continue;
+            };
+            let (way, peer) = if rank == from {
+                (Way::To, to)
+            } else {
+                (Way::From, from)
+            };
+            let one: CudaSlice<f32> = link.stream.alloc_zeros(1).map_err(|e| format!("{e:?}"))?;
+            let buf = link.slice_buf(&one);
+            // SAFETY: `one` lives until the synchronization below.
+            unsafe {
+                match way {
+                    Way::To => link.device_p2p(Raw::Send(1), buf),
+                    Way::From => link.device_p2p(Raw::Recv(0), buf),
+                }
+            }
+            .map_err(|e| format!("connecting the link from {from} to {to}: {e}"))?;
+            link.synchronize()?;
+            self.links.push(Link {
+                peer,
+                way,
+                comm: link,
+                peer_in_link: 1 - key,
+            });
+        }
+        Ok(())
     }
 
     /// Runs each collective the engine uses once on small buffers, so NCCL (which connects its
@@ -286,6 +426,8 @@ impl NcclComm {
                 Raw::Broadcast(root) => {
                     raw::broadcast(send, recv, input.len, dtype, root as i32, *comm, stream)
                 }
+                Raw::Send(peer) => raw::send(send, input.len, dtype, peer as i32, *comm, stream),
+                Raw::Recv(peer) => raw::recv(recv, output.len, dtype, peer as i32, *comm, stream),
             }
         }
     }
@@ -308,6 +450,10 @@ impl NcclComm {
             Raw::AllReduce(_) | Raw::Broadcast(_) => input.len,
             Raw::ReduceScatter(_) => input.len / world,
             Raw::AllGather => input.len * world,
+            Raw::Send(_) | Raw::Recv(_) => {
+                // SAFETY: forwarded from the caller.
+                return unsafe { self.device_p2p(what, input) };
+            }
         };
         let divisible = !matches!(what, Raw::ReduceScatter(_)) || input.len.is_multiple_of(world);
         if output.len != expected || !divisible || output.dtype != input.dtype {
@@ -336,6 +482,63 @@ impl NcclComm {
             self.watch(call);
         }
         Ok(())
+    }
+
+    /// Enqueues a send or a receive of `buf` (watched, never checked: a message concerns two
+    /// ranks, the signature check all of them).
+    ///
+    /// # Safety
+    /// As for [`NcclComm::launch`].
+    unsafe fn device_p2p(&self, what: Raw, buf: DeviceBuf) -> Result<(), CommError> {
+        let call = what.signature(buf.dtype, buf.len);
+        let peer = match what {
+            Raw::Send(p) | Raw::Recv(p) => p,
+            _ => unreachable!("a message is a send or a receive"),
+        };
+        if peer >= self.world_size || peer == self.rank {
+            return Err(CommError::Invalid {
+                rank: self.rank,
+                call,
+                reason: format!("peer {peer} of a group of {}", self.world_size),
+            });
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch(what, buf, buf) }.map_err(|e| {
+            let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
+            CommError::Aborted(format!(
+                "NCCL failed on rank {} in {call} with {peer}: {}",
+                self.rank,
+                nccl_reason(e, Some(comm))
+            ))
+        })?;
+        self.watch(call);
+        Ok(())
+    }
+
+    /// A host-buffer message through NCCL (a communicator without a side channel): copied in,
+    /// sent or received, copied out, synchronized. Blocks until the peer has taken part.
+    fn run_p2p<T: NcclType + CommElement + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        what: Raw,
+        input: Option<&[T]>,
+        output: Option<&mut [T]>,
+    ) -> Result<(), CommError> {
+        let len = input.map_or(0, <[T]>::len) + output.as_ref().map_or(0, |o| o.len());
+        let (rank, call) = (self.rank, what.signature(T::DTYPE, len));
+        let fail = |what: &dyn std::fmt::Debug| nccl_error(rank, call, what);
+        let device = match input {
+            Some(i) => self.stream.clone_htod(i),
+            None => self.stream.alloc_zeros::<T>(len),
+        }
+        .map_err(|e| fail(&e))?;
+        // SAFETY: `device` lives until the synchronization below.
+        unsafe { self.device_p2p(what, self.slice_buf(&device))? };
+        if let Some(out) = output {
+            self.stream
+                .memcpy_dtoh(&device, out)
+                .map_err(|e| fail(&e))?;
+        }
+        self.stream.synchronize().map_err(|e| fail(&e))
     }
 
     /// Hands the collective just enqueued (`call`) to the watchdog, through an event recorded
@@ -388,6 +591,35 @@ impl NcclComm {
         let (i, o) = (self.slice_buf(input), self.slice_buf(output));
         // SAFETY: both are live allocations on this device, borrowed for the call.
         unsafe { self.device_collective(Raw::ReduceScatter(reduce), i, o, false, true) }
+    }
+
+    /// Sends a device buffer to `peer` (enqueued; see [`DeviceCollectives::send`]).
+    pub fn send_device<T: NcclType + CommElement>(
+        &self,
+        buf: &CudaSlice<T>,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        // SAFETY: `buf` is a live allocation on this device, borrowed for the call.
+        unsafe { self.device_p2p(Raw::Send(peer), self.slice_buf(buf)) }
+    }
+
+    /// Receives a device buffer from `peer` (enqueued).
+    pub fn recv_device<T: NcclType + CommElement>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        // SAFETY: `buf` is a live allocation on this device, borrowed for the call.
+        unsafe { self.device_p2p(Raw::Recv(peer), self.slice_buf(buf)) }
+    }
+
+    /// The one-way communicator to or from `peer` ([`NcclComm::open_links`]) and `peer`'s rank
+    /// in it.
+    pub fn link_comm(&self, peer: usize, way: Way) -> Option<(&NcclComm, usize)> {
+        self.links
+            .iter()
+            .find(|l| l.peer == peer && l.way == way)
+            .map(|l| (&l.comm, l.peer_in_link))
     }
 
     /// Exchanges `call`'s signature with every rank over the side channel. A rank that does
@@ -494,6 +726,23 @@ impl DeviceCollectives for NcclComm {
         unsafe { self.device_collective(Raw::Broadcast(root), input, output, true, true) }
     }
 
+    unsafe fn send(&self, input: DeviceBuf, peer: usize) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device_p2p(Raw::Send(peer), input) }
+    }
+
+    unsafe fn recv(&self, output: DeviceBuf, peer: usize) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device_p2p(Raw::Recv(peer), output) }
+    }
+
+    fn link(&self, peer: usize, way: Way) -> Option<(&dyn DeviceCollectives, usize)> {
+        self.links
+            .iter()
+            .find(|l| l.peer == peer && l.way == way)
+            .map(|l| (&l.comm as &dyn DeviceCollectives, l.peer_in_link))
+    }
+
     fn synchronize(&self) -> Result<(), CommError> {
         self.stream
             .synchronize()
@@ -582,22 +831,28 @@ impl Communicator for NcclComm {
     }
 
     fn send(&self, buf: Buf<'_>, peer: usize) -> Result<(), CommError> {
-        self.side_channel()?.send(buf, peer)
+        if let Some(side) = &self.checker {
+            return side.send(buf, peer);
+        }
+        match buf {
+            Buf::F32(v) => self.run_p2p::<f32>(Raw::Send(peer), Some(v), None),
+            Buf::Bf16(v) => self.run_p2p::<bf16>(Raw::Send(peer), Some(v), None),
+            Buf::F16(v) => self.run_p2p::<f16>(Raw::Send(peer), Some(v), None),
+        }
     }
 
     fn recv(&self, buf: BufMut<'_>, peer: usize) -> Result<(), CommError> {
-        self.side_channel()?.recv(buf, peer)
+        if let Some(side) = &self.checker {
+            return side.recv(buf, peer);
+        }
+        match buf {
+            BufMut::F32(v) => self.run_p2p::<f32>(Raw::Recv(peer), None, Some(v)),
+            BufMut::Bf16(v) => self.run_p2p::<bf16>(Raw::Recv(peer), None, Some(v)),
+            BufMut::F16(v) => self.run_p2p::<f16>(Raw::Recv(peer), None, Some(v)),
+        }
     }
 
     fn device(&self) -> Option<&dyn DeviceCollectives> {
         Some(self)
-    }
-}
-
-impl NcclComm {
-    fn side_channel(&self) -> Result<&TcpComm, CommError> {
-        self.checker.as_ref().ok_or_else(|| {
-            CommError::Aborted("point-to-point over NCCL needs the TCP side channel".into())
-        })
     }
 }

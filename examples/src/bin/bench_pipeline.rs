@@ -1,9 +1,14 @@
-//! The recipe's model (SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads, 3 key/value heads,
-//! vocabulary 49152, tied embeddings) trained in a pipeline over the GPUs: burn-pipeline's
-//! executor, fp32, Adam, seeded random weights and token ids (the same on every run), so a
-//! 1-GPU and an N-GPU run can be compared step by step. Stage boundaries balance the layers'
-//! parameters; activations and gradients travel over the launcher's side channel.
+//! A Llama trained in a pipeline over the GPUs: burn-pipeline's executor, fp32, Adam, seeded
+//! random weights and token ids (the same on every run), so a 1-GPU and an N-GPU run can be
+//! compared step by step. Stage boundaries balance the layers' parameters; activations and
+//! gradients travel in device memory over NCCL links between neighbouring GPUs.
 //!   burn-zero run --nproc-per-node N -- bench-pipeline [STEPS] [MICRO_BATCHES] [SCHEDULE]
+//!       [MODEL] [SEQ] [BATCH]
+//! MODEL: `smollm2` (default: SmolLM2-135M's shape, 30 layers, hidden 576, vocabulary 49152,
+//! sequence 256, batch 4) or `3b` (Llama-3.2-3B's shape: 28 layers, hidden 3072, 24 heads, 8
+//! key/value heads, vocabulary 128256, tied embeddings; sequence 2048, batch 1, each decoder
+//! layer checkpointed). SEQ and BATCH override the model's defaults.
+//! PIPE_LINKS=host sends them through the launcher's host side channel instead (to compare).
 //! SCHEDULE: `1f1b` (default), `gpipe`, `interleaved:V` (V chunks per GPU) or `zb-h1`. The
 //! rank holding the last stage prints one JSON line: losses, step times, and the bubble the
 //! schedule implies for (GPUs, micro-batches), from its streams with a forward, each half of a
@@ -16,7 +21,7 @@ use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_pipeline::{Replicated, Schedule, SplitMethod, StageSpec, run_chunks, split};
-use burn_zero::comm::Communicator;
+use burn_zero::comm::{Communicator, DeviceCollectives, Way};
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero_llm::LlamaConfig;
@@ -26,27 +31,56 @@ use burn_zero_llm::pipeline::{LlamaStage, ids_as_input};
 
 type B = ZeroAutodiff<Cuda>;
 
-const BATCH: usize = 4;
-const SEQ: usize = 256;
 const LR: f64 = 1e-4;
 
-/// SmolLM2-135M's shape.
-fn smollm2() -> LlamaConfig {
-    LlamaConfig::new(49152, 576, 1536, 30, 9, 3)
-        .with_rope_theta(100000.0)
-        .with_tie_embeddings(true)
+/// A model's shape and its run's defaults: (config, sequence, batch, checkpointed layers).
+fn model(name: &str) -> (LlamaConfig, usize, usize, bool) {
+    match name {
+        "smollm2" => (
+            LlamaConfig::new(49152, 576, 1536, 30, 9, 3)
+                .with_rope_theta(100000.0)
+                .with_tie_embeddings(true),
+            256,
+            4,
+            false,
+        ),
+        "3b" => (
+            LlamaConfig::new(128256, 3072, 8192, 28, 24, 8)
+                .with_rope_theta(500000.0)
+                .with_tie_embeddings(true),
+            2048,
+            1,
+            true,
+        ),
+        other => panic!("MODEL is smollm2 or 3b, not {other:?}"),
+    }
 }
 
-/// Step `step`'s micro-batch `mb`: token ids `[BATCH, SEQ + 1]` from a fixed LCG.
+/// Step `step`'s micro-batch `mb`: token ids `[batch, seq + 1]` from a fixed LCG.
 fn tokens(
-    step: usize,
-    mb: usize,
+    (step, mb): (usize, usize),
+    (batch, seq): (usize, usize),
     vocab: usize,
     device: &burn::tensor::Device<B>,
 ) -> Tensor<B, 2, Int> {
     let state = (step as u64 * 1000 + mb as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let ids = synthetic_ids(state, BATCH * (SEQ + 1), vocab);
-    Tensor::from_data(TensorData::new(ids, [BATCH, SEQ + 1]), device)
+    let ids = synthetic_ids(state, batch * (seq + 1), vocab);
+    Tensor::from_data(TensorData::new(ids, [batch, seq + 1]), device)
+}
+
+/// The pipeline's neighbouring pairs of ranks, both ways, and the last rank's link to the
+/// first (an interleaved schedule's wrap-around and a tied matrix's gradients travel there).
+fn neighbour_pairs(ranks: usize) -> Vec<(usize, usize)> {
+    let mut pairs = Vec::new();
+    for r in 0..ranks {
+        let next = (r + 1) % ranks;
+        for pair in [(r, next), (next, r)] {
+            if pair.0 != pair.1 && !pairs.contains(&pair) {
+                pairs.push(pair);
+            }
+        }
+    }
+    pairs
 }
 
 fn main() {
@@ -57,8 +91,20 @@ fn main() {
         .get(3)
         .map_or(Ok(Schedule::OneFOneB), |s| s.parse())
         .unwrap_or_else(|e| panic!("{e}"));
-    let (env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
+    let name = args.get(4).map_or("smollm2", String::as_str);
+    let (config, seq, batch, checkpointed) = model(name);
+    let seq: usize = args.get(5).and_then(|v| v.parse().ok()).unwrap_or(seq);
+    let batch: usize = args.get(6).and_then(|v| v.parse().ok()).unwrap_or(batch);
+    let (env, mut nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let (rank, ranks) = (env.rank, env.world_size);
+    // PIPE_LINKS=host: messages through the host side channel, to compare.
+    let host_links = std::env::var("PIPE_LINKS").is_ok_and(|v| v == "host");
+    if host_links {
+        eprintln!("PIPE_LINKS=host: activations and gradients travel through the host");
+    } else {
+        nccl.open_links(&neighbour_pairs(ranks))
+            .unwrap_or_else(|e| panic!("opening the pipeline's links: {e}"));
+    }
     schedule
         .check(ranks, micro)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -67,21 +113,22 @@ fn main() {
     // This rank's virtual stages: chunk c is stage c·ranks + rank.
     let mine: Vec<usize> = (0..chunks).map(|c| c * ranks + rank).collect();
     let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
-    let config = smollm2();
     <Cuda as Backend>::seed(&device, 1234);
-    let full = draw_parameters(config.init::<B>(&device));
-    // Each layer weighs its parameters; the embedding and head ride on the ends.
-    let weights: Vec<usize> = (0..config.num_layers)
-        .map(|_| {
-            let (h, f) = (config.hidden_size, config.intermediate_size);
-            let kv = config.num_kv_heads * config.head_dim();
-            2 * h * h + 2 * h * kv + 3 * h * f
-        })
-        .collect();
+    let full =
+        draw_parameters(config.init::<B>(&device)).with_activation_checkpointing(checkpointed);
+    // Each layer weighs its matrix products per token: forward, backward and, checkpointed,
+    // the forward again. The output projection (the tied embedding, about as heavy as several
+    // layers at a large vocabulary) rides on the last layer, so the last stage takes fewer
+    // layers; the embedding lookup costs next to nothing.
+    let passes = if checkpointed { 8 } else { 6 };
+    let (h, f) = (config.hidden_size, config.intermediate_size);
+    let kv = config.num_kv_heads * config.head_dim();
+    let mut weights = vec![(2 * h * h + 2 * h * kv + 3 * h * f) * passes; config.num_layers];
+    *weights.last_mut().expect("a layer") += 6 * h * config.vocab_size;
     let ranges = split(&weights, stages, SplitMethod::Balanced);
     let mut parts: Vec<LlamaStage<B>> = mine
         .iter()
-        .map(|&s| LlamaStage::new(&full, &ranges, s, SEQ).unwrap_or_else(|e| panic!("{e}")))
+        .map(|&s| LlamaStage::new(&full, &ranges, s, seq).unwrap_or_else(|e| panic!("{e}")))
         .collect();
     drop(full);
     let mut optims: Vec<_> = mine
@@ -95,15 +142,20 @@ fn main() {
         })
         .collect();
     let stream = schedule.stream(ranks, micro, rank);
+    let links_open = ranks > 1 && nccl.link((rank + 1) % ranks, Way::To).is_some();
     let comm: &dyn Communicator = &nccl;
+    let client = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(&device);
+    let mut reserved = 0u64;
     let vocab = config.vocab_size;
     let (mut losses, mut times) = (Vec::new(), Vec::new());
     for step in 0..steps {
-        let inputs =
-            |mb: usize| ids_as_input(tokens(step, mb, vocab, &device).slice([0..BATCH, 0..SEQ]));
+        let shape = (batch, seq);
+        let inputs = |mb: usize| {
+            ids_as_input(tokens((step, mb), shape, vocab, &device).slice([0..batch, 0..seq]))
+        };
         let loss = |mb: usize, logits: Tensor<B, 2>| {
-            let targets = tokens(step, mb, vocab, &device).slice([0..BATCH, 1..SEQ + 1]);
-            cross_entropy(logits.reshape([BATCH, SEQ, vocab]), targets)
+            let targets = tokens((step, mb), shape, vocab, &device).slice([0..batch, 1..seq + 1]);
+            cross_entropy(logits.reshape([batch, seq, vocab]), targets)
         };
         let specs: Vec<StageSpec<'_, B>> = mine
             .iter()
@@ -111,8 +163,8 @@ fn main() {
                 stage,
                 stages,
                 micro_batches: micro,
-                rows: if stage == 0 { BATCH } else { BATCH * SEQ },
-                in_features: if stage == 0 { SEQ } else { config.hidden_size },
+                rows: if stage == 0 { batch } else { batch * seq },
+                in_features: if stage == 0 { seq } else { config.hidden_size },
                 inputs: &inputs,
                 loss: &loss,
                 checkpoint: None,
@@ -125,12 +177,20 @@ fn main() {
         <Cuda as Backend>::sync(&device).expect("sync");
         comm.barrier().expect("barrier");
         times.push(start.elapsed().as_secs_f64());
+        reserved = reserved.max(client.memory_usage().map_or(0, |u| u.bytes_reserved));
         parts = next;
         if let Some(l) = l {
             eprintln!("step {step}: loss {l:.5}, {:.3} s", times[step]);
             losses.push(l);
         }
     }
+    // Each GPU's largest memory pool (cubecl's reserved bytes after a step), in rank order.
+    let mut peak = vec![0.0f32; ranks];
+    comm.all_gather(
+        [reserved as f32].as_slice().into(),
+        peak.as_mut_slice().into(),
+    )
+    .expect("gathering the pools' sizes");
     if rank + 1 == ranks {
         // Steps after the first two (kernel compilation and autotuning).
         let mut timed: Vec<f64> = times.iter().skip(2).copied().collect();
@@ -140,10 +200,12 @@ fn main() {
         println!(
             "{}",
             serde_json::json!({"schedule": format!("{schedule:?}"), "gpus": ranks,
-                "stages": stages, "micro_batches": micro, "batch": BATCH,
-                "seq": SEQ, "layers_per_stage": ranges.iter().map(|r| r.len()).collect::<Vec<_>>(),
+                "model": name, "checkpointed_layers": checkpointed,
+                "stages": stages, "micro_batches": micro, "batch": batch,
+                "seq": seq, "layers_per_stage": ranges.iter().map(|r| r.len()).collect::<Vec<_>>(),
+                "device_links": links_open, "peak_gpu_bytes": peak,
                 "losses": losses, "step_times_s": times, "median_step_s": median,
-                "tokens_per_s": median.map(|m| (micro * BATCH * SEQ) as f64 / m),
+                "tokens_per_s": median.map(|m| (micro * batch * seq) as f64 / m),
                 "schedule_bubble_fraction": bubble})
         );
     }

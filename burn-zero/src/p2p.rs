@@ -1,0 +1,243 @@
+//! Float tensors sent to and received from another rank: a pipeline's activations and their
+//! gradients.
+//!
+//! Where the communicator has a one-way link to the peer ([`DeviceCollectives::link`], NCCL's
+//! `NcclComm::open_links`) and the tensor is a CUDA tensor, the message stays in device memory
+//! and the host never waits for the GPU:
+//! - a send raises a flag on burn's stream after the tensor's producers; the link's stream waits
+//!   for it, sends, and signals back. The tensor is held until [`TensorLinks::finish`] has made
+//!   burn's stream wait for every send, so its memory is not reused while NCCL reads it; burn's
+//!   stream does not wait for a send before then (a send completes only when the peer receives,
+//!   and a pipeline's peer receives later in its own order);
+//! - a receive allocates its tensor on burn's stream, raises a flag after it, and makes burn's
+//!   stream wait for the link's stream to have received: what reads the tensor comes after.
+//!
+//! Without a link, the message goes through host memory over the communicator's `send`/`recv`,
+//! as f32. Both ends decide the same way: links are opened in pairs.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+
+#[cfg(feature = "cuda")]
+use crate::comm::Way;
+use crate::comm::{CommError, Communicator};
+#[cfg(feature = "cuda")]
+use crate::comm::{OpKind, OpSignature};
+
+/// The messages of one rank over `comm`, for one span of work (a pipeline's step).
+pub struct TensorLinks<'a> {
+    comm: &'a dyn Communicator,
+    /// Sends on device memory not yet ordered before burn's later work, with their tensors.
+    #[cfg(feature = "cuda")]
+    sent: Vec<(
+        crate::backend::cuda::Fence,
+        crate::backend::cuda::CudaBuffer,
+    )>,
+    device_messages: usize,
+    /// Whether the flag kernels were launched from cubecl's thread yet (see `warm`).
+    #[cfg(feature = "cuda")]
+    warm: bool,
+}
+
+impl<'a> TensorLinks<'a> {
+    /// Messages over `comm`'s links where it has them, its host `send`/`recv` otherwise.
+    pub fn new(comm: &'a dyn Communicator) -> Self {
+        Self {
+            comm,
+            #[cfg(feature = "cuda")]
+            sent: Vec::new(),
+            device_messages: 0,
+            #[cfg(feature = "cuda")]
+            warm: false,
+        }
+    }
+
+    /// Messages that travelled in device memory so far.
+    pub fn device_messages(&self) -> usize {
+        self.device_messages
+    }
+
+    /// Sends `tensor` to `peer`, which receives it with [`TensorLinks::recv`] of the same shape
+    /// and `tensor`'s dtype.
+    pub fn send<I: Backend, const D: usize>(
+        &mut self,
+        tensor: Tensor<I, D>,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        #[cfg(feature = "cuda")]
+        if let Some((link, to)) = self.comm.device().and_then(|d| d.link(peer, Way::To)) {
+            return self.send_on_device(link, to, tensor, peer);
+        }
+        let values = tensor
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32 values");
+        self.comm.send(values.as_slice().into(), peer)
+    }
+
+    /// Receives from `peer` a tensor of `dims` and `dtype` on `device`.
+    pub fn recv<I: Backend, const D: usize>(
+        &mut self,
+        dims: [usize; D],
+        dtype: DType,
+        device: &I::Device,
+        peer: usize,
+    ) -> Result<Tensor<I, D>, CommError> {
+        #[cfg(feature = "cuda")]
+        if let Some((link, from)) = self.comm.device().and_then(|d| d.link(peer, Way::From)) {
+            return self.recv_on_device(link, from, dims, dtype, device, peer);
+        }
+        let mut values = vec![0.0f32; dims.iter().product()];
+        self.comm.recv(values.as_mut_slice().into(), peer)?;
+        let data = TensorData::new(values, dims).convert_dtype(dtype);
+        Ok(Tensor::from_data(data, (device, dtype)))
+    }
+
+    /// Orders burn's stream after every send so far and lets their tensors go. Call it before
+    /// the sent tensors' memory may be reused for long (a step's end); dropping the links does
+    /// it too.
+    pub fn finish(&mut self) -> Result<(), CommError> {
+        #[cfg(feature = "cuda")]
+        {
+            let mut last: Vec<crate::backend::cuda::Fence> = Vec::new();
+            for (fence, _buffer) in self.sent.drain(..) {
+                match last.iter().position(|f| f.covered_by(&fence)) {
+                    Some(i) => last[i] = fence,
+                    None => last.push(fence),
+                }
+            }
+            for fence in last {
+                fence.await_on_compute_stream().map_err(|e| {
+                    CommError::Aborted(format!("ordering burn's stream after a send: {e}"))
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn send_on_device<I: Backend, const D: usize>(
+        &mut self,
+        link: &dyn crate::comm::DeviceCollectives,
+        to: usize,
+        tensor: Tensor<I, D>,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        use crate::backend::cuda::{contiguous_buffer, fence_in_order};
+        let rank = self.comm.rank();
+        let call = OpSignature::new(OpKind::PointToPoint, dtype_of(tensor.dtype()), 0);
+        let invalid = |reason: String| CommError::Invalid { rank, call, reason };
+        if !link.orders_by_flags() {
+            return Err(invalid("the link's stream cannot wait for flags".into()));
+        }
+        let primitive = tensor.into_primitive().tensor();
+        let src = contiguous_buffer(&primitive as &dyn core::any::Any).ok_or_else(|| {
+            invalid(format!(
+                "the link to rank {peer} is on a GPU, the tensor is not a CUDA tensor"
+            ))
+        })?;
+        self.warm(&src, link);
+        let fence = fence_in_order(&primitive as &dyn core::any::Any, &src, channel_of(link))
+            .ok_or_else(|| invalid("burn's stream could not raise a flag for the send".into()))?;
+        let (flag, seq) = fence.ready();
+        // SAFETY: the flags live as long as cubecl's flags; `src` is complete once `ready` is
+        // raised and is held in `sent` until burn's stream waits for `done`.
+        unsafe {
+            link.wait_for_flag(flag, seq)?;
+            let sent = link.send(src.buf, to);
+            let (flag, seq) = fence.done();
+            if let Err(e) = link.raise_flag(flag, seq) {
+                panic!("after a send, the link's stream could not signal burn's: {e}");
+            }
+            sent?;
+        }
+        self.sent.push((fence, src));
+        self.device_messages += 1;
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn recv_on_device<I: Backend, const D: usize>(
+        &mut self,
+        link: &dyn crate::comm::DeviceCollectives,
+        from: usize,
+        dims: [usize; D],
+        dtype: DType,
+        device: &I::Device,
+        peer: usize,
+    ) -> Result<Tensor<I, D>, CommError> {
+        let rank = self.comm.rank();
+        let call = OpSignature::new(OpKind::PointToPoint, dtype_of(dtype), dims.iter().product());
+        let invalid = |reason: String| CommError::Invalid { rank, call, reason };
+        if !link.orders_by_flags() {
+            return Err(invalid("the link's stream cannot wait for flags".into()));
+        }
+        let (dst, fence, primitive) =
+            crate::backend::cuda::ordered_empty::<I>(device, &dims, dtype, channel_of(link))
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "the link from rank {peer} is on a GPU, the device is not a CUDA device"
+                    ))
+                })?;
+        let tensor =
+            Tensor::<I, D>::from_primitive(burn::tensor::TensorPrimitive::Float(primitive));
+        let (flag, seq) = fence.ready();
+        // SAFETY: `dst` is allocated before `ready` is raised and lives in `tensor`; burn's
+        // stream waits for `done` below, before anything it runs later reads or frees it.
+        unsafe {
+            link.wait_for_flag(flag, seq)?;
+            let received = link.recv(dst.buf, from);
+            let (flag, seq) = fence.done();
+            if let Err(e) = link.raise_flag(flag, seq) {
+                panic!("after a receive, the link's stream could not signal burn's: {e}");
+            }
+            received?;
+        }
+        fence.await_on_compute_stream().map_err(|e| {
+            CommError::Aborted(format!("ordering burn's stream after a receive: {e}"))
+        })?;
+        self.device_messages += 1;
+        Ok(tensor)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl TensorLinks<'_> {
+    /// Before the first message: burn's flag kernels launched once from cubecl's own thread,
+    /// which loads them now. A handshake taken in fusion's order launches them later, from
+    /// fusion's thread, while the link's stream may already spin for the flag; under CUDA's
+    /// lazy loading, loading a kernel can wait for the spinning one, which waits for it. The
+    /// flag this raises early is below every number a link waits for afterwards.
+    fn warm(
+        &mut self,
+        buffer: &crate::backend::cuda::CudaBuffer,
+        link: &dyn crate::comm::DeviceCollectives,
+    ) {
+        if !std::mem::replace(&mut self.warm, true) {
+            let _ = crate::backend::cuda::fence_after(buffer, channel_of(link));
+        }
+    }
+}
+
+impl Drop for TensorLinks<'_> {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+/// The flags' channel of a link: one per link stream, named by the link's address (links live
+/// as long as their communicator; a later one at the same address continues its numbers).
+#[cfg(feature = "cuda")]
+fn channel_of(link: &dyn crate::comm::DeviceCollectives) -> u64 {
+    link as *const dyn crate::comm::DeviceCollectives as *const () as u64
+}
+
+#[cfg(feature = "cuda")]
+fn dtype_of(dtype: DType) -> crate::comm::DType {
+    match dtype {
+        DType::BF16 => crate::comm::DType::Bf16,
+        DType::F16 => crate::comm::DType::F16,
+        _ => crate::comm::DType::F32,
+    }
+}
