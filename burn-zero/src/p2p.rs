@@ -9,8 +9,13 @@
 //!   burn's stream wait for every send, so its memory is not reused while NCCL reads it; burn's
 //!   stream does not wait for a send before then (a send completes only when the peer receives,
 //!   and a pipeline's peer receives later in its own order);
-//! - a receive allocates its tensor on burn's stream, raises a flag after it, and makes burn's
+//! - a receive allocates its tensor on burn's stream from cubecl's thread and registers it with
+//!   fusion (as the engine's collectives do: a receive into a tensor made by fusion's `empty`
+//!   did not land in the memory later reads used), raises a flag after it, and makes burn's
 //!   stream wait for the link's stream to have received: what reads the tensor comes after.
+//!
+//! Behind fusion, the handshakes and the waits are taken on fusion's thread after its queue has
+//! run, so they land on burn's stream after every operation registered before them.
 //!
 //! Without a link, the message goes through host memory over the communicator's `send`/`recv`,
 //! as f32. Both ends decide the same way: links are opened in pairs.
@@ -100,18 +105,16 @@ impl<'a> TensorLinks<'a> {
     pub fn finish(&mut self) -> Result<(), CommError> {
         #[cfg(feature = "cuda")]
         {
-            let mut last: Vec<crate::backend::cuda::Fence> = Vec::new();
-            for (fence, _buffer) in self.sent.drain(..) {
-                match last.iter().position(|f| f.covered_by(&fence)) {
-                    Some(i) => last[i] = fence,
-                    None => last.push(fence),
-                }
-            }
-            for fence in last {
-                fence.await_on_compute_stream().map_err(|e| {
-                    CommError::Aborted(format!("ordering burn's stream after a send: {e}"))
-                })?;
-            }
+            let (fences, buffers): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut self.sent).into_iter().unzip();
+            crate::backend::cuda::await_fences(fences).map_err(|e| {
+                CommError::Aborted(format!("ordering burn's stream after a send: {e}"))
+            })?;
+            // Released only now that burn's stream waits for the sends: the pool hands their
+            // memory to burn's stream again at once, and the wait above first runs whatever
+            // fusion had queued (a step's optimizer, which allocates). Released before it, a
+            // large message still on its way to the peer could be overwritten by that step.
+            drop(buffers);
         }
         Ok(())
     }

@@ -31,6 +31,21 @@ pub(crate) struct CudaBuffer {
     pub(crate) _keep: CubeTensor<CudaRuntime>,
 }
 
+impl CudaBuffer {
+    /// The buffer of a contiguous view, all its elements.
+    fn of(view: CudaView) -> Self {
+        let len = view.shape.iter().product();
+        Self {
+            buf: DeviceBuf {
+                ptr: view.ptr,
+                len,
+                dtype: view.dtype,
+            },
+            _keep: view.keep,
+        }
+    }
+}
+
 /// A CUDA float tensor's memory with its layout (strided views included).
 pub(crate) struct CudaView {
     /// Address of the element at index 0.
@@ -50,15 +65,7 @@ pub(crate) fn cuda_buffer<I: Backend>(tensor: &I::FloatTensorPrimitive) -> Optio
     if !view.keep.is_contiguous() {
         return None;
     }
-    let len = view.shape.iter().product();
-    Some(CudaBuffer {
-        buf: DeviceBuf {
-            ptr: view.ptr,
-            len,
-            dtype: view.dtype,
-        },
-        _keep: view.keep,
-    })
+    Some(CudaBuffer::of(view))
 }
 
 /// The memory and layout of `tensor` if it is a CUDA float tensor of f32, bf16 or f16,
@@ -270,6 +277,20 @@ impl Fence {
     }
 }
 
+/// Makes burn's stream wait for every fence of `fences` (in issue order): per stream and
+/// channel only the last one, whose handshake covers the earlier ones.
+pub(crate) fn await_fences(fences: impl IntoIterator<Item = Fence>) -> Result<(), String> {
+    let mut last: Vec<Fence> = Vec::new();
+    for fence in fences {
+        match last.iter().position(|f| f.covered_by(&fence)) {
+            Some(i) => last[i] = fence,
+            None => last.push(fence),
+        }
+    }
+    last.into_iter()
+        .try_for_each(Fence::await_on_compute_stream)
+}
+
 /// For a device collective on `input`'s memory ordered by flags, on `channel`: allocates its
 /// output of `len` elements on burn's stream and raises `ready` there after everything queued
 /// before (one blocking visit to cubecl's thread, no device wait). `None` if it cannot.
@@ -286,15 +307,7 @@ pub(crate) fn ordered_output(
         let out = CubeTensor::new_contiguous(client.clone(), device, [len].into(), handle, dtype);
         let view = view_of(out)?;
         let handshake = stream_order::begin(&client, ordinal, channel)?;
-        let output = CudaBuffer {
-            buf: DeviceBuf {
-                ptr: view.ptr,
-                len,
-                dtype: view.dtype,
-            },
-            _keep: view.keep,
-        };
-        Some((output, handshake))
+        Some((CudaBuffer::of(view), handshake))
     });
     let (output, handshake) = outcome.ok().flatten()?;
     let fence = Fence {
@@ -313,24 +326,14 @@ pub(crate) fn ordered_output(
 /// for other backends and dtypes NCCL does not move.
 pub(crate) fn contiguous_buffer(any: &dyn Any) -> Option<CudaBuffer> {
     let cube = cube_tensor_of(any)?;
-    // The copy is launched in fusion's order, after the kernels that computed the view (a
-    // launch from this thread could reach burn's stream before them and copy stale memory:
-    // a transposed gradient, such as a tied output projection's, was sent wrong that way).
+    // The copy is launched on fusion's thread after its queue for this stream has run, as the
+    // handshake that follows it is (`fence_in_order`).
     let cube = match (cube.is_contiguous(), fusion_client_of(any)) {
         (true, _) => cube,
         (false, Some(fusion)) => fusion.sync(move || burn_cubecl::kernel::into_contiguous(cube)),
         (false, None) => burn_cubecl::kernel::into_contiguous(cube),
     };
-    let view = view_of(cube)?;
-    let len = view.shape.iter().product();
-    Some(CudaBuffer {
-        buf: DeviceBuf {
-            ptr: view.ptr,
-            len,
-            dtype: view.dtype,
-        },
-        _keep: view.keep,
-    })
+    view_of(cube).map(CudaBuffer::of)
 }
 
 /// A handshake on `buffer`'s device for the foreign stream of `channel`, raised on burn's
@@ -357,11 +360,11 @@ pub(crate) fn fence_after(buffer: &CudaBuffer, channel: u64) -> Option<Fence> {
 /// burn's stream raises `ready` after everything queued before, and the fence's wait goes
 /// into burn's stream the same way.
 ///
-/// Behind fusion, that order is fusion's: its thread hands the kernels it ran to cubecl
-/// without waiting, so a flag raised from this thread could reach burn's stream before the
-/// kernels that computed the tensor (a pipeline's receiver then read the memory before the
-/// activation was written). The handshake is taken on fusion's thread instead, after its
-/// queue for this stream has run (one blocking visit, no device wait). `None` if it cannot.
+/// Behind fusion, that order is fusion's: the handshake is taken on fusion's thread after its
+/// queue for this stream has run (one blocking visit, no device wait), and so is the wait, which
+/// then lands on burn's stream after every operation registered before it. A wait launched from
+/// this thread could land ahead of operations fusion has not run yet and hold them back behind
+/// a message that may depend on them (a pipeline's next receive). `None` if it cannot.
 pub(crate) fn fence_in_order(any: &dyn Any, buffer: &CudaBuffer, channel: u64) -> Option<Fence> {
     let cube = &buffer._keep;
     let (client, ordinal) = (cube.client.clone(), cube.device.index);
@@ -423,14 +426,7 @@ pub(crate) fn ordered_empty<I: Backend>(
     });
     let (view, handshake) = outcome.ok().flatten()?;
     let cube = view.keep.clone();
-    let buffer = CudaBuffer {
-        buf: DeviceBuf {
-            ptr: view.ptr,
-            len,
-            dtype: view.dtype,
-        },
-        _keep: view.keep,
-    };
+    let buffer = CudaBuffer::of(view);
     // The primitive `I` holds: cubecl's tensor, fusion's, or either inside `ZeroTensor`.
     type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
     let want = core::any::TypeId::of::<I::FloatTensorPrimitive>();

@@ -208,19 +208,9 @@ impl<I: Backend> FlatComm<I> {
     #[cfg(feature = "cuda")]
     fn await_fences(&mut self, upto: Ticket) -> Result<(), CommError> {
         let split = self.fences.partition_point(|(t, _)| *t <= upto);
-        let mut last: Vec<crate::backend::cuda::Fence> = Vec::new();
-        for (_, fence) in self.fences.drain(..split) {
-            match last.iter().position(|f| f.covered_by(&fence)) {
-                Some(i) => last[i] = fence,
-                None => last.push(fence),
-            }
-        }
-        for fence in last {
-            fence.await_on_compute_stream().map_err(|e| {
-                CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}"))
-            })?;
-        }
-        Ok(())
+        let fences = self.fences.drain(..split).map(|(_, fence)| fence);
+        crate::backend::cuda::await_fences(fences)
+            .map_err(|e| CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}")))
     }
 
     fn output_len(&self, op: Op, len: usize) -> usize {
