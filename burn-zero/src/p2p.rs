@@ -129,7 +129,7 @@ impl<'a> TensorLinks<'a> {
     ) -> Result<(), CommError> {
         use crate::backend::cuda::{contiguous_buffer, fence_in_order};
         let rank = self.comm.rank();
-        let call = OpSignature::new(OpKind::PointToPoint, dtype_of(tensor.dtype()), 0);
+        let call = OpSignature::new(OpKind::PointToPoint, wire_dtype(tensor.dtype()), 0);
         let invalid = |reason: String| CommError::Invalid { rank, call, reason };
         if !link.orders_by_flags() {
             return Err(invalid("the link's stream cannot wait for flags".into()));
@@ -171,7 +171,11 @@ impl<'a> TensorLinks<'a> {
         peer: usize,
     ) -> Result<Tensor<I, D>, CommError> {
         let rank = self.comm.rank();
-        let call = OpSignature::new(OpKind::PointToPoint, dtype_of(dtype), dims.iter().product());
+        let call = OpSignature::new(
+            OpKind::PointToPoint,
+            wire_dtype(dtype),
+            dims.iter().product(),
+        );
         let invalid = |reason: String| CommError::Invalid { rank, call, reason };
         if !link.orders_by_flags() {
             return Err(invalid("the link's stream cannot wait for flags".into()));
@@ -236,11 +240,9 @@ fn channel_of(link: &dyn crate::comm::DeviceCollectives) -> u64 {
     link as *const dyn crate::comm::DeviceCollectives as *const () as u64
 }
 
+/// A message's element type in its signature (f32 for dtypes NCCL does not move: the call
+/// fails on them before the signature matters).
 #[cfg(feature = "cuda")]
-fn dtype_of(dtype: DType) -> crate::comm::DType {
-    match dtype {
-        DType::BF16 => crate::comm::DType::Bf16,
-        DType::F16 => crate::comm::DType::F16,
-        _ => crate::comm::DType::F32,
-    }
+fn wire_dtype(dtype: DType) -> crate::comm::DType {
+    crate::backend::cuda::comm_dtype(dtype).unwrap_or(crate::comm::DType::F32)
 }

@@ -146,15 +146,20 @@ pub(crate) fn fused_from_cube(
         .expect("an init operation has one output")
 }
 
+/// The communicators' element type of a burn float dtype NCCL moves.
+pub(crate) fn comm_dtype(dtype: BurnDType) -> Option<DType> {
+    match dtype {
+        BurnDType::F32 => Some(DType::F32),
+        BurnDType::BF16 => Some(DType::Bf16),
+        BurnDType::F16 => Some(DType::F16),
+        _ => None,
+    }
+}
+
 /// The layout of a cubecl CUDA tensor of f32, bf16 or f16, its address left 0: what can be
 /// decided about a product without a call into cubecl.
 pub(crate) fn layout_of(cube: &CubeTensor<CudaRuntime>) -> Option<CudaView> {
-    let dtype = match cube.dtype {
-        BurnDType::F32 => DType::F32,
-        BurnDType::BF16 => DType::Bf16,
-        BurnDType::F16 => DType::F16,
-        _ => return None,
-    };
+    let dtype = comm_dtype(cube.dtype)?;
     Some(CudaView {
         ptr: 0,
         shape: cube.meta.shape().iter().copied().collect(),
@@ -300,16 +305,29 @@ pub(crate) fn ordered_output(
     channel: u64,
 ) -> Option<(CudaBuffer, Fence)> {
     let cube = &input._keep;
-    let (client, device, dtype) = (cube.client.clone(), cube.device.clone(), cube.dtype);
+    ordered_alloc(&cube.device, &[len], cube.dtype, channel)
+}
+
+/// A contiguous buffer of `shape` and `dtype` on `device`, allocated on burn's stream and a flag
+/// raised there after it, both from cubecl's thread (one blocking visit, no device wait).
+fn ordered_alloc(
+    device: &cubecl::cuda::CudaDevice,
+    shape: &[usize],
+    dtype: BurnDType,
+    channel: u64,
+) -> Option<(CudaBuffer, Fence)> {
+    let client = <CudaRuntime as cubecl::Runtime>::client(device);
     let ordinal = device.index;
+    let len: usize = shape.iter().product();
     let outcome = client.exclusive(|| {
-        let handle = client.empty(len * dtype.size());
-        let out = CubeTensor::new_contiguous(client.clone(), device, [len].into(), handle, dtype);
+        let handle = client.empty(len.max(1) * dtype.size());
+        let out =
+            CubeTensor::new_contiguous(client.clone(), device.clone(), shape.into(), handle, dtype);
         let view = view_of(out)?;
         let handshake = stream_order::begin(&client, ordinal, channel)?;
         Some((CudaBuffer::of(view), handshake))
     });
-    let (output, handshake) = outcome.ok().flatten()?;
+    let (buffer, handshake) = outcome.ok().flatten()?;
     let fence = Fence {
         client,
         ordinal,
@@ -317,7 +335,7 @@ pub(crate) fn ordered_output(
         handshake,
         fusion: None,
     };
-    Some((output, fence))
+    Some((buffer, fence))
 }
 
 /// The memory of the CUDA float tensor `any` (any backend's primitive, as [`cube_tensor_of`]
@@ -410,27 +428,13 @@ pub(crate) fn ordered_empty<I: Backend>(
     channel: u64,
 ) -> Option<(CudaBuffer, Fence, I::FloatTensorPrimitive)> {
     type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
-    let cuda = (device as &dyn Any)
-        .downcast_ref::<cubecl::cuda::CudaDevice>()?
-        .clone();
-    let client = <CudaRuntime as cubecl::Runtime>::client(&cuda);
-    let len: usize = shape.iter().product();
-    let ordinal = cuda.index;
-    let outcome = client.exclusive(|| {
-        let handle = client.empty(len.max(1) * dtype.size());
-        let out =
-            CubeTensor::new_contiguous(client.clone(), cuda.clone(), shape.into(), handle, dtype);
-        let view = view_of(out)?;
-        let handshake = stream_order::begin(&client, ordinal, channel)?;
-        Some((view, handshake))
-    });
-    let (view, handshake) = outcome.ok().flatten()?;
-    let cube = view.keep.clone();
-    let buffer = CudaBuffer::of(view);
+    let cuda = (device as &dyn Any).downcast_ref::<cubecl::cuda::CudaDevice>()?;
+    let (buffer, mut fence) = ordered_alloc(cuda, shape, dtype, channel)?;
+    let cube = buffer._keep.clone();
     // The primitive `I` holds: cubecl's tensor, fusion's, or either inside `ZeroTensor`.
     type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
     let want = core::any::TypeId::of::<I::FloatTensorPrimitive>();
-    let fused = || fused_from_cube(&burn_fusion::get_client::<Cube>(&cuda), cube.clone());
+    let fused = || fused_from_cube(&burn_fusion::get_client::<Cube>(cuda), cube.clone());
     let boxed: Box<dyn Any> = if want == core::any::TypeId::of::<CubeTensor<CudaRuntime>>() {
         Box::new(cube.clone())
     } else if want == core::any::TypeId::of::<Fused>() {
@@ -443,14 +447,6 @@ pub(crate) fn ordered_empty<I: Backend>(
         return None;
     };
     let primitive = *boxed.downcast::<I::FloatTensorPrimitive>().ok()?;
-    let any = &primitive as &dyn Any;
-    let fusion = fusion_client_of(any);
-    let fence = Fence {
-        client,
-        ordinal,
-        stream: StreamId::current(),
-        handshake,
-        fusion,
-    };
+    fence.fusion = fusion_client_of(&primitive as &dyn Any);
     Some((buffer, fence, primitive))
 }

@@ -593,35 +593,6 @@ impl NcclComm {
         unsafe { self.device_collective(Raw::ReduceScatter(reduce), i, o, false, true) }
     }
 
-    /// Sends a device buffer to `peer` (enqueued; see [`DeviceCollectives::send`]).
-    pub fn send_device<T: NcclType + CommElement>(
-        &self,
-        buf: &CudaSlice<T>,
-        peer: usize,
-    ) -> Result<(), CommError> {
-        // SAFETY: `buf` is a live allocation on this device, borrowed for the call.
-        unsafe { self.device_p2p(Raw::Send(peer), self.slice_buf(buf)) }
-    }
-
-    /// Receives a device buffer from `peer` (enqueued).
-    pub fn recv_device<T: NcclType + CommElement>(
-        &self,
-        buf: &mut CudaSlice<T>,
-        peer: usize,
-    ) -> Result<(), CommError> {
-        // SAFETY: `buf` is a live allocation on this device, borrowed for the call.
-        unsafe { self.device_p2p(Raw::Recv(peer), self.slice_buf(buf)) }
-    }
-
-    /// The one-way communicator to or from `peer` ([`NcclComm::open_links`]) and `peer`'s rank
-    /// in it.
-    pub fn link_comm(&self, peer: usize, way: Way) -> Option<(&NcclComm, usize)> {
-        self.links
-            .iter()
-            .find(|l| l.peer == peer && l.way == way)
-            .map(|l| (&l.comm, l.peer_in_link))
-    }
-
     /// Exchanges `call`'s signature with every rank over the side channel. A rank that does
     /// not come in time is named, with this rank's record of its device collectives.
     fn check(&self, call: OpSignature) -> Result<(), CommError> {
