@@ -25,10 +25,12 @@ import json, re, sys
 kind, path = sys.argv[1], sys.argv[2]
 pipe, data, model = map(int, sys.argv[3:6])
 def floats(s): return [float(v) for v in s.strip().strip("[]").split(",") if v.strip()]
-ranks = {}
+ranks, times = {}, {}
 for line in open("/tmp/3d.out"):
     m = re.search(r"LOSSES (\[[^\]]*\]) (\[.*\])", line)
     if m: ranks[m.group(1)] = floats(m.group(2))
+    m = re.search(r"STEP_S (\[[^\]]*\]) (\[.*\])", line)
+    if m: times[m.group(1)] = floats(m.group(2))
 ref = None
 for line in open("/tmp/ref.out"):
     if line.startswith("REFERENCE "): ref = floats(line[len("REFERENCE "):])
@@ -39,6 +41,14 @@ result = {"device": kind, "commit": open(".gpu/commit").read().split(),
 if ref and ranks:
     result["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for l in ranks.values() for a, b in zip(l, ref))
     result["all_steps_reported"] = all(len(l) == len(ref) for l in ranks.values()) and len(ranks) == data * model
+if times:
+    # Steps after the first two (kernel compilation and autotuning), the slowest rank's.
+    slowest = [max(t[i] for t in times.values()) for i in range(min(map(len, times.values())))]
+    timed = sorted(slowest[2:]) or sorted(slowest)
+    median = timed[len(timed) // 2]
+    tokens = data * 4 * 4 * 256  # every data shard's 4 micro-batches of 4 sequences of 256
+    result.update({"step_times_s": slowest, "median_step_s": median,
+                   "tokens_per_s": tokens / median, "tokens_per_s_per_gpu": tokens / median / (pipe * data * model)})
 json.dump(result, open(path, "w"), indent=1)
 print(json.dumps({k: v for k, v in result.items() if k != "last_stage_ranks_pipe_data_model"}))
 PY

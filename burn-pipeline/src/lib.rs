@@ -35,7 +35,7 @@ pub use tensor_parallel::{
     ColumnParallelLinear, ModelGroup, ModelParallelBackend, RowParallelLinear,
     VocabParallelEmbedding, copy_to_group, reduce_from_group, vocab_parallel_cross_entropy,
 };
-pub use topology::Topology;
+pub use topology::{Topology, pipeline_links};
 pub use weight_split::WeightSplit;
 
 #[cfg(test)]

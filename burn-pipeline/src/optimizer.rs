@@ -106,11 +106,7 @@ where
         data: Option<&dyn Communicator>,
     ) -> Result<GradientsParams, CommError> {
         match data {
-            Some(data) if data.world_size() > 1 => {
-                let mut flat = flatten_grads(module, &grads, 0);
-                data.all_reduce(flat.as_mut_slice().into(), ReduceOp::Avg)?;
-                Ok(unflatten_grads(module, grads, &flat))
-            }
+            Some(data) if data.world_size() > 1 => average_grads(module, grads, data),
             _ => Ok(grads),
         }
     }
@@ -123,6 +119,47 @@ where
         _: Option<&dyn Communicator>,
     ) -> Result<M, CommError> {
         Ok(self.0.step(lr, module, grads))
+    }
+}
+
+/// Each parameter's gradient averaged over `data`, one collective per parameter in visiting
+/// order (in device memory on NCCL, [`burn_zero::collective`]); a parameter without a
+/// gradient takes part with zeros, so every rank makes the same calls, and stays without one.
+fn average_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: GradientsParams,
+    data: &dyn Communicator,
+) -> Result<GradientsParams, CommError> {
+    struct Average<'a> {
+        grads: GradientsParams,
+        data: &'a dyn Communicator,
+        failed: Option<CommError>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Average<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.failed.is_some() {
+                return;
+            }
+            let (grad, had) = match self.grads.remove::<B::InnerBackend, D>(param.id) {
+                Some(g) => (g, true),
+                None => (param.val().inner().zeros_like(), false),
+            };
+            match burn_zero::collective::all_reduce(self.data, grad, ReduceOp::Avg) {
+                Ok(g) if had => self.grads.register(param.id, g),
+                Ok(_) => {}
+                Err(e) => self.failed = Some(e),
+            }
+        }
+    }
+    let mut average = Average {
+        grads,
+        data,
+        failed: None,
+    };
+    module.visit(&mut average);
+    match average.failed {
+        Some(e) => Err(e),
+        None => Ok(average.grads),
     }
 }
 
@@ -155,42 +192,6 @@ fn flatten_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     module.visit(&mut collect);
     collect.flat.extend(std::iter::repeat_n(0.0, pad));
     collect.flat
-}
-
-/// `grads` with each parameter's gradient replaced by its piece of `flat`.
-fn unflatten_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
-    module: &M,
-    grads: GradientsParams,
-    flat: &[f32],
-) -> GradientsParams {
-    struct Write<'a> {
-        grads: GradientsParams,
-        flat: &'a [f32],
-        offset: usize,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Write<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let shape = param.shape();
-            let n = shape.num_elements();
-            let values = self.flat[self.offset..self.offset + n].to_vec();
-            self.offset += n;
-            if self.grads.remove::<B::InnerBackend, D>(param.id).is_some() {
-                let device = param.val().device();
-                let g = Tensor::<B::InnerBackend, D>::from_data(
-                    TensorData::new(values, shape),
-                    &device,
-                );
-                self.grads.register(param.id, g);
-            }
-        }
-    }
-    let mut write = Write {
-        grads,
-        flat,
-        offset: 0,
-    };
-    module.visit(&mut write);
-    write.grads
 }
 
 /// `module` with every float parameter replaced by its piece of `flat` (new leaves, same ids

@@ -114,24 +114,17 @@ pub fn gather_along<B: Backend>(
     Ok(if dim == 0 { full } else { full.transpose() })
 }
 
-/// `x` reduced element-wise over the group through f32 host buffers, in its own dtype.
+/// `x` reduced element-wise over the group, in its own dtype (in device memory on NCCL,
+/// [`burn_zero::collective`]).
 fn reduce_over<B: Backend>(x: FloatTensor<B>, group: &ModelGroup, op: ReduceOp) -> FloatTensor<B> {
-    let (shape, dtype) = (x.shape(), x.dtype());
-    let device = B::float_device(&x);
+    let shape = x.shape();
     let n = shape.num_elements();
     let flat = B::float_reshape(x, Shape::new([n]));
     let flat = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(flat));
-    let mut values: Vec<f32> = flat
-        .into_data()
-        .convert::<f32>()
-        .into_vec()
-        .expect("f32 values");
-    if let Err(e) = group.0.all_reduce(values.as_mut_slice().into(), op) {
-        panic!("model-parallel all-reduce ({op:?}, {n} elements) failed: {e}");
+    match burn_zero::collective::all_reduce(group.0.as_ref(), flat, op) {
+        Ok(reduced) => B::float_reshape(reduced.into_primitive().tensor(), shape),
+        Err(e) => panic!("model-parallel all-reduce ({op:?}, {n} elements) failed: {e}"),
     }
-    let data = TensorData::new(values, [n]).convert_dtype(dtype);
-    let back = Tensor::<B, 1>::from_data(data, (&device, dtype));
-    B::float_reshape(back.into_primitive().tensor(), shape)
 }
 
 /// Backends that run the two model-parallel ops inside their autodiff graph.

@@ -120,9 +120,15 @@ impl Topology {
         groups
     }
 
-    /// This rank's communicator along `axis`: a [`SubComm`] of `world` (the whole grid's
-    /// communicator) over this rank's group of [`Topology::groups`], ranked by the axis.
-    pub fn axis_comm(&self, world: Arc<dyn Communicator>, axis: &str) -> Result<SubComm, String> {
+    /// This rank's communicator along `axis`, over its group of [`Topology::groups`] ranked
+    /// by the axis: split from `world` (the whole grid's communicator) where it splits (NCCL:
+    /// a communicator of the GPUs' own, [`Communicator::split_group`]), else a [`SubComm`] of
+    /// it. Collective over `world`: every rank asks for the same axes in the same order.
+    pub fn axis_comm(
+        &self,
+        world: Arc<dyn Communicator>,
+        axis: &str,
+    ) -> Result<Box<dyn Communicator>, String> {
         if world.world_size() != self.world_size() {
             return Err(format!(
                 "a grid of {} ranks ({:?} = {:?}) over a communicator of {}",
@@ -132,8 +138,23 @@ impl Topology {
                 world.world_size()
             ));
         }
-        let (group, _) = self.group_of(world.rank(), axis);
-        SubComm::new(world, group)
+        let rank = world.rank();
+        let groups = self.groups(axis);
+        let color = groups
+            .iter()
+            .position(|g| g.contains(&rank))
+            .expect("every rank is in one group per axis");
+        let place = self.coord_along(rank, axis);
+        let color = u32::try_from(color).map_err(|_| format!("{color} groups along `{axis}`"))?;
+        match world.split_group(Some(color), place) {
+            Some(split) => split
+                .map_err(|e| format!("splitting the `{axis}` axis: {e}"))?
+                .ok_or_else(|| format!("rank {rank} is in no group along `{axis}`")),
+            None => Ok(Box::new(SubComm::new(
+                world,
+                groups.into_iter().nth(color as usize).expect("found above"),
+            )?)),
+        }
     }
 
     /// The group along `axis` that holds `rank`, and `rank`'s place in it.
@@ -146,6 +167,22 @@ impl Topology {
         let place = self.coord_along(rank, axis);
         (group, place)
     }
+}
+
+/// A pipeline's neighbouring pairs of ranks, both ways, and the last rank's link to the first
+/// (an interleaved schedule's wrap-around and a tied matrix's gradients travel there): what
+/// [`Communicator::open_links`] opens on a pipeline's communicator of `ranks` ranks.
+pub fn pipeline_links(ranks: usize) -> Vec<(usize, usize)> {
+    let mut pairs = Vec::new();
+    for r in 0..ranks {
+        let next = (r + 1) % ranks;
+        for pair in [(r, next), (next, r)] {
+            if pair.0 != pair.1 && !pairs.contains(&pair) {
+                pairs.push(pair);
+            }
+        }
+    }
+    pairs
 }
 
 #[cfg(test)]
@@ -214,5 +251,16 @@ mod tests {
     #[should_panic(expected = "no axis `tensor`")]
     fn unknown_axes_are_named() {
         Topology::pipe_data_model(1, 2, 1).groups("tensor");
+    }
+
+    #[test]
+    fn pipeline_links_join_neighbours_both_ways_and_wrap_around() {
+        assert!(pipeline_links(1).is_empty());
+        assert_eq!(pipeline_links(2), vec![(0, 1), (1, 0)]);
+        let four = pipeline_links(4);
+        assert_eq!(four.len(), 8);
+        for r in 0..4 {
+            assert!(four.contains(&(r, (r + 1) % 4)) && four.contains(&((r + 1) % 4, r)));
+        }
     }
 }

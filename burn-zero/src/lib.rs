@@ -15,6 +15,7 @@
 pub mod attention;
 pub mod backend;
 pub mod checkpoint;
+pub mod collective;
 pub mod comm;
 pub mod config;
 pub mod dist;

@@ -4,9 +4,11 @@
 //! Where the communicator has a one-way link to the peer ([`DeviceCollectives::link`], NCCL's
 //! `NcclComm::open_links`) and the tensor is a CUDA tensor, the message stays in device memory
 //! and the host never waits for the GPU:
-//! - a send raises a flag on burn's stream after the tensor's producers; the link's stream waits
-//!   for it, sends, and signals back. The tensor is held until [`TensorLinks::finish`] has made
-//!   burn's stream wait for every send, so its memory is not reused while NCCL reads it; burn's
+//! - a send copies the tensor into memory of its own (`staged_copy`: sending the tensor's own
+//!   memory gave wrong updates, see there) and raises a flag on burn's stream after the copy;
+//!   the link's stream waits for it, sends, and signals back. The copy is held until
+//!   [`TensorLinks::finish`] has made burn's stream wait for every send, so its memory is not
+//!   reused while NCCL reads it; burn's
 //!   stream does not wait for a send before then (a send completes only when the peer receives,
 //!   and a pipeline's peer receives later in its own order);
 //! - a receive allocates its tensor on burn's stream from cubecl's thread and registers it with
@@ -127,7 +129,7 @@ impl<'a> TensorLinks<'a> {
         tensor: Tensor<I, D>,
         peer: usize,
     ) -> Result<(), CommError> {
-        use crate::backend::cuda::{contiguous_buffer, fence_in_order};
+        use crate::backend::cuda::{fence_in_order, staged_copy};
         let rank = self.comm.rank();
         let call = OpSignature::new(OpKind::PointToPoint, wire_dtype(tensor.dtype()), 0);
         let invalid = |reason: String| CommError::Invalid { rank, call, reason };
@@ -135,14 +137,18 @@ impl<'a> TensorLinks<'a> {
             return Err(invalid("the link's stream cannot wait for flags".into()));
         }
         let primitive = tensor.into_primitive().tensor();
-        let src = contiguous_buffer(&primitive as &dyn core::any::Any).ok_or_else(|| {
+        let src = staged_copy(&primitive as &dyn core::any::Any).ok_or_else(|| {
             invalid(format!(
                 "the link to rank {peer} is on a GPU, the tensor is not a CUDA tensor"
             ))
         })?;
         self.warm(&src, link);
-        let fence = fence_in_order(&primitive as &dyn core::any::Any, &src, channel_of(link))
-            .ok_or_else(|| invalid("burn's stream could not raise a flag for the send".into()))?;
+        let fence = fence_in_order(
+            &primitive as &dyn core::any::Any,
+            &src,
+            crate::backend::cuda::channel_of(link),
+        )
+        .ok_or_else(|| invalid("burn's stream could not raise a flag for the send".into()))?;
         let (flag, seq) = fence.ready();
         // SAFETY: the flags live as long as cubecl's flags; `src` is complete once `ready` is
         // raised and is held in `sent` until burn's stream waits for `done`.
@@ -180,13 +186,17 @@ impl<'a> TensorLinks<'a> {
         if !link.orders_by_flags() {
             return Err(invalid("the link's stream cannot wait for flags".into()));
         }
-        let (dst, fence, primitive) =
-            crate::backend::cuda::ordered_empty::<I>(device, &dims, dtype, channel_of(link))
-                .ok_or_else(|| {
-                    invalid(format!(
-                        "the link from rank {peer} is on a GPU, the device is not a CUDA device"
-                    ))
-                })?;
+        let (dst, fence, primitive) = crate::backend::cuda::ordered_empty::<I>(
+            device,
+            &dims,
+            dtype,
+            crate::backend::cuda::channel_of(link),
+        )
+        .ok_or_else(|| {
+            invalid(format!(
+                "the link from rank {peer} is on a GPU, the device is not a CUDA device"
+            ))
+        })?;
         let tensor =
             Tensor::<I, D>::from_primitive(burn::tensor::TensorPrimitive::Float(primitive));
         let (flag, seq) = fence.ready();
@@ -222,7 +232,8 @@ impl TensorLinks<'_> {
         link: &dyn crate::comm::DeviceCollectives,
     ) {
         if !std::mem::replace(&mut self.warm, true) {
-            let _ = crate::backend::cuda::fence_after(buffer, channel_of(link));
+            let _ =
+                crate::backend::cuda::fence_after(buffer, crate::backend::cuda::channel_of(link));
         }
     }
 }
@@ -231,13 +242,6 @@ impl Drop for TensorLinks<'_> {
     fn drop(&mut self) {
         let _ = self.finish();
     }
-}
-
-/// The flags' channel of a link: one per link stream, named by the link's address (links live
-/// as long as their communicator; a later one at the same address continues its numbers).
-#[cfg(feature = "cuda")]
-fn channel_of(link: &dyn crate::comm::DeviceCollectives) -> u64 {
-    link as *const dyn crate::comm::DeviceCollectives as *const () as u64
 }
 
 /// A message's element type in its signature (f32 for dtypes NCCL does not move: the call

@@ -11,7 +11,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn_pipeline::{
     ModelGroup, ModelParallelBackend, Replicated, Schedule, SplitMethod, StageSpec, Topology,
-    run_step, split, vocab_parallel_cross_entropy,
+    pipeline_links, run_step, split, vocab_parallel_cross_entropy,
 };
 use burn_zero::comm::{CommError, Communicator, ReduceOp};
 use burn_zero_llm::LlamaConfig;
@@ -81,21 +81,22 @@ impl Run3d {
     }
 
     /// This rank's part of the 3D run over `world` (the grid's size): its coordinates (pipe,
-    /// data, model) and, on the last stage, each step's loss over the whole batch (averaged
-    /// over the data axis).
+    /// data, model), on the last stage each step's loss over the whole batch (averaged over
+    /// the data axis), and each step's time in seconds (to the device's end of it).
     pub fn rank<B: AutodiffBackend + ModelParallelBackend>(
         &self,
         world: Arc<dyn Communicator>,
         device: &B::Device,
-    ) -> Result<([usize; 3], Vec<f32>), String> {
+    ) -> Result<RankRun, String> {
         let [pipes, shards, parts] = self.grid;
         let topo = Topology::pipe_data_model(pipes, shards, parts);
         let rank = world.rank();
         let at = |axis| topo.coord_along(rank, axis);
         let (stage, shard) = (at("pipe"), at("data"));
         let axis = |name| topo.axis_comm(world.clone(), name);
-        let (pipe, data) = (axis("pipe")?, axis("data")?);
-        let group = ModelGroup::new(Arc::new(axis("model")?));
+        let (mut pipe, data) = (axis("pipe")?, axis("data")?);
+        pipe.open_links(&pipeline_links(pipes))?;
+        let group = ModelGroup::new(Arc::from(axis("model")?));
         // The decoder layers are alike: balanced by parameters is balanced by count.
         let weights = vec![1; self.config.num_layers];
         let layers = split(&weights, pipes, SplitMethod::Balanced);
@@ -106,8 +107,9 @@ impl Run3d {
         let mut optim = Replicated(AdamConfig::new().init::<B, ParallelLlamaStage<B>>());
         let stream = self.schedule.stream(pipes, self.micro, stage);
         let (batch, seq) = (self.batch, self.seq);
-        let mut losses = Vec::new();
+        let (mut losses, mut times) = (Vec::new(), Vec::new());
         for step in 0..self.steps {
+            let start = std::time::Instant::now();
             let tokens = self.tokens::<B>(step, device);
             let rows = |mb: usize| {
                 let start = (shard * self.micro + mb) * batch;
@@ -140,17 +142,34 @@ impl Run3d {
                 self.lr,
                 &stream,
                 &spec,
-                &pipe,
-                Some(&data),
+                pipe.as_ref(),
+                Some(data.as_ref()),
             )
             .map_err(|e| format!("step {step}: {e}"))?;
             module = next;
+            B::sync(device).map_err(|e| format!("step {step}: {e:?}"))?;
+            times.push(start.elapsed().as_secs_f64());
             if let Some(l) = l {
-                losses.push(mean_over(&data, l).map_err(|e| format!("step {step}: {e}"))?);
+                losses.push(mean_over(data.as_ref(), l).map_err(|e| format!("step {step}: {e}"))?);
             }
         }
-        Ok(([stage, shard, at("model")], losses))
+        Ok(RankRun {
+            coords: [stage, shard, at("model")],
+            losses,
+            step_s: times,
+        })
     }
+}
+
+/// What one rank of a 3D run reports.
+#[derive(Clone, Debug)]
+pub struct RankRun {
+    /// Its coordinates: pipe, data, model.
+    pub coords: [usize; 3],
+    /// On the last stage, each step's loss over the whole batch; elsewhere empty.
+    pub losses: Vec<f32>,
+    /// Each step's time in seconds, to the device's end of it.
+    pub step_s: Vec<f64>,
 }
 
 /// `value` averaged over `comm`'s ranks.

@@ -29,8 +29,8 @@ const BATCH: usize = 2;
 const SEQ: usize = 6;
 const LR: f64 = 3e-3;
 
-fn config(tied: bool) -> LlamaConfig {
-    LlamaConfig::new(24, 16, 20, 4, 4, 2).with_tie_embeddings(tied)
+fn config(tied: bool, layers: usize) -> LlamaConfig {
+    LlamaConfig::new(24, 16, 20, layers, 4, 2).with_tie_embeddings(tied)
 }
 
 /// Step `step`'s tokens `[MICRO·BATCH, SEQ + 1]`.
@@ -69,6 +69,8 @@ struct Options {
     zero2: bool,
     /// Checkpoint every decoder layer (in the reference too).
     checkpointed: bool,
+    /// Decoder layers beyond the default 4 (a split over more virtual stages).
+    more_layers: usize,
 }
 
 /// burn's Adam with PyTorch's ε (what burn-zero's Adam uses).
@@ -83,9 +85,10 @@ fn schedule_matches(bounds: &[usize], tied: bool, schedule: Schedule, options: O
     let Options {
         zero2,
         checkpointed,
+        more_layers,
     } = options;
     let device = Default::default();
-    let full = draw_parameters(config(tied).init::<B>(&device))
+    let full = draw_parameters(config(tied, 4 + more_layers).init::<B>(&device))
         .with_activation_checkpointing(checkpointed);
     let mut reference = full.clone();
     let mut optim = adam().init();
@@ -238,7 +241,7 @@ fn checkpointed_layers_in_stages_match_the_unsplit_llama() {
 #[test]
 fn bad_bounds_are_refused() {
     let device = Default::default();
-    let model = config(false).init::<B>(&device);
+    let model = config(false, 4).init::<B>(&device);
     for stages in [
         ranges(&[0, 3]),
         ranges(&[1, 4]),
@@ -250,4 +253,18 @@ fn bad_bounds_are_refused() {
     }
     let err = LlamaStage::new(&model, &ranges(&[0, 4]), 1, SEQ).unwrap_err();
     assert!(err.contains("no stage 1"), "{err}");
+}
+
+/// Interleaved 1F1B over 4 ranks × 2 chunks (the 3B's layout on 4 GPUs: the wrap-around from
+/// rank 3 to rank 0 carries both a chunk boundary and the tied table's gradient), tied and
+/// checkpointed, 8 layers one per virtual stage.
+#[test]
+fn interleaved_over_four_ranks_matches_the_unsplit_llama() {
+    let options = Options {
+        checkpointed: true,
+        more_layers: 4,
+        ..Options::default()
+    };
+    let interleaved = Schedule::Interleaved { chunks: 2 };
+    schedule_matches(&[0, 1, 2, 3, 4, 5, 6, 7, 8], true, interleaved, options);
 }

@@ -143,7 +143,7 @@ fn three_d(checkpoint: impl Fn(&ModelGroup) -> Option<Checkpointing> + Sync) {
         let world: Arc<dyn Communicator> = Arc::new(ctx.comm);
         let axis = |name| topo.axis_comm(world.clone(), name).unwrap();
         let (pipe, data) = (axis("pipe"), axis("data"));
-        let model: Arc<dyn Communicator> = Arc::new(axis("model"));
+        let model: Arc<dyn Communicator> = Arc::from(axis("model"));
         let group = ModelGroup::new(model);
         let ckpt = checkpoint(&group);
         let full = Block::new(stage, &device);
@@ -172,8 +172,16 @@ fn three_d(checkpoint: impl Fn(&ModelGroup) -> Option<Checkpointing> + Sync) {
                 loss: &loss,
                 checkpoint: ckpt.as_ref(),
             };
-            let (next, l) =
-                run_step(block, &mut optim, LR, &stream, &spec, &pipe, Some(&data)).unwrap();
+            let (next, l) = run_step(
+                block,
+                &mut optim,
+                LR,
+                &stream,
+                &spec,
+                pipe.as_ref(),
+                Some(data.as_ref()),
+            )
+            .unwrap();
             block = next;
             losses.extend(l);
         }

@@ -352,8 +352,8 @@ fn pipe_by_data<O: StageOptimizer<B, Pair<B>>>(schedule: Schedule, make: impl Fn
                 lr(step),
                 &stream,
                 &spec,
-                &pipe,
-                Some(&data),
+                pipe.as_ref(),
+                Some(data.as_ref()),
             )
             .unwrap();
             pair = next;

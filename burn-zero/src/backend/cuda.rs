@@ -114,17 +114,28 @@ pub(crate) fn cube_tensor_of(any: &dyn Any) -> Option<CubeTensor<CudaRuntime>> {
 }
 
 /// `cube` as a primitive of the same backend as `like` (a cubecl CUDA tensor, or one behind
-/// burn's fusion, registered there without waiting for fusion's thread).
+/// burn's fusion, registered there without waiting for fusion's thread; either inside
+/// `ZeroTensor`).
 pub(crate) fn from_cube<I: Backend>(
     like: &I::FloatTensorPrimitive,
     cube: CubeTensor<CudaRuntime>,
 ) -> Option<I::FloatTensorPrimitive> {
+    type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+    type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
     let any = like as &dyn Any;
     let out: Box<dyn Any> = if any.is::<CubeTensor<CudaRuntime>>() {
         Box::new(cube)
-    } else {
-        let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
+    } else if let Some(fused) = any.downcast_ref::<Fused>() {
         Box::new(fused_from_cube(&fused.client, cube))
+    } else if any.is::<ZeroTensor<Cube>>() {
+        Box::new(ZeroTensor::<Cube>::local(cube))
+    } else if any.is::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+        let client = burn_fusion::get_client::<Cube>(&cube.device);
+        Box::new(ZeroTensor::<burn_fusion::Fusion<Cube>>::local(
+            fused_from_cube(&client, cube),
+        ))
+    } else {
+        return None;
     };
     out.downcast::<I::FloatTensorPrimitive>().ok().map(|b| *b)
 }
@@ -338,18 +349,33 @@ fn ordered_alloc(
     Some((buffer, fence))
 }
 
-/// The memory of the CUDA float tensor `any` (any backend's primitive, as [`cube_tensor_of`]
-/// takes it), made contiguous by a copy on burn's stream when it is a strided view (the copy
-/// is held by the buffer). `None`
-/// for other backends and dtypes NCCL does not move.
-pub(crate) fn contiguous_buffer(any: &dyn Any) -> Option<CudaBuffer> {
+/// The flags' channel of a communicator's stream (a link's, or one borrowed for a few calls),
+/// named by its address: it lives as long as its owner, and a later one at the same address
+/// continues its numbers.
+pub(crate) fn channel_of(comm: &dyn crate::comm::DeviceCollectives) -> u64 {
+    comm as *const dyn crate::comm::DeviceCollectives as *const () as u64
+}
+
+/// A copy of the CUDA float tensor `any` (any backend's primitive, as [`cube_tensor_of`] takes
+/// it) in fresh contiguous memory that only the returned buffer holds, made on burn's stream
+/// in fusion's order (the copy is launched on fusion's thread after its queue for this stream
+/// has run, as the handshake that follows it is, [`fence_in_order`]). `None` for other
+/// backends and dtypes NCCL does not move.
+///
+/// A pipeline's sends read this copy, not the tensor's own memory: sending the tensor's own
+/// memory gave a 3B Llama with checkpointed layers wrong 1F1B updates on 2 H100s while the
+/// same run with a copy, or with the host waiting for the device before each send, matched
+/// one GPU (the cause inside burn's or cubecl's ordering of that memory is not isolated).
+pub(crate) fn staged_copy(any: &dyn Any) -> Option<CudaBuffer> {
     let cube = cube_tensor_of(any)?;
-    // The copy is launched on fusion's thread after its queue for this stream has run, as the
-    // handshake that follows it is (`fence_in_order`).
-    let cube = match (cube.is_contiguous(), fusion_client_of(any)) {
-        (true, _) => cube,
-        (false, Some(fusion)) => fusion.sync(move || burn_cubecl::kernel::into_contiguous(cube)),
-        (false, None) => burn_cubecl::kernel::into_contiguous(cube),
+    let copy = move || {
+        let (client, device, dtype) = (cube.client.clone(), cube.device.clone(), cube.dtype);
+        let output = cubecl::std::tensor::into_contiguous(&client, cube.binding(), dtype.into());
+        CubeTensor::new(client, output.handle, *output.metadata, device, dtype)
+    };
+    let cube = match fusion_client_of(any) {
+        Some(fusion) => fusion.sync(copy),
+        None => copy(),
     };
     view_of(cube).map(CudaBuffer::of)
 }

@@ -342,6 +342,27 @@ pub trait Communicator: Send + Sync {
     fn device(&self) -> Option<&dyn DeviceCollectives> {
         None
     }
+    /// The ranks passing the same `color` as a communicator of their own on this one's
+    /// transport, ranked by `key` (NCCL: `ncclCommSplit`, with its own stream); a rank passing
+    /// `None` takes part and joins none. Collective: every rank calls it, in the same order as
+    /// its other calls. `None`: this kind of communicator does not split, and a caller builds
+    /// a [`crate::comm::SubComm`] over it instead.
+    #[allow(clippy::type_complexity)]
+    fn split_group(
+        &self,
+        color: Option<u32>,
+        key: usize,
+    ) -> Option<Result<Option<Box<dyn Communicator>>, String>> {
+        let _ = (color, key);
+        None
+    }
+    /// One-way device links between each `(from, to)` pair of ranks, for
+    /// [`DeviceCollectives::link`] (NCCL: a two-rank communicator per pair). Collective. A
+    /// communicator without device memory keeps its host `send`/`recv` and ignores it.
+    fn open_links(&mut self, pairs: &[(usize, usize)]) -> Result<(), String> {
+        let _ = pairs;
+        Ok(())
+    }
     /// How long this rank's calls wait for the others before they fail with a timeout (and,
     /// on a device, before the watchdog ends the process); `burn_zero.comm_timeout_s`.
     fn set_timeout(&self, timeout: Duration);

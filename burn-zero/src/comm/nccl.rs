@@ -758,6 +758,19 @@ impl Communicator for NcclComm {
         self.rank
     }
 
+    fn split_group(
+        &self,
+        color: Option<u32>,
+        key: usize,
+    ) -> Option<Result<Option<Box<dyn Communicator>>, String>> {
+        let child = NcclComm::split(self, color, key);
+        Some(child.map(|c| c.map(|c| Box::new(c) as Box<dyn Communicator>)))
+    }
+
+    fn open_links(&mut self, pairs: &[(usize, usize)]) -> Result<(), String> {
+        NcclComm::open_links(self, pairs)
+    }
+
     fn set_timeout(&self, timeout: std::time::Duration) {
         if let Some(checker) = &self.checker {
             Exchange::set_timeout(checker, timeout);

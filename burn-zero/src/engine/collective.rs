@@ -39,9 +39,27 @@ enum Op {
     Broadcast(usize),
 }
 
+/// How a [`FlatComm`] holds its communicator: owned by the engine, or borrowed for one call
+/// ([`crate::collective`]).
+pub(crate) trait CommRef {
+    fn get(&self) -> &dyn Communicator;
+}
+
+impl CommRef for Arc<dyn Communicator> {
+    fn get(&self) -> &dyn Communicator {
+        self.as_ref()
+    }
+}
+
+impl CommRef for &dyn Communicator {
+    fn get(&self) -> &dyn Communicator {
+        *self
+    }
+}
+
 /// The engine's collectives on flat tensors of `I`.
-pub(crate) struct FlatComm<I: Backend> {
-    comm: Arc<dyn Communicator>,
+pub(crate) struct FlatComm<I: Backend, C: CommRef = Arc<dyn Communicator>> {
+    comm: C,
     device: I::Device,
     /// Whether device collectives return before NCCL finished (`overlap_comm`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -71,16 +89,11 @@ pub(crate) struct FlatComm<I: Backend> {
     pub(crate) device_calls: usize,
 }
 
-impl<I: Backend> FlatComm<I> {
+impl<I: Backend, C: CommRef> FlatComm<I, C> {
     /// Collectives of `comm` on `device`'s tensors; `overlap`: a device collective is not
     /// waited for until [`FlatComm::wait`]; `host_only`: through host memory even where
     /// `comm` could use device memory (`burn_zero.host_collectives`).
-    pub(crate) fn new(
-        comm: Arc<dyn Communicator>,
-        device: I::Device,
-        overlap: bool,
-        host_only: bool,
-    ) -> Self {
+    pub(crate) fn new(comm: C, device: I::Device, overlap: bool, host_only: bool) -> Self {
         Self {
             comm,
             device,
@@ -102,7 +115,16 @@ impl<I: Backend> FlatComm<I> {
     }
 
     pub(crate) fn comm(&self) -> &dyn Communicator {
-        self.comm.as_ref()
+        self.comm.get()
+    }
+
+    /// The flags' channel of this communicator's stream, instead of a new one: a communicator
+    /// borrowed for a few calls names its stream by its address, so its numbers continue
+    /// ([`crate::backend::cuda::channel_of`]) and no flags are allocated per call.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn on_channel(mut self, channel: u64) -> Self {
+        self.channel = channel;
+        self
     }
 
     pub(crate) fn device(&self) -> &I::Device {
@@ -172,7 +194,7 @@ impl<I: Backend> FlatComm<I> {
         if !self.in_flight.is_empty() {
             self.await_fences(Ticket::MAX)?;
             if std::mem::take(&mut self.host_wait)
-                && let Some(device) = self.comm.device()
+                && let Some(device) = self.comm.get().device()
             {
                 device.synchronize()?;
             }
@@ -214,7 +236,7 @@ impl<I: Backend> FlatComm<I> {
     }
 
     fn output_len(&self, op: Op, len: usize) -> usize {
-        let world = self.comm.world_size();
+        let world = self.comm.get().world_size();
         match op {
             Op::AllReduce(_) | Op::Broadcast(_) => len,
             Op::ReduceScatter(_) => len / world,
@@ -237,7 +259,7 @@ impl<I: Backend> FlatComm<I> {
         self.last_ticket = None;
         // One rank: every collective returns its input (a one-rank NCCL call would still copy
         // the buffer and order two streams around it).
-        if self.comm.world_size() == 1 {
+        if self.comm.get().world_size() == 1 {
             return Ok(input);
         }
         #[cfg(feature = "cuda")]
@@ -260,7 +282,7 @@ impl<I: Backend> FlatComm<I> {
             .into_vec::<f32>()
             .expect("f32 values");
         let n = self.output_len(op, values.len());
-        let comm = self.comm.as_ref();
+        let comm = self.comm.get();
         let values = match op {
             Op::AllReduce(reduce) => {
                 comm.all_reduce(values.as_mut_slice().into(), reduce)?;
@@ -299,7 +321,7 @@ impl<I: Backend> FlatComm<I> {
         pieces: &[usize],
     ) -> Result<Option<Tensor<I, 1>>, CommError> {
         use crate::backend::cuda::{cuda_buffer, from_cube, ordered_output};
-        let Some(device) = self.comm.device().filter(|_| !self.host_only) else {
+        let Some(device) = self.comm.get().device().filter(|_| !self.host_only) else {
             return Ok(None);
         };
         let primitive = input.clone().into_primitive().tensor();
@@ -339,7 +361,7 @@ impl<I: Backend> FlatComm<I> {
                 Op::AllReduce(reduce) => device.all_reduce(src.buf, dst.buf, reduce),
                 Op::ReduceScatter(reduce) => device.reduce_scatter(src.buf, dst.buf, reduce),
                 Op::AllGather if pieces.len() > 1 => {
-                    let world = self.comm.world_size();
+                    let world = self.comm.get().world_size();
                     device.all_gather_group(&piece_pairs(src.buf, dst.buf, pieces, world))
                 }
                 Op::AllGather => device.all_gather(src.buf, dst.buf),

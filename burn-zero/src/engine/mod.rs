@@ -11,7 +11,7 @@
 //!   sharded; `memory`, `profile`, `precision`, `params`, `device_failure`: the rest.
 
 mod checkpoint;
-mod collective;
+pub(crate) mod collective;
 mod construct;
 mod device_failure;
 #[allow(clippy::module_inception)]

@@ -3,11 +3,15 @@
 //! compared step by step. Stage boundaries balance the layers' parameters; activations and
 //! gradients travel in device memory over NCCL links between neighbouring GPUs.
 //!   burn-zero run --nproc-per-node N -- bench-pipeline [STEPS] [MICRO_BATCHES] [SCHEDULE]
-//!       [MODEL] [SEQ] [BATCH]
+//!       [MODEL] [SEQ] [BATCH] [DATA]
 //! MODEL: `smollm2` (default: SmolLM2-135M's shape, 30 layers, hidden 576, vocabulary 49152,
 //! sequence 256, batch 4) or `3b` (Llama-3.2-3B's shape: 28 layers, hidden 3072, 24 heads, 8
 //! key/value heads, vocabulary 128256, tied embeddings; sequence 2048, batch 1, each decoder
-//! layer checkpointed). SEQ and BATCH override the model's defaults.
+//! layer checkpointed). SEQ and BATCH override the model's defaults. DATA (default 1): data
+//! parallel copies of the pipeline (N = pipeline stages × DATA ranks, pipe × data as
+//! DeepSpeed lays them out); copy `d` trains micro-batches `d·MICRO..(d+1)·MICRO` of the step,
+//! so one GPU with MICRO × DATA micro-batches trains the same. Gradients are averaged over the
+//! data axis on its own NCCL communicator.
 //! PIPE_LINKS=host sends them through the launcher's host side channel instead (to compare).
 //! SCHEDULE: `1f1b` (default), `gpipe`, `interleaved:V` (V chunks per GPU) or `zb-h1`. The
 //! rank holding the last stage prints one JSON line: losses, step times, and the bubble the
@@ -20,8 +24,12 @@ use burn::backend::Cuda;
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_pipeline::{Replicated, Schedule, SplitMethod, StageSpec, run_chunks, split};
-use burn_zero::comm::{Communicator, DeviceCollectives, Way};
+use std::sync::Arc;
+
+use burn_pipeline::{
+    Replicated, Schedule, SplitMethod, StageSpec, Topology, pipeline_links, run_chunks, split,
+};
+use burn_zero::comm::{Communicator, ReduceOp, Way};
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::ZeroAutodiff;
 use burn_zero_llm::LlamaConfig;
@@ -68,21 +76,6 @@ fn tokens(
     Tensor::from_data(TensorData::new(ids, [batch, seq + 1]), device)
 }
 
-/// The pipeline's neighbouring pairs of ranks, both ways, and the last rank's link to the
-/// first (an interleaved schedule's wrap-around and a tied matrix's gradients travel there).
-fn neighbour_pairs(ranks: usize) -> Vec<(usize, usize)> {
-    let mut pairs = Vec::new();
-    for r in 0..ranks {
-        let next = (r + 1) % ranks;
-        for pair in [(r, next), (next, r)] {
-            if pair.0 != pair.1 && !pairs.contains(&pair) {
-                pairs.push(pair);
-            }
-        }
-    }
-    pairs
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let steps: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(8);
@@ -95,14 +88,28 @@ fn main() {
     let (config, seq, batch, checkpointed) = model(name);
     let seq: usize = args.get(5).and_then(|v| v.parse().ok()).unwrap_or(seq);
     let batch: usize = args.get(6).and_then(|v| v.parse().ok()).unwrap_or(batch);
-    let (env, mut nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
-    let (rank, ranks) = (env.rank, env.world_size);
+    let copies: usize = args.get(7).and_then(|v| v.parse().ok()).unwrap_or(1);
+    let (env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        copies > 0 && env.world_size % copies == 0,
+        "DATA = {copies} does not divide {} ranks",
+        env.world_size
+    );
+    let topo = Topology::pipe_data_model(env.world_size / copies, copies, 1);
+    let world: Arc<dyn Communicator> = Arc::new(nccl);
+    let axis = |name| {
+        topo.axis_comm(world.clone(), name)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let (mut pipe, data) = (axis("pipe"), axis("data"));
+    let (rank, ranks) = (pipe.rank(), pipe.world_size());
+    let shard = data.rank();
     // PIPE_LINKS=host: messages through the host side channel, to compare.
     let host_links = std::env::var("PIPE_LINKS").is_ok_and(|v| v == "host");
     if host_links {
         eprintln!("PIPE_LINKS=host: activations and gradients travel through the host");
     } else {
-        nccl.open_links(&neighbour_pairs(ranks))
+        pipe.open_links(&pipeline_links(ranks))
             .unwrap_or_else(|e| panic!("opening the pipeline's links: {e}"));
     }
     schedule
@@ -142,8 +149,13 @@ fn main() {
         })
         .collect();
     let stream = schedule.stream(ranks, micro, rank);
-    let links_open = ranks > 1 && nccl.link((rank + 1) % ranks, Way::To).is_some();
-    let comm: &dyn Communicator = &nccl;
+    let links_open = ranks > 1
+        && pipe
+            .device()
+            .and_then(|d| d.link((rank + 1) % ranks, Way::To))
+            .is_some();
+    let comm: &dyn Communicator = pipe.as_ref();
+    let data_axis = (copies > 1).then_some(data.as_ref());
     let client = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(&device);
     let mut reserved = 0u64;
     let vocab = config.vocab_size;
@@ -151,9 +163,11 @@ fn main() {
     for step in 0..steps {
         let shape = (batch, seq);
         let inputs = |mb: usize| {
+            let mb = shard * micro + mb;
             ids_as_input(tokens((step, mb), shape, vocab, &device).slice([0..batch, 0..seq]))
         };
         let loss = |mb: usize, logits: Tensor<B, 2>| {
+            let mb = shard * micro + mb;
             let targets = tokens((step, mb), shape, vocab, &device).slice([0..batch, 1..seq + 1]);
             cross_entropy(logits.reshape([batch, seq, vocab]), targets)
         };
@@ -172,26 +186,32 @@ fn main() {
             .collect();
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
-        let (next, l) = run_chunks(parts, &mut optims, LR, &stream, &specs, comm, None)
+        let (next, l) = run_chunks(parts, &mut optims, LR, &stream, &specs, comm, data_axis)
             .unwrap_or_else(|e| panic!("step {step}: {e}"));
         <Cuda as Backend>::sync(&device).expect("sync");
-        comm.barrier().expect("barrier");
+        world.barrier().expect("barrier");
         times.push(start.elapsed().as_secs_f64());
         reserved = reserved.max(client.memory_usage().map_or(0, |u| u.bytes_reserved));
         parts = next;
-        if let Some(l) = l {
+        if let Some(mut l) = l {
+            // The whole step's loss: every copy's micro-batches.
+            let mut mean = [l];
+            data.all_reduce(mean.as_mut_slice().into(), ReduceOp::Avg)
+                .expect("averaging the loss over the data axis");
+            l = mean[0];
             eprintln!("step {step}: loss {l:.5}, {:.3} s", times[step]);
             losses.push(l);
         }
     }
     // Each GPU's largest memory pool (cubecl's reserved bytes after a step), in rank order.
-    let mut peak = vec![0.0f32; ranks];
-    comm.all_gather(
-        [reserved as f32].as_slice().into(),
-        peak.as_mut_slice().into(),
-    )
-    .expect("gathering the pools' sizes");
-    if rank + 1 == ranks {
+    let mut peak = vec![0.0f32; world.world_size()];
+    world
+        .all_gather(
+            [reserved as f32].as_slice().into(),
+            peak.as_mut_slice().into(),
+        )
+        .expect("gathering the pools' sizes");
+    if rank + 1 == ranks && shard == 0 {
         // Steps after the first two (kernel compilation and autotuning).
         let mut timed: Vec<f64> = times.iter().skip(2).copied().collect();
         timed.sort_by(f64::total_cmp);
@@ -199,13 +219,14 @@ fn main() {
         let bubble = schedule.bubble(ranks, micro);
         println!(
             "{}",
-            serde_json::json!({"schedule": format!("{schedule:?}"), "gpus": ranks,
+            serde_json::json!({"schedule": format!("{schedule:?}"), "gpus": world.world_size(),
+                "pipeline_stages_per_copy": ranks, "data_copies": copies,
                 "model": name, "checkpointed_layers": checkpointed,
                 "stages": stages, "micro_batches": micro, "batch": batch,
                 "seq": seq, "layers_per_stage": ranges.iter().map(|r| r.len()).collect::<Vec<_>>(),
                 "device_links": links_open, "peak_gpu_bytes": peak,
                 "losses": losses, "step_times_s": times, "median_step_s": median,
-                "tokens_per_s": median.map(|m| (micro * batch * seq) as f64 / m),
+                "tokens_per_s": median.map(|m| (copies * micro * batch * seq) as f64 / m),
                 "schedule_bubble_fraction": bubble})
         );
     }

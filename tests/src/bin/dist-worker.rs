@@ -194,11 +194,16 @@ where
     B: burn::tensor::backend::AutodiffBackend + burn_pipeline::ModelParallelBackend,
 {
     let start = std::time::Instant::now();
-    let (coords, losses) = run
+    let llama_3d::RankRun {
+        coords,
+        losses,
+        step_s: times,
+    } = run
         .rank::<B>(world, &device)
         .unwrap_or_else(|e| panic!("{e}"));
     if !losses.is_empty() {
         println!("LOSSES {coords:?} {losses:?}");
+        println!("STEP_S {coords:?} {times:?}");
     }
     eprintln!(
         "{coords:?}: {} steps in {:.1} s",

@@ -155,8 +155,8 @@ fn train_rank<I: Backend>(
         return train::<I, _>(model, comms, &job, device, Ok);
     }
     let topo = Topology::pipe_data_model(1, world.world_size() / mp, mp);
-    let data: Arc<dyn Communicator> = Arc::new(topo.axis_comm(world.clone(), "data")?);
-    let group = ModelGroup::new(Arc::new(topo.axis_comm(world.clone(), "model")?));
+    let data: Arc<dyn Communicator> = Arc::from(topo.axis_comm(world.clone(), "data")?);
+    let group = ModelGroup::new(Arc::from(topo.axis_comm(world.clone(), "model")?));
     let job = job(data.as_ref(), Some(format!("mp_rank_{:02}", group.rank())));
     let sliced = ParallelLlama::slice(&model, group)?;
     // The whole model's shape, which the trained slices are put back into.
