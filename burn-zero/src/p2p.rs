@@ -149,18 +149,9 @@ impl<'a> TensorLinks<'a> {
             crate::backend::cuda::channel_of(link),
         )
         .ok_or_else(|| invalid("burn's stream could not raise a flag for the send".into()))?;
-        let (flag, seq) = fence.ready();
-        // SAFETY: the flags live as long as cubecl's flags; `src` is complete once `ready` is
-        // raised and is held in `sent` until burn's stream waits for `done`.
-        unsafe {
-            link.wait_for_flag(flag, seq)?;
-            let sent = link.send(src.buf, to);
-            let (flag, seq) = fence.done();
-            if let Err(e) = link.raise_flag(flag, seq) {
-                panic!("after a send, the link's stream could not signal burn's: {e}");
-            }
-            sent?;
-        }
+        // SAFETY: `src` is complete once `ready` is raised and is held in `sent` until burn's
+        // stream waits for `done`.
+        unsafe { between_flags(link, &fence, "send", || link.send(src.buf, to))? };
         self.sent.push((fence, src));
         self.device_messages += 1;
         Ok(())
@@ -199,18 +190,9 @@ impl<'a> TensorLinks<'a> {
         })?;
         let tensor =
             Tensor::<I, D>::from_primitive(burn::tensor::TensorPrimitive::Float(primitive));
-        let (flag, seq) = fence.ready();
         // SAFETY: `dst` is allocated before `ready` is raised and lives in `tensor`; burn's
         // stream waits for `done` below, before anything it runs later reads or frees it.
-        unsafe {
-            link.wait_for_flag(flag, seq)?;
-            let received = link.recv(dst.buf, from);
-            let (flag, seq) = fence.done();
-            if let Err(e) = link.raise_flag(flag, seq) {
-                panic!("after a receive, the link's stream could not signal burn's: {e}");
-            }
-            received?;
-        }
+        unsafe { between_flags(link, &fence, "receive", || link.recv(dst.buf, from))? };
         fence.await_on_compute_stream().map_err(|e| {
             CommError::Aborted(format!("ordering burn's stream after a receive: {e}"))
         })?;
@@ -236,6 +218,31 @@ impl TensorLinks<'_> {
                 crate::backend::cuda::fence_after(buffer, crate::backend::cuda::channel_of(link));
         }
     }
+}
+
+/// `message` on the link's stream between `fence`'s flags: after burn's stream raised `ready`,
+/// and `done` raised after it, even when it failed (burn's stream may be told to wait for it).
+///
+/// # Safety
+/// The buffers `message` reads or writes are live and complete when `ready` is raised, and stay
+/// so until burn's stream has waited for `done`.
+#[cfg(feature = "cuda")]
+unsafe fn between_flags(
+    link: &dyn crate::comm::DeviceCollectives,
+    fence: &crate::backend::cuda::Fence,
+    what: &str,
+    message: impl FnOnce() -> Result<(), CommError>,
+) -> Result<(), CommError> {
+    let (flag, seq) = fence.ready();
+    // SAFETY: the flags live as long as cubecl's flags.
+    unsafe { link.wait_for_flag(flag, seq)? };
+    let outcome = message();
+    let (flag, seq) = fence.done();
+    // SAFETY: as for `ready`.
+    if let Err(e) = unsafe { link.raise_flag(flag, seq) } {
+        panic!("after a {what}, the link's stream could not signal burn's: {e}");
+    }
+    outcome
 }
 
 impl Drop for TensorLinks<'_> {

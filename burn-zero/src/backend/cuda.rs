@@ -120,24 +120,35 @@ pub(crate) fn from_cube<I: Backend>(
     like: &I::FloatTensorPrimitive,
     cube: CubeTensor<CudaRuntime>,
 ) -> Option<I::FloatTensorPrimitive> {
+    cube_as::<I>(cube, fusion_client_of(like as &dyn Any))
+}
+
+/// `cube` as the float primitive `I` holds: cubecl's tensor, fusion's (registered with `fusion`,
+/// or the device's fusion client when `None`), or either inside `ZeroTensor`. `None` for other
+/// backends.
+fn cube_as<I: Backend>(
+    cube: CubeTensor<CudaRuntime>,
+    fusion: Option<FusionClient>,
+) -> Option<I::FloatTensorPrimitive> {
     type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
     type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
-    let any = like as &dyn Any;
-    let out: Box<dyn Any> = if any.is::<CubeTensor<CudaRuntime>>() {
+    let want = core::any::TypeId::of::<I::FloatTensorPrimitive>();
+    let fused = |cube: CubeTensor<CudaRuntime>| {
+        let client = fusion.unwrap_or_else(|| burn_fusion::get_client::<Cube>(&cube.device));
+        fused_from_cube(&client, cube)
+    };
+    let boxed: Box<dyn Any> = if want == core::any::TypeId::of::<CubeTensor<CudaRuntime>>() {
         Box::new(cube)
-    } else if let Some(fused) = any.downcast_ref::<Fused>() {
-        Box::new(fused_from_cube(&fused.client, cube))
-    } else if any.is::<ZeroTensor<Cube>>() {
+    } else if want == core::any::TypeId::of::<Fused>() {
+        Box::new(fused(cube))
+    } else if want == core::any::TypeId::of::<ZeroTensor<Cube>>() {
         Box::new(ZeroTensor::<Cube>::local(cube))
-    } else if any.is::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
-        let client = burn_fusion::get_client::<Cube>(&cube.device);
-        Box::new(ZeroTensor::<burn_fusion::Fusion<Cube>>::local(
-            fused_from_cube(&client, cube),
-        ))
+    } else if want == core::any::TypeId::of::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+        Box::new(ZeroTensor::<burn_fusion::Fusion<Cube>>::local(fused(cube)))
     } else {
         return None;
     };
-    out.downcast::<I::FloatTensorPrimitive>().ok().map(|b| *b)
+    boxed.downcast::<I::FloatTensorPrimitive>().ok().map(|b| *b)
 }
 
 /// `cube` registered with fusion's `client` as a new tensor (no wait for fusion's thread).
@@ -453,26 +464,9 @@ pub(crate) fn ordered_empty<I: Backend>(
     dtype: BurnDType,
     channel: u64,
 ) -> Option<(CudaBuffer, Fence, I::FloatTensorPrimitive)> {
-    type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
     let cuda = (device as &dyn Any).downcast_ref::<cubecl::cuda::CudaDevice>()?;
     let (buffer, mut fence) = ordered_alloc(cuda, shape, dtype, channel)?;
-    let cube = buffer._keep.clone();
-    // The primitive `I` holds: cubecl's tensor, fusion's, or either inside `ZeroTensor`.
-    type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
-    let want = core::any::TypeId::of::<I::FloatTensorPrimitive>();
-    let fused = || fused_from_cube(&burn_fusion::get_client::<Cube>(cuda), cube.clone());
-    let boxed: Box<dyn Any> = if want == core::any::TypeId::of::<CubeTensor<CudaRuntime>>() {
-        Box::new(cube.clone())
-    } else if want == core::any::TypeId::of::<Fused>() {
-        Box::new(fused())
-    } else if want == core::any::TypeId::of::<ZeroTensor<Cube>>() {
-        Box::new(ZeroTensor::<Cube>::local(cube.clone()))
-    } else if want == core::any::TypeId::of::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
-        Box::new(ZeroTensor::<burn_fusion::Fusion<Cube>>::local(fused()))
-    } else {
-        return None;
-    };
-    let primitive = *boxed.downcast::<I::FloatTensorPrimitive>().ok()?;
+    let primitive = cube_as::<I>(buffer._keep.clone(), None)?;
     fence.fusion = fusion_client_of(&primitive as &dyn Any);
     Some((buffer, fence, primitive))
 }
