@@ -39,6 +39,9 @@ pub struct NcclComm {
     watchdog: Watchdog,
     /// One-way communicators to and from other ranks ([`NcclComm::open_links`]).
     links: Vec<Link>,
+    /// Whether a first span of messages has gone through the host
+    /// ([`DeviceCollectives::links_ready`]).
+    links_ready: std::sync::atomic::AtomicBool,
 }
 
 /// A one-way communicator of two ranks: this rank and `peer`, messages going `way`.
@@ -254,6 +257,7 @@ impl NcclComm {
             checker,
             watchdog,
             links: Vec::new(),
+            links_ready: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -718,6 +722,15 @@ impl DeviceCollectives for NcclComm {
         self.stream
             .synchronize()
             .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e:?}", self.rank)))
+    }
+
+    fn links_ready(&self) -> bool {
+        self.links_ready.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn set_links_ready(&self) {
+        self.links_ready
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     fn orders_by_flags(&self) -> bool {

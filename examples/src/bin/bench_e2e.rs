@@ -17,7 +17,8 @@
 //! (`stage3_prefetch_bucket_size`, default 5e7) and `--loss-rows N` (tokens per chunk of the
 //! chunked loss, default 2,048) and `--deterministic 0|1` (`burn_zero.deterministic`) and
 //! `--ckpt DIR --save-at N` (an engine checkpoint into DIR after step N) and `--resume DIR`
-//! (start from DIR's latest checkpoint, at the step it names). Rank 0 prints one JSON line:
+//! (start from DIR's latest checkpoint, at the step it names) and `--precision bf16|fp32`
+//! (default bf16; fp32 drops the config's bf16 section). Rank 0 prints one JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
@@ -176,6 +177,13 @@ fn main() {
     // about half a 3B decoder layer; a layer or two ahead lets each batch of gathers overlap
     // a whole layer's compute.
     let prefetch = count_option(&options, "prefetch", 50_000_000);
+    // `--precision fp32` trains without the config's bf16 section (fp32 weights, gradients and
+    // activations), as the pipeline bench does, for a side-by-side on the same precision.
+    let bf16 = match option(&options, "precision") {
+        None | Some("bf16") => true,
+        Some("fp32") => false,
+        Some(other) => panic!("--precision is bf16 or fp32, not `{other}`"),
+    };
     let deterministic = match option(&options, "deterministic") {
         None | Some("0") => false,
         Some("1") => true,
@@ -212,7 +220,7 @@ fn main() {
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "betas": [0.9, 0.95],
                 "weight_decay": 0.1}}}},
             "gradient_clipping": 1.0,
-            "bf16": {{"enabled": true}},
+            "bf16": {{"enabled": {bf16}}},
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                 "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
                 "stage3_prefetch_bucket_size": {prefetch}}},
@@ -327,7 +335,7 @@ fn main() {
         println!(
             "{}",
             serde_json::json!({"system": "burn-zero", "size": size, "params": params,
-                "stage": stage, "world": world, "micro_batch": micro, "seq": seq,
+                "stage": stage, "world": world, "bf16": bf16, "micro_batch": micro, "seq": seq,
                 "init": if shared_init { "shared" } else { "burn" },
                 "loss_chunk_tokens": loss_chunk, "activation_checkpointing": checkpointing,
                 "reduce_bucket_size": bucket, "prefetch_bucket_size": prefetch,
