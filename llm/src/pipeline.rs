@@ -61,6 +61,43 @@ impl<B: Backend> LlamaStage<B> {
         })
     }
 
+    /// Positions per sequence this stage was made for.
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    /// `model` with this stage's parameters in place of its own: stage `stage` of `stages` (as
+    /// [`LlamaStage::new`] took them). A tied output projection's copy on the last stage is
+    /// left out: the executor keeps it equal to the first stage's embedding.
+    pub fn put_back(
+        self,
+        mut model: Llama<B>,
+        stages: &[Range<usize>],
+        stage: usize,
+    ) -> Result<Llama<B>, String> {
+        let layers = stage_layers(stages, stage, model.blocks.len())?;
+        if layers.len() != self.blocks.len() {
+            return Err(format!(
+                "stage {stage} holds {} layers, the split gives it {}",
+                self.blocks.len(),
+                layers.len()
+            ));
+        }
+        for (i, block) in layers.zip(self.blocks) {
+            model.blocks[i] = block;
+        }
+        if let Some(embed) = self.embed {
+            model.embed = embed;
+        }
+        if let Some(norm) = self.norm {
+            model.norm = norm;
+        }
+        if let Some(head) = self.head {
+            model.lm_head = Some(head);
+        }
+        Ok(model)
+    }
+
     /// This stage's layers on `x` (see the module doc for the shapes).
     pub fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.apply_with(x, &mut Plain)
@@ -211,4 +248,53 @@ pub(crate) fn stage_layers(
 /// Token ids `[batch, seq]` as the first stage's float input.
 pub fn ids_as_input<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 2> {
     ids.float()
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::NdArray;
+    use burn::module::Module;
+
+    use super::*;
+    use crate::LlamaConfig;
+
+    type B = NdArray;
+
+    fn flat(model: &Llama<B>) -> Vec<f32> {
+        let mut out = Vec::new();
+        struct Collect<'a>(&'a mut Vec<f32>);
+        impl<B: Backend> burn::module::ModuleVisitor<B> for Collect<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                self.0
+                    .extend(p.val().into_data().convert::<f32>().iter::<f32>());
+            }
+        }
+        model.visit(&mut Collect(&mut out));
+        out
+    }
+
+    /// Stages of one model put back into another (untied and tied, 3 stages over 5 layers, one
+    /// of them empty of layers) give back the first model's every parameter; a stage put back
+    /// at the wrong place is refused.
+    #[test]
+    fn stages_put_back_make_the_model_they_came_from() {
+        let device = Default::default();
+        for tied in [false, true] {
+            let config = LlamaConfig::new(37, 24, 40, 5, 6, 2).with_tie_embeddings(tied);
+            <B as Backend>::seed(&device, 1);
+            let trained: Llama<B> = config.init(&device);
+            <B as Backend>::seed(&device, 2);
+            let mut other: Llama<B> = config.init(&device);
+            assert_ne!(flat(&trained), flat(&other), "two seeds, two models");
+            let stages = [0..3, 3..3, 3..5];
+            for s in 0..stages.len() {
+                let stage = LlamaStage::new(&trained, &stages, s, 8).unwrap();
+                other = stage.put_back(other, &stages, s).unwrap();
+            }
+            assert_eq!(flat(&trained), flat(&other), "tied {tied}");
+            let first = LlamaStage::new(&trained, &stages, 0, 8).unwrap();
+            let err = first.put_back(other, &stages, 2).unwrap_err();
+            assert!(err.contains("holds 3 layers"), "{err}");
+        }
+    }
 }

@@ -36,6 +36,10 @@ pub struct Args {
     /// `--model-parallel M`: each model sliced over M ranks (Megatron-style tensor slicing),
     /// data parallel over the rest.
     pub model_parallel: usize,
+    /// `--pipeline P`: the model split into P pipeline stages, data parallel over the rest.
+    pub pipeline: usize,
+    /// `--schedule NAME`: the pipeline's schedule (`1f1b`, `gpipe`, `interleaved:V`, `zb-h1`).
+    pub schedule: String,
     pub train_tokens: Option<usize>,
     pub eval_len: usize,
     /// `--sample-tokens N`: the length of the greedy and top-p samples after training.
@@ -59,10 +63,13 @@ impl Args {
     pub fn config_path(&self) -> PathBuf {
         self.config.clone().unwrap_or_else(|| {
             // Adapters take a larger learning rate than whole weights.
-            let name = match (self.device, &self.lora) {
-                (Device::Cpu, Some(_)) => "finetune-cpu-lora.json",
-                (Device::Cpu, None) => "finetune-cpu.json",
-                (Device::Cuda, _) => "finetune-gpu.json",
+            // Pipelines train in fp32 without clipping, at ZeRO-1 over the data axis.
+            let name = match (self.device, &self.lora, self.pipeline > 1) {
+                (Device::Cpu, _, true) => "finetune-cpu-pipeline.json",
+                (Device::Cuda, _, true) => "finetune-gpu-pipeline.json",
+                (Device::Cpu, Some(_), false) => "finetune-cpu-lora.json",
+                (Device::Cpu, None, false) => "finetune-cpu.json",
+                (Device::Cuda, _, false) => "finetune-gpu.json",
             };
             PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).join(name)
         })
@@ -84,7 +91,7 @@ fn cache_dir() -> PathBuf {
 const USAGE: &str =
     "finetune [--device cpu|cuda] [--config ds_config.json] [--gguf FILE | --hf DIR]
   [--austen Rdata.rdb | --text FILE ... [--held-out TITLE]] [--layers N|all] [--seq LEN]
-  [--steps N] [--world RANKS] [--model-parallel M] [--train-tokens N] [--eval-len LEN] [--sample-tokens N] [--out DIR] [--seed N]
+  [--steps N] [--world RANKS] [--model-parallel M] [--pipeline P [--schedule 1f1b|gpipe|interleaved:V|zb-h1]] [--train-tokens N] [--eval-len LEN] [--sample-tokens N] [--out DIR] [--seed N]
   [--lora RANK|none [--lora-alpha A] [--lora-targets q_proj,v_proj,...]]
   [--save-every N] [--resume CHECKPOINTS]
   finetune --plot METRICS.jsonl [--out DIR]     (only draw DIR/loss.png)
@@ -97,7 +104,11 @@ checkpoints: every --save-every steps and after the last; --resume OUT/engine co
 the latest, data order included) and OUT/checkpoint (a Hugging Face directory, LoRA adapters
 merged; --export-hf writes it from an engine checkpoint, with the same model options).
 --model-parallel M slices the model over groups of M ranks (heads, MLP features, vocabulary)
-and trains data parallel over the rest; each slice saves under OUT/engine/mp_rank_XX. --device cuda runs one process per GPU under the launcher:
+and trains data parallel over the rest; each slice saves under OUT/engine/mp_rank_XX.
+--pipeline P splits the model into P stages of neighbouring layers (one per rank, activations
+and gradients over NCCL's links on GPUs), trained by --schedule (default 1f1b) over the config's
+gradient_accumulation_steps micro-batches, data parallel over the rest of the ranks; in fp32,
+without clipping or engine checkpoints (configs/finetune-*-pipeline.json by default). --device cuda runs one process per GPU under the launcher:
   burn-zero run --nproc-per-node N -- finetune --device cuda";
 
 /// Parses `std::env::args`; `Err` carries the message to print (usage included).
@@ -116,6 +127,8 @@ pub fn parse_args() -> Result<Args, String> {
         steps: 30,
         world: 2,
         model_parallel: 1,
+        pipeline: 1,
+        schedule: "1f1b".into(),
         train_tokens: None,
         eval_len: 256,
         sample_tokens: 24,
@@ -161,6 +174,8 @@ pub fn parse_args() -> Result<Args, String> {
             "--steps" => args.steps = num(&value)?,
             "--world" => args.world = num(&value)?,
             "--model-parallel" => args.model_parallel = num(&value)?,
+            "--pipeline" => args.pipeline = num(&value)?,
+            "--schedule" => args.schedule = value,
             "--train-tokens" => args.train_tokens = Some(num(&value)?),
             "--eval-len" => args.eval_len = num(&value)?,
             "--sample-tokens" => args.sample_tokens = num(&value)?,
@@ -210,6 +225,7 @@ pub fn parse_args() -> Result<Args, String> {
         ("--steps", args.steps),
         ("--world", args.world),
         ("--model-parallel", args.model_parallel),
+        ("--pipeline", args.pipeline),
     ] {
         if value == 0 {
             return Err(format!("{flag} must be at least 1"));

@@ -11,6 +11,7 @@
 //! Hugging Face directory that `--hf` loads).
 
 mod args;
+mod pipeline;
 mod train;
 
 use std::sync::Arc;
@@ -115,6 +116,9 @@ fn load<I: Backend>(
 /// Why `--model-parallel` cannot split `world` ranks (or run with this config); the data-parallel
 /// size otherwise.
 fn data_parallel(args: &Args, config: &DeepSpeedConfig, world: usize) -> Result<usize, String> {
+    if args.pipeline > 1 {
+        return pipeline::check(args, config, world);
+    }
     let mp = args.model_parallel;
     if !world.is_multiple_of(mp) {
         return Err(format!(
@@ -133,6 +137,7 @@ fn train_rank<I: Backend>(
     model: Llama<ZeroAutodiff<I>>,
     world: Arc<dyn Communicator>,
     (args, config, windows): (&Args, &DeepSpeedConfig, &[Vec<u32>]),
+    llama: &LlamaConfig,
     device: &I::Device,
 ) -> Result<Option<Trained<I>>, String> {
     let lead = world.rank() == 0;
@@ -145,6 +150,11 @@ fn train_rank<I: Backend>(
         lead,
         model_dir,
     };
+    if args.pipeline > 1 {
+        // The data axis's place and size are the pipeline's to work out.
+        let job = job(world.as_ref(), None);
+        return pipeline::train_pipeline(model, world, &job, llama, device);
+    }
     let mp = args.model_parallel;
     if mp == 1 {
         let job = job(world.as_ref(), None);
@@ -189,7 +199,7 @@ fn run_cpu(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(), 
     let results = run_ranks(args.world, |ctx| {
         let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
         let job = (args, config, data.windows.as_slice());
-        train_rank::<NdArray>(model.clone(), comm, job, &device)
+        train_rank::<NdArray>(model.clone(), comm, job, &llama, &device)
     });
     let mut trained = None;
     for r in results {
@@ -226,7 +236,7 @@ fn run_cuda(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(),
         false => None,
     };
     let job = (args, config, data.windows.as_slice());
-    let trained = train_rank::<Cuda>(model, Arc::new(nccl), job, &device)?;
+    let trained = train_rank::<Cuda>(model, Arc::new(nccl), job, &llama, &device)?;
     match (trained, before) {
         (Some(t), Some(b)) => report(
             t,
