@@ -21,30 +21,19 @@
 //!
 //! Without a link, the message goes through host memory over the communicator's `send`/`recv`,
 //! as f32. Both ends decide the same way: links are opened in pairs.
-//!
-//! The first span of messages over a communicator (a pipeline's first step) goes through the
-//! host even where links exist, and marks the links ready when it finishes
-//! ([`DeviceCollectives::links_ready`]). That span is where every kernel of the step is
-//! compiled and loaded, and CUDA's `cuModuleLoadData` waits for the kernels running on the
-//! device: a receive's wait spinning on burn's stream for a peer that waits on this rank then
-//! never ends. Seen on 4 H100s: the 3B's 1F1B hung in step 0 with cubecl's thread in
-//! `cuModuleLoadData` and burn's stream in the flags' `await_done`, the only kernel resident
-//! (bench/README, "Pipelines on 4 GPUs").
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 
 #[cfg(feature = "cuda")]
 use crate::comm::Way;
-use crate::comm::{CommError, Communicator, DeviceCollectives};
+use crate::comm::{CommError, Communicator};
 #[cfg(feature = "cuda")]
 use crate::comm::{OpKind, OpSignature};
 
 /// The messages of one rank over `comm`, for one span of work (a pipeline's step).
 pub struct TensorLinks<'a> {
     comm: &'a dyn Communicator,
-    /// Whether messages take the links where they exist (not in the communicator's first span).
-    on_links: bool,
     /// Sends on device memory not yet ordered before burn's later work, with their tensors.
     #[cfg(feature = "cuda")]
     sent: Vec<(
@@ -62,7 +51,6 @@ impl<'a> TensorLinks<'a> {
     pub fn new(comm: &'a dyn Communicator) -> Self {
         Self {
             comm,
-            on_links: comm.device().is_some_and(DeviceCollectives::links_ready),
             #[cfg(feature = "cuda")]
             sent: Vec::new(),
             device_messages: 0,
@@ -84,7 +72,7 @@ impl<'a> TensorLinks<'a> {
         peer: usize,
     ) -> Result<(), CommError> {
         #[cfg(feature = "cuda")]
-        if let Some((link, to)) = self.link(peer, Way::To) {
+        if let Some((link, to)) = self.comm.device().and_then(|d| d.link(peer, Way::To)) {
             return self.send_on_device(link, to, tensor, peer);
         }
         let values = tensor
@@ -104,7 +92,7 @@ impl<'a> TensorLinks<'a> {
         peer: usize,
     ) -> Result<Tensor<I, D>, CommError> {
         #[cfg(feature = "cuda")]
-        if let Some((link, from)) = self.link(peer, Way::From) {
+        if let Some((link, from)) = self.comm.device().and_then(|d| d.link(peer, Way::From)) {
             return self.recv_on_device(link, from, dims, dtype, device, peer);
         }
         let mut values = vec![0.0f32; dims.iter().product()];
@@ -115,17 +103,8 @@ impl<'a> TensorLinks<'a> {
 
     /// Orders burn's stream after every send so far and lets their tensors go. Call it before
     /// the sent tensors' memory may be reused for long (a step's end); dropping the links does
-    /// it too. The end of a first span that went through the host makes the links ready for
-    /// the next.
+    /// it too.
     pub fn finish(&mut self) -> Result<(), CommError> {
-        if let Some(device) = self.comm.device().filter(|_| !self.on_links) {
-            device.set_links_ready();
-        }
-        self.release()
-    }
-
-    /// [`TensorLinks::finish`] without marking the links ready (a span cut short).
-    fn release(&mut self) -> Result<(), CommError> {
         #[cfg(feature = "cuda")]
         {
             let (fences, buffers): (Vec<_>, Vec<_>) =
@@ -140,13 +119,6 @@ impl<'a> TensorLinks<'a> {
             drop(buffers);
         }
         Ok(())
-    }
-
-    /// The link to or from `peer`, once the links are ready.
-    #[cfg(feature = "cuda")]
-    fn link(&self, peer: usize, way: Way) -> Option<(&'a dyn DeviceCollectives, usize)> {
-        let device = self.comm.device().filter(|_| self.on_links)?;
-        device.link(peer, way)
     }
 
     #[cfg(feature = "cuda")]
@@ -275,7 +247,7 @@ unsafe fn between_flags(
 
 impl Drop for TensorLinks<'_> {
     fn drop(&mut self) {
-        let _ = self.release();
+        let _ = self.finish();
     }
 }
 

@@ -495,14 +495,6 @@ pub trait DeviceCollectives: Send + Sync {
     }
     /// Blocks until every enqueued collective has finished.
     fn synchronize(&self) -> Result<(), CommError>;
-    /// Whether messages may take the links ([`DeviceCollectives::link`]): `false` until a
-    /// first span of messages went through the host and [`DeviceCollectives::set_links_ready`]
-    /// said so (`burn_zero::p2p::TensorLinks` decides; every rank sees the same spans).
-    fn links_ready(&self) -> bool {
-        true
-    }
-    /// Marks the links ready for messages ([`DeviceCollectives::links_ready`]).
-    fn set_links_ready(&self) {}
     /// Whether [`DeviceCollectives::wait_for_flag`] and [`DeviceCollectives::raise_flag`] work
     /// here (their kernels loaded).
     fn orders_by_flags(&self) -> bool {

@@ -39,9 +39,6 @@ pub struct NcclComm {
     watchdog: Watchdog,
     /// One-way communicators to and from other ranks ([`NcclComm::open_links`]).
     links: Vec<Link>,
-    /// Whether a first span of messages has gone through the host
-    /// ([`DeviceCollectives::links_ready`]).
-    links_ready: std::sync::atomic::AtomicBool,
 }
 
 /// A one-way communicator of two ranks: this rank and `peer`, messages going `way`.
@@ -257,7 +254,6 @@ impl NcclComm {
             checker,
             watchdog,
             links: Vec::new(),
-            links_ready: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -722,15 +718,6 @@ impl DeviceCollectives for NcclComm {
         self.stream
             .synchronize()
             .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e:?}", self.rank)))
-    }
-
-    fn links_ready(&self) -> bool {
-        self.links_ready.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    fn set_links_ready(&self) {
-        self.links_ready
-            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     fn orders_by_flags(&self) -> bool {
