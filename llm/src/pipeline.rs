@@ -245,6 +245,21 @@ pub(crate) fn stage_layers(
     }
 }
 
+/// Each decoder layer's weight for burn-pipeline's `split`: its matrix products per token
+/// (forward, backward and, `checkpointed`, the forward again), the output projection's (about
+/// as heavy as several layers at a large vocabulary) on the last layer; the embedding lookup
+/// costs next to nothing.
+pub fn layer_weights(config: &crate::LlamaConfig, checkpointed: bool) -> Vec<usize> {
+    let passes = if checkpointed { 8 } else { 6 };
+    let (h, f) = (config.hidden_size, config.intermediate_size);
+    let kv = config.num_kv_heads * config.head_dim();
+    let mut weights = vec![(2 * h * h + 2 * h * kv + 3 * h * f) * passes; config.num_layers];
+    if let Some(last) = weights.last_mut() {
+        *last += 6 * h * config.vocab_size;
+    }
+    weights
+}
+
 /// Token ids `[batch, seq]` as the first stage's float input.
 pub fn ids_as_input<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 2> {
     ids.float()

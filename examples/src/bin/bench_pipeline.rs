@@ -35,7 +35,7 @@ use burn_zero::engine::ZeroAutodiff;
 use burn_zero_llm::LlamaConfig;
 use burn_zero_llm::data::synthetic_ids;
 use burn_zero_llm::model::{cross_entropy, draw_parameters};
-use burn_zero_llm::pipeline::{LlamaStage, ids_as_input};
+use burn_zero_llm::pipeline::{LlamaStage, ids_as_input, layer_weights};
 
 type B = ZeroAutodiff<Cuda>;
 
@@ -123,16 +123,12 @@ fn main() {
     <Cuda as Backend>::seed(&device, 1234);
     let full =
         draw_parameters(config.init::<B>(&device)).with_activation_checkpointing(checkpointed);
-    // Each layer weighs its matrix products per token: forward, backward and, checkpointed,
-    // the forward again. The output projection (the tied embedding, about as heavy as several
-    // layers at a large vocabulary) rides on the last layer, so the last stage takes fewer
-    // layers; the embedding lookup costs next to nothing.
-    let passes = if checkpointed { 8 } else { 6 };
-    let (h, f) = (config.hidden_size, config.intermediate_size);
-    let kv = config.num_kv_heads * config.head_dim();
-    let mut weights = vec![(2 * h * h + 2 * h * kv + 3 * h * f) * passes; config.num_layers];
-    *weights.last_mut().expect("a layer") += 6 * h * config.vocab_size;
-    let ranges = split(&weights, stages, SplitMethod::Balanced);
+    // The output projection rides on the last layer, so the last stage takes fewer layers.
+    let ranges = split(
+        &layer_weights(&config, checkpointed),
+        stages,
+        SplitMethod::Balanced,
+    );
     let mut parts: Vec<LlamaStage<B>> = mine
         .iter()
         .map(|&s| LlamaStage::new(&full, &ranges, s, seq).unwrap_or_else(|e| panic!("{e}")))

@@ -27,7 +27,7 @@ use burn_zero::progress::Progress;
 use burn_zero::schedule::Scheduler;
 use burn_zero_llm::data::{DistributedSampler, SamplerState};
 use burn_zero_llm::model::cross_entropy;
-use burn_zero_llm::pipeline::{LlamaStage, ids_as_input};
+use burn_zero_llm::pipeline::{LlamaStage, ids_as_input, layer_weights};
 use burn_zero_llm::{Llama, LlamaConfig};
 
 use crate::args::Args;
@@ -82,19 +82,6 @@ fn stage_optimizer<I: Backend>(
         ZeroStage::Gradients => Box::new(Zero2::new(kind, params)),
         _ => Box::new(Zero1::new(kind, params)),
     }
-}
-
-/// Each decoder layer's matrix products per token (forward, backward and, checkpointed, the
-/// forward again), the output projection's on the last: what `split` balances.
-fn layer_weights(config: &LlamaConfig, checkpointed: bool) -> Vec<usize> {
-    let passes = if checkpointed { 8 } else { 6 };
-    let (h, f) = (config.hidden_size, config.intermediate_size);
-    let kv = config.num_kv_heads * config.head_dim();
-    let mut weights = vec![(2 * h * h + 2 * h * kv + 3 * h * f) * passes; config.num_layers];
-    if let Some(last) = weights.last_mut() {
-        *last += 6 * h * config.vocab_size;
-    }
-    weights
 }
 
 /// Trains this rank's stage of `model` for `--steps` steps; rank 0 prints progress, writes
