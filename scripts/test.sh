@@ -89,6 +89,24 @@ mixed_steps() {
     || { cat "$recipe_out/mp2.log"; return 1; }
 }
 step mixed_steps
+# Pipelines in the recipe: 2 thread ranks as 2 stages against the engine on one rank, with the
+# same config (fp32, ZeRO-1, no clipping): the same learning rates and per-step losses (within
+# 1e-5 relative: a step's micro-batch losses are summed in another order), and the stages put
+# back together score the same held-out NLL.
+pipeline_parity() {
+  local c=examples/configs/finetune-cpu-pipeline.json
+  finetune --steps 4 --world 2 --pipeline 2 --config "$c" --out "$recipe_out/pp" || return 1
+  finetune --steps 4 --world 1 --config "$c" --out "$recipe_out/p1" || return 1
+  lr_loss() { sed -E 's/.*"loss":([^,]*),"lr":([^,]*),.*"step":([0-9]+).*/\3 \2 \1/' "$1"; }
+  local nll='s/.*"nll_after":([^,}]*).*/\1/'
+  paste <(lr_loss "$recipe_out/pp/metrics.jsonl") <(lr_loss "$recipe_out/p1/metrics.jsonl") \
+    <(yes "$(sed -E "$nll" "$recipe_out/pp/summary.json") $(sed -E "$nll" "$recipe_out/p1/summary.json")" | head -n 4) |
+    awk 'function d(a, b) { return (a > b ? a - b : b - a) / (b < 0 ? -b : b) }
+      { n++; print "step " $1 ": pipeline loss " $3 ", engine " $6 "; lr " $2 " and " $5
+        if ($1 != $4 || $2 != $5 || d($3, $6) > 1e-5 || d($7, $8) > 1e-5) bad = 1 }
+      END { print "held-out NLL after: pipeline " $7 ", engine " $8; exit (n != 4 || bad) }'
+}
+step pipeline_parity
 rm -rf "$recipe_out"
 
 read -r passed failed < <(awk '/^test result:/ { for (i = 1; i <= NF; i++) {
