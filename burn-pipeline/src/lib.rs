@@ -26,7 +26,7 @@ pub mod weight_split;
 
 pub use checkpoint::Checkpointing;
 pub use executor::{PipeStage, StageSpec, run_chunks, run_step};
-pub use optimizer::{Replicated, StageOptimizer, Zero1, Zero2};
+pub use optimizer::{Replicated, StageOptimizer, Zero1, Zero2, flatten_params, unflatten_params};
 pub use schedule::{
     Instr, Schedule, Timeline, peak_in_flight, simulate, simulate_timed, unit_cost,
 };

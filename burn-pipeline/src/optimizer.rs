@@ -4,9 +4,9 @@
 //! and optimizer state of one partition of the stage's parameters only, or [`Zero2`], which
 //! also keeps only its partition of the gradients, reduce-scattered after every backward.
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use burn_zero::comm::{CommError, Communicator, ReduceOp};
 use burn_zero::config::{OptimizerKind, OptimizerParams};
@@ -194,14 +194,14 @@ fn flatten_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     collect.flat
 }
 
-/// `module` with every float parameter replaced by its piece of `flat` (new leaves, same ids
-/// and `require_grad`).
-fn unflatten_params<B: AutodiffBackend, M: AutodiffModule<B>>(module: M, flat: &[f32]) -> M {
+/// `module` with every float parameter replaced by its piece of `flat`, in visiting order
+/// (new leaves, same ids and `require_grad`): what [`flatten_params`] wrote.
+pub fn unflatten_params<B: Backend, M: Module<B>>(module: M, flat: &[f32]) -> M {
     struct Write<'a> {
         flat: &'a [f32],
         offset: usize,
     }
-    impl<B: AutodiffBackend> ModuleMapper<B> for Write<'_> {
+    impl<B: Backend> ModuleMapper<B> for Write<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
             let shape = tensor.shape();
@@ -216,10 +216,11 @@ fn unflatten_params<B: AutodiffBackend, M: AutodiffModule<B>>(module: M, flat: &
     module.map(&mut Write { flat, offset: 0 })
 }
 
-/// Every float parameter of `module` laid end to end in f32, then `pad` zeros.
-fn flatten_params<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, pad: usize) -> Vec<f32> {
+/// Every float parameter of `module` laid end to end in f32, in visiting order, then `pad`
+/// zeros.
+pub fn flatten_params<B: Backend, M: Module<B>>(module: &M, pad: usize) -> Vec<f32> {
     struct Collect(Vec<f32>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect {
+    impl<B: Backend> ModuleVisitor<B> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.0
                 .extend(param.val().into_data().convert::<f32>().iter::<f32>());

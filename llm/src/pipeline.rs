@@ -268,7 +268,6 @@ pub fn ids_as_input<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 2> {
 #[cfg(test)]
 mod tests {
     use burn::backend::NdArray;
-    use burn::module::Module;
 
     use super::*;
     use crate::LlamaConfig;
@@ -276,16 +275,7 @@ mod tests {
     type B = NdArray;
 
     fn flat(model: &Llama<B>) -> Vec<f32> {
-        let mut out = Vec::new();
-        struct Collect<'a>(&'a mut Vec<f32>);
-        impl<B: Backend> burn::module::ModuleVisitor<B> for Collect<'_> {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                self.0
-                    .extend(p.val().into_data().convert::<f32>().iter::<f32>());
-            }
-        }
-        model.visit(&mut Collect(&mut out));
-        out
+        burn_pipeline::flatten_params(model, 0)
     }
 
     /// Stages of one model put back into another (untied and tied, 3 stages over 5 layers, one

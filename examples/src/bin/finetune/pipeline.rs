@@ -11,12 +11,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_pipeline::{
-    Schedule, SplitMethod, StageOptimizer, StageSpec, Topology, Zero1, Zero2, pipeline_links,
-    run_chunks, split,
+    Schedule, SplitMethod, StageOptimizer, StageSpec, Topology, Zero1, Zero2, flatten_params,
+    pipeline_links, run_chunks, split, unflatten_params,
 };
 use burn_zero::ZeroBackend;
 use burn_zero::backend::settings::{self, OpSettings};
@@ -240,7 +240,7 @@ pub fn train_pipeline<I: Backend>(
         let summary = format!("final loss {last_loss:.4}, {tps:.0} tokens/s");
         bar.finish(total, &summary).map_err(|e| e.to_string())?;
     }
-    let whole = gather_stages(model.valid(), parts, &ranges, &mine, shard, world.as_ref())?;
+    let whole = gather_stages(model.valid(), parts, &ranges, &topo, shard, world.as_ref())?;
     let Some(model) = whole.filter(|_| job.lead) else {
         return Ok(None);
     };
@@ -260,17 +260,17 @@ fn gather_stages<I: Backend>(
     template: Llama<ZeroBackend<I>>,
     parts: Vec<Stage<I>>,
     ranges: &[Range<usize>],
-    mine: &[usize],
+    topo: &Topology,
     shard: usize,
     world: &dyn Communicator,
 ) -> Result<Option<Llama<ZeroBackend<I>>>, String> {
     let err = |e: CommError| e.to_string();
-    let pipe_size = ranges.len() / mine.len();
+    let pipe_size = topo.dim("pipe");
     let lead = world.rank() == 0;
     let parts: Vec<LlamaStage<ZeroBackend<I>>> = parts.into_iter().map(|p| p.valid()).collect();
     if shard == 0 && !lead {
         for part in &parts {
-            let values = flatten(part);
+            let values = flatten_params(part, 0);
             world.send(values.as_slice().into(), 0).map_err(err)?;
         }
     }
@@ -278,11 +278,12 @@ fn gather_stages<I: Backend>(
         return Ok(None);
     }
     let mut model = template;
-    // World rank 0 is the first data copy's first pipeline rank: its own stages are `parts`;
-    // pipeline rank r of the first copy is world rank r (pipe × data, pipe outermost).
+    // World rank 0 is pipeline rank 0 of the first data copy: its own stages are `parts`, one
+    // per chunk; the others come from the first copy's other pipeline ranks.
     let seq = parts.first().map_or(0, |p| p.seq());
+    let chunks = parts.len();
     let mut own = parts.into_iter();
-    for chunk in 0..mine.len() {
+    for chunk in 0..chunks {
         for r in 0..pipe_size {
             let stage = chunk * pipe_size + r;
             let part = if r == 0 {
@@ -290,56 +291,14 @@ fn gather_stages<I: Backend>(
             } else {
                 let shape = LlamaStage::new(&model, ranges, stage, seq)?;
                 let mut values = vec![0.0f32; shape.num_params()];
-                let from = peer_of(r, pipe_size, world.world_size());
+                let from = topo.rank(&[r, 0, 0]);
                 world
                     .recv(values.as_mut_slice().into(), from)
                     .map_err(err)?;
-                unflatten(shape, &values)
+                unflatten_params(shape, &values)
             };
             model = part.put_back(model, ranges, stage)?;
         }
     }
     Ok(Some(model))
-}
-
-/// The world rank of pipeline rank `r` in the first data copy.
-fn peer_of(r: usize, pipe_size: usize, world: usize) -> usize {
-    let topo = Topology::pipe_data_model(pipe_size, world / pipe_size, 1);
-    topo.rank(&[r, 0, 0])
-}
-
-/// A module's float parameters, in visiting order, as f32.
-fn flatten<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let data = param.val().into_data().convert::<f32>();
-            self.0.extend(data.iter::<f32>());
-        }
-    }
-    let mut collect = Collect(Vec::with_capacity(module.num_params()));
-    module.visit(&mut collect);
-    collect.0
-}
-
-/// `module` with its float parameters read from `values` in visiting order (as [`flatten`]
-/// wrote them).
-fn unflatten<B: Backend, M: Module<B>>(module: M, values: &[f32]) -> M {
-    struct Write<'a> {
-        values: &'a [f32],
-        at: usize,
-    }
-    impl<B: Backend> ModuleMapper<B> for Write<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let (shape, dtype, device) = (tensor.shape(), tensor.dtype(), tensor.device());
-            let n = shape.num_elements();
-            let data = TensorData::new(self.values[self.at..self.at + n].to_vec(), shape)
-                .convert_dtype(dtype);
-            self.at += n;
-            let value = Tensor::from_data(data, &device);
-            Param::from_mapped_value(id, value, mapper)
-        }
-    }
-    module.map(&mut Write { values, at: 0 })
 }
