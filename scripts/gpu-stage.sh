@@ -2,6 +2,7 @@
 # Build GPU binaries here and stage them in .gpu/ (git-ignored) for the device tool's `carry`.
 #   scripts/gpu-stage.sh BIN [BIN...]      e.g. scripts/gpu-stage.sh gpu-smoke
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-collectives
+#   STRIP=debug scripts/gpu-stage.sh ...   keeps the symbol table (function names in cuda-gdb)
 # Binaries come from the examples crate built with --features cuda; each is stripped and, when
 # over 24 MiB, xz-compressed (a call may carry 64 MiB in all). On the device run
 #   bash scripts/gpu-run.sh BIN [ARGS...]   (with carry [".gpu"])
@@ -26,7 +27,7 @@ mkdir -p .gpu/bin
 rm -f .gpu/bin/*
 for bin in burn-zero "$@"; do
   cp "$CARGO_TARGET_DIR/release/$bin" ".gpu/bin/$bin"
-  strip ".gpu/bin/$bin"
+  if [ "${STRIP:-all}" = debug ]; then strip --strip-debug ".gpu/bin/$bin"; else strip ".gpu/bin/$bin"; fi
   if [ "$(stat -c %s ".gpu/bin/$bin")" -gt $((24 * 1024 * 1024)) ]; then
     xz -T2 -6 -f ".gpu/bin/$bin"
   fi

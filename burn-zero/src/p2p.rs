@@ -109,6 +109,7 @@ impl<'a> TensorLinks<'a> {
         {
             let (fences, buffers): (Vec<_>, Vec<_>) =
                 std::mem::take(&mut self.sent).into_iter().unzip();
+            crate::log::trace_order(|| format!("finish: {} sends", fences.len()));
             crate::backend::cuda::await_fences(fences).map_err(|e| {
                 CommError::Aborted(format!("ordering burn's stream after a send: {e}"))
             })?;
@@ -136,12 +137,14 @@ impl<'a> TensorLinks<'a> {
         if !link.orders_by_flags() {
             return Err(invalid("the link's stream cannot wait for flags".into()));
         }
+        crate::log::trace_order(|| format!("send to {peer}: {:?}", tensor.dims()));
         let primitive = tensor.into_primitive().tensor();
         let src = staged_copy(&primitive as &dyn core::any::Any).ok_or_else(|| {
             invalid(format!(
                 "the link to rank {peer} is on a GPU, the tensor is not a CUDA tensor"
             ))
         })?;
+        crate::log::trace_order(|| format!("send to {peer}: staged"));
         self.warm(&src, link);
         let fence = fence_in_order(
             &primitive as &dyn core::any::Any,
@@ -177,6 +180,7 @@ impl<'a> TensorLinks<'a> {
         if !link.orders_by_flags() {
             return Err(invalid("the link's stream cannot wait for flags".into()));
         }
+        crate::log::trace_order(|| format!("receive from {peer}: {dims:?}"));
         let (dst, fence, primitive) = crate::backend::cuda::ordered_empty::<I>(
             device,
             &dims,
@@ -237,6 +241,9 @@ unsafe fn between_flags(
     // SAFETY: the flags live as long as cubecl's flags.
     unsafe { link.wait_for_flag(flag, seq)? };
     let outcome = message();
+    crate::log::trace_order(|| {
+        format!("{what} issued on the link after ready {flag:#x} seq {seq}: {outcome:?}")
+    });
     let (flag, seq) = fence.done();
     // SAFETY: as for `ready`.
     if let Err(e) = unsafe { link.raise_flag(flag, seq) } {

@@ -134,6 +134,14 @@ pub(crate) fn begin(
         unsafe { ArrayArg::from_raw_parts(handle, 2) },
         handshake.seq,
     );
+    crate::log::trace_order(|| {
+        format!(
+            "raise gpu {ordinal} stream {} channel {channel:#x} seq {} (flags {:#x})",
+            StreamId::current(),
+            handshake.seq,
+            handshake.ready
+        )
+    });
     Some(handshake)
 }
 
@@ -147,6 +155,14 @@ pub(crate) fn end(client: &ComputeClient<CudaRuntime>, ordinal: usize, handshake
         .handle
         .clone();
     launch_await_done(client, &handle, handshake.seq);
+    crate::log::trace_order(|| {
+        format!(
+            "await gpu {ordinal} stream {} channel {:#x} seq {}",
+            StreamId::current(),
+            handshake.channel,
+            handshake.seq
+        )
+    });
 }
 
 fn launch_await_done(client: &ComputeClient<CudaRuntime>, flags: &Handle, seq: u32) {
