@@ -6,9 +6,15 @@
 # environment settings, one run each ("-" for none), e.g. "- CUDA_MODULE_LOADING=EAGER".
 #   bash bench/diag_pipe_hang.sh KIND   (carry [".gpu/bin", ".gpu/commit"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-pipeline; STEPS, MICRO, SCHEDULE, PIPE, HANG_S)
+# COMPILE_LOG=1 writes a cubecl.toml that logs each kernel cubecl compiles (name only) on stderr;
+# a variant "BURN_ZERO_TRACE_ORDER=1" adds every flag handshake; on a hang the last lines of each
+# rank's log are printed. Stage with STRIP=debug for function names in the backtraces.
 source bench/prelude.sh "$1"
 steps="${STEPS:-2}"; micro="${MICRO:-8}"; schedule="${SCHEDULE:-1f1b}"; pipe="${PIPE:-4}"
 hang="${HANG_S:-120}"
+if [ "${COMPILE_LOG:-0}" = 1 ]; then
+  printf '[compilation.logger]\nlevel = "basic"\nstderr = true\n' > cubecl.toml
+fi
 nvidia-smi topo -m > "$out/topo.txt" 2>&1; cat "$out/topo.txt"
 n=0
 for variant in ${VARIANTS:--}; do
@@ -31,6 +37,9 @@ for variant in ${VARIANTS:--}; do
     done
     wait $(jobs -p | grep -v "^$launcher$") 2>/dev/null
     pkill -f "bin/bench-pipeline"; sleep 2; kill $launcher 2>/dev/null
+    for r in $(seq 0 $((pipe - 1))); do
+      echo "-- rank $r's last lines"; grep "^\[rank $r\]" "$out/$tag.log" | tail -n "${TAIL:-25}" | cut -c1-220
+    done
     for f in "$out/$tag"-gdb-*.txt; do
       echo "-- $f"; grep -E "^\*? *[0-9]+ +Thread|^#[0-9]+ .* in (cu|nccl|pthread|__|sched|syscall|std::thread)" "$f" | head -40
       grep -A12 -i "Kernel Dev" "$f" | head -14

@@ -85,6 +85,41 @@ fn sum_tied<B: AutodiffBackend>(
     Ok(grads)
 }
 
+/// The time each kind of computation took on this rank, summed with a count (one per
+/// forward, backward or backward half of a chunk): [`run_chunks_clocked`] fills it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ComputeClock {
+    /// Seconds and count per kind: forward, backward, backward input half, weight half.
+    sums: [(f64, usize); 4],
+}
+
+impl ComputeClock {
+    fn slot(instr: Instr) -> Option<usize> {
+        match instr {
+            Instr::Forward { .. } => Some(0),
+            Instr::Backward { .. } => Some(1),
+            Instr::BackwardInput { .. } => Some(2),
+            Instr::BackwardWeight { .. } => Some(3),
+            _ => None,
+        }
+    }
+
+    /// Adds one computation's `seconds`.
+    pub fn record(&mut self, instr: Instr, seconds: f64) {
+        if let Some(i) = Self::slot(instr) {
+            self.sums[i].0 += seconds;
+            self.sums[i].1 += 1;
+        }
+    }
+
+    /// Mean seconds per computation of each kind, in [`crate::schedule::StageCosts`]' order
+    /// (0 for a kind never run).
+    pub fn means(&self) -> [f64; 4] {
+        self.sums
+            .map(|(total, n)| if n == 0 { 0.0 } else { total / n as f64 })
+    }
+}
+
 /// Where a stage sits and what its data looks like.
 pub struct StageSpec<'a, B: AutodiffBackend> {
     /// This (virtual) stage: `chunk × ranks + rank`.
@@ -225,6 +260,28 @@ where
     M: PipeStage<B>,
     O: StageOptimizer<B, M>,
 {
+    run_chunks_clocked(chunks, optimizers, lr, stream, specs, comm, data, None)
+}
+
+/// [`run_chunks`], and with `clock` each computation timed alone: the device is synchronized
+/// before and after it (a step run this way is slower; its times are the costs a schedule's
+/// bubble is simulated with, [`crate::schedule::Schedule::bubble_with`]).
+#[allow(clippy::too_many_arguments)]
+pub fn run_chunks_clocked<B, M, O>(
+    chunks: Vec<M>,
+    optimizers: &mut [O],
+    lr: f64,
+    stream: &[Instr],
+    specs: &[StageSpec<'_, B>],
+    comm: &dyn Communicator,
+    data: Option<&dyn Communicator>,
+    mut clock: Option<&mut ComputeClock>,
+) -> Result<(Vec<M>, Option<f32>), CommError>
+where
+    B: AutodiffBackend,
+    M: PipeStage<B>,
+    O: StageOptimizer<B, M>,
+{
     let v = chunks.len();
     assert!(
         v > 0 && optimizers.len() == v && specs.len() == v,
@@ -264,7 +321,15 @@ where
     let mut loss_sum: Option<Tensor<B, 1>> = None;
     let mut links = TensorLinks::new(comm);
     let wire = wire_dtype::<B>();
+    let sync = |device: &B::Device| {
+        B::sync(device).map_err(|e| CommError::Aborted(format!("timing a computation: {e:?}")))
+    };
     for instr in stream {
+        let timed = clock.is_some() && instr.is_compute();
+        if timed {
+            sync(&device)?;
+        }
+        let start = std::time::Instant::now();
         match *instr {
             // Inputs are produced at the forward (first stage), labels inside the loss.
             Instr::Load { .. } => {}
@@ -435,6 +500,10 @@ where
                     last.then(|| loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f32>()));
                 return Ok((stepped, loss));
             }
+        }
+        if let Some(clock) = clock.as_deref_mut().filter(|_| timed) {
+            sync(&device)?;
+            clock.record(*instr, start.elapsed().as_secs_f64());
         }
     }
     links.finish()?;

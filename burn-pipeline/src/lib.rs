@@ -25,10 +25,11 @@ pub mod topology;
 pub mod weight_split;
 
 pub use checkpoint::Checkpointing;
-pub use executor::{PipeStage, StageSpec, run_chunks, run_step};
+pub use executor::{ComputeClock, PipeStage, StageSpec, run_chunks, run_chunks_clocked, run_step};
 pub use optimizer::{Replicated, StageOptimizer, Zero1, Zero2, flatten_params, unflatten_params};
 pub use schedule::{
-    Instr, Schedule, Timeline, peak_in_flight, simulate, simulate_timed, unit_cost,
+    Instr, Schedule, StageCosts, Timeline, measured_cost, peak_in_flight, simulate,
+    simulate_ranked, simulate_timed, unit_cost,
 };
 pub use split::{SplitMethod, split};
 pub use tensor_parallel::{

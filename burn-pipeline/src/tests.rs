@@ -3,6 +3,7 @@
 //! order without deadlock, and 1F1B's bound on live micro-batches.
 
 use crate::schedule::{Instr, Schedule, peak_in_flight, simulate, simulate_timed, unit_cost};
+use crate::schedule::{StageCosts, simulate_ranked};
 
 /// `L0 RA0 F0 SA0 RG0 B0 SG0 R S`, space-separated; chunk `c > 0` as a suffix `.c`, the halves
 /// of a split backward as `Bi` and `W`.
@@ -366,6 +367,33 @@ fn the_simulated_bubbles_are_the_schedules_own() {
             zb.bubble()
         );
     }
+}
+
+/// Measured costs: equal ones give the unit-cost bubble back, and a last stage twice as slow
+/// under 1F1B over 2 ranks and 2 micro-batches gives the timeline worked out by hand: rank 0
+/// runs F0 [0,1], F1 [1,2], B0 [7,9], B1 [13,15]; rank 1 F0 [1,3], B0 [3,7], F1 [7,9],
+/// B1 [9,13]; busy 6 + 12 of 2 × 15, a bubble of 0.4.
+#[test]
+fn bubbles_from_measured_costs() {
+    let unit: StageCosts = [1.0, 2.0, 1.0, 1.0];
+    for schedule in [Schedule::OneFOneB, Schedule::ZeroBubbleH1, Schedule::GPipe] {
+        for (p, m) in [(2usize, 4usize), (4, 8), (3, 6)] {
+            let measured = schedule.bubble_with(m, &vec![unit; p]);
+            assert!(
+                (measured - schedule.bubble(p, m)).abs() < 1e-9,
+                "{schedule:?} {p} {m}: {measured}"
+            );
+        }
+    }
+    let slow_last: Vec<StageCosts> = vec![[1.0, 2.0, 0.0, 0.0], [2.0, 4.0, 0.0, 0.0]];
+    let t = simulate_ranked(
+        &Schedule::OneFOneB.streams(2, 2),
+        crate::schedule::measured_cost(&slow_last),
+    )
+    .unwrap();
+    assert_eq!(t.end, vec![15.0, 13.0]);
+    assert_eq!(t.busy, vec![6.0, 12.0]);
+    assert!((Schedule::OneFOneB.bubble_with(2, &slow_last) - 0.4).abs() < 1e-12);
 }
 
 #[test]

@@ -5,18 +5,23 @@
 //! `NcclComm::open_links`) and the tensor is a CUDA tensor, the message stays in device memory
 //! and the host never waits for the GPU:
 //! - a send copies the tensor into memory of its own (`staged_copy`: sending the tensor's own
-//!   memory gave wrong updates, see there) and raises a flag on burn's stream after the copy;
-//!   the link's stream waits for it, sends, and signals back. The copy is held until
-//!   [`TensorLinks::finish`] has made burn's stream wait for every send, so its memory is not
-//!   reused while NCCL reads it; burn's
-//!   stream does not wait for a send before then (a send completes only when the peer receives,
-//!   and a pipeline's peer receives later in its own order);
+//!   memory gave wrong updates, see there) and records a CUDA event on burn's stream after the
+//!   copy; the link's stream waits for it, sends, and records an event of its own. The copy is
+//!   held until [`TensorLinks::finish`] has made burn's stream wait for the link's last event,
+//!   so its memory is not reused while NCCL reads it; burn's stream does not wait for a send
+//!   before then (a send completes only when the peer receives, and a pipeline's peer receives
+//!   later in its own order);
 //! - a receive allocates its tensor on burn's stream from cubecl's thread and registers it with
 //!   fusion (as the engine's collectives do: a receive into a tensor made by fusion's `empty`
-//!   did not land in the memory later reads used), raises a flag after it, and makes burn's
-//!   stream wait for the link's stream to have received: what reads the tensor comes after.
+//!   did not land in the memory later reads used), records an event after it for the link's
+//!   stream, and makes burn's stream wait for the link's event after the receive: what reads
+//!   the tensor comes after.
 //!
-//! Behind fusion, the handshakes and the waits are taken on fusion's thread after its queue has
+//! Events, not the flag kernels the engine's collectives use (`stream_order.rs`): a kernel
+//! spinning on burn's stream for a receive deadlocked against CUDA loading a module
+//! (`backend/stream_event.rs` says how).
+//!
+//! Behind fusion, the events and the waits are taken on fusion's thread after its queue has
 //! run, so they land on burn's stream after every operation registered before them.
 //!
 //! Without a link, the message goes through host memory over the communicator's `send`/`recv`,
@@ -34,16 +39,10 @@ use crate::comm::{OpKind, OpSignature};
 /// The messages of one rank over `comm`, for one span of work (a pipeline's step).
 pub struct TensorLinks<'a> {
     comm: &'a dyn Communicator,
-    /// Sends on device memory not yet ordered before burn's later work, with their tensors.
+    /// Per link, sends on device memory not yet ordered before burn's later work.
     #[cfg(feature = "cuda")]
-    sent: Vec<(
-        crate::backend::cuda::Fence,
-        crate::backend::cuda::CudaBuffer,
-    )>,
+    sent: Vec<SentOn>,
     device_messages: usize,
-    /// Whether the flag kernels were launched from cubecl's thread yet (see `warm`).
-    #[cfg(feature = "cuda")]
-    warm: bool,
 }
 
 impl<'a> TensorLinks<'a> {
@@ -54,8 +53,6 @@ impl<'a> TensorLinks<'a> {
             #[cfg(feature = "cuda")]
             sent: Vec::new(),
             device_messages: 0,
-            #[cfg(feature = "cuda")]
-            warm: false,
         }
     }
 
@@ -106,18 +103,17 @@ impl<'a> TensorLinks<'a> {
     /// it too.
     pub fn finish(&mut self) -> Result<(), CommError> {
         #[cfg(feature = "cuda")]
-        {
-            let (fences, buffers): (Vec<_>, Vec<_>) =
-                std::mem::take(&mut self.sent).into_iter().unzip();
-            crate::log::trace_order(|| format!("finish: {} sends", fences.len()));
-            crate::backend::cuda::await_fences(fences).map_err(|e| {
-                CommError::Aborted(format!("ordering burn's stream after a send: {e}"))
-            })?;
+        for sent in std::mem::take(&mut self.sent) {
+            crate::log::trace_order(|| format!("finish: {} sends", sent.buffers.len()));
+            crate::backend::stream_event::wait_in_order(sent.fusion, &sent.device, sent.done)
+                .map_err(|e| {
+                    CommError::Aborted(format!("ordering burn's stream after a send: {e}"))
+                })?;
             // Released only now that burn's stream waits for the sends: the pool hands their
             // memory to burn's stream again at once, and the wait above first runs whatever
             // fusion had queued (a step's optimizer, which allocates). Released before it, a
             // large message still on its way to the peer could be overwritten by that step.
-            drop(buffers);
+            drop(sent.buffers);
         }
         Ok(())
     }
@@ -130,13 +126,11 @@ impl<'a> TensorLinks<'a> {
         tensor: Tensor<I, D>,
         peer: usize,
     ) -> Result<(), CommError> {
-        use crate::backend::cuda::{fence_in_order, staged_copy};
+        use crate::backend::cuda::staged_copy;
+        use crate::backend::stream_event::record_in_order;
         let rank = self.comm.rank();
         let call = OpSignature::new(OpKind::PointToPoint, wire_dtype(tensor.dtype()), 0);
         let invalid = |reason: String| CommError::Invalid { rank, call, reason };
-        if !link.orders_by_flags() {
-            return Err(invalid("the link's stream cannot wait for flags".into()));
-        }
         crate::log::trace_order(|| format!("send to {peer}: {:?}", tensor.dims()));
         let primitive = tensor.into_primitive().tensor();
         let src = staged_copy(&primitive as &dyn core::any::Any).ok_or_else(|| {
@@ -144,18 +138,28 @@ impl<'a> TensorLinks<'a> {
                 "the link to rank {peer} is on a GPU, the tensor is not a CUDA tensor"
             ))
         })?;
-        crate::log::trace_order(|| format!("send to {peer}: staged"));
-        self.warm(&src, link);
-        let fence = fence_in_order(
-            &primitive as &dyn core::any::Any,
-            &src,
-            crate::backend::cuda::channel_of(link),
-        )
-        .ok_or_else(|| invalid("burn's stream could not raise a flag for the send".into()))?;
-        // SAFETY: `src` is complete once `ready` is raised and is held in `sent` until burn's
+        let device = src._keep.device.clone();
+        let ready = record_in_order(&primitive as &dyn core::any::Any, &device)
+            .map_err(|e| invalid(format!("an event on burn's stream before a send: {e}")))?;
+        // SAFETY: `src` is complete once `ready` is reached and is held in `sent` until burn's
         // stream waits for `done`.
-        unsafe { between_flags(link, &fence, "send", || link.send(src.buf, to))? };
-        self.sent.push((fence, src));
+        let done = unsafe { between_events(link, ready, "send", || link.send(src.buf, to))? };
+        let fusion = crate::backend::cuda::fusion_client_of(&primitive as &dyn core::any::Any);
+        // A link's stream runs in order: its last event covers the sends before.
+        let channel = crate::backend::cuda::channel_of(link);
+        if let Some(i) = self.sent.iter().position(|s| s.channel == channel) {
+            let earlier = std::mem::replace(&mut self.sent[i].done, done);
+            crate::backend::stream_event::drop_event(earlier);
+            self.sent[i].buffers.push(src);
+        } else {
+            self.sent.push(SentOn {
+                channel,
+                done,
+                fusion,
+                device,
+                buffers: vec![src],
+            });
+        }
         self.device_messages += 1;
         Ok(())
     }
@@ -177,79 +181,72 @@ impl<'a> TensorLinks<'a> {
             dims.iter().product(),
         );
         let invalid = |reason: String| CommError::Invalid { rank, call, reason };
-        if !link.orders_by_flags() {
-            return Err(invalid("the link's stream cannot wait for flags".into()));
-        }
         crate::log::trace_order(|| format!("receive from {peer}: {dims:?}"));
-        let (dst, fence, primitive) = crate::backend::cuda::ordered_empty::<I>(
-            device,
-            &dims,
-            dtype,
-            crate::backend::cuda::channel_of(link),
-        )
-        .ok_or_else(|| {
-            invalid(format!(
-                "the link from rank {peer} is on a GPU, the device is not a CUDA device"
-            ))
-        })?;
+        let (dst, ready, primitive, fusion) =
+            crate::backend::cuda::empty_with_event::<I>(device, &dims, dtype).ok_or_else(|| {
+                invalid(format!(
+                    "the link from rank {peer} is on a GPU, the device is not a CUDA device"
+                ))
+            })?;
         let tensor =
             Tensor::<I, D>::from_primitive(burn::tensor::TensorPrimitive::Float(primitive));
-        // SAFETY: `dst` is allocated before `ready` is raised and lives in `tensor`; burn's
-        // stream waits for `done` below, before anything it runs later reads or frees it.
-        unsafe { between_flags(link, &fence, "receive", || link.recv(dst.buf, from))? };
-        fence.await_on_compute_stream().map_err(|e| {
-            CommError::Aborted(format!("ordering burn's stream after a receive: {e}"))
-        })?;
+        // SAFETY: `dst` is allocated before `ready` and lives in `tensor`; burn's stream waits
+        // for `done` below, before anything it runs later reads or frees it.
+        let done = unsafe { between_events(link, ready, "receive", || link.recv(dst.buf, from))? };
+        crate::backend::stream_event::wait_in_order(fusion, &dst._keep.device, done).map_err(
+            |e| CommError::Aborted(format!("ordering burn's stream after a receive: {e}")),
+        )?;
         self.device_messages += 1;
         Ok(tensor)
     }
 }
 
+/// The sends on one link's stream not yet ordered before burn's later work.
 #[cfg(feature = "cuda")]
-impl TensorLinks<'_> {
-    /// Before the first message: burn's flag kernels launched once from cubecl's own thread,
-    /// which loads them now. A handshake taken in fusion's order launches them later, from
-    /// fusion's thread, while the link's stream may already spin for the flag; under CUDA's
-    /// lazy loading, loading a kernel can wait for the spinning one, which waits for it. The
-    /// flag this raises early is below every number a link waits for afterwards.
-    fn warm(
-        &mut self,
-        buffer: &crate::backend::cuda::CudaBuffer,
-        link: &dyn crate::comm::DeviceCollectives,
-    ) {
-        if !std::mem::replace(&mut self.warm, true) {
-            let _ =
-                crate::backend::cuda::fence_after(buffer, crate::backend::cuda::channel_of(link));
-        }
-    }
+struct SentOn {
+    channel: u64,
+    /// Recorded on the link's stream after its last send.
+    done: crate::backend::stream_event::RawEvent,
+    /// The fusion client burn's wait goes through (the sent tensors').
+    fusion: Option<crate::backend::cuda::FusionClient>,
+    device: cubecl::cuda::CudaDevice,
+    /// The staged copies the sends read, held until burn's stream waits for `done`.
+    buffers: Vec<crate::backend::cuda::CudaBuffer>,
 }
 
-/// `message` on the link's stream between `fence`'s flags: after burn's stream raised `ready`,
-/// and `done` raised after it, even when it failed (burn's stream may be told to wait for it).
+/// `message` on the link's stream after burn's stream reached `ready` (an event recorded
+/// there), and an event recorded after it, returned: burn's stream waits for that one, even
+/// when `message` failed (then its error is returned and the event let go).
 ///
 /// # Safety
-/// The buffers `message` reads or writes are live and complete when `ready` is raised, and stay
-/// so until burn's stream has waited for `done`.
+/// The buffers `message` reads or writes are live and complete when `ready` is reached, and
+/// stay so until burn's stream has waited for the returned event.
 #[cfg(feature = "cuda")]
-unsafe fn between_flags(
+unsafe fn between_events(
     link: &dyn crate::comm::DeviceCollectives,
-    fence: &crate::backend::cuda::Fence,
+    ready: crate::backend::stream_event::RawEvent,
     what: &str,
     message: impl FnOnce() -> Result<(), CommError>,
-) -> Result<(), CommError> {
-    let (flag, seq) = fence.ready();
-    // SAFETY: the flags live as long as cubecl's flags.
-    unsafe { link.wait_for_flag(flag, seq)? };
+) -> Result<crate::backend::stream_event::RawEvent, CommError> {
+    use crate::backend::stream_event::{drop_event, new_event};
+    // SAFETY: `ready` was recorded on burn's stream before this call.
+    let waited = unsafe { link.wait_event(ready) };
+    drop_event(ready);
+    waited?;
     let outcome = message();
-    crate::log::trace_order(|| {
-        format!("{what} issued on the link after ready {flag:#x} seq {seq}: {outcome:?}")
-    });
-    let (flag, seq) = fence.done();
-    // SAFETY: as for `ready`.
-    if let Err(e) = unsafe { link.raise_flag(flag, seq) } {
-        panic!("after a {what}, the link's stream could not signal burn's: {e}");
+    crate::log::trace_order(|| format!("{what} issued on the link: {outcome:?}"));
+    let done = new_event().map_err(CommError::Aborted)?;
+    // SAFETY: a live event of this device.
+    if let Err(e) = unsafe { link.record_event(done) } {
+        panic!("after a {what}, the link's stream could not record an event for burn's: {e}");
     }
-    outcome
+    match outcome {
+        Ok(()) => Ok(done),
+        Err(e) => {
+            drop_event(done);
+            Err(e)
+        }
+    }
 }
 
 impl Drop for TensorLinks<'_> {

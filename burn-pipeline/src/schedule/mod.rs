@@ -18,7 +18,10 @@ mod links;
 mod order;
 mod simulate;
 
-pub use simulate::{Timeline, peak_in_flight, simulate, simulate_timed, unit_cost};
+pub use simulate::{
+    StageCosts, Timeline, measured_cost, peak_in_flight, simulate, simulate_ranked, simulate_timed,
+    unit_cost,
+};
 
 /// One instruction of a rank's stream. `mb` is the micro-batch index within the step and
 /// `chunk` the model chunk of this rank it runs on (always 0 but for interleaved schedules,
@@ -259,6 +262,21 @@ impl Schedule {
         simulate_timed(
             &self.streams(stages, micro_batches),
             unit_cost(self.chunks()),
+        )
+        .expect("a schedule's own streams run")
+        .bubble()
+    }
+
+    /// The fraction of the ranks' time this schedule leaves idle over `micro_batches` on
+    /// `costs.len()` ranks when rank `r`'s computations take `costs[r]` (measured, e.g. by
+    /// [`crate::run_chunks_clocked`]): the bubble of these stages, unequal work included.
+    ///
+    /// # Panics
+    /// If [`Schedule::check`] refuses the shape.
+    pub fn bubble_with(self, micro_batches: usize, costs: &[StageCosts]) -> f64 {
+        simulate_ranked(
+            &self.streams(costs.len(), micro_batches),
+            measured_cost(costs),
         )
         .expect("a schedule's own streams run")
         .bubble()

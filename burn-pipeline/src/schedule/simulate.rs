@@ -81,6 +81,32 @@ pub fn simulate_timed(
     streams: &[Vec<Instr>],
     cost: impl Fn(Instr) -> f64,
 ) -> Result<Timeline, String> {
+    simulate_ranked(streams, |_, instr| cost(instr))
+}
+
+/// The seconds a rank's computations take, each kind's mean: forward, whole backward, backward
+/// input half, weight half (what [`crate::ComputeClock::means`] measures).
+pub type StageCosts = [f64; 4];
+
+/// A cost per computation from each rank's measured [`StageCosts`] (messages cost nothing).
+pub fn measured_cost(costs: &[StageCosts]) -> impl Fn(usize, Instr) -> f64 + '_ {
+    move |rank, instr| {
+        let c = costs[rank];
+        match instr {
+            Instr::Forward { .. } => c[0],
+            Instr::Backward { .. } => c[1],
+            Instr::BackwardInput { .. } => c[2],
+            Instr::BackwardWeight { .. } => c[3],
+            _ => 0.0,
+        }
+    }
+}
+
+/// [`simulate_timed`] with a cost that depends on the rank too (stages of unequal work).
+pub fn simulate_ranked(
+    streams: &[Vec<Instr>],
+    cost: impl Fn(usize, Instr) -> f64,
+) -> Result<Timeline, String> {
     let ranks = streams.len();
     let chunks = 1 + streams
         .iter()
@@ -126,7 +152,7 @@ pub fn simulate_timed(
                     }
                     _ => {}
                 }
-                let spent = cost(instr);
+                let spent = cost(s, instr);
                 clock[s] += spent;
                 busy[s] += spent;
                 order.push((s, instr));

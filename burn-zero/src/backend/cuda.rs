@@ -256,13 +256,10 @@ pub(crate) struct Fence {
     /// burn's stream the collective was ordered after.
     stream: StreamId,
     handshake: Handshake,
-    /// Fusion's client when the handshake was taken in fusion's order ([`fence_in_order`]):
-    /// the wait then goes the same way.
-    fusion: Option<FusionClient>,
 }
 
 /// burn-cuda's fusion client.
-type FusionClient = burn_fusion::Client<FusionCubeRuntime<CudaRuntime>>;
+pub(crate) type FusionClient = burn_fusion::Client<FusionCubeRuntime<CudaRuntime>>;
 
 impl Fence {
     /// Where the collective stream waits for burn's stream, and for which number.
@@ -290,14 +287,7 @@ impl Fence {
             ordinal,
             stream,
             handshake,
-            fusion,
         } = self;
-        if let Some(fusion) = fusion {
-            stream.executes(|| {
-                fusion.sync(move || stream_order::end(&client, ordinal, handshake));
-            });
-            return Ok(());
-        }
         stream
             .executes(|| client.exclusive(|| stream_order::end(&client, ordinal, handshake)))
             .map_err(|e| format!("{e:?}"))
@@ -355,9 +345,47 @@ fn ordered_alloc(
         ordinal,
         stream: StreamId::current(),
         handshake,
-        fusion: None,
     };
     Some((buffer, fence))
+}
+
+/// A fresh contiguous CUDA float tensor of `shape` and `dtype` on `device` for a foreign stream
+/// to write, allocated on burn's stream with an event recorded there after it, in one visit to
+/// cubecl's thread (the writer waits for the event: burn's stream is then done with whatever
+/// the memory held before). Returns the buffer, the event, the tensor as `I`'s primitive, and
+/// the fusion client burn's wait for the writer must go through. `None` for other backends.
+pub(crate) fn empty_with_event<I: Backend>(
+    device: &I::Device,
+    shape: &[usize],
+    dtype: BurnDType,
+) -> Option<(
+    CudaBuffer,
+    super::stream_event::RawEvent,
+    I::FloatTensorPrimitive,
+    Option<FusionClient>,
+)> {
+    let cuda = (device as &dyn Any).downcast_ref::<cubecl::cuda::CudaDevice>()?;
+    let client = <CudaRuntime as cubecl::Runtime>::client(cuda);
+    let len: usize = shape.iter().product();
+    let (buffer, ready) = client
+        .exclusive(|| {
+            let handle = client.empty(len.max(1) * dtype.size());
+            let out = CubeTensor::new_contiguous(
+                client.clone(),
+                cuda.clone(),
+                shape.into(),
+                handle,
+                dtype,
+            );
+            let view = view_of(out)?;
+            let ready = super::stream_event::record_now(cuda).ok()?;
+            Some((CudaBuffer::of(view), ready))
+        })
+        .ok()
+        .flatten()?;
+    let primitive = cube_as::<I>(buffer._keep.clone(), None)?;
+    let fusion = fusion_client_of(&primitive as &dyn Any);
+    Some((buffer, ready, primitive, fusion))
 }
 
 /// The flags' channel of a communicator's stream (a link's, or one borrowed for a few calls),
@@ -370,8 +398,8 @@ pub(crate) fn channel_of(comm: &dyn crate::comm::DeviceCollectives) -> u64 {
 /// A copy of the CUDA float tensor `any` (any backend's primitive, as [`cube_tensor_of`] takes
 /// it) in fresh contiguous memory that only the returned buffer holds, made on burn's stream
 /// in fusion's order (the copy is launched on fusion's thread after its queue for this stream
-/// has run, as the handshake that follows it is, [`fence_in_order`]). `None` for other
-/// backends and dtypes NCCL does not move.
+/// has run, as the event that follows it is, `stream_event::record_in_order`). `None` for
+/// other backends and dtypes NCCL does not move.
 ///
 /// A pipeline's sends read this copy, not the tensor's own memory: sending the tensor's own
 /// memory gave a 3B Llama with checkpointed layers wrong 1F1B updates on 2 H100s while the
@@ -391,55 +419,8 @@ pub(crate) fn staged_copy(any: &dyn Any) -> Option<CudaBuffer> {
     view_of(cube).map(CudaBuffer::of)
 }
 
-/// A handshake on `buffer`'s device for the foreign stream of `channel`, raised on burn's
-/// stream from cubecl's thread (one blocking visit, no device wait): after everything cubecl
-/// has been handed, which behind fusion may not yet be everything queued ([`fence_in_order`]).
-pub(crate) fn fence_after(buffer: &CudaBuffer, channel: u64) -> Option<Fence> {
-    let cube = &buffer._keep;
-    let (client, ordinal) = (cube.client.clone(), cube.device.index);
-    let handshake = client
-        .exclusive(|| stream_order::begin(&client, ordinal, channel))
-        .ok()
-        .flatten()?;
-    Some(Fence {
-        client,
-        ordinal,
-        stream: StreamId::current(),
-        handshake,
-        fusion: None,
-    })
-}
-
-/// A handshake on `buffer`'s device for the foreign stream of `channel`, taken in the order
-/// of burn's work on `any` (the tensor `buffer` came from, as [`cube_tensor_of`] takes it):
-/// burn's stream raises `ready` after everything queued before, and the fence's wait goes
-/// into burn's stream the same way.
-///
-/// Behind fusion, that order is fusion's: the handshake is taken on fusion's thread after its
-/// queue for this stream has run (one blocking visit, no device wait), and so is the wait, which
-/// then lands on burn's stream after every operation registered before it. A wait launched from
-/// this thread could land ahead of operations fusion has not run yet and hold them back behind
-/// a message that may depend on them (a pipeline's next receive). `None` if it cannot.
-pub(crate) fn fence_in_order(any: &dyn Any, buffer: &CudaBuffer, channel: u64) -> Option<Fence> {
-    let cube = &buffer._keep;
-    let (client, ordinal) = (cube.client.clone(), cube.device.index);
-    let fusion = fusion_client_of(any);
-    let Some(fusion) = fusion else {
-        return fence_after(buffer, channel);
-    };
-    let begun = client.clone();
-    let handshake = fusion.sync(move || stream_order::begin(&begun, ordinal, channel))?;
-    Some(Fence {
-        client,
-        ordinal,
-        stream: StreamId::current(),
-        handshake,
-        fusion: Some(fusion),
-    })
-}
-
 /// The fusion client of a burn-cuda tensor behind fusion (also held whole by `ZeroBackend`).
-fn fusion_client_of(any: &dyn Any) -> Option<FusionClient> {
+pub(crate) fn fusion_client_of(any: &dyn Any) -> Option<FusionClient> {
     type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
     if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
         return zero
@@ -449,24 +430,4 @@ fn fusion_client_of(any: &dyn Any) -> Option<FusionClient> {
     }
     any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()
         .map(|fused| fused.client.clone())
-}
-
-/// A fresh contiguous CUDA float tensor of `shape` and `dtype` on `device` (a burn-cuda device,
-/// as the backend `I` names it), for a foreign stream (`channel`) to write: allocated on burn's
-/// stream and a flag raised there after it from cubecl's thread, so the writer waits for burn's
-/// stream to be done with whatever the memory held before; the wait for the writer goes into
-/// burn's stream in fusion's order when `I` is behind fusion. Returns the buffer, its fence and
-/// the tensor as `I`'s primitive (fusion's, and held by `ZeroBackend`, as `I` needs). `None`
-/// for other backends.
-pub(crate) fn ordered_empty<I: Backend>(
-    device: &I::Device,
-    shape: &[usize],
-    dtype: BurnDType,
-    channel: u64,
-) -> Option<(CudaBuffer, Fence, I::FloatTensorPrimitive)> {
-    let cuda = (device as &dyn Any).downcast_ref::<cubecl::cuda::CudaDevice>()?;
-    let (buffer, mut fence) = ordered_alloc(cuda, shape, dtype, channel)?;
-    let primitive = cube_as::<I>(buffer._keep.clone(), None)?;
-    fence.fusion = fusion_client_of(&primitive as &dyn Any);
-    Some((buffer, fence, primitive))
 }

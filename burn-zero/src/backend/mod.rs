@@ -24,6 +24,8 @@ pub mod settings;
 #[cfg(feature = "zero3")]
 pub mod sharded;
 #[cfg(feature = "cuda")]
+pub(crate) mod stream_event;
+#[cfg(feature = "cuda")]
 pub(crate) mod stream_order;
 mod tensor;
 pub(crate) mod view;

@@ -522,6 +522,28 @@ pub trait DeviceCollectives: Send + Sync {
             "this communicator cannot order its stream by flags".into(),
         ))
     }
+    /// Enqueues on the collective stream a wait for the CUDA event `event` (a `CUevent`):
+    /// what follows starts once the work recorded before it is done. No kernel waits: a module
+    /// that CUDA loads meanwhile cannot stall on it.
+    ///
+    /// # Safety
+    /// `event` is a live event of the communicator's device, recorded before this call.
+    unsafe fn wait_event(&self, event: u64) -> Result<(), CommError> {
+        let _ = event;
+        Err(CommError::Aborted(
+            "this communicator cannot order its stream by events".into(),
+        ))
+    }
+    /// Records the CUDA event `event` on the collective stream, after everything enqueued.
+    ///
+    /// # Safety
+    /// `event` is a live event of the communicator's device.
+    unsafe fn record_event(&self, event: u64) -> Result<(), CommError> {
+        let _ = event;
+        Err(CommError::Aborted(
+            "this communicator cannot order its stream by events".into(),
+        ))
+    }
 }
 
 /// Which way a one-way link carries messages, seen from this rank.

@@ -735,6 +735,31 @@ impl DeviceCollectives for NcclComm {
         unsafe { flag_kernels::signal(&self.stream, flag, value) }
             .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e}", self.rank)))
     }
+
+    unsafe fn wait_event(&self, event: u64) -> Result<(), CommError> {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the caller's event, recorded before; the stream is ours.
+        unsafe {
+            cudarc::driver::result::stream::wait_event(
+                self.stream.cu_stream(),
+                event as cudarc::driver::sys::CUevent,
+                cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e:?}", self.rank)))
+    }
+
+    unsafe fn record_event(&self, event: u64) -> Result<(), CommError> {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the caller's live event; the stream is ours.
+        unsafe {
+            cudarc::driver::result::event::record(
+                event as cudarc::driver::sys::CUevent,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e:?}", self.rank)))
+    }
 }
 
 /// Runs a host-buffer collective on whichever element type the buffers hold.

@@ -16,7 +16,10 @@
 //! SCHEDULE: `1f1b` (default), `gpipe`, `interleaved:V` (V chunks per GPU) or `zb-h1`. The
 //! rank holding the last stage prints one JSON line: losses, step times, and the bubble the
 //! schedule implies for (GPUs, micro-batches), from its streams with a forward, each half of a
-//! backward and each of a chunk's parts costing the same.
+//! backward and each of a chunk's parts costing the same (`schedule_bubble_fraction`) and with
+//! each stage's costs as measured in one more step after the timed ones, every computation
+//! timed alone (`stage_costs_s`: forward, backward, input half, weight half per rank;
+//! `bubble_measured_costs`).
 
 use std::time::Instant;
 
@@ -27,7 +30,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use std::sync::Arc;
 
 use burn_pipeline::{
-    Replicated, Schedule, SplitMethod, StageSpec, Topology, pipeline_links, run_chunks, split,
+    ComputeClock, Replicated, Schedule, SplitMethod, StageCosts, StageSpec, Topology,
+    pipeline_links, run_chunks_clocked, split,
 };
 use burn_zero::comm::{Communicator, ReduceOp, Way};
 use burn_zero::dist::init_nccl;
@@ -156,7 +160,11 @@ fn main() {
     let mut reserved = 0u64;
     let vocab = config.vocab_size;
     let (mut losses, mut times) = (Vec::new(), Vec::new());
-    for step in 0..steps {
+    // One more step after the timed ones with each computation timed alone: the costs the
+    // schedule's bubble is simulated with for these stages (`bubble_measured_costs`).
+    let mut clock = ComputeClock::default();
+    for step in 0..=steps {
+        let clocked = step == steps;
         let shape = (batch, seq);
         let inputs = |mb: usize| {
             let mb = shard * micro + mb;
@@ -182,13 +190,26 @@ fn main() {
             .collect();
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
-        let (next, l) = run_chunks(parts, &mut optims, LR, &stream, &specs, comm, data_axis)
-            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let timer = clocked.then_some(&mut clock);
+        let (next, l) = run_chunks_clocked(
+            parts,
+            &mut optims,
+            LR,
+            &stream,
+            &specs,
+            comm,
+            data_axis,
+            timer,
+        )
+        .unwrap_or_else(|e| panic!("step {step}: {e}"));
         <Cuda as Backend>::sync(&device).expect("sync");
         world.barrier().expect("barrier");
+        parts = next;
+        if clocked {
+            continue;
+        }
         times.push(start.elapsed().as_secs_f64());
         reserved = reserved.max(client.memory_usage().map_or(0, |u| u.bytes_reserved));
-        parts = next;
         if let Some(mut l) = l {
             // The whole step's loss: every copy's micro-batches.
             let mut mean = [l];
@@ -207,12 +228,24 @@ fn main() {
             peak.as_mut_slice().into(),
         )
         .expect("gathering the pools' sizes");
+    // Each pipeline rank's mean seconds per forward, backward and backward half.
+    let mut costs = vec![0.0f32; 4 * ranks];
+    pipe.all_gather(
+        clock.means().map(|c| c as f32).as_slice().into(),
+        costs.as_mut_slice().into(),
+    )
+    .expect("gathering the stages' costs");
+    let costs: Vec<StageCosts> = costs
+        .chunks(4)
+        .map(|c| [c[0], c[1], c[2], c[3]].map(f64::from))
+        .collect();
     if rank + 1 == ranks && shard == 0 {
         // Steps after the first two (kernel compilation and autotuning).
         let mut timed: Vec<f64> = times.iter().skip(2).copied().collect();
         timed.sort_by(f64::total_cmp);
         let median = timed.get(timed.len() / 2).copied();
         let bubble = schedule.bubble(ranks, micro);
+        let measured = schedule.bubble_with(micro, &costs);
         println!(
             "{}",
             serde_json::json!({"schedule": format!("{schedule:?}"), "gpus": world.world_size(),
@@ -223,7 +256,8 @@ fn main() {
                 "device_links": links_open, "peak_gpu_bytes": peak,
                 "losses": losses, "step_times_s": times, "median_step_s": median,
                 "tokens_per_s": median.map(|m| (copies * micro * batch * seq) as f64 / m),
-                "schedule_bubble_fraction": bubble})
+                "schedule_bubble_fraction": bubble,
+                "stage_costs_s": costs, "bubble_measured_costs": measured})
         );
     }
 }

@@ -884,6 +884,22 @@ impl CudaServer {
     pub(crate) fn utilities(&self) -> Arc<ServerUtilities<Self>> {
         self.utilities.clone()
     }
+
+    /// burn-zero's patch: the CUDA stream the work of `stream_id` runs on, so a program can
+    /// order streams of its own (NCCL's) against it with CUDA events.
+    pub fn cuda_stream(
+        &mut self,
+        stream_id: StreamId,
+    ) -> Result<cudarc::driver::sys::CUstream, ServerError> {
+        let mut command = self.command_no_inputs(
+            stream_id,
+            StreamErrorMode {
+                ignore: true,
+                flush: false,
+            },
+        )?;
+        Ok(command.streams.current().sys)
+    }
 }
 
 fn elem_to_tensor_map_type(ty: StorageType) -> CUtensorMapDataType {
