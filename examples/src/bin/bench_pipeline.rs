@@ -19,7 +19,9 @@
 //! backward and each of a chunk's parts costing the same (`schedule_bubble_fraction`) and with
 //! each stage's costs as measured in one more step after the timed ones, every computation
 //! timed alone (`stage_costs_s`: forward, backward, input half, weight half per rank;
-//! `bubble_measured_costs`).
+//! `bubble_measured_costs`; `idle_from_clock`: 1 − the ranks' computing time with those costs
+//! over the median step's). PIPE_CHECKPOINT=0|1 overrides the model's per-layer activation
+//! checkpointing.
 
 use std::time::Instant;
 
@@ -31,7 +33,7 @@ use std::sync::Arc;
 
 use burn_pipeline::{
     ComputeClock, Replicated, Schedule, SplitMethod, StageCosts, StageSpec, Topology,
-    pipeline_links, run_chunks_clocked, split,
+    measured_cost, pipeline_links, run_chunks_clocked, simulate_ranked, split,
 };
 use burn_zero::comm::{Communicator, ReduceOp, Way};
 use burn_zero::dist::init_nccl;
@@ -90,6 +92,16 @@ fn main() {
         .unwrap_or_else(|e| panic!("{e}"));
     let name = args.get(4).map_or("smollm2", String::as_str);
     let (config, seq, batch, checkpointed) = model(name);
+    // PIPE_CHECKPOINT=0|1 overrides the model's per-layer activation checkpointing (a split
+    // backward defers no weight gradients inside a checkpointed layer: ZB-H1 needs it off).
+    let checkpointed = match std::env::var("PIPE_CHECKPOINT").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => checkpointed,
+    };
+    if std::env::var("PIPE_CHECKPOINT").is_ok() {
+        eprintln!("PIPE_CHECKPOINT: each decoder layer checkpointed: {checkpointed}");
+    }
     let seq: usize = args.get(5).and_then(|v| v.parse().ok()).unwrap_or(seq);
     let batch: usize = args.get(6).and_then(|v| v.parse().ok()).unwrap_or(batch);
     let copies: usize = args.get(7).and_then(|v| v.parse().ok()).unwrap_or(1);
@@ -246,6 +258,12 @@ fn main() {
         let median = timed.get(timed.len() / 2).copied();
         let bubble = schedule.bubble(ranks, micro);
         let measured = schedule.bubble_with(micro, &costs);
+        // Each rank's computing time in a step with those costs, and the idle fraction of the
+        // timed steps it implies (needs no 1-GPU run, which computes more under checkpointing).
+        let busy = simulate_ranked(&schedule.streams(ranks, micro), measured_cost(&costs))
+            .expect("the schedule's own streams run")
+            .busy;
+        let idle_from_clock = median.map(|m| 1.0 - busy.iter().sum::<f64>() / (ranks as f64 * m));
         println!(
             "{}",
             serde_json::json!({"schedule": format!("{schedule:?}"), "gpus": world.world_size(),
@@ -257,7 +275,8 @@ fn main() {
                 "losses": losses, "step_times_s": times, "median_step_s": median,
                 "tokens_per_s": median.map(|m| (copies * micro * batch * seq) as f64 / m),
                 "schedule_bubble_fraction": bubble,
-                "stage_costs_s": costs, "bubble_measured_costs": measured})
+                "stage_costs_s": costs, "bubble_measured_costs": measured,
+                "busy_s_per_rank": busy, "idle_from_clock": idle_from_clock})
         );
     }
 }
