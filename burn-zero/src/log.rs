@@ -21,6 +21,7 @@ pub(crate) fn info(message: &str) {
 
 /// Whether the stream-ordering trace is on (`BURN_ZERO_TRACE_ORDER=1`): a debugging aid for a
 /// hung device step, read once and announced on stderr when set.
+#[cfg(feature = "cuda")]
 pub(crate) fn tracing_order() -> bool {
     static ON: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
         let on = std::env::var("BURN_ZERO_TRACE_ORDER").is_ok_and(|v| v == "1");
@@ -34,6 +35,7 @@ pub(crate) fn tracing_order() -> bool {
 
 /// One line of the stream-ordering trace, on stderr and flushed: the thread, a clock in
 /// milliseconds since the first line, and `message` (built only when tracing is on).
+#[cfg(feature = "cuda")]
 pub(crate) fn trace_order(message: impl FnOnce() -> String) {
     if !tracing_order() {
         return;
