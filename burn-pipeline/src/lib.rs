@@ -37,7 +37,7 @@ pub use tensor_parallel::{
     VocabParallelEmbedding, copy_to_group, reduce_from_group, vocab_parallel_cross_entropy,
 };
 pub use topology::{Topology, pipeline_links};
-pub use weight_split::WeightSplit;
+pub use weight_split::{RecomputeSplit, WeightSplit};
 
 #[cfg(test)]
 mod tests;

@@ -7,6 +7,9 @@
 //! changes no value, and the probe's gradient is exactly `dy`. Everything else of the stage
 //! (norms, embeddings, layers not routed here) gets its gradient in the input half.
 
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
 use burn::module::{Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
@@ -24,9 +27,13 @@ struct Deferred<B: AutodiffBackend> {
 
 /// The linear layers of a stage's forward whose weight gradients wait for the schedule's
 /// [`crate::Instr::BackwardWeight`]. A stage routes them through [`WeightSplit::linear`] in
-/// [`crate::PipeStage::forward_split`].
+/// [`crate::PipeStage::forward_split`], and a checkpointed layer's recompute through
+/// [`WeightSplit::recompute`]'s projector.
 pub struct WeightSplit<B: AutodiffBackend> {
     layers: Vec<Deferred<B>>,
+    /// Layers split inside checkpointed modules, their output gradients already read from the
+    /// recompute's own backward ([`RecomputeSplit::resolve`]).
+    resolved: Arc<Mutex<Vec<LayerWork<B>>>>,
 }
 
 /// The weight-gradient half still to run for one micro-batch: each layer's input and output
@@ -43,9 +50,61 @@ type LayerWork<B> = (
     Tensor<<B as AutodiffBackend>::InnerBackend, 2>,
 );
 
+/// `x · weight + bias` with the weight and bias held constant and a zero probe leaf added to
+/// the output, and what the weight half needs of it; `None` for a frozen weight, which is
+/// applied as burn applies it.
+fn split_linear<B: AutodiffBackend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: &Param<Tensor<B, 2>>,
+    bias: Option<&Param<Tensor<B, 1>>>,
+) -> (Tensor<B, D>, Option<Deferred<B>>) {
+    if !weight.val().is_require_grad() {
+        return (module::linear(x, weight.val(), bias.map(Param::val)), None);
+    }
+    let [d_in, d_out] = weight.dims();
+    let y = module::linear(
+        x.clone(),
+        weight.val().detach(),
+        bias.map(|b| b.val().detach()),
+    );
+    let dims = y.dims();
+    let rows = dims[..D - 1].iter().product::<usize>();
+    // In the output's dtype (bf16 under mixed precision), made before it becomes a leaf.
+    let probe = Tensor::<B, 2>::zeros([rows, d_out], &y.device())
+        .cast(y.dtype())
+        .require_grad();
+    let deferred = Deferred {
+        weight: weight.id,
+        bias: bias.filter(|b| b.val().is_require_grad()).map(|b| b.id),
+        x: x.detach().inner().reshape([rows, d_in]),
+        probe: probe.clone(),
+    };
+    (y + probe.reshape(dims), Some(deferred))
+}
+
+impl<B: AutodiffBackend> Deferred<B> {
+    /// With its output gradient read from `grads` (zeros if the output took no part).
+    fn resolve(self, grads: &B::Gradients) -> LayerWork<B> {
+        let dy = self.probe.grad(grads).unwrap_or_else(|| {
+            Tensor::<B, 2>::zeros(self.probe.dims(), &self.probe.device()).inner()
+        });
+        (self.weight, self.bias, self.x, dy)
+    }
+}
+
+impl<B: AutodiffBackend> Default for WeightSplit<B> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<B: AutodiffBackend> WeightSplit<B> {
-    pub(crate) fn new() -> Self {
-        Self { layers: Vec::new() }
+    /// A split with nothing deferred yet (the executor makes one per micro-batch's forward).
+    pub fn new() -> Self {
+        Self {
+            layers: Vec::new(),
+            resolved: Arc::default(),
+        }
     }
 
     /// `x · weight + bias` (burn's `Linear`: `weight` is `[d_in, d_out]`) on `[.., d_in]`,
@@ -58,43 +117,94 @@ impl<B: AutodiffBackend> WeightSplit<B> {
         weight: &Param<Tensor<B, 2>>,
         bias: Option<&Param<Tensor<B, 1>>>,
     ) -> Tensor<B, D> {
-        if !weight.val().is_require_grad() {
-            return module::linear(x, weight.val(), bias.map(Param::val));
+        let (y, deferred) = split_linear(x, weight, bias);
+        self.layers.extend(deferred);
+        y
+    }
+
+    /// The projector for one checkpointed module's recompute (`burn_zero::nn::checkpoint_then`
+    /// with [`RecomputeSplit::resolve`] as its `after`): its layers defer their weights'
+    /// gradients to this split's weight half like [`WeightSplit::linear`]'s, their output
+    /// gradients read from the recompute's own backward.
+    pub fn recompute(&self) -> RecomputeSplit<B> {
+        RecomputeSplit {
+            pending: Arc::default(),
+            resolved: self.resolved.clone(),
         }
-        let [d_in, d_out] = weight.dims();
-        let y = module::linear(
-            x.clone(),
-            weight.val().detach(),
-            bias.map(|b| b.val().detach()),
-        );
-        let dims = y.dims();
-        let rows = dims[..D - 1].iter().product::<usize>();
-        // In the output's dtype (bf16 under mixed precision), made before it becomes a leaf.
-        let probe = Tensor::<B, 2>::zeros([rows, d_out], &y.device())
-            .cast(y.dtype())
-            .require_grad();
-        self.layers.push(Deferred {
-            weight: weight.id,
-            bias: bias.filter(|b| b.val().is_require_grad()).map(|b| b.id),
-            x: x.detach().inner().reshape([rows, d_in]),
-            probe: probe.clone(),
-        });
-        y + probe.reshape(dims)
+    }
+
+    /// Layers whose weight gradients wait for the weight half so far (those of checkpointed
+    /// modules count once their recompute has run, in the input half's backward).
+    pub fn deferred(&self) -> usize {
+        self.layers.len() + self.resolved.lock().map_or(0, |r| r.len())
     }
 
     /// After the input half's backward: each layer's output gradient, taken from `grads`.
     pub(crate) fn into_work(self, grads: &B::Gradients) -> WeightWork<B> {
-        let layers = self
-            .layers
-            .into_iter()
-            .map(|l| {
-                let dy = l.probe.grad(grads).unwrap_or_else(|| {
-                    Tensor::<B, 2>::zeros(l.probe.dims(), &l.probe.device()).inner()
-                });
-                (l.weight, l.bias, l.x, dy)
-            })
-            .collect();
+        let mut layers: Vec<LayerWork<B>> =
+            self.layers.into_iter().map(|l| l.resolve(grads)).collect();
+        layers.append(&mut self.resolved.lock().unwrap_or_else(|e| e.into_inner()));
         WeightWork { layers }
+    }
+}
+
+/// A checkpointed module's split layers ([`WeightSplit::recompute`]). Its forward runs twice:
+/// without a graph (the layers' weights are then untracked, and nothing is recorded), and as
+/// the recompute inside the outer backward, whose layers record their input and a probe;
+/// [`RecomputeSplit::resolve`] then reads the probes' gradients from the recompute's backward.
+pub struct RecomputeSplit<B: AutodiffBackend> {
+    pending: Arc<Mutex<Vec<Deferred<B>>>>,
+    resolved: Arc<Mutex<Vec<LayerWork<B>>>>,
+}
+
+impl<B: AutodiffBackend> Clone for RecomputeSplit<B> {
+    fn clone(&self) -> Self {
+        Self {
+            pending: self.pending.clone(),
+            resolved: self.resolved.clone(),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> RecomputeSplit<B> {
+    /// A recorder of its own that keeps its layers for the same weight half.
+    pub fn fresh(&self) -> Self {
+        Self {
+            pending: Arc::default(),
+            resolved: self.resolved.clone(),
+        }
+    }
+
+    /// [`WeightSplit::linear`] inside the recompute.
+    pub fn linear<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        weight: &Param<Tensor<B, 2>>,
+        bias: Option<&Param<Tensor<B, 1>>>,
+    ) -> Tensor<B, D> {
+        let (y, deferred) = split_linear(x, weight, bias);
+        if let Some(d) = deferred {
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(d);
+        }
+        y
+    }
+
+    /// After the recompute's backward, with its gradients (`B::Gradients` as `&dyn Any`, what
+    /// `checkpoint_then` hands over): the recorded layers' output gradients, kept for the
+    /// weight half.
+    ///
+    /// # Panics
+    /// If `grads` is not `B`'s gradients.
+    pub fn resolve(&self, grads: &dyn Any) {
+        let grads = grads
+            .downcast_ref::<B::Gradients>()
+            .expect("the recompute's gradients are the stage backend's");
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut resolved = self.resolved.lock().unwrap_or_else(|e| e.into_inner());
+        resolved.extend(pending.into_iter().map(|d| d.resolve(grads)));
     }
 }
 

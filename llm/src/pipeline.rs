@@ -10,8 +10,8 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor};
-use burn_pipeline::{PipeStage, WeightSplit};
-use burn_zero::nn::checkpoint;
+use burn_pipeline::{PipeStage, RecomputeSplit, WeightSplit};
+use burn_zero::nn::{checkpoint, checkpoint_then};
 
 use crate::model::{Block, Llama, Plain, Projector, Rope, norm};
 
@@ -100,14 +100,21 @@ impl<B: Backend> LlamaStage<B> {
 
     /// This stage's layers on `x` (see the module doc for the shapes).
     pub fn apply(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.apply_with(x, &mut Plain)
+        self.apply_with(x, &mut Plain, &plain_checkpoint)
     }
 
     /// [`LlamaStage::apply`] with the decoder layers' projections and an untied output
     /// projection applied by `p`. A checkpointed layer (per-layer activation checkpointing,
-    /// inside a stage as in the whole model) applies its own: it runs again in backward, so its
-    /// weights' gradients come with its input's.
-    fn apply_with(&self, x: Tensor<B, 2>, p: &mut impl Projector<B>) -> Tensor<B, 2> {
+    /// inside a stage as in the whole model) runs again in backward: there its projections go
+    /// through `recompute` when given (a split backward: their weights' gradients deferred,
+    /// their output gradients read from the recompute's own backward), else burn's `Linear`'s,
+    /// their weights' gradients then coming with the input's.
+    fn apply_with(
+        &self,
+        x: Tensor<B, 2>,
+        p: &mut impl Projector<B>,
+        checkpointed: &CheckpointedLayer<B>,
+    ) -> Tensor<B, 2> {
         let device = x.device();
         let h = match &self.embed {
             Some(embed) => embed.forward(x.int()),
@@ -125,12 +132,7 @@ impl<B: Backend> LlamaStage<B> {
             let (heads, kv) = (self.num_heads, self.num_kv_heads);
             h = match self.checkpoint_layers {
                 false => block.forward_with(h, &rope, &mask, heads, kv, p),
-                true => {
-                    let (rope, mask) = (rope.clone(), mask.clone());
-                    checkpoint(block, h, move |block: &Block<B>, x| {
-                        block.forward(x, &rope, &mask, heads, kv)
-                    })
-                }
+                true => checkpointed(block, h, &rope, &mask, (heads, kv)),
             };
         }
         if let Some(n) = &self.norm {
@@ -147,6 +149,40 @@ impl<B: Backend> LlamaStage<B> {
         };
         let width = h.dims()[2];
         h.reshape([batch * seq, width])
+    }
+}
+
+/// A causal mask, `[seq, seq]`.
+type Mask<B> = Tensor<B, 2, Bool>;
+
+/// How a stage runs one checkpointed decoder layer on `h`: (block, h, rope, mask, (query
+/// heads, key/value heads)).
+type CheckpointedLayer<B> =
+    dyn Fn(&Block<B>, Tensor<B, 3>, &Rope<B>, &Mask<B>, (usize, usize)) -> Tensor<B, 3>;
+
+/// A checkpointed layer as the whole model runs it: the recompute through burn's `Linear`.
+fn plain_checkpoint<B: Backend>(
+    block: &Block<B>,
+    h: Tensor<B, 3>,
+    rope: &Rope<B>,
+    mask: &Mask<B>,
+    (heads, kv): (usize, usize),
+) -> Tensor<B, 3> {
+    let (rope, mask) = (rope.clone(), mask.clone());
+    checkpoint(block, h, move |block: &Block<B>, x| {
+        block.forward(x, &rope, &mask, heads, kv)
+    })
+}
+
+/// Inside a checkpointed layer's recompute: each projection's weight gradient deferred.
+impl<B: AutodiffBackend> Projector<B> for RecomputeSplit<B> {
+    fn linear<const D: usize>(
+        &mut self,
+        x: Tensor<B, D>,
+        weight: &Param<Tensor<B, 2>>,
+        bias: Option<&Param<Tensor<B, 1>>>,
+    ) -> Tensor<B, D> {
+        RecomputeSplit::linear(self, x, weight, bias)
     }
 }
 
@@ -170,7 +206,24 @@ impl<B: AutodiffBackend> PipeStage<B> for LlamaStage<B> {
     /// The seven projections of every layer and an untied output projection defer their
     /// weights' gradients; norms, the embedding and a tied output projection do not.
     fn forward_split(&self, x: Tensor<B, 2>, split: &mut WeightSplit<B>) -> Tensor<B, 2> {
-        self.apply_with(x, split)
+        let recompute = split.recompute();
+        // Each checkpointed layer's recompute defers its projections' weight gradients too.
+        let checkpointed = move |block: &Block<B>, h, rope: &Rope<B>, mask: &Mask<B>, heads| {
+            let (rope, mask) = (rope.clone(), mask.clone());
+            // One recorder per layer: its recompute and its backward run together.
+            let layer = recompute.fresh();
+            let resolve = layer.clone();
+            checkpoint_then(
+                block,
+                h,
+                move |block: &Block<B>, x| {
+                    let (h, kv) = heads;
+                    block.forward_with(x, &rope, &mask, h, kv, &mut layer.clone())
+                },
+                move |grads| resolve.resolve(grads),
+            )
+        };
+        self.apply_with(x, split, &checkpointed)
     }
 
     fn tied(&self) -> Option<ParamId> {

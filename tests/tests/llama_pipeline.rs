@@ -238,6 +238,45 @@ fn checkpointed_layers_in_stages_match_the_unsplit_llama() {
     schedule_matches(&[0, 1, 2, 3, 4], false, interleaved, options);
 }
 
+/// Under a split backward a checkpointed decoder layer defers its seven projections' weight
+/// gradients, read from its recompute's own backward, as a layer kept whole does (before, its
+/// recompute took them, and ZB-H1 deferred nothing on checkpointed stages), and the input
+/// half leaves those weights without a gradient.
+#[test]
+fn checkpointed_layers_defer_their_projections() {
+    use burn::module::Module;
+    use burn::tensor::backend::AutodiffBackend;
+    use burn_pipeline::{PipeStage, WeightSplit};
+    let device = Default::default();
+    for checkpointed in [false, true] {
+        let model = draw_parameters(config(true, 4).init::<B>(&device))
+            .with_activation_checkpointing(checkpointed);
+        let stage = LlamaStage::new(&model, &ranges(&[0, 3, 4]), 0, SEQ).unwrap();
+        let (ids, _) = micro(0, 0, &device);
+        let mut split = WeightSplit::new();
+        let out = stage.forward_split(ids_as_input(ids), &mut split);
+        assert_eq!(split.deferred(), if checkpointed { 0 } else { 21 });
+        let grads = out.sum().backward();
+        assert_eq!(
+            split.deferred(),
+            21,
+            "checkpointed {checkpointed}: 3 layers × 7"
+        );
+        let mut with_grads = 0;
+        stage.visit(&mut CountGrads(&grads, &mut with_grads));
+        // The embedding and each layer's two norms; no projection.
+        assert_eq!(with_grads, 1 + 3 * 2, "checkpointed {checkpointed}");
+    }
+    struct CountGrads<'a>(&'a <B as AutodiffBackend>::Gradients, &'a mut usize);
+    impl burn::module::ModuleVisitor<B> for CountGrads<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            if param.val().grad(self.0).is_some() {
+                *self.1 += 1;
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_bounds_are_refused() {
     let device = Default::default();

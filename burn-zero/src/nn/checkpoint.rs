@@ -40,6 +40,11 @@ const MAX_PARENTS: usize = 128;
 /// The forward a checkpoint reruns in backward.
 type Forward<B, M, const D: usize> = dyn Fn(&M, Tensor<B, D>) -> Tensor<B, D> + Send + Sync;
 
+/// What runs after the recompute's own backward, given its gradients (burn-autodiff's
+/// `Gradients`, as `&dyn Any`): a caller reads there the gradients of tensors its forward
+/// made itself (a split backward's probes).
+type After = Arc<dyn Fn(&dyn core::any::Any) + Send + Sync>;
+
 /// `forward(module, x)`, with only `x` kept for backward (see the module doc).
 ///
 /// `forward` must be a function of `module`'s parameters and `x` alone: a tensor it captures
@@ -51,16 +56,52 @@ where
     M: Module<B> + 'static,
     F: Fn(&M, Tensor<B, D>) -> Tensor<B, D> + Send + Sync + 'static,
 {
-    let forward: Arc<Forward<B, M, D>> = Arc::new(forward);
+    checkpoint_inner(module, x, Arc::new(forward), None)
+}
+
+/// [`checkpoint`], and `after` called with the recompute's gradients (burn-autodiff's
+/// `Gradients`, as `&dyn Any`) right after its backward, before they are dropped: the gradients
+/// of tensors `forward` made itself are there, and nowhere else (a zero-bubble schedule's
+/// probes, whose gradients are the split layers' output gradients). Where `checkpoint` runs
+/// the forward as is (another backend, nothing to differentiate), `after` is never called.
+pub fn checkpoint_then<B, M, F, A, const D: usize>(
+    module: &M,
+    x: Tensor<B, D>,
+    forward: F,
+    after: A,
+) -> Tensor<B, D>
+where
+    B: Backend,
+    M: Module<B> + 'static,
+    F: Fn(&M, Tensor<B, D>) -> Tensor<B, D> + Send + Sync + 'static,
+    A: Fn(&dyn core::any::Any) + Send + Sync + 'static,
+{
+    checkpoint_inner(module, x, Arc::new(forward), Some(Arc::new(after)))
+}
+
+fn checkpoint_inner<B, M, const D: usize>(
+    module: &M,
+    x: Tensor<B, D>,
+    forward: Arc<Forward<B, M, D>>,
+    after: Option<After>,
+) -> Tensor<B, D>
+where
+    B: Backend,
+    M: Module<B> + 'static,
+{
     #[cfg(feature = "cuda")]
-    if let Some(out) = tracked::<B, ZeroBackend<burn::backend::Cuda>, M, D>(module, &x, &forward) {
-        return out;
-    }
-    #[cfg(feature = "ndarray")]
-    if let Some(out) = tracked::<B, ZeroBackend<burn::backend::NdArray>, M, D>(module, &x, &forward)
+    if let Some(out) =
+        tracked::<B, ZeroBackend<burn::backend::Cuda>, M, D>(module, &x, &forward, &after)
     {
         return out;
     }
+    #[cfg(feature = "ndarray")]
+    if let Some(out) =
+        tracked::<B, ZeroBackend<burn::backend::NdArray>, M, D>(module, &x, &forward, &after)
+    {
+        return out;
+    }
+    let _ = after;
     forward(module, x)
 }
 
@@ -69,6 +110,7 @@ fn tracked<B, Z, M, const D: usize>(
     module: &M,
     x: &Tensor<B, D>,
     forward: &Arc<Forward<B, M, D>>,
+    after: &Option<After>,
 ) -> Option<Tensor<B, D>>
 where
     B: Backend,
@@ -115,6 +157,7 @@ where
         module: module.clone(),
         input: input.primitive,
         forward: Closure(forward.clone()),
+        after: after.clone(),
     };
     // burn's ops take a fixed number of parents: pad with the input's node. The pads get no
     // gradient, and the input is never a parameter whose gradient hook counts its consumers.
@@ -216,11 +259,12 @@ impl<B: Backend, M, const D: usize> core::fmt::Debug for Closure<B, M, D> {
     }
 }
 
-/// What backward needs: the input's value, the module and its forward.
+/// What backward needs: the input's value, the module and its forward (and what runs after).
 struct State<B: Backend, Z: Backend, M, const D: usize> {
     module: M,
     input: Z::FloatTensorPrimitive,
     forward: Closure<B, M, D>,
+    after: Option<After>,
 }
 
 impl<B: Backend, Z: Backend, M: Clone, const D: usize> Clone for State<B, Z, M, D> {
@@ -229,6 +273,7 @@ impl<B: Backend, Z: Backend, M: Clone, const D: usize> Clone for State<B, Z, M, 
             module: self.module.clone(),
             input: self.input.clone(),
             forward: self.forward.clone(),
+            after: self.after.clone(),
         }
     }
 }
@@ -267,6 +312,7 @@ where
             module,
             input,
             forward,
+            after,
         } = ops.state;
         let d_out = grads.consume::<Z>(&ops.node);
         let parents: Vec<Option<NodeId>> = ops.parents[..self.count]
@@ -293,6 +339,9 @@ where
         let out = float_as::<B, Autodiff<Z>, D>(out).expect("B is Autodiff<Z>");
         // d(sum(out · g))/d(out) = g: the incoming gradient, exactly.
         let inner = (out * leaf(d_out)).sum().backward();
+        if let Some(after) = after {
+            after(&inner);
+        }
         if let (Some(id), Some(dx)) = (parents[0], x.grad(&inner)) {
             grads.register::<Z>(id, dx.into_primitive().tensor());
         }

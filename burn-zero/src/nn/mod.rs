@@ -5,6 +5,6 @@ mod cross_entropy;
 mod downcast;
 mod fused;
 
-pub use checkpoint::checkpoint;
+pub use checkpoint::{checkpoint, checkpoint_then};
 pub use cross_entropy::{VocabAxis, linear_cross_entropy, materialized_cross_entropy};
 pub use fused::{RopePairs, RopeTable, rms_norm, rope, swiglu};
