@@ -291,6 +291,52 @@ mod tests {
         close(db, bias.val().grad(&whole).unwrap());
     }
 
+    /// The same layer used twice inside a checkpointed module, split in the recompute: the
+    /// input half's gradient of `x` and the weight half's of the weight and bias are burn's
+    /// own (unscaled: a pipeline's Adam would not see a gradient off by a constant factor),
+    /// and nothing is deferred by the forward that keeps no graph.
+    #[test]
+    fn a_checkpointed_module_s_split_layers_give_burn_s_gradients() {
+        use burn::nn::{Linear, LinearConfig};
+        let layer: Linear<A> = LinearConfig::new(5, 5).init(&Default::default());
+        let x = random([2, 3, 5]).require_grad();
+        let y = random::<3>([2, 3, 5]);
+        let whole = (layer.forward(layer.forward(x.clone()).tanh()) * y.clone())
+            .sum()
+            .backward();
+        let split = WeightSplit::<A>::new();
+        let recorder = split.recompute().fresh();
+        let resolver = recorder.clone();
+        let out = burn_zero::nn::checkpoint_then(
+            &layer,
+            x.clone(),
+            move |m: &Linear<A>, h| {
+                let h = recorder.linear(h, &m.weight, m.bias.as_ref()).tanh();
+                recorder.linear(h, &m.weight, m.bias.as_ref())
+            },
+            move |grads| resolver.resolve(grads),
+        );
+        assert_eq!(
+            split.deferred(),
+            0,
+            "the forward without a graph records nothing"
+        );
+        let grads = (out * y).sum().backward();
+        assert_eq!(split.deferred(), 2);
+        close(x.grad(&grads).unwrap(), x.grad(&whole).unwrap());
+        assert!(layer.weight.val().grad(&grads).is_none());
+        let mut halves = split.into_work(&grads).run();
+        let bias = layer.bias.as_ref().unwrap();
+        close(
+            halves.remove::<Inner, 2>(layer.weight.id).unwrap(),
+            layer.weight.val().grad(&whole).unwrap(),
+        );
+        close(
+            halves.remove::<Inner, 1>(bias.id).unwrap(),
+            bias.val().grad(&whole).unwrap(),
+        );
+    }
+
     /// A frozen weight runs as burn runs it and defers nothing; its trainable bias gets its
     /// gradient in the input half.
     #[test]
