@@ -139,12 +139,12 @@ impl<'a> TensorLinks<'a> {
             ))
         })?;
         let device = src._keep.device.clone();
-        let ready = record_in_order(&primitive as &dyn core::any::Any, &device)
+        let fusion = crate::backend::cuda::fusion_client_of(&primitive as &dyn core::any::Any);
+        let ready = record_in_order(fusion.clone(), &device)
             .map_err(|e| invalid(format!("an event on burn's stream before a send: {e}")))?;
         // SAFETY: `src` is complete once `ready` is reached and is held in `sent` until burn's
         // stream waits for `done`.
         let done = unsafe { between_events(link, ready, "send", || link.send(src.buf, to))? };
-        let fusion = crate::backend::cuda::fusion_client_of(&primitive as &dyn core::any::Any);
         // A link's stream runs in order: its last event covers the sends before.
         let channel = crate::backend::cuda::channel_of(link);
         if let Some(i) = self.sent.iter().position(|s| s.channel == channel) {
@@ -215,8 +215,8 @@ struct SentOn {
 }
 
 /// `message` on the link's stream after burn's stream reached `ready` (an event recorded
-/// there), and an event recorded after it, returned: burn's stream waits for that one, even
-/// when `message` failed (then its error is returned and the event let go).
+/// there), and an event recorded after it, returned for burn's stream to wait for. When
+/// `message` failed, its error is returned instead and the event let go.
 ///
 /// # Safety
 /// The buffers `message` reads or writes are live and complete when `ready` is reached, and

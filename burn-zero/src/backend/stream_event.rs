@@ -11,8 +11,6 @@
 //! kernel. cubecl 0.10 does not give its stream away: `patches/cubecl-cuda` adds
 //! `CudaServer::cuda_stream`.
 
-use core::any::Any;
-
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::device::Device;
 use cubecl::device_handle::DeviceHandle;
@@ -20,7 +18,7 @@ use cubecl::stream_id::StreamId;
 use cudarc::driver::result::{event, stream};
 use cudarc::driver::sys::{CUevent, CUevent_flags, CUevent_wait_flags};
 
-use super::cuda::{FusionClient, fusion_client_of};
+use super::cuda::FusionClient;
 
 type CudaServer = <CudaRuntime as cubecl::Runtime>::Server;
 
@@ -36,8 +34,7 @@ pub(crate) fn record_now(device: &CudaDevice) -> Result<RawEvent, String> {
             let on = server
                 .cuda_stream(StreamId::current())
                 .map_err(|e| format!("burn's stream: {e:?}"))?;
-            let ev = event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(|e| format!("creating an event: {e:?}"))?;
+            let ev = new_event()? as CUevent;
             // SAFETY: a fresh event and cubecl's live stream of this device.
             unsafe { event::record(ev, on) }.map_err(|e| format!("recording an event: {e:?}"))?;
             Ok(ev as RawEvent)
@@ -45,11 +42,14 @@ pub(crate) fn record_now(device: &CudaDevice) -> Result<RawEvent, String> {
         .map_err(|e| format!("{e:?}"))?
 }
 
-/// [`record_now`] in the order of burn's work on `any` (a tensor primitive, as
-/// `cuda::cube_tensor_of` takes it): behind fusion, after everything registered before.
-pub(crate) fn record_in_order(any: &dyn Any, device: &CudaDevice) -> Result<RawEvent, String> {
+/// [`record_now`] in fusion's order when `fusion` is given (the client of the tensor the work
+/// was on, `cuda::fusion_client_of`): after everything registered before.
+pub(crate) fn record_in_order(
+    fusion: Option<FusionClient>,
+    device: &CudaDevice,
+) -> Result<RawEvent, String> {
     let device = device.clone();
-    match fusion_client_of(any) {
+    match fusion {
         Some(fusion) => fusion.sync(move || record_now(&device)),
         None => record_now(&device),
     }

@@ -92,8 +92,7 @@ fn main() {
         .unwrap_or_else(|e| panic!("{e}"));
     let name = args.get(4).map_or("smollm2", String::as_str);
     let (config, seq, batch, checkpointed) = model(name);
-    // PIPE_CHECKPOINT=0|1 overrides the model's per-layer activation checkpointing (a split
-    // backward defers no weight gradients inside a checkpointed layer: ZB-H1 needs it off).
+    // PIPE_CHECKPOINT=0|1 overrides the model's per-layer activation checkpointing.
     let checkpointed = match std::env::var("PIPE_CHECKPOINT").as_deref() {
         Ok("0") => false,
         Ok("1") => true,
@@ -257,12 +256,12 @@ fn main() {
         timed.sort_by(f64::total_cmp);
         let median = timed.get(timed.len() / 2).copied();
         let bubble = schedule.bubble(ranks, micro);
-        let measured = schedule.bubble_with(micro, &costs);
-        // Each rank's computing time in a step with those costs, and the idle fraction of the
-        // timed steps it implies (needs no 1-GPU run, which computes more under checkpointing).
-        let busy = simulate_ranked(&schedule.streams(ranks, micro), measured_cost(&costs))
-            .expect("the schedule's own streams run")
-            .busy;
+        // The schedule at those costs: its bubble, each rank's computing time in a step, and
+        // the idle fraction of the timed steps that implies (needs no 1-GPU run, which
+        // computes more under checkpointing).
+        let timeline = simulate_ranked(&schedule.streams(ranks, micro), measured_cost(&costs))
+            .expect("the schedule's own streams run");
+        let (measured, busy) = (timeline.bubble(), timeline.busy);
         let idle_from_clock = median.map(|m| 1.0 - busy.iter().sum::<f64>() / (ranks as f64 * m));
         println!(
             "{}",
