@@ -158,30 +158,39 @@ mod kernel {
             );
             #[unroll]
             for j in 0..8usize {
-                let mut top = s[2 * j];
-                let mut bottom = s[2 * j + 1];
+                s[2 * j] = Vector::exp(s[2 * j] * Vector::new(scale) - Vector::new(lse0));
+                s[2 * j + 1] = Vector::exp(s[2 * j + 1] * Vector::new(scale) - Vector::new(lse1));
+            }
+            // Only a tile that holds a hidden key (the last tile, the causal diagonal) is
+            // masked: one branch for the whole cube.
+            let mut edge = start + KEYS > seq_k;
+            if causal {
+                edge = edge || start + KEYS > first_row + 1;
+            }
+            if edge {
                 #[unroll]
-                for e in 0..2usize {
-                    let key = start + j * 8 + 2 * t + e;
-                    let mut hidden0 = key >= seq_k;
-                    let mut hidden1 = key >= seq_k;
-                    if causal {
-                        hidden0 = hidden0 || key > row0;
-                        hidden1 = hidden1 || key > row1;
+                for j in 0..8usize {
+                    let mut top = s[2 * j];
+                    let mut bottom = s[2 * j + 1];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let key = start + j * 8 + 2 * t + e;
+                        let mut hidden0 = key >= seq_k;
+                        let mut hidden1 = key >= seq_k;
+                        if causal {
+                            hidden0 = hidden0 || key > row0;
+                            hidden1 = hidden1 || key > row1;
+                        }
+                        if hidden0 {
+                            top[e] = 0.0;
+                        }
+                        if hidden1 {
+                            bottom[e] = 0.0;
+                        }
                     }
-                    let mut p0 = 0.0f32;
-                    let mut p1 = 0.0f32;
-                    if !hidden0 {
-                        p0 = f32::exp(top[e] * scale - lse0);
-                    }
-                    if !hidden1 {
-                        p1 = f32::exp(bottom[e] * scale - lse1);
-                    }
-                    top[e] = p0;
-                    bottom[e] = p1;
+                    s[2 * j] = top;
+                    s[2 * j + 1] = bottom;
                 }
-                s[2 * j] = top;
-                s[2 * j + 1] = bottom;
             }
             // dS = P ∘ (dP − Δ), with dP = dO·Vᵀ.
             product_nt::<F>(
@@ -342,6 +351,12 @@ mod kernel {
             );
             sync_cube();
 
+            // Only a tile that holds a query past the end or one that does not see a key
+            // of this cube (the causal diagonal) is masked: one branch for the whole cube.
+            let mut edge = start + KEYS > seq_q;
+            if causal {
+                edge = edge || start + 1 < first_key + ROWS;
+            }
             // The tile's queries in two halves of 32: two 16 × 32 register tiles per half keep
             // the accumulators of dK and dV (64 registers each at head dim 128) from spilling.
             for half in 0..2usize {
@@ -354,32 +369,37 @@ mod kernel {
                 );
                 #[unroll]
                 for j in 0..4usize {
-                    let mut top = s[2 * j];
-                    let mut bottom = s[2 * j + 1];
+                    let col = col0 + j * 8 + 2 * t;
+                    let mut row_lse = Vector::<f32, Two>::new(0.0);
+                    row_lse[0usize] = lse_tile[col];
+                    row_lse[1usize] = lse_tile[col + 1];
+                    s[2 * j] = Vector::exp(s[2 * j] * Vector::new(scale) - row_lse);
+                    s[2 * j + 1] = Vector::exp(s[2 * j + 1] * Vector::new(scale) - row_lse);
+                }
+                if edge {
                     #[unroll]
-                    for e in 0..2usize {
-                        let col = col0 + j * 8 + 2 * t + e;
-                        let query = start + col;
-                        let mut seen0 = query < seq_q;
-                        let mut seen1 = query < seq_q;
-                        if causal {
-                            seen0 = seen0 && query >= key0;
-                            seen1 = seen1 && query >= key1;
+                    for j in 0..4usize {
+                        let mut top = s[2 * j];
+                        let mut bottom = s[2 * j + 1];
+                        #[unroll]
+                        for e in 0..2usize {
+                            let query = start + col0 + j * 8 + 2 * t + e;
+                            let mut seen0 = query < seq_q;
+                            let mut seen1 = query < seq_q;
+                            if causal {
+                                seen0 = seen0 && query >= key0;
+                                seen1 = seen1 && query >= key1;
+                            }
+                            if !seen0 {
+                                top[e] = 0.0;
+                            }
+                            if !seen1 {
+                                bottom[e] = 0.0;
+                            }
                         }
-                        let row_lse = lse_tile[col];
-                        let mut p0 = 0.0f32;
-                        let mut p1 = 0.0f32;
-                        if seen0 {
-                            p0 = f32::exp(top[e] * scale - row_lse);
-                        }
-                        if seen1 {
-                            p1 = f32::exp(bottom[e] * scale - row_lse);
-                        }
-                        top[e] = p0;
-                        bottom[e] = p1;
+                        s[2 * j] = top;
+                        s[2 * j + 1] = bottom;
                     }
-                    s[2 * j] = top;
-                    s[2 * j + 1] = bottom;
                 }
                 // dV += Pᵀ·dO.
                 accumulate_pt::<F>(

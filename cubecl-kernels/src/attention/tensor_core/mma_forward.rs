@@ -44,6 +44,10 @@ mod kernel {
         // Row strides of the K/Q tile and of the Vᵀ tile.
         let ks = comptime!(head_dim + 8);
         let vs = comptime!(KEYS + 8);
+        // The same strides in pairs of elements: fragment indices are a runtime base per
+        // unit plus constants (see `mma_tiles::product_nt`).
+        let ks2 = comptime!(ks / 2);
+        let vs2 = comptime!(vs / 2);
         let heads = q.shape(1);
         let group = heads / k.shape(1);
         let seq_q = q.shape(2);
@@ -82,14 +86,14 @@ mod kernel {
                 .slice(0usize, KEYS * ks)
                 .into_vectorized()
                 .with_vector_size::<Two>();
-            let base = plane * 16 * ks;
+            let top = (plane * 16 + g) * ks2 + t;
+            let bottom = top + comptime!(8 * ks2);
             #[unroll]
             for kk in 0..dk {
-                let col = kk * 16 + 2 * t;
-                qf[kk * 4] = pairs[(base + g * ks + col) / 2];
-                qf[kk * 4 + 1] = pairs[(base + (g + 8) * ks + col) / 2];
-                qf[kk * 4 + 2] = pairs[(base + g * ks + col + 8) / 2];
-                qf[kk * 4 + 3] = pairs[(base + (g + 8) * ks + col + 8) / 2];
+                qf[kk * 4] = pairs[top + kk * 8];
+                qf[kk * 4 + 1] = pairs[bottom + kk * 8];
+                qf[kk * 4 + 2] = pairs[top + kk * 8 + 4];
+                qf[kk * 4 + 3] = pairs[bottom + kk * 8 + 4];
             }
         }
         sync_cube();
@@ -119,6 +123,9 @@ mod kernel {
         let mut a = Array::<Vector<F, Two>>::new(4usize);
         let mut bf = Array::<Vector<F, Two>>::new(2usize);
         let mut c = Array::<Vector<f32, Two>>::new(2usize);
+        // This unit's first pair of the B fragments in the K and Vᵀ tiles.
+        let k_base = g * ks2 + t;
+        let v_base = g * vs2 + t;
         let mut start = 0usize;
         while start < kv_end {
             stage::<F, N>(
@@ -148,15 +155,15 @@ mod kernel {
             for j in 0..8usize {
                 c[0usize] = zero;
                 c[1usize] = zero;
-                let key_row = (j * 8 + g) * ks;
+                let key_row = k_base + j * 8 * ks2;
                 #[unroll]
                 for kk in 0..dk {
                     a[0usize] = qf[kk * 4];
                     a[1usize] = qf[kk * 4 + 1];
                     a[2usize] = qf[kk * 4 + 2];
                     a[3usize] = qf[kk * 4 + 3];
-                    bf[0usize] = kp[(key_row + kk * 16 + 2 * t) / 2];
-                    bf[1usize] = kp[(key_row + kk * 16 + 8 + 2 * t) / 2];
+                    bf[0usize] = kp[key_row + kk * 8];
+                    bf[1usize] = kp[key_row + kk * 8 + 4];
                     let d = mma.execute(&a, &bf, &c);
                     c[0usize] = d[0usize];
                     c[1usize] = d[1usize];
@@ -165,33 +172,49 @@ mod kernel {
                 s[2 * j + 1] = c[1usize];
             }
 
-            // Scale and mask; the rows' maxima over the tile.
+            // Scale; mask where the tile holds a hidden key (the last tile, the causal
+            // diagonal: one branch for the whole cube); the rows' maxima over the tile.
+            #[unroll]
+            for j in 0..16usize {
+                s[j] = s[j] * Vector::new(scale);
+            }
+            let mut edge = start + KEYS > seq_k;
+            if causal {
+                edge = edge || start + KEYS > first_row + 1;
+            }
+            if edge {
+                #[unroll]
+                for j in 0..8usize {
+                    let mut top = s[2 * j];
+                    let mut bottom = s[2 * j + 1];
+                    #[unroll]
+                    for e in 0..2usize {
+                        let key = start + j * 8 + 2 * t + e;
+                        let mut hidden0 = key >= seq_k;
+                        let mut hidden1 = key >= seq_k;
+                        if causal {
+                            hidden0 = hidden0 || key > row0;
+                            hidden1 = hidden1 || key > row1;
+                        }
+                        if hidden0 {
+                            top[e] = -1.0e30;
+                        }
+                        if hidden1 {
+                            bottom[e] = -1.0e30;
+                        }
+                    }
+                    s[2 * j] = top;
+                    s[2 * j + 1] = bottom;
+                }
+            }
             let mut mx0 = f32::new(-1.0e30);
             let mut mx1 = f32::new(-1.0e30);
             #[unroll]
             for j in 0..8usize {
-                let mut top = s[2 * j] * Vector::new(scale);
-                let mut bottom = s[2 * j + 1] * Vector::new(scale);
-                #[unroll]
-                for e in 0..2usize {
-                    let key = start + j * 8 + 2 * t + e;
-                    let mut hidden0 = key >= seq_k;
-                    let mut hidden1 = key >= seq_k;
-                    if causal {
-                        hidden0 = hidden0 || key > row0;
-                        hidden1 = hidden1 || key > row1;
-                    }
-                    if hidden0 {
-                        top[e] = -1.0e30;
-                    }
-                    if hidden1 {
-                        bottom[e] = -1.0e30;
-                    }
-                    mx0 = f32::max(mx0, top[e]);
-                    mx1 = f32::max(mx1, bottom[e]);
-                }
-                s[2 * j] = top;
-                s[2 * j + 1] = bottom;
+                let top = s[2 * j];
+                let bottom = s[2 * j + 1];
+                mx0 = f32::max(mx0, f32::max(top[0usize], top[1usize]));
+                mx1 = f32::max(mx1, f32::max(bottom[0usize], bottom[1usize]));
             }
             mx0 = f32::max(mx0, plane_shuffle_xor(mx0, 1));
             mx0 = f32::max(mx0, plane_shuffle_xor(mx0, 2));
@@ -231,9 +254,9 @@ mod kernel {
                 a[3usize] = p[4 * kk + 3];
                 #[unroll]
                 for n in 0..dn {
-                    let dim_row = (n * 8 + g) * vs;
-                    bf[0usize] = vp[(dim_row + kk * 16 + 2 * t) / 2];
-                    bf[1usize] = vp[(dim_row + kk * 16 + 8 + 2 * t) / 2];
+                    let dim_row = v_base + n * 8 * vs2;
+                    bf[0usize] = vp[dim_row + kk * 8];
+                    bf[1usize] = vp[dim_row + kk * 8 + 4];
                     c[0usize] = o[2 * n];
                     c[1usize] = o[2 * n + 1];
                     let d = mma.execute(&a, &bf, &c);

@@ -104,20 +104,24 @@ pub(crate) fn product_nt<F: Float>(
     let mut a = Array::<Vector<F, Two>>::new(4usize);
     let mut bf = Array::<Vector<F, Two>>::new(2usize);
     let mut c = Array::<Vector<f32, Two>>::new(2usize);
-    let top = (a_row + g) * stride + 2 * t;
-    let bottom = top + 8 * stride;
+    // Indices in pairs, from one runtime base per operand plus constants (the rows' stride
+    // is even): an index written `(x + c) / 2` costs an add, a shift and an address per load.
+    let half = comptime!(stride / 2);
+    let top = (a_row + g) * half + t;
+    let bottom = top + comptime!(8 * half);
+    let b_base = (b_row + g) * half + t;
     let dk = comptime!(head_dim / 16);
     #[unroll]
     for kk in 0..dk {
-        a[0usize] = ap[(top + kk * 16) / 2];
-        a[1usize] = ap[(bottom + kk * 16) / 2];
-        a[2usize] = ap[(top + kk * 16 + 8) / 2];
-        a[3usize] = ap[(bottom + kk * 16 + 8) / 2];
+        a[0usize] = ap[top + kk * 8];
+        a[1usize] = ap[bottom + kk * 8];
+        a[2usize] = ap[top + kk * 8 + 4];
+        a[3usize] = ap[bottom + kk * 8 + 4];
         #[unroll]
         for j in 0..frags {
-            let b_at = (b_row + j * 8 + g) * stride + kk * 16 + 2 * t;
-            bf[0usize] = bp[b_at / 2];
-            bf[1usize] = bp[(b_at + 8) / 2];
+            let b_at = b_base + j * 8 * half + kk * 8;
+            bf[0usize] = bp[b_at];
+            bf[1usize] = bp[b_at + 4];
             c[0usize] = s[2 * j];
             c[1usize] = s[2 * j + 1];
             let d = mma.execute(&a, &bf, &c);
@@ -156,6 +160,9 @@ pub(crate) fn accumulate_pt<F: Float>(
     let mut c = Array::<Vector<f32, Two>>::new(2usize);
     let dn = comptime!(head_dim / 8);
     let steps = comptime!(cols / 16);
+    // Indices in pairs from one base (see `product_nt`); `col0` is even.
+    let half = comptime!(stride / 2);
+    let base = g * half + col0 / 2 + t;
     #[unroll]
     for kk in 0..steps {
         a[0usize] = Vector::<F, Two>::cast_from(p[4 * kk]);
@@ -164,9 +171,9 @@ pub(crate) fn accumulate_pt<F: Float>(
         a[3usize] = Vector::<F, Two>::cast_from(p[4 * kk + 3]);
         #[unroll]
         for n in 0..dn {
-            let b_at = (n * 8 + g) * stride + col0 + kk * 16 + 2 * t;
-            bf[0usize] = bp[b_at / 2];
-            bf[1usize] = bp[(b_at + 8) / 2];
+            let b_at = base + n * 8 * half + kk * 8;
+            bf[0usize] = bp[b_at];
+            bf[1usize] = bp[b_at + 4];
             c[0usize] = acc[2 * n];
             c[1usize] = acc[2 * n + 1];
             let d = mma.execute(&a, &bf, &c);
