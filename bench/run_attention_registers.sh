@@ -5,7 +5,8 @@
 # dtypes, block-sparse on the shared-memory kernels), its timings with the register kernels and
 # with the shared-memory ones, torch's SDPA (flash) beside them, and one ncu pass per register
 # kernel (registers, spills, duration). Writes $OUT/attention-registers-<kind>.json and logs.
-#   bash bench/run_attention_registers.sh KIND       (ITERATIONS; NCU_KERNELS="name:skip ...", "" for none)
+#   bash bench/run_attention_registers.sh KIND       (ITERATIONS; NCU_KERNELS="name:skip ...", "" for none;
+#   an earlier binary in .gpu/prev/ with its .gpu/prev/commit is timed too, carry [".gpu"])
 source bench/prelude.sh "$1"
 iterations="${ITERATIONS:-10}"
 logs="$out/logs"; mkdir -p "$logs"
@@ -20,6 +21,12 @@ for r in 1 0; do
 done
 timeout 300 python3 bench/attention_torch.py "$iterations" > "$logs/torch.jsonl" 2>> "$logs/torch.log"
 echo "torch: exit $?"
+# An earlier binary's register kernels in the same call (carry .gpu/prev with its commit file).
+if [ -x .gpu/prev/bench-attention ]; then
+  BURN_ZERO_ATTENTION_REGISTER_SCORES=1 timeout 300 .gpu/prev/bench-attention time \
+    --iterations "$iterations" > "$logs/time-prev.jsonl" 2>> "$logs/time.log"
+  echo "time prev ($(cat .gpu/prev/commit 2>/dev/null | head -c 7)): exit $?"
+fi
 if command -v ncu > /dev/null; then
   # The 4th timed case (seq 4096, head dim 128): each case launches the forward 6 times
   # (warm-up and 2 timed steps, then as many forwards alone) and the backward kernels 3 times.
@@ -33,7 +40,7 @@ if command -v ncu > /dev/null; then
   done
 fi
 python3 - "$kind" "$out/attention-registers-$kind.json" "$logs" <<'PY'
-import json, sys
+import json, os, sys
 kind, path, logs = sys.argv[1:]
 def lines(p):
     out = []
@@ -48,6 +55,8 @@ nan = [l["check_nan"] for l in lines(f"{logs}/check.jsonl") if "check_nan" in l]
 reg = [l["time"] for l in lines(f"{logs}/time-registers-1.jsonl") if "time" in l]
 smem = [l["time"] for l in lines(f"{logs}/time-registers-0.jsonl") if "time" in l]
 torch = [l["time"] for l in lines(f"{logs}/torch.jsonl") if "time" in l]
+prev = [l["time"] for l in lines(f"{logs}/time-prev.jsonl") if "time" in l] \
+    if os.path.exists(f"{logs}/time-prev.jsonl") else []
 key = lambda t: tuple(t.get(k) for k in ("seq", "head_dim", "batch", "heads", "kv_heads"))
 rows = []
 for t in reg:
@@ -62,8 +71,14 @@ for t in reg:
         row["registers_fwd_over_torch_speed"] = p["fwd_ms"] / t["fwd_ms"]
     if s.get("fwd_bwd_ms"):
         row["registers_over_smem_speed"] = s["fwd_bwd_ms"] / t["fwd_bwd_ms"]
+    r = next((x for x in prev if key(x) == key(t)), None)
+    if r:
+        row.update({"prev_fwd_ms": r["fwd_ms"], "prev_fwd_bwd_ms": r["fwd_bwd_ms"],
+                    "registers_over_prev_speed": r["fwd_bwd_ms"] / t["fwd_bwd_ms"],
+                    "registers_fwd_over_prev_speed": r["fwd_ms"] / t["fwd_ms"]})
     rows.append(row)
 result = {"issue": 36, "device": kind, "commit": open(".gpu/commit").read().split()[0],
+          "prev_commit": open(".gpu/prev/commit").read().split()[0] if prev else None,
           "checks_passed": sum(c["pass"] for c in checks) + sum(c["pass"] for c in nan),
           "checks": len(checks) + len(nan), "time": rows, "check_cases": checks, "nan_checks": nan}
 json.dump(result, open(path, "w"), indent=1)
