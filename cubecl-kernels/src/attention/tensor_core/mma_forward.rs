@@ -1,23 +1,28 @@
 //! FlashAttention-2's forward on tensor cores with the scores kept in registers: `Q·Kᵀ` and
 //! `P·V` on m16n8k16 `mma` instructions (f16/bf16 in, f32 accumulators) whose fragments each
 //! unit holds itself. A plane (warp) owns 16 query rows; per tile of 64 keys its 8 score
-//! fragments (16 × 8 each) are scaled, masked and exponentiated where they are, row maxima and
-//! sums come from two shuffles among the 4 units of a row, and the accumulators of two
-//! neighbouring score fragments are exactly the A fragment of `P` for the next product
-//! (rounded to the element type, as FlashAttention-2 does): no score or probability goes
-//! through shared memory. K is staged row-major and V transposed, so every B fragment is two
-//! 32-bit loads from shared memory without bank conflicts (rows padded by 8 elements).
-//! (Fragment layouts in `mma_tiles`.)
+//! fragments (16 × 8 each) are scaled, masked (on the tiles that hold a hidden key) and
+//! exponentiated where they are, row maxima and sums come from two shuffles among the 4 units
+//! of a row, and the accumulators of two neighbouring score fragments are exactly the A
+//! fragment of `P` for the next product (rounded to the element type, as FlashAttention-2
+//! does): no score or probability goes through shared memory.
+//!
+//! K and V tiles are double-buffered: the next tile's rows go by asynchronous copies while
+//! the cube computes on the current one, and one barrier per tile waits for them. Fragments
+//! come from shared memory by `ldmatrix` (four 8 × 8 matrices per instruction; V's transposed
+//! on the way), Q's once. (Fragment layouts in `mma_tiles`.)
 
 // The launch items the `cube` macro generates carry no docs of their own.
 #[allow(missing_docs)]
 mod kernel {
     use cubecl::cmma::MmaDefinition;
+    use cubecl::ir::MatrixIdent;
+    use cubecl::prelude::barrier::Barrier;
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::mma_tiles::{Two, stage_transposed};
-    use super::super::tiles::{KEYS, PLANE, ROWS, stage};
+    use super::super::mma_tiles::{Two, copy_rows};
+    use super::super::tiles::{KEYS, PLANE, ROWS};
 
     /// As `tc_forward_kernel` (same arguments and results, dense only) with the scores in
     /// registers: elements of `F` (f16 or bf16), `head_dim` a multiple of 16 up to 128; cube
@@ -41,13 +46,11 @@ mod kernel {
         // k-steps of 16 over the head, output fragments of 8 columns.
         let dk = comptime!(head_dim / 16);
         let dn = comptime!(head_dim / 8);
-        // Row strides of the K/Q tile and of the Vᵀ tile.
+        // Row stride of the tiles (padded by 16 bytes: the 8 rows of an `ldmatrix` meet 32
+        // banks), one tile's length, and the four tiles': K and V of buffers 0 and 1.
         let ks = comptime!(head_dim + 8);
-        let vs = comptime!(KEYS + 8);
-        // The same strides in pairs of elements: fragment indices are a runtime base per
-        // unit plus constants (see `mma_tiles::product_nt`).
-        let ks2 = comptime!(ks / 2);
-        let vs2 = comptime!(vs / 2);
+        let tile = comptime!(KEYS * (head_dim + 8));
+        let all = comptime!(4 * KEYS * (head_dim + 8));
         let heads = q.shape(1);
         let group = heads / k.shape(1);
         let seq_q = q.shape(2);
@@ -58,45 +61,66 @@ mod kernel {
         let lane = UNIT_POS as usize % PLANE;
         let g = lane / 4;
         let t = lane % 4;
+        // The row this unit points `ldmatrix` at: row `r` of matrix `m`.
+        let m = lane / 8;
+        let r = lane % 8;
         let first_row = CUBE_POS_X as usize * ROWS;
         let row0 = first_row + plane * 16 + g;
         let row1 = row0 + 8;
         let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
 
-        let mut k_tile = SharedMemory::<F>::new_aligned(KEYS * ks, 16usize);
-        let mut vt_tile = SharedMemory::<F>::new_aligned(head_dim * vs, 16usize);
+        // Buffer `i`'s K tile at `2i·tile`, its V tile at `(2i + 1)·tile`.
+        let mut kv = SharedMemory::<F>::new_aligned(all, 16usize);
+        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-        // Q passes through the K tile into A fragments held for the whole walk.
+        // Q passes through buffer 1's K tile into A fragments held for the whole walk
+        // (`ROWS` = `KEYS` rows): matrix `m` of k-step `kk` is rows `(m % 2)·8 ..`, columns
+        // `kk·16 + (m / 2)·8 ..` of the plane's 16.
         let q_at = b * q.stride(0) + h * q.stride(1);
-        stage::<F, N>(
+        copy_rows::<F, N>(
             q,
             q_vectors,
             q_at,
             first_row,
             seq_q,
-            &mut k_tile,
-            ROWS,
+            &mut kv,
+            comptime!(2 * tile),
+            all,
             head_dim,
             ks,
         );
-        sync_cube();
+        barrier.commit_copy_async();
+        barrier.arrive_and_wait();
         let mut qf = Array::<Vector<F, Two>>::new(comptime!(dk * 4));
-        {
-            let pairs = k_tile
-                .slice(0usize, KEYS * ks)
-                .into_vectorized()
-                .with_vector_size::<Two>();
-            let top = (plane * 16 + g) * ks2 + t;
-            let bottom = top + comptime!(8 * ks2);
+        let q_lane = comptime!(2 * tile) + (plane * 16 + (m % 2) * 8 + r) * ks + (m / 2) * 8;
+        #[unroll]
+        for kk in 0..dk {
+            let at = q_lane + kk * 16;
+            let regs =
+                mma.load_matrix::<F, Two>(&kv.slice(at, at + 8), MatrixIdent::A, 4usize, false);
             #[unroll]
-            for kk in 0..dk {
-                qf[kk * 4] = pairs[top + kk * 8];
-                qf[kk * 4 + 1] = pairs[bottom + kk * 8];
-                qf[kk * 4 + 2] = pairs[top + kk * 8 + 4];
-                qf[kk * 4 + 3] = pairs[bottom + kk * 8 + 4];
+            for i in 0..4usize {
+                qf[kk * 4 + i] = regs[i];
             }
         }
-        sync_cube();
+
+        let mut kv_end = seq_k;
+        if causal {
+            kv_end = last_of(first_row, ROWS, seq_k) + 1;
+        }
+        let hk = h / group;
+        let k_at = b * k.stride(0) + hk * k.stride(1);
+        let v_at = b * v.stride(0) + hk * v.stride(1);
+        // Tile 0 into buffer 0; the barrier also sees every plane's Q fragments read before
+        // tile 1 lands in buffer 1.
+        copy_rows::<F, N>(
+            k, k_vectors, k_at, 0usize, seq_k, &mut kv, 0usize, all, head_dim, ks,
+        );
+        copy_rows::<F, N>(
+            v, v_vectors, v_at, 0usize, seq_k, &mut kv, tile, all, head_dim, ks,
+        );
+        barrier.commit_copy_async();
+        barrier.arrive_and_wait();
 
         let zero = Vector::<f32, Two>::new(0.0);
         let mut o = Array::<Vector<f32, Two>>::new(comptime!(dn * 2));
@@ -111,59 +135,83 @@ mod kernel {
         let mut l0 = 0.0f32;
         let mut l1 = 0.0f32;
 
-        let mut kv_end = seq_k;
-        if causal {
-            kv_end = last_of(first_row, ROWS, seq_k) + 1;
-        }
-        let hk = h / group;
-        let k_at = b * k.stride(0) + hk * k.stride(1);
-        let v_at = b * v.stride(0) + hk * v.stride(1);
         let mut s = Array::<Vector<f32, Two>>::new(16usize);
         let mut p = Array::<Vector<F, Two>>::new(16usize);
         let mut a = Array::<Vector<F, Two>>::new(4usize);
         let mut bf = Array::<Vector<F, Two>>::new(2usize);
         let mut c = Array::<Vector<f32, Two>>::new(2usize);
-        // This unit's first pair of the B fragments in the K and Vᵀ tiles.
-        let k_base = g * ks2 + t;
-        let v_base = g * vs2 + t;
         let mut start = 0usize;
+        let mut buffer = 0usize;
         while start < kv_end {
-            stage::<F, N>(
-                k,
-                k_vectors,
-                k_at,
-                start,
-                seq_k,
-                &mut k_tile,
-                KEYS,
-                head_dim,
-                ks,
-            );
-            stage_transposed::<F, N>(v, v_vectors, v_at, start, seq_k, &mut vt_tile, head_dim, vs);
-            sync_cube();
-            let kp = k_tile
-                .slice(0usize, KEYS * ks)
-                .into_vectorized()
-                .with_vector_size::<Two>();
-            let vp = vt_tile
-                .slice(0usize, head_dim * vs)
-                .into_vectorized()
-                .with_vector_size::<Two>();
+            // The next tile's copies go out before this one's products.
+            let next = start + KEYS;
+            if next < kv_end {
+                let to = (1 - buffer) * comptime!(2 * tile);
+                copy_rows::<F, N>(
+                    k, k_vectors, k_at, next, seq_k, &mut kv, to, all, head_dim, ks,
+                );
+                copy_rows::<F, N>(
+                    v,
+                    v_vectors,
+                    v_at,
+                    next,
+                    seq_k,
+                    &mut kv,
+                    to + tile,
+                    all,
+                    head_dim,
+                    ks,
+                );
+            }
+            barrier.commit_copy_async();
+            let k_first = buffer * comptime!(2 * tile);
 
-            // S = Q·Kᵀ: 8 fragments of 8 keys.
+            // S = Q·Kᵀ: 8 fragments of 8 keys. One `ldmatrix.x4` holds the B fragments of two
+            // k-steps: matrix `m` is keys `8j ..`, columns `32·pair + 8m ..`.
+            let k_lane = k_first + r * ks + m * 8;
+            let k_odd = k_first + r * ks + (m % 2) * 8 + comptime!((head_dim / 16 - 1) * 16);
             #[unroll]
             for j in 0..8usize {
                 c[0usize] = zero;
                 c[1usize] = zero;
-                let key_row = k_base + j * 8 * ks2;
                 #[unroll]
-                for kk in 0..dk {
-                    a[0usize] = qf[kk * 4];
-                    a[1usize] = qf[kk * 4 + 1];
-                    a[2usize] = qf[kk * 4 + 2];
-                    a[3usize] = qf[kk * 4 + 3];
-                    bf[0usize] = kp[key_row + kk * 8];
-                    bf[1usize] = kp[key_row + kk * 8 + 4];
+                for pair in 0..dk / 2 {
+                    let at = k_lane + j * 8 * ks + pair * 32;
+                    let regs = mma.load_matrix::<F, Two>(
+                        &kv.slice(at, at + 8),
+                        MatrixIdent::B,
+                        4usize,
+                        false,
+                    );
+                    #[unroll]
+                    for half in 0..2usize {
+                        let kk = 2 * pair + half;
+                        #[unroll]
+                        for i in 0..4usize {
+                            a[i] = qf[kk * 4 + i];
+                        }
+                        bf[0usize] = regs[2 * half];
+                        bf[1usize] = regs[2 * half + 1];
+                        let d = mma.execute(&a, &bf, &c);
+                        c[0usize] = d[0usize];
+                        c[1usize] = d[1usize];
+                    }
+                }
+                if comptime!(dk % 2 == 1) {
+                    // The last k-step alone: an `ldmatrix.x2` (lanes 16.. point where 0.. do).
+                    let at = k_odd + j * 8 * ks;
+                    let regs = mma.load_matrix::<F, Two>(
+                        &kv.slice(at, at + 8),
+                        MatrixIdent::B,
+                        2usize,
+                        false,
+                    );
+                    #[unroll]
+                    for i in 0..4usize {
+                        a[i] = qf[comptime!((head_dim / 16 - 1) * 4) + i];
+                    }
+                    bf[0usize] = regs[0usize];
+                    bf[1usize] = regs[1usize];
                     let d = mma.execute(&a, &bf, &c);
                     c[0usize] = d[0usize];
                     c[1usize] = d[1usize];
@@ -245,7 +293,10 @@ mod kernel {
                 p[2 * j + 1] = Vector::<F, Two>::cast_from(e1);
             }
 
-            // O += P·V over 4 steps of 16 keys.
+            // O += P·V over 4 steps of 16 keys. One `ldmatrix.x4.trans` holds the B fragments
+            // of two 8-column blocks: matrix `m` is keys `16kk + (m % 2)·8 ..`, columns
+            // `16·pair + (m / 2)·8 ..` of V, transposed on the way.
+            let v_lane = k_first + tile + ((m % 2) * 8 + r) * ks + (m / 2) * 8;
             #[unroll]
             for kk in 0..4usize {
                 a[0usize] = p[4 * kk];
@@ -253,19 +304,31 @@ mod kernel {
                 a[2usize] = p[4 * kk + 2];
                 a[3usize] = p[4 * kk + 3];
                 #[unroll]
-                for n in 0..dn {
-                    let dim_row = v_base + n * 8 * vs2;
-                    bf[0usize] = vp[dim_row + kk * 8];
-                    bf[1usize] = vp[dim_row + kk * 8 + 4];
-                    c[0usize] = o[2 * n];
-                    c[1usize] = o[2 * n + 1];
-                    let d = mma.execute(&a, &bf, &c);
-                    o[2 * n] = d[0usize];
-                    o[2 * n + 1] = d[1usize];
+                for pair in 0..dn / 2 {
+                    let at = v_lane + kk * 16 * ks + pair * 16;
+                    let regs = mma.load_matrix::<F, Two>(
+                        &kv.slice(at, at + 8),
+                        MatrixIdent::B,
+                        4usize,
+                        true,
+                    );
+                    #[unroll]
+                    for half in 0..2usize {
+                        let n = 2 * pair + half;
+                        bf[0usize] = regs[2 * half];
+                        bf[1usize] = regs[2 * half + 1];
+                        c[0usize] = o[2 * n];
+                        c[1usize] = o[2 * n + 1];
+                        let d = mma.execute(&a, &bf, &c);
+                        o[2 * n] = d[0usize];
+                        o[2 * n + 1] = d[1usize];
+                    }
                 }
             }
-            sync_cube();
-            start += KEYS;
+            // Every plane is done with this buffer, and the next tile has landed.
+            barrier.arrive_and_wait();
+            start = next;
+            buffer = 1 - buffer;
         }
 
         // The rows' sums over their 4 units, the output normalized, the log-sum-exp.

@@ -13,6 +13,7 @@
 //! the element type, are exactly the A fragment of the next product's k-step `j`.
 
 use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
 use super::tiles::{KEYS, PLANE, UNITS, tile_registers};
@@ -214,6 +215,70 @@ pub(crate) fn write_acc<O: Float>(
             let value = acc[2 * n + 1];
             out[to] = O::cast_from(value[0usize] * scale);
             out[to + es] = O::cast_from(value[1usize] * scale);
+        }
+    }
+}
+
+/// Copies rows `first..first + KEYS` of the slab at `at` of `t` row-major into `tile` from
+/// element `to` (row stride `stride`), zeros past `seq`. Where the launch chose vectors of 8
+/// (every row starts 16-byte aligned) each 16 bytes go by one asynchronous copy that lands
+/// while the cube computes (the caller's barrier waits for them, `Barrier::commit_copy_async`);
+/// otherwise through registers, visible after the caller's next barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_rows<F: Float, N: Size>(
+    t: &Tensor<F>,
+    tv: &Tensor<Vector<F, N>>,
+    at: usize,
+    first: usize,
+    seq: usize,
+    tile: &mut SharedMemory<F>,
+    to: usize,
+    #[comptime] len: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let n = tv.vector_size();
+    let rs = t.stride(2);
+    let es = t.stride(3);
+    let per_row = comptime!(head_dim / n);
+    let per_unit = comptime!(KEYS * per_row / UNITS);
+    if comptime!(n == 8) {
+        let mut vectors = tile
+            .slice_mut(0, len)
+            .into_vectorized()
+            .with_vector_size::<N>();
+        #[unroll]
+        for i in 0..per_unit {
+            let e = i * UNITS + UNIT_POS as usize;
+            let row = e / per_row;
+            let col = (e % per_row) * 8;
+            let dst = to + row * stride + col;
+            if first + row < seq {
+                let src = at + (first + row) * rs + col;
+                copy_async::<F>(
+                    &t.slice(src, src + 8),
+                    &mut tile.slice_mut(dst, dst + 8),
+                    8u32,
+                );
+            } else {
+                vectors[dst / 8] = Vector::new(F::new(0.0));
+            }
+        }
+    } else {
+        #[unroll]
+        for i in 0..per_unit {
+            let e = i * UNITS + UNIT_POS as usize;
+            let row = e / per_row;
+            let col = (e % per_row) * n;
+            let mut value = Vector::<F, N>::new(F::new(0.0));
+            if first + row < seq {
+                value = tv[(at + (first + row) * rs + col * es) / n];
+            }
+            #[unroll]
+            for c in 0..n {
+                tile[to + row * stride + col + c] = value[c];
+            }
         }
     }
 }
