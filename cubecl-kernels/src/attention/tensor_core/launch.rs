@@ -54,10 +54,10 @@ pub fn tensor_cores_apply<R: Runtime>(
         && props.hardware.max_shared_memory_size >= shared_bytes(dims.head_dim, elem)
 }
 
-/// Shared memory of the largest register-resident kernel (`mma_dkdv`: K, V, Q and dO
-/// row-major, Q and dO transposed, two rows of statistics), in bytes.
+/// Shared memory of the largest register-resident kernel (`mma_dkdv`: K and V, Q and dO
+/// double-buffered, all row-major, and two double-buffered rows of statistics), in bytes.
 fn mma_shared_bytes(head_dim: usize, elem: usize) -> usize {
-    (4 * ROWS * padded(head_dim) + 2 * head_dim * (KEYS + 8)) * elem + 2 * KEYS * 4
+    6 * ROWS * padded(head_dim) * elem + 4 * KEYS * 4
 }
 
 /// Whether the device runs the m16n8k16 `mma` on `dtype` with f32 accumulators, which the

@@ -1,27 +1,32 @@
 //! FlashAttention-2's backward on m16n8k16 `mma` with the scores, probabilities, `dP` and
-//! `dS` kept in registers (the tensor-core backward stages each of them in shared memory):
-//! `dq` walks key tiles for 64 query rows, `dkdv` walks query tiles for 64 key rows, both
-//! after `Δ`, no atomics. A plane owns 16 rows of its cube's 64; per tile of 64 columns it
-//! holds two 16 × 64 f32 register tiles (`S` turned into `P`, and `dP` turned into `dS`),
-//! which, rounded to the element type, are the A fragments of the accumulating products
-//! (layouts in `mma_tiles`). Operands read as B fragments along the tile's rows are staged
-//! transposed, so every B fragment is two 32-bit loads without bank conflicts.
+//! `dS` kept in registers: `dq` walks key tiles for 64 query rows, `dkdv` walks query tiles for
+//! 64 key rows, both after `Δ`, no atomics. A plane owns 16 rows of its cube's 64; per tile of
+//! 64 columns it holds two 16 × 64 f32 register tiles (`S` turned into `P`, and `dP` turned
+//! into `dS`), which, rounded to the element type, are the A fragments of the accumulating
+//! products (layouts in `mma_tiles`).
+//!
+//! The walked tiles (K and V in `dq`, Q and dO in `dkdv`) are double-buffered: the next tile's
+//! rows go by asynchronous copies while the cube computes, and one barrier per tile waits for
+//! them. Every tile is row-major; a product that reads a tile's columns reads it transposed by
+//! `ldmatrix.trans`.
 
 // The launch items the `cube` macro generates carry no docs of their own.
 #[allow(missing_docs)]
 mod kernel {
+    use cubecl::prelude::barrier::Barrier;
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::mma_tiles::{Two, accumulate_pt, product_nt, stage_transposed, write_acc};
-    use super::super::tiles::{KEYS, PLANE, ROWS, stage, stage_stat};
+    use super::super::mma_tiles::{Two, accumulate_pv, copy_rows, product_nt, write_acc};
+    use super::super::tiles::{KEYS, PLANE, ROWS};
 
     /// Query columns of one `dkdv` register tile (half a query tile).
     const HALF_KEYS: usize = KEYS / 2;
 
     /// `dq` with the tiles in registers (arguments as `tc_dq_kernel`'s, dense only): elements
     /// of `F` (f16 or bf16), `head_dim` a multiple of 16 up to 128; cube `(x, y)`: query rows
-    /// `64·x ..` of head `y = b·heads + h`; 128 units.
+    /// `64·x ..` of head `y = b·heads + h`; 128 units. Shared memory: Q and dO, then K and V of
+    /// buffers 0 and 1, each `64 × (head_dim + 8)`.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn mma_dq_kernel<F: Float, N: Size>(
@@ -41,12 +46,9 @@ mod kernel {
         #[comptime] head_dim: usize,
         #[define(F)] _dtype: StorageType,
     ) {
-        // Row strides of the row-major tiles and of the transposed one.
         let ks = comptime!(head_dim + 8);
-        let vs = comptime!(KEYS + 8);
-        let row_len = comptime!(ROWS * (head_dim + 8));
-        let key_len = comptime!(KEYS * (head_dim + 8));
-        let t_len = comptime!(head_dim * (KEYS + 8));
+        let tile = comptime!(KEYS * (head_dim + 8));
+        let all = comptime!(6 * KEYS * (head_dim + 8));
         let heads = q.shape(1);
         let group = heads / k.shape(1);
         let seq_q = q.shape(2);
@@ -62,36 +64,54 @@ mod kernel {
         let row0 = first_row + plane * 16 + g;
         let row1 = row0 + 8;
 
-        let mut q_tile = SharedMemory::<F>::new_aligned(row_len, 16usize);
-        let mut g_tile = SharedMemory::<F>::new_aligned(row_len, 16usize);
-        let mut k_tile = SharedMemory::<F>::new_aligned(key_len, 16usize);
-        let mut v_tile = SharedMemory::<F>::new_aligned(key_len, 16usize);
-        let mut kt_tile = SharedMemory::<F>::new_aligned(t_len, 16usize);
-
+        // Q at 0, dO at `tile`, buffer `i`'s K at `(2 + 2i)·tile` and V at `(3 + 2i)·tile`.
+        let mut kv = SharedMemory::<F>::new_aligned(all, 16usize);
+        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
         let q_at = b * q.stride(0) + h * q.stride(1);
         let g_at = b * d_out.stride(0) + h * d_out.stride(1);
-        stage::<F, N>(
-            q,
-            q_vectors,
-            q_at,
-            first_row,
-            seq_q,
-            &mut q_tile,
-            ROWS,
-            head_dim,
-            ks,
+        let k_at = b * k.stride(0) + hk * k.stride(1);
+        let v_at = b * v.stride(0) + hk * v.stride(1);
+        copy_rows::<F, N>(
+            q, q_vectors, q_at, first_row, seq_q, &mut kv, 0usize, all, head_dim, ks,
         );
-        stage::<F, N>(
+        copy_rows::<F, N>(
             d_out,
             d_out_vectors,
             g_at,
             first_row,
             seq_q,
-            &mut g_tile,
-            ROWS,
+            &mut kv,
+            tile,
+            all,
             head_dim,
             ks,
         );
+        copy_rows::<F, N>(
+            k,
+            k_vectors,
+            k_at,
+            0usize,
+            seq_k,
+            &mut kv,
+            comptime!(2 * tile),
+            all,
+            head_dim,
+            ks,
+        );
+        copy_rows::<F, N>(
+            v,
+            v_vectors,
+            v_at,
+            0usize,
+            seq_k,
+            &mut kv,
+            comptime!(3 * tile),
+            all,
+            head_dim,
+            ks,
+        );
+        barrier.commit_copy_async();
+
         // The rows' statistics (rows past the end: zeros, and their Q and dO rows are zeros).
         let lse_at = b * lse.stride(0) + h * lse.stride(1);
         let delta_at = b * delta.stride(0) + h * delta.stride(1);
@@ -122,40 +142,36 @@ mod kernel {
         if causal {
             kv_end = last_of(first_row, ROWS, seq_k) + 1;
         }
-        let k_at = b * k.stride(0) + hk * k.stride(1);
-        let v_at = b * v.stride(0) + hk * v.stride(1);
-        let a_row = plane * 16;
+        let q_plane = plane * 16 * ks;
+        let g_plane = tile + q_plane;
+        barrier.arrive_and_wait();
         let mut start = 0usize;
+        let mut buffer = 0usize;
         while start < kv_end {
-            stage::<F, N>(
-                k,
-                k_vectors,
-                k_at,
-                start,
-                seq_k,
-                &mut k_tile,
-                KEYS,
-                head_dim,
-                ks,
-            );
-            stage::<F, N>(
-                v,
-                v_vectors,
-                v_at,
-                start,
-                seq_k,
-                &mut v_tile,
-                KEYS,
-                head_dim,
-                ks,
-            );
-            stage_transposed::<F, N>(k, k_vectors, k_at, start, seq_k, &mut kt_tile, head_dim, vs);
-            sync_cube();
+            let next = start + KEYS;
+            if next < kv_end {
+                let to = (4 - 2 * buffer) * tile;
+                copy_rows::<F, N>(
+                    k, k_vectors, k_at, next, seq_k, &mut kv, to, all, head_dim, ks,
+                );
+                copy_rows::<F, N>(
+                    v,
+                    v_vectors,
+                    v_at,
+                    next,
+                    seq_k,
+                    &mut kv,
+                    to + tile,
+                    all,
+                    head_dim,
+                    ks,
+                );
+            }
+            barrier.commit_copy_async();
+            let k_first = (2 + 2 * buffer) * tile;
 
-            // P = exp(S·scale − lse), zero where the key is hidden.
-            product_nt::<F>(
-                &q_tile, a_row, &k_tile, 0usize, &mut s, KEYS, row_len, key_len, head_dim, ks,
-            );
+            // P = exp(S·scale − lse).
+            product_nt::<F>(&kv, q_plane, k_first, &mut s, KEYS, head_dim, ks);
             #[unroll]
             for j in 0..8usize {
                 s[2 * j] = Vector::exp(s[2 * j] * Vector::new(scale) - Vector::new(lse0));
@@ -193,18 +209,18 @@ mod kernel {
                 }
             }
             // dS = P ∘ (dP − Δ), with dP = dO·Vᵀ.
-            product_nt::<F>(
-                &g_tile, a_row, &v_tile, 0usize, &mut dp, KEYS, row_len, key_len, head_dim, ks,
-            );
+            product_nt::<F>(&kv, g_plane, k_first + tile, &mut dp, KEYS, head_dim, ks);
             #[unroll]
             for j in 0..8usize {
                 dp[2 * j] = s[2 * j] * (dp[2 * j] - Vector::new(delta0));
                 dp[2 * j + 1] = s[2 * j + 1] * (dp[2 * j + 1] - Vector::new(delta1));
             }
-            // dQ += dS·K.
-            accumulate_pt::<F>(&dp, &kt_tile, 0usize, &mut acc, KEYS, t_len, head_dim, vs);
-            sync_cube();
-            start += KEYS;
+            // dQ += dS·K (K's columns read transposed).
+            accumulate_pv::<F>(&dp, &kv, k_first, &mut acc, KEYS, head_dim, ks);
+            // Every plane is done with this buffer, and the next tile has landed.
+            barrier.arrive_and_wait();
+            start = next;
+            buffer = 1 - buffer;
         }
         let dq_at = b * dq.stride(0) + h * dq.stride(1);
         write_acc::<F>(&acc, dq, dq_at, row0, seq_q, scale, head_dim);
@@ -215,7 +231,9 @@ mod kernel {
     /// `y = b·heads + h` reads, walks that query head's tiles and writes its share to head `h`
     /// of `dk`, `dv` (`[batch, heads, ..]` of element `O`; the launch sums a group's shares
     /// under grouped-query attention). Rows of the register tiles are keys: `Sᵀ = K·Qᵀ`,
-    /// `dPᵀ = V·dOᵀ`, then `dV += Pᵀ·dO` and `dK += dSᵀ·Q` from Q and dO staged transposed.
+    /// `dPᵀ = V·dOᵀ`, then `dV += Pᵀ·dO` and `dK += dSᵀ·Q` (dO's and Q's columns read
+    /// transposed). Shared memory: K and V, then Q and dO of buffers 0 and 1, each
+    /// `64 × (head_dim + 8)`, and the query tiles' statistics, double-buffered too.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn mma_dkdv_kernel<F: Float, O: Float, N: Size>(
@@ -237,10 +255,8 @@ mod kernel {
         #[define(F, O)] _dtypes: [StorageType; 2],
     ) {
         let ks = comptime!(head_dim + 8);
-        let vs = comptime!(KEYS + 8);
-        let row_len = comptime!(ROWS * (head_dim + 8));
-        let key_len = comptime!(KEYS * (head_dim + 8));
-        let t_len = comptime!(head_dim * (KEYS + 8));
+        let tile = comptime!(KEYS * (head_dim + 8));
+        let all = comptime!(6 * KEYS * (head_dim + 8));
         let heads = q.shape(1);
         let group = heads / k.shape(1);
         let seq_q = q.shape(2);
@@ -256,39 +272,55 @@ mod kernel {
         let key0 = first_key + plane * 16 + g;
         let key1 = key0 + 8;
 
-        let mut k_tile = SharedMemory::<F>::new_aligned(row_len, 16usize);
-        let mut v_tile = SharedMemory::<F>::new_aligned(row_len, 16usize);
-        let mut q_tile = SharedMemory::<F>::new_aligned(key_len, 16usize);
-        let mut g_tile = SharedMemory::<F>::new_aligned(key_len, 16usize);
-        let mut qt_tile = SharedMemory::<F>::new_aligned(t_len, 16usize);
-        let mut gt_tile = SharedMemory::<F>::new_aligned(t_len, 16usize);
-        let mut lse_tile = SharedMemory::<f32>::new(KEYS);
-        let mut delta_tile = SharedMemory::<f32>::new(KEYS);
+        // K at 0, V at `tile`, buffer `i`'s Q at `(2 + 2i)·tile` and dO at `(3 + 2i)·tile`;
+        // buffer `i`'s lse and Δ at `i·KEYS` of theirs.
+        let mut kv = SharedMemory::<F>::new_aligned(all, 16usize);
+        let mut lse_tile = SharedMemory::<f32>::new(comptime!(2 * KEYS));
+        let mut delta_tile = SharedMemory::<f32>::new(comptime!(2 * KEYS));
+        let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
+        // Causal: query rows before this cube's first key see none of its keys (tiles of
+        // queries and keys are both 64 long, so this is a tile boundary).
+        let mut start = 0usize;
+        if causal {
+            start = first_key;
+        }
         let k_at = b * k.stride(0) + hk * k.stride(1);
         let v_at = b * v.stride(0) + hk * v.stride(1);
-        stage::<F, N>(
-            k,
-            k_vectors,
-            k_at,
-            first_key,
-            seq_k,
-            &mut k_tile,
-            ROWS,
-            head_dim,
-            ks,
+        let q_at = b * q.stride(0) + h * q.stride(1);
+        let g_at = b * d_out.stride(0) + h * d_out.stride(1);
+        let lse_at = b * lse.stride(0) + h * lse.stride(1);
+        let delta_at = b * delta.stride(0) + h * delta.stride(1);
+        copy_rows::<F, N>(
+            k, k_vectors, k_at, first_key, seq_k, &mut kv, 0usize, all, head_dim, ks,
         );
-        stage::<F, N>(
-            v,
-            v_vectors,
-            v_at,
-            first_key,
-            seq_k,
-            &mut v_tile,
-            ROWS,
-            head_dim,
-            ks,
+        copy_rows::<F, N>(
+            v, v_vectors, v_at, first_key, seq_k, &mut kv, tile, all, head_dim, ks,
         );
+        if start < seq_q {
+            copy_query_tile::<F, N>(
+                q,
+                q_vectors,
+                q_at,
+                d_out,
+                d_out_vectors,
+                g_at,
+                lse,
+                lse_at,
+                delta,
+                delta_at,
+                start,
+                seq_q,
+                &mut kv,
+                comptime!(2 * tile),
+                &mut lse_tile,
+                &mut delta_tile,
+                0usize,
+                all,
+                head_dim,
+            );
+        }
+        barrier.commit_copy_async();
 
         let zero = Vector::<f32, Two>::new(0.0);
         let dn = comptime!(head_dim / 8);
@@ -301,55 +333,39 @@ mod kernel {
         }
         let mut s = Array::<Vector<f32, Two>>::new(8usize);
         let mut dp = Array::<Vector<f32, Two>>::new(8usize);
-
-        // Causal: query rows before this cube's first key see none of its keys (tiles of
-        // queries and keys are both 64 long, so this is a tile boundary).
-        let mut start = 0usize;
-        if causal {
-            start = first_key;
-        }
-        let q_at = b * q.stride(0) + h * q.stride(1);
-        let g_at = b * d_out.stride(0) + h * d_out.stride(1);
-        let lse_at = b * lse.stride(0) + h * lse.stride(1);
-        let delta_at = b * delta.stride(0) + h * delta.stride(1);
-        let a_row = plane * 16;
+        let k_plane = plane * 16 * ks;
+        let v_plane = tile + k_plane;
+        barrier.arrive_and_wait();
+        let mut buffer = 0usize;
         while start < seq_q {
-            stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
-            stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
-            stage::<F, N>(
-                q,
-                q_vectors,
-                q_at,
-                start,
-                seq_q,
-                &mut q_tile,
-                KEYS,
-                head_dim,
-                ks,
-            );
-            stage::<F, N>(
-                d_out,
-                d_out_vectors,
-                g_at,
-                start,
-                seq_q,
-                &mut g_tile,
-                KEYS,
-                head_dim,
-                ks,
-            );
-            stage_transposed::<F, N>(q, q_vectors, q_at, start, seq_q, &mut qt_tile, head_dim, vs);
-            stage_transposed::<F, N>(
-                d_out,
-                d_out_vectors,
-                g_at,
-                start,
-                seq_q,
-                &mut gt_tile,
-                head_dim,
-                vs,
-            );
-            sync_cube();
+            let next = start + KEYS;
+            if next < seq_q {
+                copy_query_tile::<F, N>(
+                    q,
+                    q_vectors,
+                    q_at,
+                    d_out,
+                    d_out_vectors,
+                    g_at,
+                    lse,
+                    lse_at,
+                    delta,
+                    delta_at,
+                    next,
+                    seq_q,
+                    &mut kv,
+                    (4 - 2 * buffer) * tile,
+                    &mut lse_tile,
+                    &mut delta_tile,
+                    (1 - buffer) * KEYS,
+                    all,
+                    head_dim,
+                );
+            }
+            barrier.commit_copy_async();
+            let q_first = (2 + 2 * buffer) * tile;
+            let g_first = q_first + tile;
+            let stats = buffer * KEYS;
 
             // Only a tile that holds a query past the end or one that does not see a key
             // of this cube (the causal diagonal) is masked: one branch for the whole cube.
@@ -364,12 +380,17 @@ mod kernel {
                 // Pᵀ = exp(Sᵀ·scale − lse of the column's query), zero where the query does not
                 // see the key or is past the end.
                 product_nt::<F>(
-                    &k_tile, a_row, &q_tile, col0, &mut s, HALF_KEYS, row_len, key_len, head_dim,
+                    &kv,
+                    k_plane,
+                    q_first + col0 * ks,
+                    &mut s,
+                    HALF_KEYS,
+                    head_dim,
                     ks,
                 );
                 #[unroll]
                 for j in 0..4usize {
-                    let col = col0 + j * 8 + 2 * t;
+                    let col = stats + col0 + j * 8 + 2 * t;
                     let mut row_lse = Vector::<f32, Two>::new(0.0);
                     row_lse[0usize] = lse_tile[col];
                     row_lse[1usize] = lse_tile[col + 1];
@@ -402,24 +423,28 @@ mod kernel {
                     }
                 }
                 // dV += Pᵀ·dO.
-                accumulate_pt::<F>(
+                accumulate_pv::<F>(
                     &s,
-                    &gt_tile,
-                    col0,
+                    &kv,
+                    g_first + col0 * ks,
                     &mut dv_acc,
                     HALF_KEYS,
-                    t_len,
                     head_dim,
-                    vs,
+                    ks,
                 );
                 // dSᵀ = Pᵀ ∘ (dPᵀ − Δ of the column's query), with dPᵀ = V·dOᵀ.
                 product_nt::<F>(
-                    &v_tile, a_row, &g_tile, col0, &mut dp, HALF_KEYS, row_len, key_len, head_dim,
+                    &kv,
+                    v_plane,
+                    g_first + col0 * ks,
+                    &mut dp,
+                    HALF_KEYS,
+                    head_dim,
                     ks,
                 );
                 #[unroll]
                 for j in 0..4usize {
-                    let col = col0 + j * 8 + 2 * t;
+                    let col = stats + col0 + j * 8 + 2 * t;
                     let mut d = Vector::<f32, Two>::new(0.0);
                     d[0usize] = delta_tile[col];
                     d[1usize] = delta_tile[col + 1];
@@ -427,24 +452,83 @@ mod kernel {
                     dp[2 * j + 1] = s[2 * j + 1] * (dp[2 * j + 1] - d);
                 }
                 // dK += dSᵀ·Q.
-                accumulate_pt::<F>(
+                accumulate_pv::<F>(
                     &dp,
-                    &qt_tile,
-                    col0,
+                    &kv,
+                    q_first + col0 * ks,
                     &mut dk_acc,
                     HALF_KEYS,
-                    t_len,
                     head_dim,
-                    vs,
+                    ks,
                 );
             }
-            sync_cube();
-            start += KEYS;
+            // Every plane is done with this buffer, and the next tile has landed.
+            barrier.arrive_and_wait();
+            start = next;
+            buffer = 1 - buffer;
         }
         let dk_at = b * dk.stride(0) + h * dk.stride(1);
         let dv_at = b * dv.stride(0) + h * dv.stride(1);
         write_acc::<O>(&dk_acc, dk, dk_at, key0, seq_k, scale, head_dim);
         write_acc::<O>(&dv_acc, dv, dv_at, key0, seq_k, 1.0, head_dim);
+    }
+
+    /// One query tile of `dkdv`: Q's and dO's rows `first ..` (zeros past `seq`) into `kv`
+    /// from element `to` (dO one tile after Q), and their log-sum-exp and Δ (zeros past `seq`)
+    /// into `lse_tile` and `delta_tile` from `stat`.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn copy_query_tile<F: Float, N: Size>(
+        q: &Tensor<F>,
+        q_vectors: &Tensor<Vector<F, N>>,
+        q_at: usize,
+        d_out: &Tensor<F>,
+        d_out_vectors: &Tensor<Vector<F, N>>,
+        g_at: usize,
+        lse: &Tensor<f32>,
+        lse_at: usize,
+        delta: &Tensor<f32>,
+        delta_at: usize,
+        first: usize,
+        seq: usize,
+        kv: &mut SharedMemory<F>,
+        to: usize,
+        lse_tile: &mut SharedMemory<f32>,
+        delta_tile: &mut SharedMemory<f32>,
+        stat: usize,
+        #[comptime] all: usize,
+        #[comptime] head_dim: usize,
+    ) {
+        let ks = comptime!(head_dim + 8);
+        let tile = comptime!(KEYS * (head_dim + 8));
+        copy_rows::<F, N>(q, q_vectors, q_at, first, seq, kv, to, all, head_dim, ks);
+        copy_rows::<F, N>(
+            d_out,
+            d_out_vectors,
+            g_at,
+            first,
+            seq,
+            kv,
+            to + tile,
+            all,
+            head_dim,
+            ks,
+        );
+        let e = UNIT_POS as usize;
+        if e < KEYS {
+            let mut value = 0.0f32;
+            if first + e < seq {
+                value = lse[lse_at + (first + e) * lse.stride(2)];
+            }
+            lse_tile[stat + e] = value;
+        } else if e < comptime!(2 * KEYS) {
+            let i = e - KEYS;
+            let mut value = 0.0f32;
+            if first + i < seq {
+                value = delta[delta_at + (first + i) * delta.stride(2)];
+            }
+            delta_tile[stat + i] = value;
+        }
     }
 }
 pub(super) use kernel::{mma_dkdv_kernel, mma_dq_kernel};

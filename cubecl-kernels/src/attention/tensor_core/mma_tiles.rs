@@ -1,6 +1,9 @@
-//! The pieces the register-resident (m16n8k16 `mma`) kernels share: a tile staged transposed,
-//! a plane's 16 × 64 product of two row-major tiles, and the accumulation of a 16 × 64
-//! register tile times a transposed one.
+//! The pieces the register-resident (m16n8k16 `mma`) kernels share: rows copied into a
+//! row-major tile (asynchronously where aligned), a plane's 16 × `cols` product of two
+//! row-major tiles, the accumulation of a 16 × `cols` register tile times a row-major tile, and
+//! the write of an accumulator. Fragments come from shared memory by `ldmatrix` (four 8 × 8
+//! matrices per instruction, transposed on the way where the product reads a tile's columns),
+//! so no tile is ever stored transposed.
 //!
 //! Fragment layouts (PTX's, which cubecl passes through in register order), for unit `lane` of
 //! a plane, `g = lane / 4`, `t = lane % 4`:
@@ -10,160 +13,135 @@
 //! - C (16 × 8): `[row g, n 2t..2t+1]`, `[row g+8, n 2t..2t+1]` (f32).
 //!
 //! So the C fragments `2j` and `2j + 1` (columns `16j ..`) of a 16 × 64 score tile, rounded to
-//! the element type, are exactly the A fragment of the next product's k-step `j`.
+//! the element type, are exactly the A fragment of the next product's k-step `j`. An
+//! `ldmatrix` lane `lane` points at row `lane % 8` of matrix `lane / 8`; thread `(g, t)` receives
+//! row `g`, columns `2t, 2t + 1` of each matrix (of its transpose with `.trans`).
 
 use cubecl::cmma::MmaDefinition;
+use cubecl::ir::MatrixIdent;
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
-use super::tiles::{KEYS, PLANE, UNITS, tile_registers};
+use super::tiles::{KEYS, PLANE, UNITS};
 
 /// Two elements: a 32-bit register of an A or B fragment, or two f32 of a C fragment.
 pub(crate) type Two = Const<2>;
 
-/// Stages rows `first..first + KEYS` of the slab at `at` of `t` transposed in `tile`
-/// (`[head_dim][KEYS + 8]`), zeros past `seq`. Neighbouring units take neighbouring rows of
-/// the same columns, so that a plane's stores of one column fill consecutive addresses (one
-/// wavefront; taking a row's vectors instead, as `load_rows` does, put 16 units on one bank).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn stage_transposed<F: Float, N: Size>(
-    t: &Tensor<F>,
-    tv: &Tensor<Vector<F, N>>,
-    at: usize,
-    first: usize,
-    seq: usize,
-    tile: &mut SharedMemory<F>,
-    #[comptime] head_dim: usize,
-    #[comptime] stride: usize,
-) {
-    let mut held = tile_registers::<F, N>(tv, KEYS, head_dim);
-    let (rs, es) = (t.stride(2), t.stride(3));
-    let n = tv.vector_size();
-    let per_row = comptime!(head_dim / n);
-    let per_unit = comptime!(KEYS * per_row / UNITS);
-    #[unroll]
-    for i in 0..per_unit {
-        let e = i * UNITS + UNIT_POS as usize;
-        let row = first + e % KEYS;
-        let mut value = Vector::<F, N>::new(F::new(0.0));
-        if row < seq {
-            value = tv[(at + row * rs + (e / KEYS) * n * es) / n];
-        }
-        held[i] = value;
-    }
-    #[unroll]
-    for i in 0..per_unit {
-        let e = i * UNITS + UNIT_POS as usize;
-        let key = e % KEYS;
-        let d = (e / KEYS) * n;
-        let value = held[i];
-        #[unroll]
-        for c in 0..n {
-            tile[(d + c) * stride + key] = value[c];
-        }
-    }
-}
-
-/// `s = A·Bᵀ` for this unit's plane: A is rows `a_row .. a_row + 16` of `a_tile`, B rows
-/// `b_row .. b_row + cols` of `b_tile` (both row-major over `head_dim`, row stride `stride`,
-/// `a_len` and `b_len` elements long); `s` holds the `cols / 8` C fragments of the 16 × `cols`
-/// result (`s[2j]`, `s[2j + 1]` for columns `8j ..`). Each A fragment is read once and used
-/// for all of them.
+/// `s = A·Bᵀ` for this unit's plane: A is the 16 rows from element `a_at` of `tile`, B the
+/// `cols` rows from element `b_at` (both row-major over `head_dim`, row stride `stride`); `s`
+/// holds the `cols / 8` C fragments of the 16 × `cols` result (`s[2j]`, `s[2j + 1]` for
+/// columns `8j ..`). A's fragments of two k-steps are read once for all of B's, whose
+/// `ldmatrix.x4` holds the two k-steps of 8 rows.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product_nt<F: Float>(
-    a_tile: &SharedMemory<F>,
-    a_row: usize,
-    b_tile: &SharedMemory<F>,
-    b_row: usize,
+    tile: &SharedMemory<F>,
+    a_at: usize,
+    b_at: usize,
     s: &mut Array<Vector<f32, Two>>,
     #[comptime] cols: usize,
-    #[comptime] a_len: usize,
-    #[comptime] b_len: usize,
     #[comptime] head_dim: usize,
     #[comptime] stride: usize,
 ) {
     let lane = UNIT_POS as usize % PLANE;
-    let g = lane / 4;
-    let t = lane % 4;
+    let m = lane / 8;
+    let r = lane % 8;
     let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let ap = a_tile
-        .slice(0usize, a_len)
-        .into_vectorized()
-        .with_vector_size::<Two>();
-    let bp = b_tile
-        .slice(0usize, b_len)
-        .into_vectorized()
-        .with_vector_size::<Two>();
     let zero = Vector::<f32, Two>::new(0.0);
     let frags = comptime!(cols / 8);
+    let dk = comptime!(head_dim / 16);
     #[unroll]
     for i in 0..frags * 2 {
         s[i] = zero;
     }
-    let mut a = Array::<Vector<F, Two>>::new(4usize);
+    let mut a0 = Array::<Vector<F, Two>>::new(4usize);
+    let mut a1 = Array::<Vector<F, Two>>::new(4usize);
     let mut bf = Array::<Vector<F, Two>>::new(2usize);
     let mut c = Array::<Vector<f32, Two>>::new(2usize);
-    // Indices in pairs, from one runtime base per operand plus constants (the rows' stride
-    // is even): an index written `(x + c) / 2` costs an add, a shift and an address per load.
-    let half = comptime!(stride / 2);
-    let top = (a_row + g) * half + t;
-    let bottom = top + comptime!(8 * half);
-    let b_base = (b_row + g) * half + t;
-    let dk = comptime!(head_dim / 16);
+    // A's matrix `m`: rows `(m % 2)·8 ..`, columns `16kk + (m / 2)·8 ..`; B's: rows `8j ..`,
+    // columns `32·pair + 8m ..` (x2: `16kk + (m % 2)·8 ..`).
+    let a_lane = a_at + ((m % 2) * 8 + r) * stride + (m / 2) * 8;
+    let b_lane = b_at + r * stride + m * 8;
+    let b_last = b_at + r * stride + (m % 2) * 8 + comptime!((head_dim / 16 - 1) * 16);
     #[unroll]
-    for kk in 0..dk {
-        a[0usize] = ap[top + kk * 8];
-        a[1usize] = ap[bottom + kk * 8];
-        a[2usize] = ap[top + kk * 8 + 4];
-        a[3usize] = ap[bottom + kk * 8 + 4];
+    for pair in 0..dk / 2 {
+        let at0 = a_lane + pair * 32;
+        let at1 = at0 + 16;
+        let r0 =
+            mma.load_matrix::<F, Two>(&tile.slice(at0, at0 + 8), MatrixIdent::A, 4usize, false);
+        let r1 =
+            mma.load_matrix::<F, Two>(&tile.slice(at1, at1 + 8), MatrixIdent::A, 4usize, false);
+        #[unroll]
+        for i in 0..4usize {
+            a0[i] = r0[i];
+            a1[i] = r1[i];
+        }
         #[unroll]
         for j in 0..frags {
-            let b_at = b_base + j * 8 * half + kk * 8;
-            bf[0usize] = bp[b_at];
-            bf[1usize] = bp[b_at + 4];
+            let at = b_lane + j * 8 * stride + pair * 32;
+            let regs =
+                mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::B, 4usize, false);
             c[0usize] = s[2 * j];
             c[1usize] = s[2 * j + 1];
-            let d = mma.execute(&a, &bf, &c);
+            bf[0usize] = regs[0usize];
+            bf[1usize] = regs[1usize];
+            let d = mma.execute(&a0, &bf, &c);
+            bf[0usize] = regs[2usize];
+            bf[1usize] = regs[3usize];
+            let e = mma.execute(&a1, &bf, &d);
+            s[2 * j] = e[0usize];
+            s[2 * j + 1] = e[1usize];
+        }
+    }
+    if comptime!(dk % 2 == 1) {
+        let at = a_lane + comptime!((head_dim / 16 - 1) * 16);
+        let r0 = mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::A, 4usize, false);
+        #[unroll]
+        for i in 0..4usize {
+            a0[i] = r0[i];
+        }
+        #[unroll]
+        for j in 0..frags {
+            let at = b_last + j * 8 * stride;
+            let regs =
+                mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::B, 2usize, false);
+            c[0usize] = s[2 * j];
+            c[1usize] = s[2 * j + 1];
+            bf[0usize] = regs[0usize];
+            bf[1usize] = regs[1usize];
+            let d = mma.execute(&a0, &bf, &c);
             s[2 * j] = d[0usize];
             s[2 * j + 1] = d[1usize];
         }
     }
 }
 
-/// `acc += P·B` for this unit's plane: `P` the 16 × `cols` f32 register tile `p` (C
-/// fragments as [`product_nt`] leaves them), rounded to `F`; `B` rows `col0 .. col0 + cols` of
-/// the `KEYS × head_dim` matrix whose transpose `bt_tile` holds (`[head_dim][stride]`, `bt_len`
-/// elements); `acc` the `head_dim / 8` C fragments of the 16 × `head_dim` result (`acc[2n]`,
-/// `acc[2n + 1]`).
+/// `acc += P·B` for this unit's plane: `P` the 16 × `cols` f32 register tile `p` (C fragments
+/// as [`product_nt`] leaves them), rounded to `F`; `B` the `cols` rows from element `b_at` of
+/// `tile` (row-major over `head_dim`, row stride `stride`), read transposed by
+/// `ldmatrix.x4.trans`, two 8-column blocks per instruction; `acc` the `head_dim / 8` C
+/// fragments of the 16 × `head_dim` result (`acc[2n]`, `acc[2n + 1]`).
 #[cube]
-pub(crate) fn accumulate_pt<F: Float>(
+pub(crate) fn accumulate_pv<F: Float>(
     p: &Array<Vector<f32, Two>>,
-    bt_tile: &SharedMemory<F>,
-    col0: usize,
+    tile: &SharedMemory<F>,
+    b_at: usize,
     acc: &mut Array<Vector<f32, Two>>,
     #[comptime] cols: usize,
-    #[comptime] bt_len: usize,
     #[comptime] head_dim: usize,
     #[comptime] stride: usize,
 ) {
     let lane = UNIT_POS as usize % PLANE;
-    let g = lane / 4;
-    let t = lane % 4;
+    let m = lane / 8;
+    let r = lane % 8;
     let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let bp = bt_tile
-        .slice(0usize, bt_len)
-        .into_vectorized()
-        .with_vector_size::<Two>();
     let mut a = Array::<Vector<F, Two>>::new(4usize);
     let mut bf = Array::<Vector<F, Two>>::new(2usize);
     let mut c = Array::<Vector<f32, Two>>::new(2usize);
     let dn = comptime!(head_dim / 8);
     let steps = comptime!(cols / 16);
-    // Indices in pairs from one base (see `product_nt`); `col0` is even.
-    let half = comptime!(stride / 2);
-    let base = g * half + col0 / 2 + t;
+    // Matrix `m`: rows `16kk + (m % 2)·8 ..`, columns `16·pair + (m / 2)·8 ..`.
+    let b_lane = b_at + ((m % 2) * 8 + r) * stride + (m / 2) * 8;
     #[unroll]
     for kk in 0..steps {
         a[0usize] = Vector::<F, Two>::cast_from(p[4 * kk]);
@@ -171,19 +149,24 @@ pub(crate) fn accumulate_pt<F: Float>(
         a[2usize] = Vector::<F, Two>::cast_from(p[4 * kk + 2]);
         a[3usize] = Vector::<F, Two>::cast_from(p[4 * kk + 3]);
         #[unroll]
-        for n in 0..dn {
-            let b_at = base + n * 8 * half + kk * 8;
-            bf[0usize] = bp[b_at];
-            bf[1usize] = bp[b_at + 4];
-            c[0usize] = acc[2 * n];
-            c[1usize] = acc[2 * n + 1];
-            let d = mma.execute(&a, &bf, &c);
-            acc[2 * n] = d[0usize];
-            acc[2 * n + 1] = d[1usize];
+        for pair in 0..dn / 2 {
+            let at = b_lane + kk * 16 * stride + pair * 16;
+            let regs =
+                mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::B, 4usize, true);
+            #[unroll]
+            for half in 0..2usize {
+                let n = 2 * pair + half;
+                bf[0usize] = regs[2 * half];
+                bf[1usize] = regs[2 * half + 1];
+                c[0usize] = acc[2 * n];
+                c[1usize] = acc[2 * n + 1];
+                let d = mma.execute(&a, &bf, &c);
+                acc[2 * n] = d[0usize];
+                acc[2 * n + 1] = d[1usize];
+            }
         }
     }
 }
-
 /// Writes this unit's share of a plane's 16 × `head_dim` accumulator times `scale` to rows
 /// `row0` and `row0 + 8` of the slab at `at` of `out` (rows from `seq` on are not written).
 #[cube]
