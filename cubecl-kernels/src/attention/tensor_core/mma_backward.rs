@@ -17,7 +17,9 @@ mod kernel {
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::mma_tiles::{Two, accumulate_pv, copy_rows, product_nt, write_acc};
+    use super::super::mma_tiles::{
+        Two, accumulate_pv, copy_kv_rows, copy_rows, product_nt, write_acc,
+    };
     use super::super::tiles::{KEYS, PLANE, ROWS};
 
     /// Query columns of one `dkdv` register tile (half a query tile).
@@ -86,29 +88,19 @@ mod kernel {
             head_dim,
             ks,
         );
-        copy_rows::<F, N>(
+        copy_kv_rows::<F, N>(
             k,
             k_vectors,
             k_at,
-            0usize,
-            seq_k,
-            &mut kv,
-            comptime!(2 * tile),
-            all,
-            head_dim,
-            ks,
-        );
-        copy_rows::<F, N>(
             v,
             v_vectors,
             v_at,
             0usize,
             seq_k,
             &mut kv,
-            comptime!(3 * tile),
+            comptime!(2 * tile),
             all,
             head_dim,
-            ks,
         );
         barrier.commit_copy_async();
 
@@ -151,20 +143,8 @@ mod kernel {
             let next = start + KEYS;
             if next < kv_end {
                 let to = (4 - 2 * buffer) * tile;
-                copy_rows::<F, N>(
-                    k, k_vectors, k_at, next, seq_k, &mut kv, to, all, head_dim, ks,
-                );
-                copy_rows::<F, N>(
-                    v,
-                    v_vectors,
-                    v_at,
-                    next,
-                    seq_k,
-                    &mut kv,
-                    to + tile,
-                    all,
-                    head_dim,
-                    ks,
+                copy_kv_rows::<F, N>(
+                    k, k_vectors, k_at, v, v_vectors, v_at, next, seq_k, &mut kv, to, all, head_dim,
                 );
             }
             barrier.commit_copy_async();
@@ -291,11 +271,9 @@ mod kernel {
         let g_at = b * d_out.stride(0) + h * d_out.stride(1);
         let lse_at = b * lse.stride(0) + h * lse.stride(1);
         let delta_at = b * delta.stride(0) + h * delta.stride(1);
-        copy_rows::<F, N>(
-            k, k_vectors, k_at, first_key, seq_k, &mut kv, 0usize, all, head_dim, ks,
-        );
-        copy_rows::<F, N>(
-            v, v_vectors, v_at, first_key, seq_k, &mut kv, tile, all, head_dim, ks,
+        copy_kv_rows::<F, N>(
+            k, k_vectors, k_at, v, v_vectors, v_at, first_key, seq_k, &mut kv, 0usize, all,
+            head_dim,
         );
         if start < seq_q {
             copy_query_tile::<F, N>(

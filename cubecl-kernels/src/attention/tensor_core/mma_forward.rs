@@ -21,7 +21,7 @@ mod kernel {
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::mma_tiles::{Two, copy_rows};
+    use super::super::mma_tiles::{Two, copy_kv_rows, copy_rows};
     use super::super::tiles::{KEYS, PLANE, ROWS};
 
     /// As `tc_forward_kernel` (same arguments and results, dense only) with the scores in
@@ -113,11 +113,8 @@ mod kernel {
         let v_at = b * v.stride(0) + hk * v.stride(1);
         // Tile 0 into buffer 0; the barrier also sees every plane's Q fragments read before
         // tile 1 lands in buffer 1.
-        copy_rows::<F, N>(
-            k, k_vectors, k_at, 0usize, seq_k, &mut kv, 0usize, all, head_dim, ks,
-        );
-        copy_rows::<F, N>(
-            v, v_vectors, v_at, 0usize, seq_k, &mut kv, tile, all, head_dim, ks,
+        copy_kv_rows::<F, N>(
+            k, k_vectors, k_at, v, v_vectors, v_at, 0usize, seq_k, &mut kv, 0usize, all, head_dim,
         );
         barrier.commit_copy_async();
         barrier.arrive_and_wait();
@@ -147,20 +144,8 @@ mod kernel {
             let next = start + KEYS;
             if next < kv_end {
                 let to = (1 - buffer) * comptime!(2 * tile);
-                copy_rows::<F, N>(
-                    k, k_vectors, k_at, next, seq_k, &mut kv, to, all, head_dim, ks,
-                );
-                copy_rows::<F, N>(
-                    v,
-                    v_vectors,
-                    v_at,
-                    next,
-                    seq_k,
-                    &mut kv,
-                    to + tile,
-                    all,
-                    head_dim,
-                    ks,
+                copy_kv_rows::<F, N>(
+                    k, k_vectors, k_at, v, v_vectors, v_at, next, seq_k, &mut kv, to, all, head_dim,
                 );
             }
             barrier.commit_copy_async();

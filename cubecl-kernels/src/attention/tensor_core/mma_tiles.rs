@@ -265,3 +265,40 @@ pub(crate) fn copy_rows<F: Float, N: Size>(
         }
     }
 }
+
+/// [`copy_rows`] of the same rows `first ..` of K (from `k_at`) and V (from `v_at`) into a
+/// K tile at element `to` of `tile` and the V tile right after it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_kv_rows<F: Float, N: Size>(
+    k: &Tensor<F>,
+    k_vectors: &Tensor<Vector<F, N>>,
+    k_at: usize,
+    v: &Tensor<F>,
+    v_vectors: &Tensor<Vector<F, N>>,
+    v_at: usize,
+    first: usize,
+    seq: usize,
+    tile: &mut SharedMemory<F>,
+    to: usize,
+    #[comptime] len: usize,
+    #[comptime] head_dim: usize,
+) {
+    let stride = comptime!(head_dim + 8);
+    let next = comptime!(KEYS * (head_dim + 8));
+    copy_rows::<F, N>(
+        k, k_vectors, k_at, first, seq, tile, to, len, head_dim, stride,
+    );
+    copy_rows::<F, N>(
+        v,
+        v_vectors,
+        v_at,
+        first,
+        seq,
+        tile,
+        to + next,
+        len,
+        head_dim,
+        stride,
+    );
+}
