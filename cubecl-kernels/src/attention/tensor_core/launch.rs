@@ -312,6 +312,21 @@ mod tests {
     }
 
     #[test]
+    fn two_register_kernel_cubes_fit_an_sm_and_ldmatrix_rows_are_aligned() {
+        // dkdv (the largest register kernel) at head dim 128 in bf16: six 64-row tiles (K, V,
+        // Q and dO double-buffered) and two double-buffered rows of statistics; two cubes fit
+        // an SM of an H100/H200 (228 KiB, 1 KiB of it reserved per cube).
+        assert_eq!(mma_shared_bytes(128, 2), 6 * 17_408 + 1_024);
+        assert!(2 * (mma_shared_bytes(128, 2) + 1024) <= 228 * 1024);
+        // Every `ldmatrix` row (and every asynchronous copy) starts 16 bytes aligned: tiles
+        // and rows are multiples of 8 elements, and so are the columns the kernels point at.
+        for hd in (16..=MAX_TENSOR_CORE_HEAD_DIM).step_by(16) {
+            assert_eq!((padded(hd) * 2) % 16, 0, "{hd}");
+            assert_eq!((KEYS * padded(hd) * 2) % 16, 0, "{hd}");
+        }
+    }
+
+    #[test]
     fn fragments_start_32_byte_aligned() {
         // Fragments start at rows that are multiples of 16 and columns that are multiples of
         // 16: both offsets must be multiples of 32 bytes for the tensor-core loads.
