@@ -57,6 +57,7 @@ if command -v ncu > /dev/null; then
     ncu -i "$logs/ncu-$k.ncu-rep" --csv --page details > "$logs/ncu-$k-details.csv" 2>&1
     ncu -i "$logs/ncu-$k.ncu-rep" --csv --page source --print-source sass > "$logs/ncu-$k-sass.csv" 2>&1
     echo "ncu $k pages: exit $?"
+    python3 bench/ncu_sass_mix.py "$logs/ncu-$k-sass.csv" | head -12
     grep -E "Duration|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc Active" \
       "$logs/ncu-$k-details.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF}'
     rm -f "$logs/ncu-$k.ncu-rep"

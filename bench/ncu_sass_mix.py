@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # Executed-instruction mix and stall reasons of one kernel from an ncu SASS source page
-# (`ncu -i R --csv --page source --print-source sass`, as bench/diag_attention_sass.sh writes):
+# (`ncu -i R --csv --page source --print-source sass`, which bench/diag_attention_sass.sh writes
+# and summarises with this script):
 #   python3 bench/ncu_sass_mix.py ncu-KERNEL-sass.csv
 import csv, sys, collections
 rows = list(csv.reader(open(sys.argv[1])))

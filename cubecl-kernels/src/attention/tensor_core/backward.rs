@@ -281,8 +281,8 @@ mod kernel {
             layout, h, block, first_key, last_key, first, seq_q, seq_q, sparse, true,
         );
         while start < seq_q {
-            stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, KEYS);
-            stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, KEYS);
+            stage_stat(lse, lse_at, start, seq_q, &mut lse_tile, 0usize, KEYS);
+            stage_stat(delta, delta_at, start, seq_q, &mut delta_tile, 0usize, KEYS);
             stage_pair::<F, N>(
                 q,
                 q_vectors,

@@ -20,7 +20,7 @@ mod kernel {
     use super::super::mma_tiles::{
         Two, accumulate_pv, copy_kv_rows, copy_rows, product_nt, write_acc,
     };
-    use super::super::tiles::{KEYS, PLANE, ROWS};
+    use super::super::tiles::{KEYS, PLANE, ROWS, stage_stat};
 
     /// Query columns of one `dkdv` register tile (half a query tile).
     const HALF_KEYS: usize = KEYS / 2;
@@ -492,21 +492,8 @@ mod kernel {
             head_dim,
             ks,
         );
-        let e = UNIT_POS as usize;
-        if e < KEYS {
-            let mut value = 0.0f32;
-            if first + e < seq {
-                value = lse[lse_at + (first + e) * lse.stride(2)];
-            }
-            lse_tile[stat + e] = value;
-        } else if e < comptime!(2 * KEYS) {
-            let i = e - KEYS;
-            let mut value = 0.0f32;
-            if first + i < seq {
-                value = delta[delta_at + (first + i) * delta.stride(2)];
-            }
-            delta_tile[stat + i] = value;
-        }
+        stage_stat(lse, lse_at, first, seq, lse_tile, stat, KEYS);
+        stage_stat(delta, delta_at, first, seq, delta_tile, stat, KEYS);
     }
 }
 pub(super) use kernel::{mma_dkdv_kernel, mma_dq_kernel};

@@ -21,7 +21,7 @@ mod kernel {
     use cubecl::prelude::*;
 
     use super::super::super::lanes::last_of;
-    use super::super::mma_tiles::{Two, copy_kv_rows, copy_rows};
+    use super::super::mma_tiles::{Two, accumulate_pv, copy_kv_rows, copy_rows};
     use super::super::tiles::{KEYS, PLANE, ROWS};
 
     /// As `tc_forward_kernel` (same arguments and results, dense only) with the scores in
@@ -133,7 +133,6 @@ mod kernel {
         let mut l1 = 0.0f32;
 
         let mut s = Array::<Vector<f32, Two>>::new(16usize);
-        let mut p = Array::<Vector<F, Two>>::new(16usize);
         let mut a = Array::<Vector<F, Two>>::new(4usize);
         let mut bf = Array::<Vector<F, Two>>::new(2usize);
         let mut c = Array::<Vector<f32, Two>>::new(2usize);
@@ -267,49 +266,18 @@ mod kernel {
                 o[2 * n + 1] = o[2 * n + 1] * Vector::new(f1);
             }
 
-            // P = exp(S − m), rounded to F: the A fragments of P·V.
+            // P = exp(S − m) in place; O += P·V over 4 steps of 16 keys, P rounded to F as
+            // the A fragments and V's B fragments read transposed (`accumulate_pv`).
             #[unroll]
             for j in 0..8usize {
                 let e0 = Vector::exp(s[2 * j] - Vector::new(m0));
                 let e1 = Vector::exp(s[2 * j + 1] - Vector::new(m1));
                 l0 += e0[0usize] + e0[1usize];
                 l1 += e1[0usize] + e1[1usize];
-                p[2 * j] = Vector::<F, Two>::cast_from(e0);
-                p[2 * j + 1] = Vector::<F, Two>::cast_from(e1);
+                s[2 * j] = e0;
+                s[2 * j + 1] = e1;
             }
-
-            // O += P·V over 4 steps of 16 keys. One `ldmatrix.x4.trans` holds the B fragments
-            // of two 8-column blocks: matrix `m` is keys `16kk + (m % 2)·8 ..`, columns
-            // `16·pair + (m / 2)·8 ..` of V, transposed on the way.
-            let v_lane = k_first + tile + ((m % 2) * 8 + r) * ks + (m / 2) * 8;
-            #[unroll]
-            for kk in 0..4usize {
-                a[0usize] = p[4 * kk];
-                a[1usize] = p[4 * kk + 1];
-                a[2usize] = p[4 * kk + 2];
-                a[3usize] = p[4 * kk + 3];
-                #[unroll]
-                for pair in 0..dn / 2 {
-                    let at = v_lane + kk * 16 * ks + pair * 16;
-                    let regs = mma.load_matrix::<F, Two>(
-                        &kv.slice(at, at + 8),
-                        MatrixIdent::B,
-                        4usize,
-                        true,
-                    );
-                    #[unroll]
-                    for half in 0..2usize {
-                        let n = 2 * pair + half;
-                        bf[0usize] = regs[2 * half];
-                        bf[1usize] = regs[2 * half + 1];
-                        c[0usize] = o[2 * n];
-                        c[1usize] = o[2 * n + 1];
-                        let d = mma.execute(&a, &bf, &c);
-                        o[2 * n] = d[0usize];
-                        o[2 * n + 1] = d[1usize];
-                    }
-                }
-            }
+            accumulate_pv::<F>(&s, &kv, k_first + tile, &mut o, KEYS, head_dim, ks);
             // Every plane is done with this buffer, and the next tile has landed.
             barrier.arrive_and_wait();
             start = next;

@@ -22,7 +22,7 @@ use cubecl::ir::MatrixIdent;
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
-use super::tiles::{KEYS, PLANE, UNITS};
+use super::tiles::{KEYS, PLANE, UNITS, load_rows, store_rows, tile_registers};
 
 /// Two elements: a 32-bit register of an A or B fragment, or two f32 of a C fragment.
 pub(crate) type Two = Const<2>;
@@ -222,11 +222,10 @@ pub(crate) fn copy_rows<F: Float, N: Size>(
     #[comptime] stride: usize,
 ) {
     let n = tv.vector_size();
-    let rs = t.stride(2);
-    let es = t.stride(3);
-    let per_row = comptime!(head_dim / n);
-    let per_unit = comptime!(KEYS * per_row / UNITS);
     if comptime!(n == 8) {
+        let rs = t.stride(2);
+        let per_row = comptime!(head_dim / 8);
+        let per_unit = comptime!(KEYS * per_row / UNITS);
         let mut vectors = tile
             .slice_mut(0, len)
             .into_vectorized()
@@ -249,20 +248,9 @@ pub(crate) fn copy_rows<F: Float, N: Size>(
             }
         }
     } else {
-        #[unroll]
-        for i in 0..per_unit {
-            let e = i * UNITS + UNIT_POS as usize;
-            let row = e / per_row;
-            let col = (e % per_row) * n;
-            let mut value = Vector::<F, N>::new(F::new(0.0));
-            if first + row < seq {
-                value = tv[(at + (first + row) * rs + col * es) / n];
-            }
-            #[unroll]
-            for c in 0..n {
-                tile[to + row * stride + col + c] = value[c];
-            }
-        }
+        let mut held = tile_registers::<F, N>(tv, KEYS, head_dim);
+        load_rows::<F, N>(t, tv, at, first, seq, &mut held, KEYS, head_dim);
+        store_rows::<F, N>(&held, tile, to, KEYS, head_dim, stride);
     }
 }
 

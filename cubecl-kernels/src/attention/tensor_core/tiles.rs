@@ -58,7 +58,7 @@ pub(crate) fn stage<F: Float, N: Size>(
 ) {
     let mut held = tile_registers::<F, N>(tv, count, head_dim);
     load_rows::<F, N>(t, tv, at, first, seq, &mut held, count, head_dim);
-    store_rows::<F, N>(&held, tile, count, head_dim, stride);
+    store_rows::<F, N>(&held, tile, 0usize, count, head_dim, stride);
 }
 
 /// [`stage`]s the same `count` rows from `first` of two slabs (K and V, or Q and dO: `a` at
@@ -134,11 +134,13 @@ pub(crate) fn load_rows<F: Float, N: Size>(
     }
 }
 
-/// Stores what [`load_rows`] put in `held` to `tile` (row stride `stride`).
+/// Stores what [`load_rows`] put in `held` to `tile` from element `to` (a multiple of the
+/// vector size; row stride `stride`).
 #[cube]
 pub(crate) fn store_rows<F: Float, N: Size>(
     held: &Array<Vector<F, N>>,
     tile: &mut SharedMemory<F>,
+    to: usize,
     #[comptime] count: usize,
     #[comptime] head_dim: usize,
     #[comptime] stride: usize,
@@ -149,7 +151,7 @@ pub(crate) fn store_rows<F: Float, N: Size>(
     // One store per vector: rows start on vectors (`stride` is a multiple of 8, and so is the
     // tile's alignment in elements).
     let mut vectors = tile
-        .slice_mut(0, count * stride)
+        .slice_mut(to, to + count * stride)
         .into_vectorized()
         .with_vector_size::<N>();
     #[unroll]
@@ -177,7 +179,7 @@ pub(crate) fn column(j: usize, shift: usize) -> usize {
 }
 
 /// Stages `count` per-row f32 values (`lse`, `delta`) of rows `first..` from `at` (row
-/// stride `t.stride(2)`) in `tile`, zeros past `seq`.
+/// stride `t.stride(2)`) in `tile` from element `to`, zeros past `seq`.
 #[cube]
 pub(crate) fn stage_stat(
     t: &Tensor<f32>,
@@ -185,6 +187,7 @@ pub(crate) fn stage_stat(
     first: usize,
     seq: usize,
     tile: &mut SharedMemory<f32>,
+    to: usize,
     #[comptime] count: usize,
 ) {
     let e = UNIT_POS as usize;
@@ -193,7 +196,7 @@ pub(crate) fn stage_stat(
         if first + e < seq {
             value = t[at + (first + e) * t.stride(2)];
         }
-        tile[e] = value;
+        tile[to + e] = value;
     }
 }
 
