@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 use super::backward::{tc_dkdv_kernel, tc_dq_kernel};
 use super::forward::tc_forward_kernel;
 use super::mma_backward::{mma_dkdv_kernel, mma_dq_kernel};
-use super::mma_forward::mma_forward_kernel;
+use super::mma_forward::{FORWARD_ROWS, mma_forward_kernel};
 use super::tiles::{KEYS, PLANE, PS, ROWS, SS, UNITS, padded};
 use crate::attention::{AttentionDims, FlashOptions, arg, cubes};
 
@@ -117,7 +117,7 @@ pub(in crate::attention) fn forward<R: Runtime>(
         unsafe {
             mma_forward_kernel::launch_unchecked::<R>(
                 client,
-                cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
+                cubes(dims.seq_q, FORWARD_ROWS, dims.batch * dims.heads),
                 CubeDim::new_1d(UNITS as u32),
                 vector,
                 arg(q),

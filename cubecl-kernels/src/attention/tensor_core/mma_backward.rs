@@ -151,7 +151,7 @@ mod kernel {
             let k_first = (2 + 2 * buffer) * tile;
 
             // P = exp(S·scale − lse).
-            product_nt::<F>(&kv, q_plane, k_first, &mut s, KEYS, head_dim, ks);
+            product_nt::<F>(&kv, q_plane, k_first, &mut s, 1usize, KEYS, head_dim, ks);
             #[unroll]
             for j in 0..8usize {
                 s[2 * j] = Vector::exp(s[2 * j] * Vector::new(scale) - Vector::new(lse0));
@@ -189,14 +189,23 @@ mod kernel {
                 }
             }
             // dS = P ∘ (dP − Δ), with dP = dO·Vᵀ.
-            product_nt::<F>(&kv, g_plane, k_first + tile, &mut dp, KEYS, head_dim, ks);
+            product_nt::<F>(
+                &kv,
+                g_plane,
+                k_first + tile,
+                &mut dp,
+                1usize,
+                KEYS,
+                head_dim,
+                ks,
+            );
             #[unroll]
             for j in 0..8usize {
                 dp[2 * j] = s[2 * j] * (dp[2 * j] - Vector::new(delta0));
                 dp[2 * j + 1] = s[2 * j + 1] * (dp[2 * j + 1] - Vector::new(delta1));
             }
             // dQ += dS·K (K's columns read transposed).
-            accumulate_pv::<F>(&dp, &kv, k_first, &mut acc, KEYS, head_dim, ks);
+            accumulate_pv::<F>(&dp, &kv, k_first, &mut acc, 1usize, KEYS, head_dim, ks);
             // Every plane is done with this buffer, and the next tile has landed.
             barrier.arrive_and_wait();
             start = next;
@@ -362,6 +371,7 @@ mod kernel {
                     k_plane,
                     q_first + col0 * ks,
                     &mut s,
+                    1usize,
                     HALF_KEYS,
                     head_dim,
                     ks,
@@ -406,6 +416,7 @@ mod kernel {
                     &kv,
                     g_first + col0 * ks,
                     &mut dv_acc,
+                    1usize,
                     HALF_KEYS,
                     head_dim,
                     ks,
@@ -416,6 +427,7 @@ mod kernel {
                     v_plane,
                     g_first + col0 * ks,
                     &mut dp,
+                    1usize,
                     HALF_KEYS,
                     head_dim,
                     ks,
@@ -435,6 +447,7 @@ mod kernel {
                     &kv,
                     q_first + col0 * ks,
                     &mut dk_acc,
+                    1usize,
                     HALF_KEYS,
                     head_dim,
                     ks,

@@ -27,11 +27,12 @@ use super::tiles::{KEYS, PLANE, UNITS, load_rows, store_rows, tile_registers};
 /// Two elements: a 32-bit register of an A or B fragment, or two f32 of a C fragment.
 pub(crate) type Two = Const<2>;
 
-/// `s = A·Bᵀ` for this unit's plane: A is the 16 rows from element `a_at` of `tile`, B the
-/// `cols` rows from element `b_at` (both row-major over `head_dim`, row stride `stride`); `s`
-/// holds the `cols / 8` C fragments of the 16 × `cols` result (`s[2j]`, `s[2j + 1]` for
-/// columns `8j ..`). A's fragments of two k-steps are read once for all of B's, whose
-/// `ldmatrix.x4` holds the two k-steps of 8 rows.
+/// `s = A·Bᵀ` for this unit's plane: A is the `16·blocks` rows from element `a_at` of `tile`, B
+/// the `cols` rows from element `b_at` (both row-major over `head_dim`, row stride `stride`);
+/// `s` holds, for each block of 16 rows, the `cols / 8` C fragments of its 16 × `cols` result
+/// (`s[b·cols/4 + 2j]`, `s[b·cols/4 + 2j + 1]` for columns `8j ..` of block `b`). A's fragments
+/// of two k-steps are read once for all of B's, and each of B's `ldmatrix.x4` (two k-steps of
+/// 8 rows) serves every block: with two blocks, half the B loads per product.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product_nt<F: Float>(
@@ -39,6 +40,7 @@ pub(crate) fn product_nt<F: Float>(
     a_at: usize,
     b_at: usize,
     s: &mut Array<Vector<f32, Two>>,
+    #[comptime] blocks: usize,
     #[comptime] cols: usize,
     #[comptime] head_dim: usize,
     #[comptime] stride: usize,
@@ -49,11 +51,15 @@ pub(crate) fn product_nt<F: Float>(
     let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let zero = Vector::<f32, Two>::new(0.0);
     let frags = comptime!(cols / 8);
+    let per_block = comptime!(cols / 4);
     let dk = comptime!(head_dim / 16);
     #[unroll]
-    for i in 0..frags * 2 {
+    for i in 0..blocks * per_block {
         s[i] = zero;
     }
+    // Both k-steps' A fragments of every block, and the two handed to one product.
+    let mut a0s = Array::<Vector<F, Two>>::new(comptime!(4 * blocks));
+    let mut a1s = Array::<Vector<F, Two>>::new(comptime!(4 * blocks));
     let mut a0 = Array::<Vector<F, Two>>::new(4usize);
     let mut a1 = Array::<Vector<F, Two>>::new(4usize);
     let mut bf = Array::<Vector<F, Two>>::new(2usize);
@@ -65,68 +71,95 @@ pub(crate) fn product_nt<F: Float>(
     let b_last = b_at + r * stride + (m % 2) * 8 + comptime!((head_dim / 16 - 1) * 16);
     #[unroll]
     for pair in 0..dk / 2 {
-        let at0 = a_lane + pair * 32;
-        let at1 = at0 + 16;
-        let r0 =
-            mma.load_matrix::<F, Two>(&tile.slice(at0, at0 + 8), MatrixIdent::A, 4usize, false);
-        let r1 =
-            mma.load_matrix::<F, Two>(&tile.slice(at1, at1 + 8), MatrixIdent::A, 4usize, false);
         #[unroll]
-        for i in 0..4usize {
-            a0[i] = r0[i];
-            a1[i] = r1[i];
+        for rb in 0..blocks {
+            let at0 = a_lane + rb * 16 * stride + pair * 32;
+            let at1 = at0 + 16;
+            let r0 =
+                mma.load_matrix::<F, Two>(&tile.slice(at0, at0 + 8), MatrixIdent::A, 4usize, false);
+            let r1 =
+                mma.load_matrix::<F, Two>(&tile.slice(at1, at1 + 8), MatrixIdent::A, 4usize, false);
+            #[unroll]
+            for i in 0..4usize {
+                a0s[rb * 4 + i] = r0[i];
+                a1s[rb * 4 + i] = r1[i];
+            }
         }
         #[unroll]
         for j in 0..frags {
             let at = b_lane + j * 8 * stride + pair * 32;
             let regs =
                 mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::B, 4usize, false);
-            c[0usize] = s[2 * j];
-            c[1usize] = s[2 * j + 1];
-            bf[0usize] = regs[0usize];
-            bf[1usize] = regs[1usize];
-            let d = mma.execute(&a0, &bf, &c);
-            bf[0usize] = regs[2usize];
-            bf[1usize] = regs[3usize];
-            let e = mma.execute(&a1, &bf, &d);
-            s[2 * j] = e[0usize];
-            s[2 * j + 1] = e[1usize];
+            #[unroll]
+            for rb in 0..blocks {
+                #[unroll]
+                for i in 0..4usize {
+                    a0[i] = a0s[rb * 4 + i];
+                    a1[i] = a1s[rb * 4 + i];
+                }
+                let si = rb * per_block + 2 * j;
+                c[0usize] = s[si];
+                c[1usize] = s[si + 1];
+                bf[0usize] = regs[0usize];
+                bf[1usize] = regs[1usize];
+                let d = mma.execute(&a0, &bf, &c);
+                bf[0usize] = regs[2usize];
+                bf[1usize] = regs[3usize];
+                let e = mma.execute(&a1, &bf, &d);
+                s[si] = e[0usize];
+                s[si + 1] = e[1usize];
+            }
         }
     }
     if comptime!(dk % 2 == 1) {
-        let at = a_lane + comptime!((head_dim / 16 - 1) * 16);
-        let r0 = mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::A, 4usize, false);
         #[unroll]
-        for i in 0..4usize {
-            a0[i] = r0[i];
+        for rb in 0..blocks {
+            let at = a_lane + rb * 16 * stride + comptime!((head_dim / 16 - 1) * 16);
+            let r0 =
+                mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::A, 4usize, false);
+            #[unroll]
+            for i in 0..4usize {
+                a0s[rb * 4 + i] = r0[i];
+            }
         }
         #[unroll]
         for j in 0..frags {
             let at = b_last + j * 8 * stride;
             let regs =
                 mma.load_matrix::<F, Two>(&tile.slice(at, at + 8), MatrixIdent::B, 2usize, false);
-            c[0usize] = s[2 * j];
-            c[1usize] = s[2 * j + 1];
             bf[0usize] = regs[0usize];
             bf[1usize] = regs[1usize];
-            let d = mma.execute(&a0, &bf, &c);
-            s[2 * j] = d[0usize];
-            s[2 * j + 1] = d[1usize];
+            #[unroll]
+            for rb in 0..blocks {
+                #[unroll]
+                for i in 0..4usize {
+                    a0[i] = a0s[rb * 4 + i];
+                }
+                let si = rb * per_block + 2 * j;
+                c[0usize] = s[si];
+                c[1usize] = s[si + 1];
+                let d = mma.execute(&a0, &bf, &c);
+                s[si] = d[0usize];
+                s[si + 1] = d[1usize];
+            }
         }
     }
 }
 
-/// `acc += P·B` for this unit's plane: `P` the 16 × `cols` f32 register tile `p` (C fragments
-/// as [`product_nt`] leaves them), rounded to `F`; `B` the `cols` rows from element `b_at` of
-/// `tile` (row-major over `head_dim`, row stride `stride`), read transposed by
-/// `ldmatrix.x4.trans`, two 8-column blocks per instruction; `acc` the `head_dim / 8` C
-/// fragments of the 16 × `head_dim` result (`acc[2n]`, `acc[2n + 1]`).
+/// `acc += P·B` for this unit's plane: `P` the `16·blocks` × `cols` f32 register tile `p` (C
+/// fragments as [`product_nt`] leaves them, block by block), rounded to `F`; `B` the `cols` rows
+/// from element `b_at` of `tile` (row-major over `head_dim`, row stride `stride`), read
+/// transposed by `ldmatrix.x4.trans`, two 8-column blocks per instruction, each serving every
+/// block of rows; `acc` the `head_dim / 8` C fragments of each block's 16 × `head_dim` result
+/// (`acc[b·head_dim/4 + 2n]`, `acc[b·head_dim/4 + 2n + 1]`).
 #[cube]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn accumulate_pv<F: Float>(
     p: &Array<Vector<f32, Two>>,
     tile: &SharedMemory<F>,
     b_at: usize,
     acc: &mut Array<Vector<f32, Two>>,
+    #[comptime] blocks: usize,
     #[comptime] cols: usize,
     #[comptime] head_dim: usize,
     #[comptime] stride: usize,
@@ -135,19 +168,25 @@ pub(crate) fn accumulate_pv<F: Float>(
     let m = lane / 8;
     let r = lane % 8;
     let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let mut held = Array::<Vector<F, Two>>::new(comptime!(4 * blocks));
     let mut a = Array::<Vector<F, Two>>::new(4usize);
     let mut bf = Array::<Vector<F, Two>>::new(2usize);
     let mut c = Array::<Vector<f32, Two>>::new(2usize);
     let dn = comptime!(head_dim / 8);
     let steps = comptime!(cols / 16);
+    let p_block = comptime!(cols / 4);
+    let acc_block = comptime!(head_dim / 4);
     // Matrix `m`: rows `16kk + (m % 2)·8 ..`, columns `16·pair + (m / 2)·8 ..`.
     let b_lane = b_at + ((m % 2) * 8 + r) * stride + (m / 2) * 8;
     #[unroll]
     for kk in 0..steps {
-        a[0usize] = Vector::<F, Two>::cast_from(p[4 * kk]);
-        a[1usize] = Vector::<F, Two>::cast_from(p[4 * kk + 1]);
-        a[2usize] = Vector::<F, Two>::cast_from(p[4 * kk + 2]);
-        a[3usize] = Vector::<F, Two>::cast_from(p[4 * kk + 3]);
+        #[unroll]
+        for rb in 0..blocks {
+            #[unroll]
+            for i in 0..4usize {
+                held[rb * 4 + i] = Vector::<F, Two>::cast_from(p[rb * p_block + 4 * kk + i]);
+            }
+        }
         #[unroll]
         for pair in 0..dn / 2 {
             let at = b_lane + kk * 16 * stride + pair * 16;
@@ -158,11 +197,19 @@ pub(crate) fn accumulate_pv<F: Float>(
                 let n = 2 * pair + half;
                 bf[0usize] = regs[2 * half];
                 bf[1usize] = regs[2 * half + 1];
-                c[0usize] = acc[2 * n];
-                c[1usize] = acc[2 * n + 1];
-                let d = mma.execute(&a, &bf, &c);
-                acc[2 * n] = d[0usize];
-                acc[2 * n + 1] = d[1usize];
+                #[unroll]
+                for rb in 0..blocks {
+                    #[unroll]
+                    for i in 0..4usize {
+                        a[i] = held[rb * 4 + i];
+                    }
+                    let ci = rb * acc_block + 2 * n;
+                    c[0usize] = acc[ci];
+                    c[1usize] = acc[ci + 1];
+                    let d = mma.execute(&a, &bf, &c);
+                    acc[ci] = d[0usize];
+                    acc[ci + 1] = d[1usize];
+                }
             }
         }
     }
