@@ -2,8 +2,9 @@
 //! `P·V` on m16n8k16 `mma` instructions (f16/bf16 in, f32 accumulators) whose fragments each
 //! unit holds itself. A plane (warp) owns 32 query rows (two blocks of 16, as
 //! FlashAttention-2's 128-row cubes of 4 warps), so every K and V fragment read from shared
-//! memory serves two products; per tile of 64 keys its 16 score fragments (16 × 8 each) are
-//! scaled, masked (on the tiles that hold a hidden key) and exponentiated where they are, row
+//! memory serves two products; per tile of 64 keys (in two softmax steps of 32 above head
+//! dim 64, which keeps two blocks' accumulators in registers) its score fragments (16 × 8
+//! each) are scaled, masked (on the tiles that hold a hidden key) and exponentiated where they are, row
 //! maxima and sums come from two shuffles among the 4 units of a row, and the accumulators of
 //! two neighbouring score fragments are exactly the A fragment of `P` for the next product
 //! (rounded to the element type, as FlashAttention-2 does): no score or probability goes
@@ -48,10 +49,16 @@ mod kernel {
         #[define(F)] _dtype: StorageType,
     ) {
         // Output fragments of 8 columns; blocks of 16 rows per plane; the register tiles'
-        // entries per block (score: 8 fragments of 8 keys, output: `head_dim / 8` fragments).
+        // entries per block (score: `step / 8` fragments of 8 keys, output: `head_dim / 8`).
         let dn = comptime!(head_dim / 8);
         let blocks = comptime!(PLANE_ROWS / 16);
-        let s_block = comptime!(KEYS / 4);
+        // Keys per softmax step: a whole tile up to head dim 64; at larger head dims two
+        // steps of 32, so two blocks' output accumulators and scores fit the registers
+        // without spilling (255 registers and spills with whole tiles at head dim 128).
+        let step = comptime!(if head_dim > 64 { KEYS / 2 } else { KEYS });
+        let chunks = comptime!(KEYS / step);
+        let frags = comptime!(step / 8);
+        let s_block = comptime!(step / 4);
         let o_block = comptime!(head_dim / 4);
         // Row stride of the tiles (padded by 16 bytes: the 8 rows of an `ldmatrix` meet 32
         // banks), one tile's length, and the six tiles': Q's two, K and V of buffers 0 and 1.
@@ -132,7 +139,7 @@ mod kernel {
             sum[i] = 0.0;
         }
 
-        let mut s = Array::<Vector<f32, Two>>::new(comptime!(blocks * KEYS / 4));
+        let mut s = Array::<Vector<f32, Two>>::new(comptime!(blocks * step / 4));
         let mut tile_max = Array::<f32>::new(comptime!(2 * blocks));
         let q_plane = plane * PLANE_ROWS * ks;
         let mut start = 0usize;
@@ -149,100 +156,123 @@ mod kernel {
             barrier.commit_copy_async();
             let k_first = (2 + 2 * buffer) * tile;
 
-            // S = Q·Kᵀ for both blocks: 8 fragments of 8 keys each.
-            product_nt::<F>(&kv, q_plane, k_first, &mut s, blocks, KEYS, head_dim, ks);
-
-            // Scale; mask where the tile holds a hidden key (the last tile, the causal
-            // diagonal: one branch for the whole cube); the rows' maxima over the tile.
-            #[unroll]
-            for i in 0..blocks * s_block {
-                s[i] = s[i] * Vector::new(scale);
-            }
+            // The tile in `chunks` steps of `step` keys, each a whole online-softmax step.
             let mut edge = start + KEYS > seq_k;
             if causal {
                 edge = edge || start + KEYS > first_row + 1;
             }
-            if edge {
+            #[unroll]
+            for chunk in 0..chunks {
+                let first_key = chunk * step;
+                // S = Q·Kᵀ for both blocks: `step / 8` fragments of 8 keys each.
+                product_nt::<F>(
+                    &kv,
+                    q_plane,
+                    k_first + first_key * ks,
+                    &mut s,
+                    blocks,
+                    step,
+                    head_dim,
+                    ks,
+                );
+
+                // Scale; mask where the tile holds a hidden key (the last tile, the causal
+                // diagonal: one branch for the whole cube); the rows' maxima over the step.
+                #[unroll]
+                for i in 0..blocks * s_block {
+                    s[i] = s[i] * Vector::new(scale);
+                }
+                if edge {
+                    #[unroll]
+                    for rb in 0..blocks {
+                        #[unroll]
+                        for j in 0..frags {
+                            let mut top = s[rb * s_block + 2 * j];
+                            let mut bottom = s[rb * s_block + 2 * j + 1];
+                            let row0 = row + rb * 16;
+                            #[unroll]
+                            for e in 0..2usize {
+                                let key = start + first_key + j * 8 + 2 * t + e;
+                                let mut hidden0 = key >= seq_k;
+                                let mut hidden1 = key >= seq_k;
+                                if causal {
+                                    hidden0 = hidden0 || key > row0;
+                                    hidden1 = hidden1 || key > row0 + 8;
+                                }
+                                if hidden0 {
+                                    top[e] = -1.0e30;
+                                }
+                                if hidden1 {
+                                    bottom[e] = -1.0e30;
+                                }
+                            }
+                            s[rb * s_block + 2 * j] = top;
+                            s[rb * s_block + 2 * j + 1] = bottom;
+                        }
+                    }
+                }
+                #[unroll]
+                for i in 0..2 * blocks {
+                    tile_max[i] = -1.0e30;
+                }
                 #[unroll]
                 for rb in 0..blocks {
                     #[unroll]
-                    for j in 0..8usize {
-                        let mut top = s[rb * s_block + 2 * j];
-                        let mut bottom = s[rb * s_block + 2 * j + 1];
-                        let row0 = row + rb * 16;
+                    for j in 0..frags {
                         #[unroll]
-                        for e in 0..2usize {
-                            let key = start + j * 8 + 2 * t + e;
-                            let mut hidden0 = key >= seq_k;
-                            let mut hidden1 = key >= seq_k;
-                            if causal {
-                                hidden0 = hidden0 || key > row0;
-                                hidden1 = hidden1 || key > row0 + 8;
-                            }
-                            if hidden0 {
-                                top[e] = -1.0e30;
-                            }
-                            if hidden1 {
-                                bottom[e] = -1.0e30;
-                            }
+                        for half in 0..2usize {
+                            let x = s[rb * s_block + 2 * j + half];
+                            let i = rb * 2 + half;
+                            tile_max[i] = f32::max(tile_max[i], f32::max(x[0usize], x[1usize]));
                         }
-                        s[rb * s_block + 2 * j] = top;
-                        s[rb * s_block + 2 * j + 1] = bottom;
                     }
                 }
-            }
-            #[unroll]
-            for i in 0..2 * blocks {
-                tile_max[i] = -1.0e30;
-            }
-            #[unroll]
-            for rb in 0..blocks {
+                // New maxima over the row's 4 units; the sums and outputs rescaled to them.
                 #[unroll]
-                for j in 0..8usize {
+                for i in 0..2 * blocks {
+                    let mut x = tile_max[i];
+                    x = f32::max(x, plane_shuffle_xor(x, 1));
+                    x = f32::max(x, plane_shuffle_xor(x, 2));
+                    let new = f32::max(mx[i], x);
+                    let f = f32::exp(mx[i] - new);
+                    mx[i] = new;
+                    sum[i] = sum[i] * f;
+                    let rb = i / 2;
+                    let half = i % 2;
                     #[unroll]
-                    for half in 0..2usize {
-                        let x = s[rb * s_block + 2 * j + half];
-                        let i = rb * 2 + half;
-                        tile_max[i] = f32::max(tile_max[i], f32::max(x[0usize], x[1usize]));
+                    for n in 0..dn {
+                        let at = rb * o_block + 2 * n + half;
+                        o[at] = o[at] * Vector::new(f);
                     }
                 }
-            }
-            // New maxima over the row's 4 units; the sums and outputs rescaled to them.
-            #[unroll]
-            for i in 0..2 * blocks {
-                let mut x = tile_max[i];
-                x = f32::max(x, plane_shuffle_xor(x, 1));
-                x = f32::max(x, plane_shuffle_xor(x, 2));
-                let new = f32::max(mx[i], x);
-                let f = f32::exp(mx[i] - new);
-                mx[i] = new;
-                sum[i] = sum[i] * f;
-                let rb = i / 2;
-                let half = i % 2;
-                #[unroll]
-                for n in 0..dn {
-                    let at = rb * o_block + 2 * n + half;
-                    o[at] = o[at] * Vector::new(f);
-                }
-            }
 
-            // P = exp(S − m) in place; O += P·V over 4 steps of 16 keys, P rounded to F as
-            // the A fragments and V's B fragments read transposed (`accumulate_pv`).
-            #[unroll]
-            for rb in 0..blocks {
+                // P = exp(S − m) in place; O += P·V over steps of 16 keys, P rounded to F as
+                // the A fragments and V's B fragments read transposed (`accumulate_pv`).
                 #[unroll]
-                for j in 0..8usize {
+                for rb in 0..blocks {
                     #[unroll]
-                    for half in 0..2usize {
-                        let i = rb * 2 + half;
-                        let at = rb * s_block + 2 * j + half;
-                        let e = Vector::exp(s[at] - Vector::new(mx[i]));
-                        sum[i] = sum[i] + e[0usize] + e[1usize];
-                        s[at] = e;
+                    for j in 0..frags {
+                        #[unroll]
+                        for half in 0..2usize {
+                            let i = rb * 2 + half;
+                            let at = rb * s_block + 2 * j + half;
+                            let e = Vector::exp(s[at] - Vector::new(mx[i]));
+                            sum[i] = sum[i] + e[0usize] + e[1usize];
+                            s[at] = e;
+                        }
                     }
                 }
+                accumulate_pv::<F>(
+                    &s,
+                    &kv,
+                    k_first + tile + first_key * ks,
+                    &mut o,
+                    blocks,
+                    step,
+                    head_dim,
+                    ks,
+                );
             }
-            accumulate_pv::<F>(&s, &kv, k_first + tile, &mut o, blocks, KEYS, head_dim, ks);
             // Every plane is done with this buffer, and the next tile has landed.
             barrier.arrive_and_wait();
             start = next;
