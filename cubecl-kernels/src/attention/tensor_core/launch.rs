@@ -55,10 +55,9 @@ pub fn tensor_cores_apply<R: Runtime>(
 }
 
 /// Shared memory of the largest register-resident kernel (`mma_dkdv`: K and V, Q and dO
-/// double-buffered, all row-major, two double-buffered rows of statistics, and the query
-/// tile's dSᵀ for dQ), in bytes.
+/// double-buffered, all row-major, and two double-buffered rows of statistics), in bytes.
 fn mma_shared_bytes(head_dim: usize, elem: usize) -> usize {
-    6 * ROWS * padded(head_dim) * elem + 4 * KEYS * 4 + KEYS * (KEYS + 8) * elem
+    6 * ROWS * padded(head_dim) * elem + 4 * KEYS * 4
 }
 
 /// Whether the device runs the m16n8k16 `mma` on `dtype` with f32 accumulators, which the
@@ -176,18 +175,9 @@ pub(in crate::attention) fn backward<R: Runtime>(
 ) {
     let vector = vector_size(dims, &[q, k, v, d_out]);
     let registers = options.register_scores && !sparse && mma_applies(client, dims, dtype);
-    // With the register kernels at head dims 64 and 128, `dkdv` also produces dQ (five
-    // products instead of seven: no second walk recomputing S and dP), adding each cube's part
-    // into a zeroed f32 accumulator by atomics; a 4-byte stand-in otherwise.
-    let fold_dq = registers && dims.head_dim.is_multiple_of(64);
-    let dq_accum = match fold_dq {
-        true => super::scratch::zeros(client, [dims.batch, dims.heads, dims.seq_q, dims.head_dim]),
-        false => super::scratch::shares(client, [1; 4]),
-    };
     // SAFETY: as in `forward`.
     unsafe {
-        // Without the fold, dQ has its own kernel.
-        if registers && !fold_dq {
+        if registers {
             mma_dq_kernel::launch_unchecked::<R>(
                 client,
                 cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
@@ -209,7 +199,7 @@ pub(in crate::attention) fn backward<R: Runtime>(
                 dims.head_dim,
                 dtype,
             );
-        } else if !registers {
+        } else {
             tc_dq_kernel::launch_unchecked::<R>(
                 client,
                 cubes(dims.seq_q, ROWS, dims.batch * dims.heads),
@@ -240,7 +230,7 @@ pub(in crate::attention) fn backward<R: Runtime>(
     // share, summed per group after.
     let grouped = dims.heads > dims.kv_heads;
     let share_shape = [dims.batch, dims.heads, dims.seq_k, dims.head_dim];
-    let shares = grouped.then(|| [0; 2].map(|_| super::scratch::shares(client, share_shape)));
+    let shares = grouped.then(|| [0; 2].map(|_| super::group_sum::shares(client, share_shape)));
     let (dk_to, dv_to, out_dtype) = match &shares {
         Some([dk_s, dv_s]) => (
             dk_s,
@@ -269,10 +259,8 @@ pub(in crate::attention) fn backward<R: Runtime>(
                 arg(delta),
                 arg(dk_to),
                 arg(dv_to),
-                arg(&dq_accum),
                 options.scale,
                 options.causal,
-                fold_dq,
                 dims.head_dim,
                 [dtype, out_dtype],
             );
@@ -305,11 +293,8 @@ pub(in crate::attention) fn backward<R: Runtime>(
         }
     }
     if let Some([dk_s, dv_s]) = &shares {
-        super::scratch::sum_groups(client, dtype, dk_s, dk, 1.0);
-        super::scratch::sum_groups(client, dtype, dv_s, dv, 1.0);
-    }
-    if fold_dq {
-        super::scratch::sum_groups(client, dtype, &dq_accum, dq, options.scale);
+        super::group_sum::sum_groups(client, dtype, dk_s, dk);
+        super::group_sum::sum_groups(client, dtype, dv_s, dv);
     }
 }
 
@@ -329,10 +314,9 @@ mod tests {
     #[test]
     fn two_register_kernel_cubes_fit_an_sm_and_ldmatrix_rows_are_aligned() {
         // dkdv (the largest register kernel) at head dim 128 in bf16: six 64-row tiles (K, V,
-        // Q and dO double-buffered), two double-buffered rows of statistics and the 64 × 72
-        // dSᵀ tile; two cubes fit an SM of an H100/H200 (228 KiB, 1 KiB of it reserved per
-        // cube) with room for the cube's barrier.
-        assert_eq!(mma_shared_bytes(128, 2), 6 * 17_408 + 1_024 + 9_216);
+        // Q and dO double-buffered) and two double-buffered rows of statistics; two cubes fit
+        // an SM of an H100/H200 (228 KiB, 1 KiB of it reserved per cube).
+        assert_eq!(mma_shared_bytes(128, 2), 6 * 17_408 + 1_024);
         assert!(2 * (mma_shared_bytes(128, 2) + 1024) <= 228 * 1024);
         // Every `ldmatrix` row (and every asynchronous copy) starts 16 bytes aligned: tiles
         // and rows are multiples of 8 elements, and so are the columns the kernels point at.

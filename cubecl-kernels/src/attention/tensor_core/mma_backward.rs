@@ -1,12 +1,9 @@
 //! FlashAttention-2's backward on m16n8k16 `mma` with the scores, probabilities, `dP` and
-//! `dS` kept in registers: `dkdv` walks query tiles for 64 key rows after `Δ`. At head dims 64
-//! and 128 it also produces dQ, as FlashAttention-2 does: each query tile's dSᵀ goes to shared
-//! memory once, `dS·K` is taken from there and added to an f32 accumulator by atomics (five
-//! products per tile pair). Other head dims keep `dq`, which walks key tiles for 64 query rows
-//! and recomputes `S` and `dP` (seven products, no atomics). A plane owns 16 rows of its
-//! cube's 64; per tile of 64 columns it holds two 16 × 64 f32 register tiles (`S` turned into
-//! `P`, and `dP` turned into `dS`), which, rounded to the element type, are the A fragments of
-//! the accumulating products (layouts in `mma_tiles`).
+//! `dS` kept in registers: `dq` walks key tiles for 64 query rows, `dkdv` walks query tiles for
+//! 64 key rows, both after `Δ`, no atomics. A plane owns 16 rows of its cube's 64; per tile of
+//! 64 columns it holds two 16 × 64 f32 register tiles (`S` turned into `P`, and `dP` turned
+//! into `dS`), which, rounded to the element type, are the A fragments of the accumulating
+//! products (layouts in `mma_tiles`).
 //!
 //! The walked tiles (K and V in `dq`, Q and dO in `dkdv`) are double-buffered: the next tile's
 //! rows go by asynchronous copies while the cube computes, and one barrier per tile waits for
@@ -16,8 +13,6 @@
 // The launch items the `cube` macro generates carry no docs of their own.
 #[allow(missing_docs)]
 mod kernel {
-    use cubecl::cmma::MmaDefinition;
-    use cubecl::ir::MatrixIdent;
     use cubecl::prelude::barrier::Barrier;
     use cubecl::prelude::*;
 
@@ -227,9 +222,7 @@ mod kernel {
     /// under grouped-query attention). Rows of the register tiles are keys: `Sᵀ = K·Qᵀ`,
     /// `dPᵀ = V·dOᵀ`, then `dV += Pᵀ·dO` and `dK += dSᵀ·Q` (dO's and Q's columns read
     /// transposed). Shared memory: K and V, then Q and dO of buffers 0 and 1, each
-    /// `64 × (head_dim + 8)`, and the query tiles' statistics, double-buffered too. With
-    /// `fold_dq` (head dim a multiple of 64), also `dq_accum += dS·K` (unscaled; `[batch,
-    /// heads, seq_q, head_dim]` f32, zeroed before) through a `64 × 72` dSᵀ tile.
+    /// `64 × (head_dim + 8)`, and the query tiles' statistics, double-buffered too.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn mma_dkdv_kernel<F: Float, O: Float, N: Size>(
@@ -245,10 +238,8 @@ mod kernel {
         delta: &Tensor<f32>,
         dk: &mut Tensor<O>,
         dv: &mut Tensor<O>,
-        dq_accum: &mut Tensor<Atomic<f32>>,
         scale: f32,
         #[comptime] causal: bool,
-        #[comptime] fold_dq: bool,
         #[comptime] head_dim: usize,
         #[define(F, O)] _dtypes: [StorageType; 2],
     ) {
@@ -275,11 +266,7 @@ mod kernel {
         let mut kv = SharedMemory::<F>::new_aligned(all, 16usize);
         let mut lse_tile = SharedMemory::<f32>::new(comptime!(2 * KEYS));
         let mut delta_tile = SharedMemory::<f32>::new(comptime!(2 * KEYS));
-        // With `fold_dq`: the query tile's dSᵀ, `[key][query]` (row stride `KEYS + 8`).
-        let ds_len = comptime!(if fold_dq { KEYS * (KEYS + 8) } else { 8 });
-        let mut ds = SharedMemory::<F>::new_aligned(ds_len, 16usize);
         let barrier = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-        let dq_at = b * dq_accum.stride(0) + h * dq_accum.stride(1);
 
         // Causal: query rows before this cube's first key see none of its keys (tiles of
         // queries and keys are both 64 long, so this is a tile boundary).
@@ -454,9 +441,6 @@ mod kernel {
                     dp[2 * j] = s[2 * j] * (dp[2 * j] - d);
                     dp[2 * j + 1] = s[2 * j + 1] * (dp[2 * j + 1] - d);
                 }
-                if fold_dq {
-                    store_ds::<F>(&dp, &mut ds, plane * comptime!(16 * (KEYS + 8)) + col0);
-                }
                 // dK += dSᵀ·Q.
                 accumulate_pv::<F>(
                     &dp,
@@ -469,12 +453,6 @@ mod kernel {
                     ks,
                 );
             }
-            if fold_dq {
-                // Every plane's dSᵀ is in `ds`; the barrier below keeps the next tile's from
-                // overwriting it before every plane has read it.
-                sync_cube();
-                add_dq::<F>(&ds, &kv, dq_accum, dq_at, start, seq_q, head_dim);
-            }
             // Every plane is done with this buffer, and the next tile has landed.
             barrier.arrive_and_wait();
             start = next;
@@ -484,145 +462,6 @@ mod kernel {
         let dv_at = b * dv.stride(0) + h * dv.stride(1);
         write_acc::<O>(&dk_acc, dk, dk_at, key0, seq_k, scale, head_dim);
         write_acc::<O>(&dv_acc, dv, dv_at, key0, seq_k, 1.0, head_dim);
-    }
-
-    /// Stores a plane's 16 × 32 register tile `p` (dSᵀ of its keys and half a query tile, C
-    /// fragments), rounded to `F`, into `ds` from element `at` (row stride `KEYS + 8`): each
-    /// unit's two neighbouring columns as one 32-bit store.
-    #[cube]
-    fn store_ds<F: Float>(p: &Array<Vector<f32, Two>>, ds: &mut SharedMemory<F>, at: usize) {
-        let lane = UNIT_POS as usize % PLANE;
-        let g = lane / 4;
-        let t = lane % 4;
-        let dss = comptime!(KEYS + 8);
-        let mut pairs = ds
-            .slice_mut(0, comptime!(KEYS * (KEYS + 8)))
-            .into_vectorized()
-            .with_vector_size::<Two>();
-        // In pairs: `at`, `dss` and the columns are even.
-        let base = (at + g * dss + 2 * t) / 2;
-        #[unroll]
-        for j in 0..HALF_KEYS / 8 {
-            #[unroll]
-            for half in 0..2usize {
-                pairs[base + comptime!(half * 4 * (KEYS + 8)) + j * 4] =
-                    Vector::<F, Two>::cast_from(p[2 * j + half]);
-            }
-        }
-    }
-
-    /// `dQ += dS·K` for one query tile (queries `first ..`) and this cube's 64 keys: `dS` read
-    /// transposed from `ds` (dSᵀ, `[key][query]`), K from element 0 of `kv` (row-major, row
-    /// stride `head_dim + 8`) read transposed too; this plane takes `head_dim / 4` columns
-    /// for all 64 queries in two passes of 32 (two 16-row blocks share each B fragment), and
-    /// adds them unscaled to `dq_accum` (f32, slab at `at`) by atomics, rows from `seq` on
-    /// skipped. `head_dim` a multiple of 64 (pairs of 8-column fragments per plane).
-    #[cube]
-    #[allow(clippy::too_many_arguments)]
-    fn add_dq<F: Float>(
-        ds: &SharedMemory<F>,
-        kv: &SharedMemory<F>,
-        dq_accum: &mut Tensor<Atomic<f32>>,
-        at: usize,
-        first: usize,
-        seq: usize,
-        #[comptime] head_dim: usize,
-    ) {
-        let ks = comptime!(head_dim + 8);
-        let dss = comptime!(KEYS + 8);
-        let plane = UNIT_POS as usize / PLANE;
-        let lane = UNIT_POS as usize % PLANE;
-        let g = lane / 4;
-        let t = lane % 4;
-        let m = lane / 8;
-        let r = lane % 8;
-        // 8-column fragments per plane, and their entries per 16-row block.
-        let frags = comptime!(head_dim / 32);
-        let per_block = comptime!(head_dim / 16);
-        let col0 = plane * comptime!(head_dim / 4);
-        let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-        let zero = Vector::<f32, Two>::new(0.0);
-        let mut acc = Array::<Vector<f32, Two>>::new(comptime!(2 * (head_dim / 16)));
-        let mut held = Array::<Vector<F, Two>>::new(8usize);
-        let mut a = Array::<Vector<F, Two>>::new(4usize);
-        let mut bf = Array::<Vector<F, Two>>::new(2usize);
-        let mut c = Array::<Vector<f32, Two>>::new(2usize);
-        // A (queries × keys) from dSᵀ: matrix `m` is keys `16kk + (m / 2)·8 ..`, queries
-        // `(m % 2)·8 ..` stored, its transpose delivered. B (keys × columns) from K: matrix
-        // `m` is keys `16kk + (m % 2)·8 ..`, columns `col0 + 16·pair + (m / 2)·8 ..`.
-        let a_lane = ((m / 2) * 8 + r) * dss + (m % 2) * 8;
-        let b_lane = ((m % 2) * 8 + r) * ks + (m / 2) * 8 + col0;
-        let (rs, es) = (dq_accum.stride(2), dq_accum.stride(3));
-        #[unroll]
-        for pass in 0..2usize {
-            #[unroll]
-            for i in 0..2 * per_block {
-                acc[i] = zero;
-            }
-            #[unroll]
-            for kk in 0..KEYS / 16 {
-                #[unroll]
-                for rb in 0..2usize {
-                    let from = a_lane + kk * 16 * dss + pass * 32 + rb * 16;
-                    let regs = mma.load_matrix::<F, Two>(
-                        &ds.slice(from, from + 8),
-                        MatrixIdent::A,
-                        4usize,
-                        true,
-                    );
-                    #[unroll]
-                    for i in 0..4usize {
-                        held[rb * 4 + i] = regs[i];
-                    }
-                }
-                #[unroll]
-                for pair in 0..frags / 2 {
-                    let from = b_lane + kk * 16 * ks + pair * 16;
-                    let regs = mma.load_matrix::<F, Two>(
-                        &kv.slice(from, from + 8),
-                        MatrixIdent::B,
-                        4usize,
-                        true,
-                    );
-                    #[unroll]
-                    for half in 0..2usize {
-                        let n = 2 * pair + half;
-                        bf[0usize] = regs[2 * half];
-                        bf[1usize] = regs[2 * half + 1];
-                        #[unroll]
-                        for rb in 0..2usize {
-                            #[unroll]
-                            for i in 0..4usize {
-                                a[i] = held[rb * 4 + i];
-                            }
-                            let ci = rb * per_block + 2 * n;
-                            c[0usize] = acc[ci];
-                            c[1usize] = acc[ci + 1];
-                            let d = mma.execute(&a, &bf, &c);
-                            acc[ci] = d[0usize];
-                            acc[ci + 1] = d[1usize];
-                        }
-                    }
-                }
-            }
-            #[unroll]
-            for rb in 0..2usize {
-                #[unroll]
-                for half in 0..2usize {
-                    let query = first + pass * 32 + rb * 16 + half * 8 + g;
-                    if query < seq {
-                        let row = at + query * rs + (col0 + 2 * t) * es;
-                        #[unroll]
-                        for n in 0..frags {
-                            let value = acc[rb * per_block + 2 * n + half];
-                            let to = row + n * 8 * es;
-                            dq_accum[to].fetch_add(value[0usize]);
-                            dq_accum[to + es].fetch_add(value[1usize]);
-                        }
-                    }
-                }
-            }
-        }
     }
 
     /// One query tile of `dkdv`: Q's and dO's rows `first ..` (zeros past `seq`) into `kv`

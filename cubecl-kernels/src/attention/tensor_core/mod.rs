@@ -6,10 +6,10 @@
 
 mod backward;
 mod forward;
+mod group_sum;
 mod mma_backward;
 mod mma_forward;
 mod mma_tiles;
-mod scratch;
 mod tiles;
 
 mod launch;

@@ -1,8 +1,6 @@
-//! The f32 scratch of the tensor-core backward: under grouped-query attention `dkdv` writes
-//! one share of `dk`/`dv` per query head, and where `dkdv` also produces `dQ` it adds each
-//! cube's part into one accumulator by atomics. Two launches finish them: a zero fill before,
-//! and the sum of each group's shares (one share for `dQ`) times a scale, rounded once to the
-//! element type, after.
+//! The last launch of the tensor-core backward under grouped-query attention: `dkdv` writes
+//! one f32 share of `dk`/`dv` per query head, and this sums each group's shares into its K/V
+//! head's gradient, rounded once to the element type.
 
 use cubecl::prelude::*;
 
@@ -11,13 +9,12 @@ use cubecl::prelude::*;
 mod kernel {
     use cubecl::prelude::*;
 
-    /// `out[b, hk, s, d] = scale · Σ_g shares[b, hk·group + g, s, d]` with `group` =
+    /// `out[b, hk, s, d] = Σ_g shares[b, hk·group + g, s, d]` with `group` =
     /// `shares.shape(1) / out.shape(1)`; one unit per element of `out` (any strides).
     #[cube(launch_unchecked)]
     pub fn group_sum_kernel<F: Float>(
         shares: &Tensor<f32>,
         out: &mut Tensor<F>,
-        scale: f32,
         #[define(F)] _dtype: StorageType,
     ) {
         let (kv, seq, hd) = (out.shape(1), out.shape(2), out.shape(3));
@@ -34,24 +31,16 @@ mod kernel {
                 sum += shares[at + (hk * group + g) * shares.stride(1)];
             }
             out[b * out.stride(0) + hk * out.stride(1) + s * out.stride(2) + d * out.stride(3)] =
-                F::cast_from(sum * scale);
-        }
-    }
-
-    /// Zeros every element of the contiguous `t`; one unit per element.
-    #[cube(launch_unchecked)]
-    pub fn zero_kernel(t: &mut Tensor<f32>) {
-        if ABSOLUTE_POS < t.len() {
-            t[ABSOLUTE_POS] = 0.0;
+                F::cast_from(sum);
         }
     }
 }
-use kernel::{group_sum_kernel, zero_kernel};
+use kernel::group_sum_kernel;
 
-/// Units per cube of the sum and the fill.
+/// Units per cube of the sum.
 const UNITS: usize = 256;
 
-/// Contiguous f32 scratch of `shape` (uninitialized).
+/// Contiguous f32 scratch of `shape` for one gradient's shares.
 pub(super) fn shares<R: Runtime>(client: &ComputeClient<R>, shape: [usize; 4]) -> TensorBinding<R> {
     let [_, h, s, d] = shape;
     TensorBinding {
@@ -62,30 +51,12 @@ pub(super) fn shares<R: Runtime>(client: &ComputeClient<R>, shape: [usize; 4]) -
     }
 }
 
-/// Contiguous f32 scratch of `shape`, zeroed on the device (an accumulator for atomics).
-pub(super) fn zeros<R: Runtime>(client: &ComputeClient<R>, shape: [usize; 4]) -> TensorBinding<R> {
-    let t = shares(client, shape);
-    let n: usize = shape.iter().product();
-    // SAFETY: `t` is contiguous and holds `n` elements; units past `n` write nothing.
-    unsafe {
-        zero_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(n.div_ceil(UNITS) as u32, 1, 1),
-            CubeDim::new_1d(UNITS as u32),
-            t.clone().into_tensor_arg(),
-        )
-    }
-    t
-}
-
-/// `out` (elements of `dtype`) from `scale` times the group sums of `shares` (see
-/// [`group_sum_kernel`]).
+/// `out` (elements of `dtype`) from the group sums of `shares` (see [`group_sum_kernel`]).
 pub(super) fn sum_groups<R: Runtime>(
     client: &ComputeClient<R>,
     dtype: StorageType,
     shares: &TensorBinding<R>,
     out: &TensorBinding<R>,
-    scale: f32,
 ) {
     let n: usize = out.shape.iter().product();
     // SAFETY: `shares` is `[batch, heads, seq, head_dim]` and `out` `[batch, kv_heads, seq,
@@ -98,7 +69,6 @@ pub(super) fn sum_groups<R: Runtime>(
             CubeDim::new_1d(UNITS as u32),
             shares.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
-            scale,
             dtype,
         )
     }
