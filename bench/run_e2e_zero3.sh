@@ -7,7 +7,7 @@
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
 # row's own comma-separated systems replace SYSTEMS for it); SYSTEMS: which of
-# "ours ours-pf ours-pf-unfused ours-pf-smem ours-pf-regs ours-pf-keep ours-prev ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8
+# "ours ours-pf ours-pf-unfused ours-pf-smem ours-pf-regs ours-pf-keep ours-prev ours-pf-prev ours-op ours-op-nvme ours-oo-op ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8
 # ours-rows1k fsdp2 deepspeed"
 # run (ours: fitted pools, the chunked loss, free pages released between phases,
 # reduce_bucket_size 5e7; ours-keep: the same without the release; ours-full-loss: logits
@@ -19,7 +19,10 @@
 # kernels off (RMSNorm, RoPE, SwiGLU in burn ops); ours-pf-smem: ours-pf with the attention
 # forward that stages scores in shared memory (burn_zero.attention_register_scores off);
 # ours-pf-regs: ours-pf with the attention kernels that keep scores in registers (on); ours-pf-keep: the same without the release; ours-prev, ours-mid: ours with the binary of an earlier
-# commit staged in .gpu/prev/ or .gpu/mid/ (with its commit file), for an A/B in the same call);
+# commit staged in .gpu/prev/ or .gpu/mid/ (with its commit file), for an A/B in the same call;
+# ours-pf-prev: ours-pf with .gpu/prev's binary; ours-op, ours-op-nvme, ours-oo-op: ours-pf with
+# offload_param on the CPU or in swap files under /tmp/burn-zero-swap, or with offload_param and
+# offload_optimizer both on the CPU);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
 source bench/prelude.sh "$1"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # a failing collective says why
@@ -104,7 +107,7 @@ for row in "${rows[@]}"; do
   for system in $list; do
     port=$((port + 1))
     case "$system" in
-      ours|ours-pf|ours-pf-unfused|ours-pf-smem|ours-pf-regs|ours-pf-keep|ours-prev|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
+      ours|ours-pf|ours-pf-unfused|ours-pf-smem|ours-pf-regs|ours-pf-keep|ours-prev|ours-pf-prev|ours-op|ours-op-nvme|ours-oo-op|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
         bin=.gpu/bin/bench-e2e; envs=()
         case "$system" in
           ours) flags=(--pool fitted --loss chunked --release 1) ;;
@@ -117,6 +120,15 @@ for row in "${rows[@]}"; do
             envs=(BURN_ZERO_ATTENTION_REGISTER_SCORES=1) ;;
           ours-pf-keep) flags=(--pool fitted --loss chunked --release 0 --prefetch "$(layers2 "$size")") ;;
           ours-prev) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/prev/bench-e2e ;;
+          ours-pf-prev) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")")
+            bin=.gpu/prev/bench-e2e ;;
+          ours-op) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")"
+            --offload-param cpu) ;;
+          ours-op-nvme) mkdir -p /tmp/burn-zero-swap
+            flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")"
+            --offload-param nvme:/tmp/burn-zero-swap) ;;
+          ours-oo-op) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")"
+            --offload-param cpu --offload-optimizer cpu) ;;
           ours-mid) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/mid/bench-e2e ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
           ours-full-loss) flags=(--pool fitted --loss full --release 1) ;;

@@ -18,7 +18,9 @@
 //! chunked loss, default 2,048) and `--deterministic 0|1` (`burn_zero.deterministic`) and
 //! `--ckpt DIR --save-at N` (an engine checkpoint into DIR after step N) and `--resume DIR`
 //! (start from DIR's latest checkpoint, at the step it names) and `--precision bf16|fp32`
-//! (default bf16; fp32 drops the config's bf16 section). Rank 0 prints one JSON line:
+//! (default bf16; fp32 drops the config's bf16 section) and `--offload-param cpu|nvme:DIR|none`
+//! and `--offload-optimizer cpu|nvme:DIR|none` (`zero_optimization.offload_param` /
+//! `offload_optimizer`, default none; parameters only at stage 3). Rank 0 prints one JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
@@ -126,6 +128,20 @@ fn option<'a>(options: &'a [(String, String)], key: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
+/// The `zero_optimization` entry `section` that `--key` asks for (`cpu`, `nvme:DIR` or `none`),
+/// as a JSON fragment that follows another entry (empty for `none`).
+fn offload_section(options: &[(String, String)], key: &str, section: &str) -> String {
+    match option(options, key) {
+        None | Some("none") => String::new(),
+        Some("cpu") => format!(r#", "{section}": {{"device": "cpu", "pin_memory": true}}"#),
+        Some(v) if v.starts_with("nvme:") && v.len() > 5 => format!(
+            r#", "{section}": {{"device": "nvme", "nvme_path": "{}", "pin_memory": true}}"#,
+            &v[5..]
+        ),
+        Some(other) => panic!("--{key} is cpu, nvme:DIR or none, not `{other}`"),
+    }
+}
+
 /// The count `--key` gives, else `default`.
 fn count_option(options: &[(String, String)], key: &str, default: usize) -> usize {
     option(options, key).map_or(default, |v| {
@@ -138,7 +154,8 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
                  [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--loss-rows N] \
-                 [--deterministic 0|1] [--ckpt DIR --save-at N] [--resume DIR]";
+                 [--deterministic 0|1] [--ckpt DIR --save-at N] [--resume DIR] \
+                 [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none]";
     let (args, options) = split_options(&args, usage);
     let pool = match option(&options, "pool") {
         None | Some("fitted") => MemoryPoolLayout::Fitted,
@@ -197,6 +214,8 @@ fn main() {
         (std::path::PathBuf::from(dir), at)
     });
     let resume = option(&options, "resume").map(std::path::PathBuf::from);
+    let offload_param = offload_section(&options, "offload-param", "offload_param");
+    let offload_optimizer = offload_section(&options, "offload-optimizer", "offload_optimizer");
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
@@ -223,7 +242,7 @@ fn main() {
             "bf16": {{"enabled": {bf16}}},
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                 "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
-                "stage3_prefetch_bucket_size": {prefetch}}},
+                "stage3_prefetch_bucket_size": {prefetch}{offload_param}{offload_optimizer}}},
             "burn_zero": {{"matmul": {{"cublaslt": true}}, "deterministic": {deterministic},
                 "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
                 {ac}{profile}}}"#,
