@@ -38,6 +38,8 @@ nvcc_arch="-arch=sm_90"
 for cu in "$logs"/mma_*.cu; do
   [ -e "$cu" ] || continue
   base="${cu%.cu}"
+  # cubecl's mbarrier wrapper names its pointer type as NVRTC takes it; nvcc wants uint64_t.
+  sed -i "s/uint64 \*mbar_ptr = /auto *mbar_ptr = /" "$cu"
   nvcc -cubin $nvcc_arch -O3 -Xptxas -v -o "$base.cubin" "$cu" > "$base.ptxas.txt" 2>&1
   echo "nvcc $(basename "$cu"): exit $?"; grep -E "registers|spill" "$base.ptxas.txt" | head -4
   cuobjdump -sass "$base.cubin" > "$base.sass" 2>&1
