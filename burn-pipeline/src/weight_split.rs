@@ -62,10 +62,12 @@ fn split_linear<B: AutodiffBackend, const D: usize>(
         return (module::linear(x, weight.val(), bias.map(Param::val)), None);
     }
     let [d_in, d_out] = weight.dims();
+    // Untracked copies: burn's `detach` keeps `require_grad`, so a detached weight is a new
+    // leaf whose gradient the input half would still compute (and drop).
     let y = module::linear(
         x.clone(),
-        weight.val().detach(),
-        bias.map(|b| b.val().detach()),
+        weight.val().detach().set_require_grad(false),
+        bias.map(|b| b.val().detach().set_require_grad(false)),
     );
     let dims = y.dims();
     let rows = dims[..D - 1].iter().product::<usize>();
@@ -335,6 +337,59 @@ mod tests {
             halves.remove::<Inner, 1>(bias.id).unwrap(),
             bias.val().grad(&whole).unwrap(),
         );
+    }
+
+    /// The products each half runs (counted by `ZeroBackend`'s FLOPs profiler), for two
+    /// `64 × 64` layers on 8 rows inside a checkpointed module: the fused backward recomputes
+    /// the forward and takes each layer's `dX` and `dW` (6 products of 8·64·64); the input
+    /// half recomputes and takes `dX` only (4), the weight half `dW` (2). Until the split's
+    /// weights were made untracked (burn's `detach` keeps `require_grad`) the input half ran
+    /// 6: the `dW` products too, into leaves nobody read, which is why on GPUs it cost as much
+    /// as the fused backward (bench/README, ZB-H1's split).
+    #[test]
+    fn the_input_half_of_a_checkpointed_module_runs_two_thirds_of_the_products() {
+        use burn::nn::{Linear, LinearConfig};
+        use burn_zero::profile::{Phase, set_phase, start, stop};
+        let unit = 8 * 64 * 64;
+        let layer: Linear<A> = LinearConfig::new(64, 64).init(&Default::default());
+        let x = random([8, 64]).require_grad();
+        let backward_macs = |f: &dyn Fn() -> Tensor<A, 2>| {
+            let out = f().sum();
+            start(None);
+            set_phase(Phase::Backward);
+            let grads = out.backward();
+            let macs: u64 = stop().values().map(|c| c.macs).sum();
+            (grads, macs)
+        };
+        let (_, fused) = backward_macs(&|| {
+            burn_zero::nn::checkpoint_then(
+                &layer,
+                x.clone(),
+                |m: &Linear<A>, h| m.forward(m.forward(h).tanh()),
+                |_| {},
+            )
+        });
+        let split = WeightSplit::<A>::new();
+        let recorder = split.recompute().fresh();
+        let resolver = recorder.clone();
+        let (grads, input_half) = backward_macs(&|| {
+            let (recorder, resolver) = (recorder.clone(), resolver.clone());
+            burn_zero::nn::checkpoint_then(
+                &layer,
+                x.clone(),
+                move |m: &Linear<A>, h| {
+                    let h = recorder.linear(h, &m.weight, m.bias.as_ref()).tanh();
+                    recorder.linear(h, &m.weight, m.bias.as_ref())
+                },
+                move |grads| resolver.resolve(grads),
+            )
+        });
+        start(None);
+        let _ = split.into_work(&grads).run();
+        let weight_half: u64 = stop().values().map(|c| c.macs).sum();
+        assert_eq!(fused, 6 * unit, "fused");
+        assert_eq!(input_half, 4 * unit, "input half");
+        assert_eq!(weight_half, 2 * unit, "weight half");
     }
 
     /// A frozen weight runs as burn runs it and defers nothing; its trainable bias gets its
