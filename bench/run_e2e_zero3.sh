@@ -109,34 +109,31 @@ for row in "${rows[@]}"; do
     case "$system" in
       ours|ours-pf|ours-pf-unfused|ours-pf-smem|ours-pf-regs|ours-pf-keep|ours-prev|ours-pf-prev|ours-op|ours-op-nvme|ours-oo-op|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
         bin=.gpu/bin/bench-e2e; envs=()
+        # ours' settings, and ours-pf's: the same with two decoder layers' prefetch.
+        base=(--pool fitted --loss chunked --release 1)
+        pf=("${base[@]}" --prefetch "$(layers2 "$size")")
         case "$system" in
-          ours) flags=(--pool fitted --loss chunked --release 1) ;;
-          ours-pf) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")") ;;
-          ours-pf-unfused) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")")
+          ours) flags=("${base[@]}") ;;
+          ours-pf) flags=("${pf[@]}") ;;
+          ours-pf-unfused) flags=("${pf[@]}")
             envs=(BURN_ZERO_FUSED_RMS_NORM=0 BURN_ZERO_FUSED_ROPE=0 BURN_ZERO_FUSED_SWIGLU=0) ;;
-          ours-pf-smem) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")")
-            envs=(BURN_ZERO_ATTENTION_REGISTER_SCORES=0) ;;
-          ours-pf-regs) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")")
-            envs=(BURN_ZERO_ATTENTION_REGISTER_SCORES=1) ;;
+          ours-pf-smem) flags=("${pf[@]}"); envs=(BURN_ZERO_ATTENTION_REGISTER_SCORES=0) ;;
+          ours-pf-regs) flags=("${pf[@]}"); envs=(BURN_ZERO_ATTENTION_REGISTER_SCORES=1) ;;
           ours-pf-keep) flags=(--pool fitted --loss chunked --release 0 --prefetch "$(layers2 "$size")") ;;
-          ours-prev) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/prev/bench-e2e ;;
-          ours-pf-prev) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")")
-            bin=.gpu/prev/bench-e2e ;;
-          ours-op) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")"
-            --offload-param cpu) ;;
+          ours-prev) flags=("${base[@]}"); bin=.gpu/prev/bench-e2e ;;
+          ours-pf-prev) flags=("${pf[@]}"); bin=.gpu/prev/bench-e2e ;;
+          ours-op) flags=("${pf[@]}" --offload-param cpu) ;;
           ours-op-nvme) mkdir -p /tmp/burn-zero-swap
-            flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")"
-            --offload-param nvme:/tmp/burn-zero-swap) ;;
-          ours-oo-op) flags=(--pool fitted --loss chunked --release 1 --prefetch "$(layers2 "$size")"
-            --offload-param cpu --offload-optimizer cpu) ;;
-          ours-mid) flags=(--pool fitted --loss chunked --release 1); bin=.gpu/mid/bench-e2e ;;
+            flags=("${pf[@]}" --offload-param nvme:/tmp/burn-zero-swap) ;;
+          ours-oo-op) flags=("${pf[@]}" --offload-param cpu --offload-optimizer cpu) ;;
+          ours-mid) flags=("${base[@]}"); bin=.gpu/mid/bench-e2e ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
           ours-full-loss) flags=(--pool fitted --loss full --release 1) ;;
           ours-old) flags=(--pool sliced --loss full --release 0) ;;
-          ours-hf) flags=(--pool fitted --loss chunked --release 1 --bucket "$(hidden2 "$size")") ;;
-          ours-b5e7) flags=(--pool fitted --loss chunked --release 1 --bucket 50000000) ;;
-          ours-b2e8) flags=(--pool fitted --loss chunked --release 1 --bucket 200000000) ;;
-          ours-rows1k) flags=(--pool fitted --loss chunked --release 1 --loss-rows 1024) ;;
+          ours-hf) flags=("${base[@]}" --bucket "$(hidden2 "$size")") ;;
+          ours-b5e7) flags=("${base[@]}" --bucket 50000000) ;;
+          ours-b2e8) flags=("${base[@]}" --bucket 200000000) ;;
+          ours-rows1k) flags=("${base[@]}" --loss-rows 1024) ;;
         esac
         measure "$system" "$size" "$n" "$micro" "$seq" "$ac" \
           env "${envs[@]}" .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port "$port" \

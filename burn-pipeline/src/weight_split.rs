@@ -353,37 +353,32 @@ mod tests {
         let unit = 8 * 64 * 64;
         let layer: Linear<A> = LinearConfig::new(64, 64).init(&Default::default());
         let x = random([8, 64]).require_grad();
-        let backward_macs = |f: &dyn Fn() -> Tensor<A, 2>| {
-            let out = f().sum();
+        let backward_macs = |out: Tensor<A, 2>| {
+            let out = out.sum();
             start(None);
             set_phase(Phase::Backward);
             let grads = out.backward();
             let macs: u64 = stop().values().map(|c| c.macs).sum();
             (grads, macs)
         };
-        let (_, fused) = backward_macs(&|| {
-            burn_zero::nn::checkpoint_then(
-                &layer,
-                x.clone(),
-                |m: &Linear<A>, h| m.forward(m.forward(h).tanh()),
-                |_| {},
-            )
-        });
+        let (_, fused) = backward_macs(burn_zero::nn::checkpoint_then(
+            &layer,
+            x.clone(),
+            |m: &Linear<A>, h| m.forward(m.forward(h).tanh()),
+            |_| {},
+        ));
         let split = WeightSplit::<A>::new();
         let recorder = split.recompute().fresh();
         let resolver = recorder.clone();
-        let (grads, input_half) = backward_macs(&|| {
-            let (recorder, resolver) = (recorder.clone(), resolver.clone());
-            burn_zero::nn::checkpoint_then(
-                &layer,
-                x.clone(),
-                move |m: &Linear<A>, h| {
-                    let h = recorder.linear(h, &m.weight, m.bias.as_ref()).tanh();
-                    recorder.linear(h, &m.weight, m.bias.as_ref())
-                },
-                move |grads| resolver.resolve(grads),
-            )
-        });
+        let (grads, input_half) = backward_macs(burn_zero::nn::checkpoint_then(
+            &layer,
+            x.clone(),
+            move |m: &Linear<A>, h| {
+                let h = recorder.linear(h, &m.weight, m.bias.as_ref()).tanh();
+                recorder.linear(h, &m.weight, m.bias.as_ref())
+            },
+            move |grads| resolver.resolve(grads),
+        ));
         start(None);
         let _ = split.into_work(&grads).run();
         let weight_half: u64 = stop().values().map(|c| c.macs).sum();

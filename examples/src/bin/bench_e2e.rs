@@ -134,11 +134,12 @@ fn offload_section(options: &[(String, String)], key: &str, section: &str) -> St
     match option(options, key) {
         None | Some("none") => String::new(),
         Some("cpu") => format!(r#", "{section}": {{"device": "cpu", "pin_memory": true}}"#),
-        Some(v) if v.starts_with("nvme:") && v.len() > 5 => format!(
-            r#", "{section}": {{"device": "nvme", "nvme_path": "{}", "pin_memory": true}}"#,
-            &v[5..]
-        ),
-        Some(other) => panic!("--{key} is cpu, nvme:DIR or none, not `{other}`"),
+        Some(v) => match v.strip_prefix("nvme:").filter(|dir| !dir.is_empty()) {
+            Some(dir) => format!(
+                r#", "{section}": {{"device": "nvme", "nvme_path": "{dir}", "pin_memory": true}}"#
+            ),
+            None => panic!("--{key} is cpu, nvme:DIR or none, not `{v}`"),
+        },
     }
 }
 
