@@ -123,13 +123,14 @@ fn rms_reference(
 }
 
 /// RMSNorm on rows no cube count divides (1, 37, 1,100 rows: the backward then groups 3
-/// rows per cube) and widths no vector divides (7, 20) or all do (96, 4,096).
+/// rows per cube) and widths no vector divides (7, 20) or all do (96, 4,096), and rows wider
+/// than the most units a row takes hold (40,000: more vectors per unit than aimed at).
 #[test]
 fn rms_norm_matches_f64_forward_and_backward() {
     let client = WgpuRuntime::client(&WgpuDevice::default());
     let eps = 1e-5;
     for dtype in dtypes(&client) {
-        for (rows, hidden) in [(1, 7), (37, 20), (1_100, 96), (5, 4_096)] {
+        for (rows, hidden) in [(1, 7), (37, 20), (1_100, 96), (5, 4_096), (3, 40_000)] {
             let n = rows * hidden;
             let (x, hx) = upload(&client, dtype, &values(n, 1));
             let w: Vec<f32> = values(hidden, 2).iter().map(|v| 1.0 + v / 2.0).collect();

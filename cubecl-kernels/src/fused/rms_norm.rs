@@ -1,8 +1,11 @@
 //! RMSNorm in one pass each way: `y = x · r · w` with `r = 1/√(mean(x²) + ε)` per row, the
-//! statistics in f32 whatever the element type. The forward keeps `r` (one f32 per row) for the
-//! backward, which writes `dx` row by row and the weight's gradient without atomics: each cube
-//! sums its rows' share per column in f32 (`partial`, one row per cube), and a last kernel sums
-//! the shares in cube order, so the result does not depend on scheduling.
+//! statistics in f32 whatever the element type. A row is held by `lanes` neighbouring units
+//! (whole planes), each keeping its few vectors of the row in registers, so the row is read
+//! from memory once and summed with plane reductions (one shared-memory step across a row's
+//! planes). The forward keeps `r` (one f32 per row) for the backward, which writes `dx` row by
+//! row and the weight's gradient without atomics: each cube sums its rows' share per column in
+//! f32 registers and writes it once (`partial`, one row per cube), and a last kernel sums the
+//! shares in cube order, so the result does not depend on scheduling.
 
 use cubecl::prelude::*;
 
@@ -13,32 +16,35 @@ use super::array;
 mod kernel {
     use cubecl::prelude::*;
 
-    /// `value` summed over the cube's `units` units (every unit gets the sum); `scratch` holds
-    /// `units` f32. A tree in shared memory: portable to any plane width.
+    /// `value` summed over the `lanes` units of this unit's row (`UNIT_POS_Y`; every unit of
+    /// the row gets the sum): a plane sum, then the row's planes' sums through `scratch`
+    /// (`lanes` f32 per row of the cube). Every unit of the cube must reach it.
     #[cube]
-    pub(super) fn cube_sum(
+    pub(super) fn row_sum(
         value: f32,
         scratch: &mut SharedMemory<f32>,
-        #[comptime] units: usize,
+        #[comptime] lanes: usize,
     ) -> f32 {
-        let u = UNIT_POS as usize;
-        scratch[u] = value;
-        sync_cube();
-        let steps = comptime!(units.trailing_zeros() as usize);
-        for s in 0..steps {
-            let stride = comptime!(units / 2) >> s;
-            if u < stride {
-                let sum = scratch[u] + scratch[u + stride];
-                scratch[u] = sum;
-            }
-            sync_cube();
+        let s = plane_sum(value);
+        let base = UNIT_POS_Y as usize * lanes;
+        let lane = UNIT_POS_X as usize;
+        let plane = PLANE_DIM as usize;
+        if lane % plane == 0 {
+            scratch[base + lane] = s;
         }
-        let total = scratch[0];
+        sync_cube();
+        let mut total = 0.0f32;
+        let mut p = 0usize;
+        while p < lanes {
+            total += scratch[base + p];
+            p += plane;
+        }
         sync_cube();
         total
     }
 
-    /// One cube per row of `x` (`rows × width` vectors): `out = x · r · w`, `rstd[row] = r`.
+    /// Rows of `x` (`rows × width` vectors), `units / lanes` per cube, `lanes` units each
+    /// holding `per_lane` vectors: `out = x · r · w`, `rstd[row] = r`.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn rms_forward_kernel<F: Float, N: Size>(
@@ -46,38 +52,53 @@ mod kernel {
         w: &Array<Vector<F, N>>,
         out: &mut Array<Vector<F, N>>,
         rstd: &mut Array<f32>,
+        rows: usize,
         width: usize,
         hidden: f32,
         eps: f32,
         #[comptime] units: usize,
+        #[comptime] lanes: usize,
+        #[comptime] per_lane: usize,
         #[define(F)] _dtype: StorageType,
     ) {
         let mut scratch = SharedMemory::<f32>::new(units);
-        let row = CUBE_POS_X as usize;
+        let lane = UNIT_POS_X as usize;
+        let row = CUBE_POS_X as usize * comptime!(units / lanes) + UNIT_POS_Y as usize;
+        let live = row < rows;
         let at = row * width;
+        let zero = Vector::<F, N>::cast_from(Vector::<f32, N>::new(0.0));
+        let mut v = Array::<Vector<F, N>>::new(per_lane);
         let mut squares = 0.0f32;
-        let mut i = UNIT_POS as usize;
-        while i < width {
-            let v = Vector::<f32, N>::cast_from(x[at + i]);
-            squares += f32::cast_from((v * v).vector_sum());
-            i += units;
+        #[unroll]
+        for k in 0..per_lane {
+            let i = lane + k * lanes;
+            let mut e = zero;
+            if live && i < width {
+                e = x[at + i];
+            }
+            v[k] = e;
+            let f = Vector::<f32, N>::cast_from(e);
+            squares += f32::cast_from((f * f).vector_sum());
         }
-        let total = cube_sum(squares, &mut scratch, units);
+        let total = row_sum(squares, &mut scratch, lanes);
         let r = 1.0f32 / f32::sqrt(total / hidden + eps);
-        let mut i = UNIT_POS as usize;
-        while i < width {
-            let v = Vector::<f32, N>::cast_from(x[at + i]);
-            let g = Vector::<f32, N>::cast_from(w[i]);
-            out[at + i] = Vector::<F, N>::cast_from(v * Vector::new(r) * g);
-            i += units;
+        #[unroll]
+        for k in 0..per_lane {
+            let i = lane + k * lanes;
+            if live && i < width {
+                let f = Vector::<f32, N>::cast_from(v[k]);
+                let g = Vector::<f32, N>::cast_from(w[i]);
+                out[at + i] = Vector::<F, N>::cast_from(f * Vector::new(r) * g);
+            }
         }
-        if UNIT_POS == 0 {
+        if live && lane == 0 {
             rstd[row] = r;
         }
     }
 
-    /// One cube per `chunk` rows: `dx` of each row, and the cube's share of the weight's
-    /// gradient `Σ_rows dy · x · r` per column in `partial[cube]` (f32, `width` vectors).
+    /// One cube (`lanes` units, `per_lane` vectors each) per `chunk` rows: `dx` of each row,
+    /// and the cube's share of the weight's gradient `Σ_rows dy · x · r` per column, summed in
+    /// registers and written once to `partial[cube]` (f32, `width` vectors).
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn rms_backward_kernel<F: Float, N: Size>(
@@ -91,46 +112,76 @@ mod kernel {
         width: usize,
         hidden: f32,
         chunk: usize,
-        #[comptime] units: usize,
+        #[comptime] lanes: usize,
+        #[comptime] per_lane: usize,
         #[define(F)] _dtype: StorageType,
     ) {
-        let mut scratch = SharedMemory::<f32>::new(units);
+        let mut scratch = SharedMemory::<f32>::new(lanes);
+        let lane = UNIT_POS_X as usize;
         let cube = CUBE_POS_X as usize;
         let first = cube * chunk;
         let mut last = first + chunk;
         if last > rows {
             last = rows;
         }
-        // This unit's columns' shares start at zero (each unit owns its columns).
-        let mut i = UNIT_POS as usize;
-        while i < width {
-            partial[cube * width + i] = Vector::<f32, N>::new(0.0);
-            i += units;
+        let zero = Vector::<F, N>::cast_from(Vector::<f32, N>::new(0.0));
+        // The unit's columns are the same in every row: their weights and gradient shares
+        // stay in registers.
+        let mut g = Array::<Vector<F, N>>::new(per_lane);
+        let mut share = Array::<Vector<f32, N>>::new(per_lane);
+        let mut xs = Array::<Vector<F, N>>::new(per_lane);
+        let mut ds = Array::<Vector<F, N>>::new(per_lane);
+        #[unroll]
+        for k in 0..per_lane {
+            let i = lane + k * lanes;
+            let mut e = zero;
+            if i < width {
+                e = w[i];
+            }
+            g[k] = e;
+            share[k] = Vector::<f32, N>::new(0.0);
         }
         for row in first..last {
             let at = row * width;
             let r = rstd[row];
             let mut dot = 0.0f32;
-            let mut i = UNIT_POS as usize;
-            while i < width {
-                let v = Vector::<f32, N>::cast_from(x[at + i]);
-                let g = Vector::<f32, N>::cast_from(w[i]);
-                let d = Vector::<f32, N>::cast_from(dy[at + i]);
-                dot += f32::cast_from((d * g * v).vector_sum());
-                i += units;
+            #[unroll]
+            for k in 0..per_lane {
+                let i = lane + k * lanes;
+                let mut a = zero;
+                let mut b = zero;
+                if i < width {
+                    a = x[at + i];
+                    b = dy[at + i];
+                }
+                xs[k] = a;
+                ds[k] = b;
+                let v = Vector::<f32, N>::cast_from(a);
+                let d = Vector::<f32, N>::cast_from(b);
+                let gw = Vector::<f32, N>::cast_from(g[k]);
+                dot += f32::cast_from((d * gw * v).vector_sum());
             }
-            let total = cube_sum(dot, &mut scratch, units);
+            let total = row_sum(dot, &mut scratch, lanes);
             // dx = r·w·dy − r³·x·Σ(dy·w·x)/hidden
             let c = r * r * r * total / hidden;
-            let mut i = UNIT_POS as usize;
-            while i < width {
-                let v = Vector::<f32, N>::cast_from(x[at + i]);
-                let g = Vector::<f32, N>::cast_from(w[i]);
-                let d = Vector::<f32, N>::cast_from(dy[at + i]);
-                dx[at + i] = Vector::<F, N>::cast_from(d * g * Vector::new(r) - v * Vector::new(c));
-                let share = partial[cube * width + i];
-                partial[cube * width + i] = share + d * v * Vector::new(r);
-                i += units;
+            #[unroll]
+            for k in 0..per_lane {
+                let i = lane + k * lanes;
+                if i < width {
+                    let v = Vector::<f32, N>::cast_from(xs[k]);
+                    let d = Vector::<f32, N>::cast_from(ds[k]);
+                    let gw = Vector::<f32, N>::cast_from(g[k]);
+                    dx[at + i] =
+                        Vector::<F, N>::cast_from(d * gw * Vector::new(r) - v * Vector::new(c));
+                    share[k] += d * v * Vector::new(r);
+                }
+            }
+        }
+        #[unroll]
+        for k in 0..per_lane {
+            let i = lane + k * lanes;
+            if i < width {
+                partial[cube * width + i] = share[k];
             }
         }
     }
@@ -156,13 +207,36 @@ mod kernel {
 }
 use kernel::{column_sum_kernel, rms_backward_kernel, rms_forward_kernel};
 
-/// Units per cube of the row kernels.
-const UNITS: usize = 128;
+/// Units per cube of the forward (`units / lanes` rows each).
+const FORWARD_UNITS: usize = 256;
+/// Vectors a unit of the forward aims to hold (the row's width sets its lanes).
+const FORWARD_PER_LANE: usize = 8;
+/// Vectors a unit of the backward aims to hold: four arrays of them live in registers.
+const BACKWARD_PER_LANE: usize = 4;
+/// Most units a row takes; wider rows give each unit more vectors.
+const MAX_LANES: usize = 1024;
 /// Units per cube of the column sum.
 const SUM_UNITS: usize = 256;
 /// Cubes the backward aims for (rows are grouped so that about this many run): enough to
 /// fill a large GPU several times over while keeping the f32 shares small (`hidden` each).
 const BACKWARD_CUBES: usize = 512;
+
+/// Units per row and vectors per unit for rows of `width` vectors, aiming at `per_lane`
+/// vectors per unit: whole planes (so a plane never holds two rows), a power of two.
+fn row_layout<R: Runtime>(
+    client: &ComputeClient<R>,
+    width: usize,
+    per_lane: usize,
+) -> (usize, usize) {
+    let plane = (client.properties().hardware.plane_size_max as usize)
+        .max(1)
+        .next_power_of_two();
+    let lanes = width
+        .div_ceil(per_lane)
+        .next_power_of_two()
+        .clamp(plane, MAX_LANES.max(plane));
+    (lanes, width.div_ceil(lanes))
+}
 
 /// Rows per cube of the backward for `rows` rows.
 pub fn backward_chunk(rows: usize) -> usize {
@@ -192,21 +266,28 @@ pub fn rms_norm_forward<R: Runtime>(
     }
     let n = rows * hidden;
     let vector = super::vector_of(client, dtype.size(), hidden);
-    // SAFETY: every access is bounded by `rows` cubes × `hidden / vector` vectors per row.
+    let width = hidden / vector;
+    let (lanes, per_lane) = row_layout(client, width, FORWARD_PER_LANE);
+    let units = FORWARD_UNITS.max(lanes);
+    let rows_per_cube = units / lanes;
+    // SAFETY: every access is bounded by `rows` rows × `width` vectors per row.
     unsafe {
         rms_forward_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(rows as u32, 1, 1),
-            CubeDim::new_1d(UNITS as u32),
+            CubeCount::Static(rows.div_ceil(rows_per_cube) as u32, 1, 1),
+            CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
             vector,
             array(x, n),
             array(w, hidden),
             array(out, n),
             array(rstd, rows),
-            hidden / vector,
+            rows,
+            width,
             hidden as f32,
             eps,
-            UNITS,
+            units,
+            lanes,
+            per_lane,
             dtype,
         )
     }
@@ -229,15 +310,17 @@ pub fn rms_norm_backward<R: Runtime>(
     }
     let n = rows * hidden;
     let vector = super::vector_of(client, dtype.size(), hidden);
+    let width = hidden / vector;
+    let (lanes, per_lane) = row_layout(client, width, BACKWARD_PER_LANE);
     let chunk = backward_chunk(rows);
     let cubes = rows.div_ceil(chunk);
-    // SAFETY: `cubes · chunk ≥ rows`, each cube bounds its rows by `rows`; `scratch` holds
-    // `cubes × hidden` f32.
+    // SAFETY: `cubes · chunk ≥ rows`, each cube bounds its rows by `rows` and its columns by
+    // `width`; `scratch` holds `cubes × hidden` f32.
     unsafe {
         rms_backward_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(cubes as u32, 1, 1),
-            CubeDim::new_1d(UNITS as u32),
+            CubeDim::new_2d(lanes as u32, 1),
             vector,
             array(x, n),
             array(w, hidden),
@@ -246,13 +329,13 @@ pub fn rms_norm_backward<R: Runtime>(
             array(dx, n),
             array(scratch, cubes * hidden),
             rows,
-            hidden / vector,
+            width,
             hidden as f32,
             chunk,
-            UNITS,
+            lanes,
+            per_lane,
             dtype,
         );
-        let width = hidden / vector;
         column_sum_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(width.div_ceil(SUM_UNITS) as u32, 1, 1),

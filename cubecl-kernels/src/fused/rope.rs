@@ -21,8 +21,9 @@ pub enum RopePairs {
 mod kernel {
     use cubecl::prelude::*;
 
-    /// Interleaved pairs, one pair (a vector of 2) per unit: `pairs` per head row, rows of
-    /// `heads` heads per position, `seq` positions per batch. `sign` −1 rotates back.
+    /// Interleaved pairs, `vec / 2` pairs (a vector of `vec` elements, inside one head) per
+    /// unit: `pairs` per head row, rows of `heads` heads per position, `seq` positions per
+    /// batch. `sign` −1 rotates back.
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
     pub fn rope_interleaved_kernel<F: Float, N: Size>(
@@ -34,20 +35,26 @@ mod kernel {
         heads: usize,
         seq: usize,
         sign: f32,
+        #[comptime] vec: usize,
         #[define(F)] _dtype: StorageType,
     ) {
         let i = ABSOLUTE_POS;
         if i < out.len() {
-            let p = i % pairs;
-            let pos = (i / (pairs * heads)) % seq;
-            let c = cos[pos * pairs + p];
-            let s = sin[pos * pairs + p] * sign;
+            let first = i * comptime!(vec / 2);
+            let p = first % pairs;
+            let pos = (first / (pairs * heads)) % seq;
+            let t = pos * pairs + p;
             let v = x[i];
-            let a = f32::cast_from(v[0]);
-            let b = f32::cast_from(v[1]);
             let mut o = Vector::<F, N>::empty();
-            o[0] = F::cast_from(a * c - b * s);
-            o[1] = F::cast_from(a * s + b * c);
+            #[unroll]
+            for k in 0..comptime!(vec / 2) {
+                let c = cos[t + k];
+                let s = sin[t + k] * sign;
+                let a = f32::cast_from(v[2 * k]);
+                let b = f32::cast_from(v[2 * k + 1]);
+                o[2 * k] = F::cast_from(a * c - b * s);
+                o[2 * k + 1] = F::cast_from(a * s + b * c);
+            }
             out[i] = o;
         }
     }
@@ -140,21 +147,26 @@ pub fn rope<R: Runtime>(
     // SAFETY: every unit's accesses are bounded by `len` (and the tables by `seq × half`).
     unsafe {
         match pairs {
-            RopePairs::Interleaved => rope_interleaved_kernel::launch_unchecked::<R>(
-                client,
-                cubes(len / 2),
-                CubeDim::new_1d(UNITS as u32),
-                2,
-                array(x, len),
-                array(cos, table),
-                array(sin, table),
-                array(out, len),
-                half,
-                dims.heads,
-                dims.seq,
-                sign,
-                dtype,
-            ),
+            RopePairs::Interleaved => {
+                // Whole vectors inside a head: even widths that divide it (2 always does).
+                let vector = super::vector_of(client, dtype.size(), dims.head_dim).max(2);
+                rope_interleaved_kernel::launch_unchecked::<R>(
+                    client,
+                    cubes(len / vector),
+                    CubeDim::new_1d(UNITS as u32),
+                    vector,
+                    array(x, len),
+                    array(cos, table),
+                    array(sin, table),
+                    array(out, len),
+                    half,
+                    dims.heads,
+                    dims.seq,
+                    sign,
+                    vector,
+                    dtype,
+                )
+            }
             RopePairs::HalfSplit => {
                 // The f32 tables are read in vectors of the same width.
                 let vector = super::vector_of(client, 4, half).min(super::vector_of(
