@@ -429,3 +429,57 @@ fn parameter_offload_needs_stage_3_and_nvme_a_path() {
     let err = DeepSpeedConfig::from_json(json).unwrap_err().to_string();
     assert!(err.contains("offload_param.nvme_path"), "{err}");
 }
+
+/// A model kept from an earlier step keeps that step's values when its parameters are
+/// offloaded, as it does on the device: its handles gather their own partitions after the
+/// engine has moved on (host memory keeps each step's partitions; a swap file holds only the
+/// newest, so the kept handles' partitions must be read out before the file is rewritten).
+#[test]
+fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters() {
+    let nvme = format!(
+        r#"{{"device": "nvme", "nvme_path": "{}"}}"#,
+        nvme_dir().display()
+    );
+    for param_place in [r#"{"device": "cpu"}"#, nvme.as_str()] {
+        let mut cfg = config(3, Place::Device, ADAMW, "");
+        let params = format!(
+            r#"{{"train_batch_size": 36, "zero_optimization": {{"stage": 3,
+            "stage3_param_persistence_threshold": 16, "offload_param": {param_place}}}}}"#
+        );
+        cfg.zero_optimization.offload_param = DeepSpeedConfig::from_json(&params)
+            .unwrap()
+            .config
+            .zero_optimization
+            .offload_param;
+        let world = 3;
+        let outcome = run_ranks(world, |ctx| {
+            let device = Default::default();
+            let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+            let mut engine =
+                initialize::<NdArray, _>(Mlp::<B>::new(&device), &cfg, comm.clone()).unwrap();
+            train_step(&mut engine, comm.as_ref(), 0, ctx.rank, world);
+            let kept = engine.model().clone();
+            let values = |m: &Mlp<B>| -> Vec<Vec<f32>> {
+                param_data(m)
+                    .into_iter()
+                    .map(|d| d.convert::<f32>().to_vec::<f32>().unwrap())
+                    .collect()
+            };
+            let before = values(&kept);
+            for step in 1..3 {
+                train_step(&mut engine, comm.as_ref(), step, ctx.rank, world);
+            }
+            (before, values(&kept), values(engine.model()))
+        });
+        for (rank, (before, kept_after, trained)) in outcome.iter().enumerate() {
+            assert!(
+                before == kept_after,
+                "{param_place}, rank {rank}: the kept model changed"
+            );
+            assert!(
+                before != trained,
+                "{param_place}, rank {rank}: training moved nothing"
+            );
+        }
+    }
+}

@@ -8,12 +8,12 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive};
-use burn_offload::{NvmeStore, SwapConfig, SwapError};
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn_offload::{SwapConfig, SwapError};
 
 use crate::ZeroTensor;
 use crate::backend::{PartitionSource, ShardedParam};
@@ -27,6 +27,8 @@ use crate::engine::stage::{GatherEvent, GatherStats};
 use crate::engine::{EngineError, ZeroAutodiff};
 use crate::partition::ShardPlan;
 use crate::trace::{GatherTracer, TraceConfig};
+
+use super::param_swap::ParamSwap;
 
 /// This rank's partition of one sharded parameter.
 enum Partition<I: Backend> {
@@ -60,30 +62,6 @@ pub(crate) enum ParamPlace {
     Nvme(SwapConfig),
 }
 
-/// A partition's elements in the rank's parameter swap file.
-struct SwappedPartition {
-    store: Arc<Mutex<NvmeStore>>,
-    range: core::ops::Range<usize>,
-    dtype: DType,
-}
-
-impl std::fmt::Debug for SwappedPartition {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SwappedPartition({:?}, {:?})", self.range, self.dtype)
-    }
-}
-
-impl PartitionSource for SwappedPartition {
-    fn fetch(&self) -> Result<TensorData, String> {
-        let mut store = self.store.lock().unwrap_or_else(|e| e.into_inner());
-        let values = store
-            .read_range(0, self.range.clone())
-            .map_err(|e| e.to_string())?;
-        let n = values.len();
-        Ok(TensorData::new(values, [n]).convert_dtype(self.dtype))
-    }
-}
-
 /// A gathered parameter held for a later use.
 enum Gathered<I: Backend> {
     /// A prefetch whose collective may still be writing: the output of the batch's grouped
@@ -114,8 +92,8 @@ pub(crate) struct ShardedParams<I: Backend> {
     master_backed: bool,
     /// The compute format: what a gather narrows a (wider, fp32 master) partition to.
     format: Format,
-    /// `offload_param {"device": "nvme"}`: the swap file of this rank's partitions.
-    swap: Option<Arc<Mutex<NvmeStore>>>,
+    /// `offload_param {"device": "nvme"}`: the swap files of this rank's partitions.
+    swap: Option<ParamSwap>,
     /// Bumped at each parameter update.
     version: u64,
     events: Vec<GatherEvent>,
@@ -142,10 +120,7 @@ impl<I: Backend> ShardedParams<I> {
                     .filter(|p| !persistent[*p])
                     .map(|p| plan.chunk(p))
                     .sum::<usize>();
-                // Sub-groups of one request each: a gather reads only its partition's regions.
-                let sub_group = (cfg.block_size / 4).max(1024);
-                let store = NvmeStore::create(cfg, &["params"], len, sub_group, &|_, _| None)?;
-                Some(Arc::new(Mutex::new(store)))
+                Some(ParamSwap::create(cfg, len)?)
             }
             _ => None,
         };
@@ -243,37 +218,38 @@ impl<I: Backend> ShardedParams<I> {
         self.tracer.drop_live();
         self.drop_live(flat)?;
         let (device, dtype) = (master[0].device(), format.storage());
-        // The swap file holds the sharded partitions end to end, widened to f32.
+        // A swap file holds the sharded partitions end to end, widened to f32.
         let mut swapped = Vec::new();
+        let mut ranges = Vec::new();
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
-            self.partitions[p] = (!self.persistent[p]).then(|| {
-                let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
-                match (&self.place, &self.swap) {
-                    (ParamPlace::Device, _) => Partition::Device(chunk),
-                    (ParamPlace::Host, _) => Partition::Off(
-                        Arc::new(format.convert(chunk).into_data()),
-                        device.clone(),
-                        dtype,
-                    ),
-                    (ParamPlace::Nvme(_), Some(store)) => {
-                        let at = swapped.len();
-                        let values = format.convert(chunk).into_data().convert::<f32>();
-                        swapped.extend(values.iter::<f32>());
-                        let source = SwappedPartition {
-                            store: store.clone(),
-                            range: at..swapped.len(),
-                            dtype,
-                        };
-                        Partition::Off(Arc::new(source), device.clone(), dtype)
-                    }
-                    (ParamPlace::Nvme(_), None) => unreachable!("made with the swap file"),
+            self.partitions[p] = None;
+            if self.persistent[p] {
+                continue;
+            }
+            let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
+            self.partitions[p] = match &self.place {
+                ParamPlace::Device => Some(Partition::Device(chunk)),
+                ParamPlace::Host => Some(Partition::Off(
+                    Arc::new(format.convert(chunk).into_data()),
+                    device.clone(),
+                    dtype,
+                )),
+                ParamPlace::Nvme(_) => {
+                    let at = swapped.len();
+                    let values = format.convert(chunk).into_data().convert::<f32>();
+                    swapped.extend(values.iter::<f32>());
+                    ranges.push((p, at..swapped.len()));
+                    None
                 }
-            });
+            };
         }
-        if let Some(store) = &self.swap {
-            let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
-            store.write_all(&[swapped])?;
+        if let Some(swap) = &mut self.swap {
+            let spans: Vec<_> = ranges.iter().map(|(_, r)| r.clone()).collect();
+            let sources = swap.write(self.version, swapped, &spans, dtype)?;
+            for ((p, _), source) in ranges.into_iter().zip(sources) {
+                self.partitions[p] = Some(Partition::Off(source, device.clone(), dtype));
+            }
         }
         Ok(())
     }
