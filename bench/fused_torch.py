@@ -1,6 +1,7 @@
 """The peer of bench-fused (issue 35) on the same GPU: the torch eager equivalents of the fused
 ops at the same shapes and dtype (bf16, 8,192 tokens of the 8B Llama), forward and forward +
-backward of `(out * probe).sum()`, median of ITERATIONS after a warm-up, as one JSON line.
+backward of `(out * probe).sum()`, median of ITERATIONS after a warm-up (each call synced, and per
+call in queues of ten between syncs), as one JSON line.
     python3 bench/fused_torch.py ITERATIONS
 RMSNorm is timed as torch.nn.RMSNorm (what bench/llama_torch.py's FSDP2 peer runs) and as
 Hugging Face's LlamaRMSNorm formula; RoPE interleaved as Meta's Llama (complex multiply) and
@@ -26,6 +27,20 @@ def median_time(fn, iterations):
     return sorted(times)[len(times) // 2]
 
 
+def queued_time(fn, iterations, queue=10):
+    """Seconds per call when `queue` calls go between syncs (median of `iterations` queues)."""
+    fn()
+    times = []
+    for _ in range(iterations):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(queue):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / queue)
+    return sorted(times)[len(times) // 2]
+
+
 def row(name, make_inputs, op, iterations):
     inputs = make_inputs()
     with torch.no_grad():
@@ -42,7 +57,9 @@ def row(name, make_inputs, op, iterations):
 
     return {"op": name, "shape": list(inputs[0].shape), "dtype": "bf16",
             "forward_ms": median_time(forward, iterations) * 1e3,
-            "forward_backward_ms": median_time(both, iterations) * 1e3}
+            "forward_backward_ms": median_time(both, iterations) * 1e3,
+            "forward_queued_ms": queued_time(forward, iterations) * 1e3,
+            "forward_backward_queued_ms": queued_time(both, iterations) * 1e3}
 
 
 def hf_rms_norm(x, w, eps=1e-5):

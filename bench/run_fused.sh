@@ -37,7 +37,10 @@ for r in ours.get("time", []):
     ratios.append({"op": r["op"], "shape": r["shape"], "torch_peer": best["op"],
                    "forward_time_over_torch": r["kernels_forward_ms"] / best["forward_ms"],
                    "forward_backward_time_over_torch": r["kernels_forward_backward_ms"] / best["forward_backward_ms"],
-                   "burn_ops_forward_backward_over_kernels": r["burn_ops_forward_backward_ms"] / r["kernels_forward_backward_ms"]})
+                   "burn_ops_forward_backward_over_kernels": r["burn_ops_forward_backward_ms"] / r["kernels_forward_backward_ms"],
+                   # Per call in queues of ten between syncs (no sync latency per call).
+                   "forward_queued_over_torch": r["kernels_forward_queued_ms"] / best["forward_queued_ms"],
+                   "forward_backward_queued_over_torch": r["kernels_forward_backward_queued_ms"] / best["forward_backward_queued_ms"]})
 result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
           "checks_ok": ours.get("checks_ok"), "ratios": ratios, "loss": ours.get("loss"),
           "ours": ours, "torch": torch}

@@ -22,6 +22,31 @@ pub fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Median wall seconds per call of `run` when `queue` calls go between syncs, over
+/// `iterations` such queues (after one warm-up call): what a call costs in a stream of them, as
+/// in training, where the host issues ahead of the device (no sync latency per call).
+pub fn queued_seconds<B: burn::tensor::backend::Backend, T>(
+    device: &B::Device,
+    iterations: usize,
+    queue: usize,
+    mut run: impl FnMut() -> T,
+) -> f64 {
+    drop(run());
+    let queue = queue.max(1);
+    let mut times = Vec::new();
+    for _ in 0..iterations.max(1) {
+        B::sync(device).expect("sync");
+        let start = std::time::Instant::now();
+        for _ in 0..queue {
+            drop(run());
+        }
+        B::sync(device).expect("sync");
+        times.push(start.elapsed().as_secs_f64() / queue as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
 /// Median wall seconds of `run` over `iterations` (after one warm-up), each timed from a
 /// synced `device` until its work is done (its result is dropped after the sync).
 pub fn median_seconds<B: burn::tensor::backend::Backend, T>(

@@ -19,6 +19,9 @@ mod kernel {
     /// `value` summed over the `lanes` units of this unit's row (`UNIT_POS_Y`; every unit of
     /// the row gets the sum): a plane sum, then the row's planes' sums through `scratch`
     /// (`lanes` f32 per row of the cube). Every unit of the cube must reach it.
+    // `%` because cube code has no `is_multiple_of`; the plane's first unit is found from the
+    // row's lane, not `UNIT_POS_PLANE` (which lavapipe does not number that way).
+    #[allow(clippy::manual_is_multiple_of)]
     #[cube]
     pub(super) fn row_sum(
         value: f32,

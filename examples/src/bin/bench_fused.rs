@@ -7,7 +7,8 @@
 //!    dtype for bf16 (1.6e-2) and f16 (2e-3). Exit status 1 if any case is outside.
 //! 2. time: forward, and forward + backward of `Σ out · probe`, at the 8B Llama's shapes for
 //!    8,192 tokens in bf16: the kernels against the same op in burn ops (which burn's fusion
-//!    fuses where it can); median of `--iterations` after a warm-up.
+//!    fuses where it can); median of `--iterations` after a warm-up, each call synced, and
+//!    per call in queues of ten between syncs (the device's time when the host keeps ahead).
 //!
 //! 3. loss: `burn_zero::nn::linear_cross_entropy` (chunks of 2,048, 1,024, 512 tokens) against the
 //!    materialized loss at 8,192 tokens × 128,256 vocabulary (hidden 4,096, bf16, the tied
@@ -30,7 +31,7 @@ use burn_zero::nn::{
     RopePairs, RopeTable, VocabAxis, linear_cross_entropy, materialized_cross_entropy, rms_norm,
     rope, swiglu,
 };
-use burn_zero_examples::cli::{arg, median_seconds, values};
+use burn_zero_examples::cli::{arg, median_seconds, queued_seconds, values};
 use serde_json::{Value, json};
 
 type B = Autodiff<ZeroBackend<Cuda>>;
@@ -127,7 +128,11 @@ fn check<const D: usize, const N: usize>(
            "max_relative_difference": diffs, "tolerance": tolerance, "ok": ok})
 }
 
-/// Forward and forward + backward milliseconds with the kernels and in burn ops.
+/// Calls between syncs in the queued times.
+const QUEUE: usize = 10;
+
+/// Forward and forward + backward milliseconds with the kernels and in burn ops: each call
+/// from a sync to a sync, and per call in queues of [`QUEUE`] calls.
 fn time<const D: usize, const N: usize>(
     name: &str,
     inputs: [Tensor<B, D>; N],
@@ -147,6 +152,13 @@ fn time<const D: usize, const N: usize>(
         });
         row[format!("{label}_forward_ms")] = json!(forward * 1e3);
         row[format!("{label}_forward_backward_ms")] = json!(both * 1e3);
+        let forward = queued_seconds::<B, _>(&device, iterations, QUEUE, || f(&inputs));
+        let both = queued_seconds::<B, _>(&device, iterations, QUEUE, || {
+            let leaves = inputs.clone().map(|t| t.require_grad());
+            (f(&leaves) * probe.clone()).sum().backward()
+        });
+        row[format!("{label}_forward_queued_ms")] = json!(forward * 1e3);
+        row[format!("{label}_forward_backward_queued_ms")] = json!(both * 1e3);
     }
     eprintln!("time {row}");
     row
