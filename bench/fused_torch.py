@@ -15,20 +15,9 @@ import torch
 import torch.nn.functional as F
 
 
-def median_time(fn, iterations):
-    fn()
-    times = []
-    for _ in range(iterations):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def queued_time(fn, iterations, queue=10):
-    """Seconds per call when `queue` calls go between syncs (median of `iterations` queues)."""
+    """Seconds per call when `queue` calls go between syncs (median of `iterations` queues,
+    after one warm-up call); `queue=1` times each call from a sync to a sync."""
     fn()
     times = []
     for _ in range(iterations):
@@ -39,6 +28,10 @@ def queued_time(fn, iterations, queue=10):
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) / queue)
     return sorted(times)[len(times) // 2]
+
+
+def median_time(fn, iterations):
+    return queued_time(fn, iterations, queue=1)
 
 
 def row(name, make_inputs, op, iterations):

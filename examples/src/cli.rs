@@ -24,7 +24,8 @@ pub fn values(n: usize, seed: u64) -> Vec<f32> {
 
 /// Median wall seconds per call of `run` when `queue` calls go between syncs, over
 /// `iterations` such queues (after one warm-up call): what a call costs in a stream of them, as
-/// in training, where the host issues ahead of the device (no sync latency per call).
+/// in training, where the host issues ahead of the device (no sync latency per call). The
+/// queue's results are dropped after its sync.
 pub fn queued_seconds<B: burn::tensor::backend::Backend, T>(
     device: &B::Device,
     iterations: usize,
@@ -37,11 +38,10 @@ pub fn queued_seconds<B: burn::tensor::backend::Backend, T>(
     for _ in 0..iterations.max(1) {
         B::sync(device).expect("sync");
         let start = std::time::Instant::now();
-        for _ in 0..queue {
-            drop(run());
-        }
+        let results: Vec<T> = (0..queue).map(|_| run()).collect();
         B::sync(device).expect("sync");
         times.push(start.elapsed().as_secs_f64() / queue as f64);
+        drop(results);
     }
     times.sort_by(f64::total_cmp);
     times[times.len() / 2]
@@ -52,21 +52,9 @@ pub fn queued_seconds<B: burn::tensor::backend::Backend, T>(
 pub fn median_seconds<B: burn::tensor::backend::Backend, T>(
     device: &B::Device,
     iterations: usize,
-    mut run: impl FnMut() -> T,
+    run: impl FnMut() -> T,
 ) -> f64 {
-    let mut times = Vec::new();
-    for i in 0..=iterations {
-        B::sync(device).expect("sync");
-        let start = std::time::Instant::now();
-        let result = run();
-        B::sync(device).expect("sync");
-        drop(result);
-        if i > 0 {
-            times.push(start.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    queued_seconds::<B, T>(device, iterations, 1, run)
 }
 
 #[cfg(test)]

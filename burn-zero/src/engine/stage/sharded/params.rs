@@ -219,35 +219,35 @@ impl<I: Backend> ShardedParams<I> {
         self.drop_live(flat)?;
         let (device, dtype) = (master[0].device(), format.storage());
         // A swap file holds the sharded partitions end to end, widened to f32.
-        let mut swapped = Vec::new();
-        let mut ranges = Vec::new();
+        let (mut swapped, mut slots, mut spans) = (Vec::new(), Vec::new(), Vec::new());
         for p in 0..self.plan.params() {
             let start = self.plan.offset(p);
-            self.partitions[p] = None;
-            if self.persistent[p] {
-                continue;
-            }
-            let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
-            self.partitions[p] = match &self.place {
-                ParamPlace::Device => Some(Partition::Device(chunk)),
-                ParamPlace::Host => Some(Partition::Off(
-                    Arc::new(format.convert(chunk).into_data()),
-                    device.clone(),
-                    dtype,
-                )),
-                ParamPlace::Nvme(_) => {
-                    let at = swapped.len();
-                    let values = format.convert(chunk).into_data().convert::<f32>();
-                    swapped.extend(values.iter::<f32>());
-                    ranges.push((p, at..swapped.len()));
-                    None
+            self.partitions[p] = if self.persistent[p] {
+                None
+            } else {
+                let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
+                match &self.place {
+                    ParamPlace::Device => Some(Partition::Device(chunk)),
+                    ParamPlace::Host => Some(Partition::Off(
+                        Arc::new(format.convert(chunk).into_data()),
+                        device.clone(),
+                        dtype,
+                    )),
+                    // Set below, once the swap file is written.
+                    ParamPlace::Nvme(_) => {
+                        let at = swapped.len();
+                        let values = format.convert(chunk).into_data().convert::<f32>();
+                        swapped.extend(values.iter::<f32>());
+                        slots.push(p);
+                        spans.push(at..swapped.len());
+                        None
+                    }
                 }
             };
         }
         if let Some(swap) = &mut self.swap {
-            let spans: Vec<_> = ranges.iter().map(|(_, r)| r.clone()).collect();
             let sources = swap.write(self.version, swapped, &spans, dtype)?;
-            for ((p, _), source) in ranges.into_iter().zip(sources) {
+            for (p, source) in slots.into_iter().zip(sources) {
                 self.partitions[p] = Some(Partition::Off(source, device.clone(), dtype));
             }
         }
