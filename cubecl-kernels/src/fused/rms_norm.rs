@@ -5,7 +5,7 @@
 //! planes). The forward keeps `r` (one f32 per row) for the backward, which writes `dx` row by
 //! row and the weight's gradient without atomics: each cube sums its rows' share per column in
 //! f32 registers and writes it once (`partial`, one row per cube), and a last kernel sums the
-//! shares in cube order, so the result does not depend on scheduling.
+//! shares in a fixed order, so the result does not depend on scheduling.
 
 use cubecl::prelude::*;
 
@@ -189,22 +189,40 @@ mod kernel {
         }
     }
 
-    /// `out[c] = Σ_k partial[k, c]` over the `count` shares in order, rounded once to `F`.
+    /// `out[c] = Σ_k partial[k, c]` over the `count` shares, rounded once to `F`. A cube takes
+    /// `cols` columns; its `slices` rows of units each sum every `slices`-th share of their
+    /// column, and the slices' sums are added in slice order: a fixed order, the same bits
+    /// every run, with `slices` times the units of one sum per column.
     #[cube(launch_unchecked)]
     pub fn column_sum_kernel<F: Float, N: Size>(
         partial: &Array<Vector<f32, N>>,
         out: &mut Array<Vector<F, N>>,
         count: usize,
+        #[comptime] cols: usize,
+        #[comptime] slices: usize,
         #[define(F)] _dtype: StorageType,
     ) {
+        let mut sums = SharedMemory::<Vector<f32, N>>::new(comptime!(cols * slices));
         let width = out.len();
-        let c = ABSOLUTE_POS;
+        let x = UNIT_POS_X as usize;
+        let y = UNIT_POS_Y as usize;
+        let c = CUBE_POS_X as usize * cols + x;
+        let mut sum = Vector::<f32, N>::new(0.0);
         if c < width {
-            let mut sum = Vector::<f32, N>::new(0.0);
-            for k in 0..count {
+            let mut k = y;
+            while k < count {
                 sum += partial[k * width + c];
+                k += slices;
             }
-            out[c] = Vector::<F, N>::cast_from(sum);
+        }
+        sums[y * cols + x] = sum;
+        sync_cube();
+        if y == 0 && c < width {
+            let mut total = Vector::<f32, N>::new(0.0);
+            for s in 0..slices {
+                total += sums[s * cols + x];
+            }
+            out[c] = Vector::<F, N>::cast_from(total);
         }
     }
 }
@@ -218,8 +236,9 @@ const FORWARD_PER_LANE: usize = 8;
 const BACKWARD_PER_LANE: usize = 4;
 /// Most units a row takes; wider rows give each unit more vectors.
 const MAX_LANES: usize = 1024;
-/// Units per cube of the column sum.
-const SUM_UNITS: usize = 256;
+/// Columns per cube of the column sum, and the units that share each column's sum.
+const SUM_COLUMNS: usize = 16;
+const SUM_SLICES: usize = 16;
 /// Cubes the backward aims for (rows are grouped so that about this many run): enough to
 /// fill a large GPU several times over while keeping the f32 shares small (`hidden` each).
 const BACKWARD_CUBES: usize = 512;
@@ -341,12 +360,14 @@ pub fn rms_norm_backward<R: Runtime>(
         );
         column_sum_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(width.div_ceil(SUM_UNITS) as u32, 1, 1),
-            CubeDim::new_1d(SUM_UNITS as u32),
+            CubeCount::Static(width.div_ceil(SUM_COLUMNS) as u32, 1, 1),
+            CubeDim::new_2d(SUM_COLUMNS as u32, SUM_SLICES as u32),
             vector,
             array(scratch, cubes * hidden),
             array(dw, hidden),
             cubes,
+            SUM_COLUMNS,
+            SUM_SLICES,
             dtype,
         );
     }
