@@ -5,9 +5,14 @@
 //! No zeroing pass: after [`HostGrads::clear`], the next backward's writes copy instead of add,
 //! and only the elements it never wrote are zeroed when it ends. The sum of squares the
 //! gradient norm needs is taken in the same passes, in f64, at the accumulation boundary.
+//!
+//! The partition is held in chunks (the optimizer's sub-groups), so that a chunk the boundary
+//! backward has finished can be lent to a CPU optimizer step ([`HostGrads::watch`],
+//! [`HostGrads::lend`]) while backward goes on writing the others.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::mpsc::Sender;
 
 /// Below this many elements a write runs on the calling thread.
 const PARALLEL_FROM: usize = 1 << 20;
@@ -30,46 +35,87 @@ pub enum HostGradsError {
         /// The second write's range.
         range: Range<usize>,
     },
+    /// The chunk is lent to a step ([`HostGrads::lend`]) and not given back.
+    #[error("gradient chunk {chunk} is lent to an optimizer step")]
+    Lent {
+        /// The chunk.
+        chunk: usize,
+    },
 }
 
 /// The partition, what the running backward has written, and the sum of squares.
 #[derive(Debug)]
 pub struct HostGrads {
-    values: Vec<f32>,
+    len: usize,
+    /// Elements per chunk (the last may be shorter).
+    chunk: usize,
+    /// The chunks; `None` while lent.
+    chunks: Vec<Option<Vec<f32>>>,
     threads: usize,
     /// No backward has ended since the last clear: writes copy.
     fresh: bool,
     /// Start → end of the ranges written by the running backward.
     written: BTreeMap<usize, usize>,
-    /// Σ g² of the values as they stand after the boundary backward.
-    squares: f64,
+    /// Elements of each chunk the running backward wrote.
+    filled: Vec<usize>,
+    /// Σ g² of each chunk's values as they stand after the boundary backward.
+    squares: Vec<f64>,
+    /// Told each chunk the boundary backward finishes, as it finishes (until that backward ends).
+    watch: Option<Sender<usize>>,
 }
 
 impl HostGrads {
-    /// `len` elements (zero until written), writes spread over up to `threads` threads.
+    /// `len` elements (zero until written) in one chunk, writes spread over up to `threads`
+    /// threads.
     pub fn new(len: usize, threads: usize) -> Self {
+        Self::in_chunks(len, threads, len)
+    }
+
+    /// The same in chunks of `chunk` elements (the last may be shorter).
+    pub fn in_chunks(len: usize, threads: usize, chunk: usize) -> Self {
+        let chunk = chunk.max(1);
+        let chunks: Vec<Option<Vec<f32>>> = (0..len)
+            .step_by(chunk)
+            .map(|start| Some(crate::memory::zeroed_f32(chunk.min(len - start), false)))
+            .collect();
+        let n = chunks.len();
         Self {
-            values: crate::memory::zeroed_f32(len, false),
+            len,
+            chunk,
+            chunks,
             threads: threads.max(1),
             fresh: true,
             written: BTreeMap::new(),
-            squares: 0.0,
+            filled: vec![0; n],
+            squares: vec![0.0; n],
+            watch: None,
         }
     }
 
     /// Elements.
     pub fn len(&self) -> usize {
-        self.values.len()
+        self.len
     }
 
     /// Whether the partition is empty.
     pub fn is_empty(&self) -> bool {
-        self.values.is_empty()
+        self.len == 0
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        4 * self.values.len()
+        4 * self.len
+    }
+
+    /// Elements per chunk.
+    pub fn chunk_len(&self) -> usize {
+        self.chunk
+    }
+
+    /// The elements of chunk `c`.
+    pub fn chunk_range(&self, c: usize) -> Range<usize> {
+        let start = c * self.chunk;
+        start..(start + self.chunk).min(self.len)
     }
 
     /// Adds `src` into elements `range` (copies it, in the first backward after a clear),
@@ -82,10 +128,10 @@ impl HostGrads {
         boundary: bool,
     ) -> Result<(), HostGradsError> {
         assert_eq!(range.len(), src.len(), "a write's source is its range long");
-        if range.end > self.values.len() {
+        if range.end > self.len {
             return Err(HostGradsError::OutOfRange {
                 range,
-                len: self.values.len(),
+                len: self.len,
             });
         }
         if range.is_empty() {
@@ -95,13 +141,20 @@ impl HostGrads {
         if before.is_some_and(|(_, &end)| end > range.start) {
             return Err(HostGradsError::Twice { range });
         }
+        let first = range.start / self.chunk;
+        let last = (range.end - 1) / self.chunk;
+        if let Some(chunk) = (first..=last).find(|&c| self.chunks[c].is_none()) {
+            return Err(HostGradsError::Lent { chunk });
+        }
         self.written.insert(range.start, range.end);
         let copy = self.fresh;
-        let squares = in_parallel(
-            &mut self.values[range],
-            src,
-            self.threads,
-            |dst, src| match (copy, boundary) {
+        for c in first..=last {
+            let whole = self.chunk_range(c);
+            let part = range.start.max(whole.start)..range.end.min(whole.end);
+            let values = self.chunks[c].as_mut().expect("checked above");
+            let dst = &mut values[part.start - whole.start..part.end - whole.start];
+            let src = &src[part.start - range.start..part.end - range.start];
+            let squares = in_parallel(dst, src, self.threads, |dst, src| match (copy, boundary) {
                 (true, false) => {
                     dst.copy_from_slice(src);
                     0.0
@@ -118,14 +171,23 @@ impl HostGrads {
                     dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
                     sum_squares(dst)
                 }
-            },
-        );
-        self.squares += squares;
+            });
+            self.squares[c] += squares;
+            self.filled[c] += part.len();
+            if boundary && self.filled[c] == whole.len() {
+                // A closed receiver only means nobody steps ahead any more.
+                let _ = self.watch.as_ref().map(|w| w.send(c));
+            }
+        }
         Ok(())
     }
 
     /// Ends a backward: zeroes what the first backward after a clear did not write, and at the
-    /// `boundary` adds the squares of everything it did not write to the sum.
+    /// `boundary` adds the squares of everything it did not write to the sum. Stops telling
+    /// the watcher (which sees its channel close).
+    ///
+    /// # Panics
+    /// If a chunk with elements left unwritten is lent (it cannot be: it was not finished).
     pub fn end_pass(&mut self, boundary: bool) {
         let mut gaps = Vec::new();
         let mut at = 0;
@@ -135,41 +197,111 @@ impl HostGrads {
             }
             at = end;
         }
-        if at < self.values.len() {
-            gaps.push(at..self.values.len());
+        if at < self.len {
+            gaps.push(at..self.len);
         }
         for gap in gaps {
-            let values = &mut self.values[gap];
-            if self.fresh {
-                values.fill(0.0);
-            } else if boundary {
-                self.squares += sum_squares(values);
+            for c in gap.start / self.chunk..=(gap.end - 1) / self.chunk {
+                let whole = self.chunk_range(c);
+                let part = gap.start.max(whole.start)..gap.end.min(whole.end);
+                let values = self.chunks[c].as_mut().expect("a lent chunk was finished");
+                let values = &mut values[part.start - whole.start..part.end - whole.start];
+                if self.fresh {
+                    values.fill(0.0);
+                } else if boundary {
+                    self.squares[c] += sum_squares(values);
+                }
             }
         }
         self.written.clear();
+        self.filled.fill(0);
         self.fresh = false;
+        self.watch = None;
     }
 
     /// Σ g² over the partition after the boundary backward (0 before it).
     pub fn sum_of_squares(&self) -> f64 {
-        self.squares
+        self.squares.iter().sum()
+    }
+
+    /// Σ g² over chunk `c` after the boundary backward (when it finished, for a watcher).
+    pub fn chunk_sum_of_squares(&self, c: usize) -> f64 {
+        self.squares[c]
     }
 
     /// Starts a new accumulation window (after a step).
+    ///
+    /// # Panics
+    /// If a chunk is still lent.
     pub fn clear(&mut self) {
+        assert!(
+            self.chunks.iter().all(Option::is_some),
+            "a gradient chunk is still lent at the step's end"
+        );
         self.fresh = true;
         self.written.clear();
-        self.squares = 0.0;
+        self.filled.fill(0);
+        self.squares.fill(0.0);
+        self.watch = None;
     }
 
-    /// The partition as it stands.
-    pub fn values(&self) -> &[f32] {
-        &self.values
+    /// Sends the index of each chunk the next boundary backward finishes to `watcher`, as it
+    /// finishes (a chunk no write covers finishes only at [`Self::end_pass`], untold).
+    pub fn watch(&mut self, watcher: Sender<usize>) {
+        self.watch = Some(watcher);
     }
 
-    /// The partition, for a step that reads it in place; [`Self::clear`] follows.
-    pub fn values_mut(&mut self) -> &mut [f32] {
-        &mut self.values
+    /// Takes chunk `c` out (a finished chunk, for a step while backward goes on); a write to it
+    /// is refused until [`Self::give_back`].
+    pub fn lend(&mut self, c: usize) -> Result<Vec<f32>, HostGradsError> {
+        self.chunks[c]
+            .take()
+            .ok_or(HostGradsError::Lent { chunk: c })
+    }
+
+    /// Returns chunk `c`, lent by [`Self::lend`].
+    ///
+    /// # Panics
+    /// If it is not lent, or `values` is not its length.
+    pub fn give_back(&mut self, c: usize, values: Vec<f32>) {
+        assert!(self.chunks[c].is_none(), "chunk {c} was not lent");
+        assert_eq!(
+            values.len(),
+            self.chunk_range(c).len(),
+            "chunk {c}'s length"
+        );
+        self.chunks[c] = Some(values);
+    }
+
+    /// Elements `range` as they stand.
+    ///
+    /// # Panics
+    /// If a chunk it covers is lent.
+    pub fn read(&self, range: Range<usize>) -> Vec<f32> {
+        let mut out = Vec::with_capacity(range.len());
+        let mut at = range.start;
+        while at < range.end {
+            let c = at / self.chunk;
+            let whole = self.chunk_range(c);
+            let end = range.end.min(whole.end);
+            let values = self.chunks[c]
+                .as_ref()
+                .expect("reading a lent gradient chunk");
+            out.extend_from_slice(&values[at - whole.start..end - whole.start]);
+            at = end;
+        }
+        out
+    }
+
+    /// The chunks in order, for a step that reads them in place; [`Self::clear`] follows.
+    ///
+    /// # Panics
+    /// If a chunk is lent.
+    pub fn chunks_mut(&mut self) -> Vec<&mut [f32]> {
+        self.chunks
+            .iter_mut()
+            .map(|c| c.as_deref_mut().expect("a gradient chunk is lent"))
+            .collect()
     }
 }
 
@@ -233,8 +365,15 @@ mod tests {
     /// order, one part parallel), against a plain vector summed by hand.
     #[test]
     fn accumulates_like_a_zeroed_vector_and_sums_squares_at_the_boundary() {
+        // One chunk, small odd chunks, and chunks a parallel write straddles.
+        for chunk in [usize::MAX, 4099, PARALLEL_FROM + 13] {
+            accumulates_in_chunks(chunk);
+        }
+    }
+
+    fn accumulates_in_chunks(chunk: usize) {
         let len = PARALLEL_FROM * 2 + 7919;
-        let mut grads = HostGrads::new(len, 3);
+        let mut grads = HostGrads::in_chunks(len, 3, chunk.min(len));
         // Stale values from an earlier window must not survive the clear.
         grads.write(0..len, &values(len, 99), true).unwrap();
         grads.end_pass(true);
@@ -256,7 +395,7 @@ mod tests {
             }
             grads.end_pass(boundary);
         }
-        assert_eq!(grads.values(), &expected[..]);
+        assert_eq!(grads.read(0..len), expected);
         let squares: f64 = expected.iter().map(|v| f64::from(*v).powi(2)).sum();
         assert!((grads.sum_of_squares() - squares).abs() <= 1e-9 * squares);
     }
@@ -274,5 +413,49 @@ mod tests {
         assert!(outside.to_string().contains("95..101"), "{outside}");
         grads.end_pass(false);
         grads.write(15..25, &[1.0; 10], false).unwrap();
+    }
+
+    /// The boundary backward tells each chunk as its last element arrives; a lent chunk
+    /// refuses writes and reads, and comes back with its values.
+    #[test]
+    fn finished_chunks_are_told_and_can_be_lent() {
+        let mut grads = HostGrads::in_chunks(25, 1, 10);
+        let (tx, rx) = std::sync::mpsc::channel();
+        grads.watch(tx);
+        grads.write(0..5, &[1.0; 5], true).unwrap();
+        grads.write(12..25, &[2.0; 13], true).unwrap();
+        assert_eq!(
+            rx.try_iter().collect::<Vec<_>>(),
+            vec![2],
+            "chunk 2 (20..25) is done"
+        );
+        grads.write(5..12, &[3.0; 7], true).unwrap();
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 1]);
+        let lent = grads.lend(1).unwrap();
+        assert_eq!(lent, [3.0, 3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
+        assert_eq!(
+            grads.lend(1).unwrap_err(),
+            HostGradsError::Lent { chunk: 1 }
+        );
+        assert_eq!(grads.chunk_sum_of_squares(1), 2.0 * 9.0 + 8.0 * 4.0);
+        grads.end_pass(true);
+        assert!(rx.recv().is_err(), "the pass's end closes the channel");
+        grads.give_back(1, lent);
+        assert_eq!(grads.read(9..13), [3.0, 3.0, 3.0, 2.0]);
+        grads.clear();
+        // Outside the boundary nothing is told.
+        let (tx, rx) = std::sync::mpsc::channel();
+        grads.watch(tx);
+        grads.write(0..25, &[1.0; 25], false).unwrap();
+        assert!(rx.try_recv().is_err());
+        let lent = grads.lend(0).unwrap();
+        let refused = grads.write(0..1, &[1.0], true);
+        assert_eq!(refused.unwrap_err(), HostGradsError::Twice { range: 0..1 });
+        grads.end_pass(false);
+        assert_eq!(
+            grads.write(3..4, &[1.0], true).unwrap_err(),
+            HostGradsError::Lent { chunk: 0 }
+        );
+        grads.give_back(0, lent);
     }
 }

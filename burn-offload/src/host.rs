@@ -5,7 +5,7 @@
 
 use core::ops::Range;
 
-use crate::cpu_adam::{AdamStep, CpuAdam, Grad, GradScale, SgdStep};
+use crate::cpu_adam::{AdamStep, CpuAdam, Grad, GradScale, Out, SgdStep};
 use crate::memory::zeroed_f32;
 use crate::nvme::{NvmeStore, SwapConfig, SwapError};
 use crate::stream::{self, Download, OutSlot, StepBuffers, StreamError, StreamTimings, Upload};
@@ -75,6 +75,70 @@ pub struct HostOptimizer {
     step: u64,
     cpu: CpuAdam,
     sub_group: usize,
+    /// A step begun ahead of its whole gradient ([`HostOptimizer::begin_ahead`]).
+    ahead: Option<Ahead>,
+}
+
+/// A step whose sub-groups are stepped one by one as backward finishes their gradients.
+#[derive(Debug)]
+struct Ahead {
+    k: StepConstants,
+    /// What it was begun with: the step that completes it must be given the same.
+    with: (f32, (f32, f32), GradScale),
+    done: Vec<bool>,
+    /// Abandoned after some sub-groups were stepped: the rest keep their values.
+    rest_skipped: bool,
+}
+
+/// Why a sub-group could not be stepped ahead, or a step begun ahead not completed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum AheadError {
+    /// Only a partition in host memory steps ahead (swap files are visited in order).
+    #[error("an optimizer in swap files does not step sub-groups ahead")]
+    Swapped,
+    /// [`HostOptimizer::begin_ahead`] twice without a step between.
+    #[error("a step begun ahead is still open")]
+    Open,
+    /// No step was begun ahead.
+    #[error("no step was begun ahead")]
+    NotBegun,
+    /// A sub-group stepped twice, or one that does not exist.
+    #[error("sub-group {index} cannot be stepped ahead (stepped already, or not one of {count})")]
+    Index {
+        /// The sub-group.
+        index: usize,
+        /// Sub-groups of the partition.
+        count: usize,
+    },
+    /// The gradient handed over is not the sub-group's length.
+    #[error("sub-group {index} has {expected} elements, its gradient {got}")]
+    Length {
+        /// The sub-group.
+        index: usize,
+        /// Its elements.
+        expected: usize,
+        /// The gradient's.
+        got: usize,
+    },
+    /// The gradient partition's chunks are not the optimizer's sub-groups.
+    #[error("gradient chunks of {chunk} elements are not sub-groups of {sub_group}")]
+    Chunks {
+        /// Elements per gradient chunk.
+        chunk: usize,
+        /// Elements per sub-group.
+        sub_group: usize,
+    },
+    /// The step completing it was given another learning rate, betas or scale.
+    #[error(
+        "the step begun ahead with lr {begun:?} is completed with {completed:?} \
+         (learning rate, betas, gradient scale)"
+    )]
+    Changed {
+        /// What it was begun with.
+        begun: (f32, (f32, f32), GradScale),
+        /// What completes it.
+        completed: (f32, (f32, f32), GradScale),
+    },
 }
 
 impl std::fmt::Debug for HostOptimizer {
@@ -89,7 +153,25 @@ impl std::fmt::Debug for HostOptimizer {
 }
 
 /// One sub-group of the step: CPU-Adam or CPU-SGD over `w` (and the state slices), the new
-/// weights written to `out`.
+/// weights written to `target` (none: the master alone).
+fn step_into(
+    cpu: &CpuAdam,
+    k: &StepConstants,
+    w: &mut [f32],
+    state: &mut [&mut [f32]],
+    grad: &[f32],
+    target: Out<'_>,
+) {
+    match (k, state) {
+        (StepConstants::Adam(k), [m, v]) => cpu.adam(k, w, Grad::F32(grad), m, v, target),
+        (StepConstants::Sgd(k), [buf]) => cpu.sgd(k, w, Grad::F32(grad), buf, target),
+        (StepConstants::Sgd(k), []) => cpu.sgd(k, w, Grad::F32(grad), &mut [], target),
+        _ => unreachable!("the state matches the settings"),
+    }
+}
+
+/// One sub-group of the step, the new weights written to `out`; with `stepped` (a sub-group
+/// stepped ahead, or one an abandoned step leaves as it is) only its weights are written.
 fn step_slices(
     cpu: &CpuAdam,
     k: &StepConstants,
@@ -97,14 +179,12 @@ fn step_slices(
     state: &mut [&mut [f32]],
     grad: &[f32],
     out: &mut OutSlot<'_>,
+    stepped: bool,
 ) {
     let n = w.len();
-    let target = out.target(n);
-    match (k, state) {
-        (StepConstants::Adam(k), [m, v]) => cpu.adam(k, w, Grad::F32(grad), m, v, target),
-        (StepConstants::Sgd(k), [buf]) => cpu.sgd(k, w, Grad::F32(grad), buf, target),
-        (StepConstants::Sgd(k), []) => cpu.sgd(k, w, Grad::F32(grad), &mut [], target),
-        _ => unreachable!("the state matches the settings"),
+    match stepped {
+        true => cpu.narrow(w, out.target(n)),
+        false => step_into(cpu, k, w, state, grad, out.target(n)),
     }
     out.finish(w);
 }
@@ -133,6 +213,7 @@ impl HostOptimizer {
             step: 0,
             cpu,
             sub_group: sub_group.max(1),
+            ahead: None,
         }
     }
 
@@ -157,6 +238,7 @@ impl HostOptimizer {
             step: 0,
             cpu,
             sub_group: sub_group.max(1),
+            ahead: None,
         })
     }
 
@@ -266,8 +348,26 @@ impl HostOptimizer {
         download: &Download<'_>,
         upload: &mut Upload<'_>,
     ) -> Result<StreamTimings, StreamError> {
-        let k = self.constants(lr, betas, grad_scale);
         let ranges = self.sub_groups();
+        let (k, skip) = match self.ahead.take() {
+            None => (
+                self.constants(lr, betas, grad_scale),
+                vec![false; ranges.len()],
+            ),
+            Some(ahead) if ahead.with != (lr, betas, grad_scale) => {
+                let begun = ahead.with;
+                self.ahead = Some(ahead);
+                return Err(AheadError::Changed {
+                    begun,
+                    completed: (lr, betas, grad_scale),
+                }
+                .into());
+            }
+            Some(ahead) => {
+                let skip = ahead.done.iter().map(|&d| d || ahead.rest_skipped);
+                (ahead.k, skip.collect())
+            }
+        };
         let cpu = &self.cpu;
         let storage = &mut self.storage;
         stream::run(
@@ -278,14 +378,15 @@ impl HostOptimizer {
             move |stage| match storage {
                 Storage::Memory(tensors) => {
                     let (master, state) = tensors.split_first_mut().expect("the master");
-                    for range in ranges {
+                    for (range, stepped) in ranges.into_iter().zip(skip) {
                         let Some((grad, mut out)) = stage.next(&range) else {
                             return Ok(false);
                         };
                         let mut slices: Vec<&mut [f32]> =
                             state.iter_mut().map(|s| &mut s[range.clone()]).collect();
                         let w = &mut master[range.clone()];
-                        step_slices(cpu, &k, w, &mut slices, &grad[..range.len()], &mut out);
+                        let g = &grad[..range.len()];
+                        step_slices(cpu, &k, w, &mut slices, g, &mut out, stepped);
                         stage.done(range, grad, out);
                     }
                     Ok(true)
@@ -304,7 +405,7 @@ impl HostOptimizer {
                             .map(|s| &mut s.as_mut_slice()[..n])
                             .collect();
                         let w = &mut master.as_mut_slice()[..n];
-                        step_slices(cpu, &k, w, &mut slices, &grad[..n], &mut out);
+                        step_slices(cpu, &k, w, &mut slices, &grad[..n], &mut out, false);
                         stage.done(range, grad, out);
                         Ok(())
                     });
@@ -315,6 +416,92 @@ impl HostOptimizer {
                 }
             },
         )
+    }
+
+    /// Begins a step with learning rate `lr`, `betas` and `grad_scale` whose sub-groups are
+    /// then stepped one at a time as their gradients become final ([`Self::step_ahead`], in
+    /// any order, while backward goes on); the [`Self::step`] given the same values completes
+    /// it, stepping the rest and handing every sub-group's new weights out. The arithmetic is
+    /// the serial step's, so are the bits. Host memory only.
+    pub fn begin_ahead(
+        &mut self,
+        lr: f32,
+        betas: (f32, f32),
+        grad_scale: GradScale,
+    ) -> Result<(), AheadError> {
+        if matches!(self.storage, Storage::Nvme(_)) {
+            return Err(AheadError::Swapped);
+        }
+        if self.ahead.is_some() {
+            return Err(AheadError::Open);
+        }
+        let k = self.constants(lr, betas, grad_scale);
+        self.ahead = Some(Ahead {
+            k,
+            with: (lr, betas, grad_scale),
+            done: vec![false; self.sub_groups().len()],
+            rest_skipped: false,
+        });
+        Ok(())
+    }
+
+    /// Steps sub-group `index` of the step begun ahead with its final gradient `grad` (the
+    /// master and state only: [`Self::step`] hands the new weights out).
+    pub fn step_ahead(&mut self, index: usize, grad: &[f32]) -> Result<(), AheadError> {
+        let range = self.sub_groups().get(index).cloned();
+        let ahead = self.ahead.as_mut().ok_or(AheadError::NotBegun)?;
+        let count = ahead.done.len();
+        let range = match range {
+            Some(r) if !ahead.done[index] => r,
+            _ => return Err(AheadError::Index { index, count }),
+        };
+        if grad.len() != range.len() {
+            return Err(AheadError::Length {
+                index,
+                expected: range.len(),
+                got: grad.len(),
+            });
+        }
+        let Storage::Memory(tensors) = &mut self.storage else {
+            unreachable!("begin_ahead refuses swap files")
+        };
+        let (master, state) = tensors.split_first_mut().expect("the master");
+        let mut slices: Vec<&mut [f32]> = state.iter_mut().map(|s| &mut s[range.clone()]).collect();
+        step_into(
+            &self.cpu,
+            &ahead.k,
+            &mut master[range],
+            &mut slices,
+            grad,
+            Out::None,
+        );
+        ahead.done[index] = true;
+        Ok(())
+    }
+
+    /// Sub-groups of the step begun ahead stepped so far.
+    pub fn stepped_ahead(&self) -> usize {
+        self.ahead
+            .as_ref()
+            .map_or(0, |a| a.done.iter().filter(|&&d| d).count())
+    }
+
+    /// Gives the step begun ahead up (its gradients overflowed). With no sub-group stepped, it
+    /// never happened (`false`). Otherwise (`true`) those keep their update, and the next
+    /// [`Self::step`] (same values) hands the weights out without stepping the rest.
+    pub fn abandon_ahead(&mut self) -> bool {
+        match self.ahead.take() {
+            None => false,
+            Some(a) if !a.done.contains(&true) => {
+                self.step -= 1;
+                false
+            }
+            Some(mut a) => {
+                a.rest_skipped = true;
+                self.ahead = Some(a);
+                true
+            }
+        }
     }
 
     /// The master, step count and the state as named partitions (PyTorch's names).

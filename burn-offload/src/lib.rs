@@ -1,5 +1,6 @@
 //! burn-offload: ZeRO-Offload and ZeRO-Infinity for burn-zero, free of burn types.
 //!
+//! - [`ahead`]: CPU-Adam of each sub-group as soon as backward has finished its gradient.
 //! - [`cpu_adam`]: the fused, multithreaded, vectorized optimizer step over offloaded fp32
 //!   master weights and optimizer state (Adam/AdamW and SGD), which writes the compute-dtype
 //!   copy of the weights in the same pass.
@@ -10,6 +11,7 @@
 //! - [`nvme`]: the swap files of ZeRO-Infinity (io_uring, O_DIRECT, checksummed regions).
 #![warn(missing_docs)]
 
+pub mod ahead;
 pub mod cpu_adam;
 pub mod grads;
 pub mod host;
@@ -18,9 +20,10 @@ pub mod memory;
 pub mod nvme;
 pub mod stream;
 
+pub use ahead::{AheadReport, StepAhead};
 pub use cpu_adam::{AdamStep, CpuAdam, Decay, Grad, GradScale, Out, SgdStep, SimdLevel};
 pub use grads::{HostGrads, HostGradsError};
-pub use host::{HostOptimizer, HostSettings, OutDtype, StepConstants};
+pub use host::{AheadError, HostOptimizer, HostSettings, OutDtype, StepConstants};
 pub use nvme::{NvmeStore, SwapConfig, SwapError};
 pub use stream::{
     Download, OutSlot, OwnedBuffers, StepBuffers, StreamError, StreamTimings, Upload, Weights,

@@ -209,6 +209,9 @@ pub enum StreamError {
     /// The swap files failed.
     #[error(transparent)]
     Swap(#[from] crate::nvme::SwapError),
+    /// A step begun ahead could not be completed.
+    #[error(transparent)]
+    Ahead(#[from] crate::host::AheadError),
 }
 
 /// The stepping stage's side of the pipeline: gradients arrive in sub-group order, and each

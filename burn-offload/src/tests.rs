@@ -608,4 +608,107 @@ mod streamed {
             assert!(uploads <= 4, "the step stopped early ({uploads} uploads)");
         }
     }
+
+    /// Stepping ahead: sub-groups stepped as a backward finishes their chunks, in whatever
+    /// order the writes finish them, give the serial step's master and bf16 weights bit for
+    /// bit over three steps, with a chunk left for the step itself (never finished early) and
+    /// a last sub-group shorter than the rest; the step refuses other values than those it
+    /// began with, and an abandoned step before any sub-group leaves no trace.
+    #[test]
+    fn sub_groups_stepped_ahead_give_the_serial_bits() {
+        use std::sync::{Arc, Mutex};
+
+        use crate::ahead::StepAhead;
+        use crate::grads::HostGrads;
+        use crate::host::AheadError;
+
+        let (n, sub_group) = (1000, 96);
+        let cpu = CpuAdam::new(Some(2));
+        let mut serial = HostOptimizer::new(super::values(n, 11), ADAM, cpu.clone(), sub_group);
+        let opt = Arc::new(Mutex::new(HostOptimizer::new(
+            super::values(n, 11),
+            ADAM,
+            cpu,
+            sub_group,
+        )));
+        let grads = Arc::new(Mutex::new(HostGrads::in_chunks(n, 1, sub_group)));
+        for t in 1..=3u64 {
+            let g: Vec<f32> = super::values(n, 40 + t).iter().map(|x| x * 0.3).collect();
+            let expected = stepped(&mut serial, &g, 2).unwrap();
+            let ahead =
+                StepAhead::start(grads.clone(), opt.clone(), 1e-3, (0.9, 0.999), [1.0; 2]).unwrap();
+            // Writes from the end backwards in pieces of 70, the first 10 elements last, after
+            // the pass ends unwritten (zeroed), as a parameter without gradient would be.
+            let mut at = n;
+            while at > 10 {
+                let start = at.saturating_sub(70).max(10);
+                grads
+                    .lock()
+                    .unwrap()
+                    .write(start..at, &g[start..at], true)
+                    .unwrap();
+                at = start;
+            }
+            grads.lock().unwrap().end_pass(true);
+            let report = ahead.finish();
+            assert_eq!(report.stepped, 10, "every chunk but the first: {report:?}");
+            assert_eq!(report.failure, None);
+            {
+                let mut g0 = grads.lock().unwrap();
+                let first = g0.chunks_mut().remove(0);
+                first[..10].copy_from_slice(&g[..10]);
+            }
+            let mut opt = opt.lock().unwrap();
+            let mut buffers = OwnedBuffers::new(1, sub_group, OutDtype::Bf16);
+            let wrong = opt.step(
+                2e-3,
+                (0.9, 0.999),
+                [1.0, 1.0],
+                buffers.lend(),
+                &|_, _| Ok(()),
+                &mut |_, _| Ok(()),
+            );
+            let wrong = wrong.map(|_| ()).unwrap_err();
+            assert!(matches!(
+                wrong,
+                StreamError::Ahead(AheadError::Changed { .. })
+            ));
+            let got = {
+                let mut buffers = OwnedBuffers::new(2, sub_group, OutDtype::Bf16);
+                let mut g1 = grads.lock().unwrap();
+                let chunks = g1.chunks_mut();
+                let by_chunk: Vec<Vec<f32>> = chunks.iter().map(|c| c.to_vec()).collect();
+                let mut got = Vec::new();
+                opt.step(
+                    1e-3,
+                    (0.9, 0.999),
+                    [1.0, 1.0],
+                    buffers.lend(),
+                    &|r, buf| {
+                        buf.copy_from_slice(&by_chunk[r.start / sub_group][..r.len()]);
+                        Ok(())
+                    },
+                    &mut |r, w| {
+                        let Weights::Bf16(w) = w else { unreachable!() };
+                        got.push((r, w.iter().map(|x| x.to_bits()).collect::<Vec<u16>>()));
+                        Ok(())
+                    },
+                )
+                .unwrap();
+                g1.clear();
+                got
+            };
+            assert!(got == expected, "step {t}: the weights");
+            assert_eq!(opt.export().unwrap(), serial.export().unwrap(), "step {t}");
+        }
+        let mut opt = opt.lock().unwrap();
+        let steps = opt.export().unwrap().1;
+        opt.begin_ahead(1e-3, (0.9, 0.999), [1.0; 2]).unwrap();
+        assert_eq!(
+            opt.begin_ahead(1.0, (0.9, 0.9), [1.0; 2]),
+            Err(AheadError::Open)
+        );
+        assert!(!opt.abandon_ahead(), "nothing was stepped");
+        assert_eq!(opt.export().unwrap().1, steps, "the step count is back");
+    }
 }

@@ -9,6 +9,9 @@
 use std::sync::Arc;
 
 use burn::backend::NdArray;
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::backend::Backend;
 use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::Communicator;
 use burn_zero::engine::{ZeroAutodiff, initialize};
@@ -84,6 +87,8 @@ struct Run {
     device_params: usize,
     host_grads: usize,
     device_grads: usize,
+    /// Sub-groups CPU-Adam stepped during backward (`cpu_adam.step_ahead`).
+    stepped_ahead: usize,
 }
 
 /// Equal within fp32 rounding.
@@ -123,6 +128,9 @@ fn train(
             engine.save_checkpoint(root, None, json!(null)).unwrap();
         }
         let report = engine.memory_report();
+        let stepped_ahead = engine
+            .take_offload_timings()
+            .map_or(0, |t| t.ahead_sub_groups);
         Run {
             losses,
             params: param_data(engine.model())
@@ -135,6 +143,7 @@ fn train(
             device_params: report.parameters,
             host_grads: report.host_gradients,
             device_grads: report.gradients,
+            stepped_ahead,
         }
     })
 }
@@ -481,5 +490,135 @@ fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters(
                 "{param_place}, rank {rank}: training moved nothing"
             );
         }
+    }
+}
+
+/// `cpu_adam.step_ahead`: sub-groups stepped by CPU-Adam while backward goes on give the
+/// serial step's bits (losses and parameters, over 5 steps of 2 micro-steps each), at stages 2
+/// and 3, fp32 and bf16, on world sizes that split the 294 parameters unevenly, in sub-groups
+/// of 40 with buckets of 50 (so sub-groups finish mid-backward); and some were stepped ahead
+/// on some rank.
+/// With clipping or in swap files nothing is stepped ahead.
+#[test]
+fn sub_groups_stepped_during_backward_give_the_serial_steps_bits() {
+    let bf16 = r#", "bf16": {"enabled": true}"#;
+    for (stage, world, extra) in [(3, 3, ""), (2, 3, ""), (3, 2, bf16), (2, 2, bf16)] {
+        let what = format!("stage {stage}, world {world}{extra}");
+        let run = |ahead: bool| {
+            let mut cfg = config(stage, Place::Host, ADAMW, extra);
+            cfg.gradient_clipping = 0.0;
+            cfg.burn_zero.cpu_adam.step_ahead = ahead;
+            train(world, &cfg, 0..STEPS, None, None)
+        };
+        let (serial, ahead) = (run(false), run(true));
+        for (rank, (s, a)) in serial.iter().zip(&ahead).enumerate() {
+            assert_eq!(s.losses, a.losses, "{what}, rank {rank}: losses");
+            assert!(s.params == a.params, "{what}, rank {rank}: parameters");
+            assert_eq!(s.stepped_ahead, 0, "{what}: switched off");
+        }
+        // A rank whose one sub-group holds padding (never written) steps it after backward.
+        let stepped: Vec<usize> = ahead.iter().map(|a| a.stepped_ahead).collect();
+        assert!(
+            stepped.iter().sum::<usize>() > 0,
+            "{what}: nothing was stepped ahead ({stepped:?})"
+        );
+    }
+    let clipped = train(2, &config(2, Place::Host, ADAMW, ""), 0..2, None, None);
+    let swapped = {
+        let mut cfg = config(2, Place::Nvme, ADAMW, "");
+        cfg.gradient_clipping = 0.0;
+        train(2, &cfg, 0..2, None, None)
+    };
+    for r in clipped.iter().chain(&swapped) {
+        assert_eq!(r.stepped_ahead, 0, "clipping or swap files: {r:?}");
+    }
+}
+
+/// Two layers whose first weight's gradient can be made NaN alone.
+#[derive(Module, Debug)]
+struct Two<B: Backend> {
+    a: Linear<B>,
+    b: Linear<B>,
+}
+
+/// A NaN gradient skips the step. Serially nothing moves; stepping ahead, the sub-groups that
+/// finished before the NaN one was seen keep their update (documented), the NaN one does not
+/// take it, nothing becomes non-finite, and the next step trains.
+#[test]
+fn a_nan_gradient_stops_stepping_ahead_and_skips_the_rest() {
+    use burn::module::Param;
+    use burn::nn::LinearConfig;
+    use burn::tensor::Tensor;
+    let values = |m: &Two<B>| -> Vec<Vec<f32>> {
+        param_data::<B, _>(m)
+            .into_iter()
+            .map(|d| d.convert::<f32>().to_vec::<f32>().unwrap())
+            .collect()
+    };
+    for ahead in [false, true] {
+        let json = format!(
+            r#"{{"train_batch_size": 4, "optimizer": {ADAMW}, "gradient_clipping": 0,
+            "zero_optimization": {{"stage": 2, "reduce_bucket_size": 50,
+                "offload_optimizer": {{"device": "cpu"}}, "sub_group_size": 40}},
+            "burn_zero": {{"cpu_adam": {{"threads": 2, "step_ahead": {ahead}}}}}}}"#
+        );
+        let cfg = DeepSpeedConfig::from_json(&json).unwrap().config;
+        let (before, after, next, skipped) = run_ranks(1, |ctx| {
+            let device = Default::default();
+            let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+            let mut model = Two::<B> {
+                a: LinearConfig::new(8, 12).init(&device),
+                b: LinearConfig::new(12, 10).init(&device),
+            };
+            let ramp = |n: usize, s: f32| {
+                Tensor::<B, 1>::from_floats(
+                    (0..n)
+                        .map(|i| ((i * 7 % 13) as f32 - 6.0) * s)
+                        .collect::<Vec<_>>()
+                        .as_slice(),
+                    &device,
+                )
+            };
+            model.a.weight = Param::from_tensor(ramp(96, 0.05).reshape([8, 12]));
+            model.b.weight = Param::from_tensor(ramp(120, 0.03).reshape([12, 10]));
+            let mut engine = initialize::<NdArray, _>(model, &cfg, comm).unwrap();
+            let x = ramp(32, 0.1).reshape([4, 8]);
+            let step = |engine: &mut burn_zero::engine::Engine<NdArray, Two<B>>, poison: bool| {
+                let m = engine.model();
+                let out = m.b.forward(m.a.forward(x.clone()));
+                let mut loss = out.powf_scalar(2.0).mean();
+                if poison {
+                    // d/dw of (w · NaN)·0 is NaN for `a.weight` alone.
+                    let nan = m.a.weight.val().mul_scalar(f32::NAN).sum().mul_scalar(0.0);
+                    loss = loss + nan;
+                }
+                engine.backward(loss).unwrap();
+                engine.step().unwrap();
+            };
+            step(&mut engine, false);
+            let before = values(engine.model());
+            step(&mut engine, true);
+            let after = values(engine.model());
+            step(&mut engine, false);
+            let next = values(engine.model());
+            (before, after, next, engine.skipped_steps())
+        })
+        .remove(0);
+        let what = format!("step_ahead {ahead}");
+        assert_eq!(skipped, 1, "{what}: the NaN step is counted as skipped");
+        assert!(
+            after.iter().flatten().all(|v| v.is_finite()),
+            "{what}: a NaN reached the weights"
+        );
+        assert_eq!(
+            after[0], before[0],
+            "{what}: the NaN gradient's weight moved"
+        );
+        let moved = before.iter().zip(&after).filter(|(b, a)| b != a).count();
+        match ahead {
+            false => assert_eq!(moved, 0, "serially the skipped step moves nothing"),
+            true => assert!(moved > 0, "no sub-group finished before the NaN one"),
+        }
+        assert!(next != after, "{what}: the step after trains");
     }
 }

@@ -2,7 +2,7 @@
 
 use half::{bf16, f16};
 
-use super::kernel::{adam_dispatch, sgd_dispatch};
+use super::kernel::{adam_dispatch, narrow_dispatch, sgd_dispatch};
 
 /// Vector instruction sets a step can run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -321,6 +321,32 @@ impl CpuAdam {
             .zip(outs)
             .zip(grads)
             .map(|(((w, b), o), g)| move || sgd_dispatch(level, &k, w, g, b, o))
+            .collect();
+        self.run(jobs);
+    }
+
+    /// Writes `master` to `out` in its dtype, rounded as [`Self::adam`] rounds its output
+    /// (for a sub-group whose master was stepped ahead, with no output at hand then).
+    ///
+    /// # Panics
+    /// If `out` is shorter than `master`.
+    pub fn narrow(&self, master: &[f32], out: Out<'_>) {
+        let n = master.len();
+        assert!(
+            out_len(&out).is_none_or(|l| l >= n),
+            "narrowing {n} weights into a shorter output"
+        );
+        let out = match out {
+            Out::None => return,
+            Out::Bf16(o) => Out::Bf16(&mut o[..n]),
+            Out::F16(o) => Out::F16(&mut o[..n]),
+        };
+        let level = self.level;
+        let chunks = self.chunks(n);
+        let jobs: Vec<_> = split_ref(master, &chunks)
+            .into_iter()
+            .zip(split_out(out, &chunks))
+            .map(|(w, o)| move || narrow_dispatch(level, w, o))
             .collect();
         self.run(jobs);
     }

@@ -194,6 +194,23 @@ fn sgd_all(k: &SgdStep, w: &mut [f32], g: Grad<'_>, b: &mut [f32], o: Out<'_>) {
     by_dtypes!(sgd_args, g, o, (k, w, b), [])
 }
 
+/// The compute-dtype copy of weights already stepped (a sub-group stepped ahead of the
+/// pipeline, whose master alone was written): the bits the step itself would have written.
+#[inline(always)]
+fn narrow_all(w: &[f32], o: Out<'_>) {
+    fn put<O: OutElem>(w: &[f32], o: &mut [O]) {
+        o[..w.len()]
+            .iter_mut()
+            .zip(w)
+            .for_each(|(o, w)| *o = O::put(*w));
+    }
+    match o {
+        Out::None => {}
+        Out::Bf16(o) => put(w, o),
+        Out::F16(o) => put(w, o),
+    }
+}
+
 /// Compiles `$all` once per SIMD level and calls the one for `level`.
 macro_rules! multiversion {
     ($name:ident, $all:ident, ($($arg:ident: $ty:ty),*)) => {
@@ -224,3 +241,4 @@ macro_rules! multiversion {
 
 multiversion!(adam_dispatch, adam_all, (k: &AdamStep, w: &mut [f32], g: Grad<'_>, m: &mut [f32], v: &mut [f32], o: Out<'_>));
 multiversion!(sgd_dispatch, sgd_all, (k: &SgdStep, w: &mut [f32], g: Grad<'_>, b: &mut [f32], o: Out<'_>));
+multiversion!(narrow_dispatch, narrow_all, (w: &[f32], o: Out<'_>));

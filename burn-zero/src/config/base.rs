@@ -260,7 +260,7 @@ impl Default for BurnZeroConfig {
 }
 
 /// `burn_zero.cpu_adam`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct CpuAdamConfig {
     /// `threads`: threads of one step (default: every core).
@@ -270,6 +270,22 @@ pub struct CpuAdamConfig {
     /// `huge_pages`: advise the host partitions for transparent huge pages (Linux; off by
     /// default until measured faster on the machine at hand: `bench/run_cpu_adam.sh`).
     pub huge_pages: bool,
+    /// `step_ahead`: at stages 2 and 3, each sub-group is stepped as soon as the boundary
+    /// backward has finished its gradient in host memory, while backward goes on (default
+    /// true). Only where a sub-group's step needs nothing else: no `gradient_clipping` (the
+    /// global norm), no fp16 loss scale, master and state in host memory (not NVMe).
+    pub step_ahead: bool,
+}
+
+impl Default for CpuAdamConfig {
+    fn default() -> Self {
+        Self {
+            threads: None,
+            pin_cores: false,
+            huge_pages: false,
+            step_ahead: true,
+        }
+    }
 }
 
 /// `burn_zero.matmul`.

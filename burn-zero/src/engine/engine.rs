@@ -23,6 +23,7 @@ use super::optim_state::Optim;
 use super::params::rebuild_params_as;
 use super::precision::{Format, Precision};
 use super::stage::{GatherStats, Held, ParamSource, Strategy};
+use super::step_ahead::StepAheadPlan;
 use super::{FlatLayout, MemoryReport, OffloadTimings, ParamSlot};
 use crate::ZeroBackend;
 #[cfg(feature = "zero3")]
@@ -31,7 +32,6 @@ use crate::backend::hooks::{self, HookGuard};
 use crate::backend::settings::SettingsGuard;
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::config::{ConfigError, ResolvedConfig};
-use crate::optim::StepParams;
 use crate::schedule::Scheduler;
 
 /// The autodiff backend the engine trains on.
@@ -118,6 +118,8 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     pub(super) last_step_end: Instant,
     /// The device of the model's parameters.
     pub(super) device: I::Device,
+    /// Whether offloaded sub-groups step during backward (`step_ahead`).
+    pub(super) step_ahead: StepAheadPlan,
 }
 
 impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
@@ -257,6 +259,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         } else {
             loss
         };
+        if boundary {
+            self.start_step_ahead()?;
+        }
         // The forward's freed temporaries go back before backward allocates (and backward's
         // before the step): pages cached for one phase's sizes do not hold the next's.
         self.release_cached_memory();
@@ -298,6 +303,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             return Ok(());
         }
         let start = Instant::now();
+        self.finish_step_ahead()?;
         let strategy = self.strategy.clone();
         let mut strategy = strategy.lock().expect("strategy");
         // In the buffer's pieces: a large partition is more than one device buffer may hold.
@@ -339,7 +345,22 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.last_grad_norm = Some(norm);
         // The norm is reduced across ranks: inf or NaN anywhere overflows everywhere.
         let update = self.precision.scaler.update(!norm.is_finite())?;
-        if update.skipped() {
+        // Sub-groups stepped ahead of an overflowing step keep their update: the step goes on
+        // to send their weights up, stepping nothing more.
+        let kept = match update.skipped() {
+            true => self.optim.abandon_ahead(),
+            false => 0,
+        };
+        if kept > 0 {
+            self.precision.skipped += 1;
+            crate::log::warn(&format!(
+                "step {}: gradients overflowed (norm {norm}); step skipped on rank {}, but for \
+                 the {kept} sub-groups stepped ahead of the overflow (cpu_adam.step_ahead)",
+                self.global_steps + 1,
+                self.comm.rank()
+            ));
+        }
+        if update.skipped() && kept == 0 {
             strategy.grads_mut().clear();
             drop(strategy);
             self.precision.skipped += 1;
@@ -363,13 +384,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         }
         let clip = self.resolved.config.gradient_clipping;
         let factor = (clip > 0.0 && norm + 1e-6 > clip).then(|| (clip / (norm + 1e-6)) as f32);
-        let hp = StepParams {
-            lr: self.scheduler.lr(),
-            betas: self.scheduler.betas().unwrap_or({
-                let [b1, b2] = self.resolved.optimizer_params.betas;
-                (b1, b2)
-            }),
-        };
+        let hp = self.step_params();
         // Where the parameters are chunks of the master (ZeRO-3), the model's handles and the
         // partitions let go of it so the fused step updates it in place, and the step writes
         // no compute-format copy (each gather narrows its chunk instead).
@@ -408,7 +423,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.publish(&mut *strategy, working)?;
         drop(strategy);
 
-        self.scheduler.step();
+        if kept == 0 {
+            self.scheduler.step();
+        }
         self.global_steps += 1;
         self.micro_steps += 1;
         self.timings.step += start.elapsed();

@@ -13,7 +13,7 @@ use burn_backend::{Backend, TensorMetadata};
 
 use super::collective::FlatComm;
 use super::grad_buffer::GradBuffer;
-use super::host_grads::HostGradStream;
+use super::host_grads::{HostGradLayout, HostGradStream};
 use super::params::FlatLayout;
 use super::precision::Format;
 use super::stage::Strategy;
@@ -94,10 +94,10 @@ impl<I: Backend> GradCore<I> {
         }
     }
 
-    /// Allocates `len` elements of gradients: on the device, or in host memory with
-    /// `host_threads` copying them down (smaller buckets then, see [`HOST_BUCKET`]).
-    pub(crate) fn allocate(&mut self, len: usize, host_threads: Option<usize>) {
-        self.host = host_threads.map(|threads| HostGradStream::new(len, threads));
+    /// Allocates `len` elements of gradients: on the device, or in host memory laid out as
+    /// `host` says (smaller buckets then, see [`HOST_BUCKET`]).
+    pub(crate) fn allocate(&mut self, len: usize, host: Option<HostGradLayout>) {
+        self.host = host.map(|layout| HostGradStream::new(len, layout));
         let device_len = if self.host.is_some() { 0 } else { len };
         if self.host.is_some() {
             self.bucket_size = self.bucket_size.min(HOST_BUCKET);

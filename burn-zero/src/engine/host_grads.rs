@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
-use burn_offload::HostGrads;
+use burn_offload::{AheadError, AheadReport, GradScale, HostGrads, HostOptimizer, StepAhead};
 
 use crate::partition::Piece;
 
@@ -38,9 +38,20 @@ pub(crate) fn add_busy(busy: &AtomicU64, start: Instant) {
     busy.fetch_add(nanos, Ordering::Relaxed);
 }
 
+/// How a rank's host gradient partition is laid out and written.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HostGradLayout {
+    /// Threads writing buckets into it.
+    pub(crate) threads: usize,
+    /// Elements per chunk: the offloaded optimizer's sub-group.
+    pub(crate) chunk: usize,
+}
+
 /// The host partition and what moves buckets into it.
 pub(crate) struct HostGradStream<I: Backend> {
     grads: Arc<Mutex<HostGrads>>,
+    /// The boundary backward's sub-groups stepped as they finish, when started.
+    ahead: Option<StepAhead>,
     #[cfg(feature = "cuda")]
     copier: Option<super::host_grads_cuda::Copier>,
     /// The first failure since the last `end_pass`.
@@ -51,10 +62,12 @@ pub(crate) struct HostGradStream<I: Backend> {
 }
 
 impl<I: Backend> HostGradStream<I> {
-    /// A partition of `len` elements, written by up to `threads` threads.
-    pub(crate) fn new(len: usize, threads: usize) -> Self {
+    /// A partition of `len` elements laid out as `layout` says.
+    pub(crate) fn new(len: usize, layout: HostGradLayout) -> Self {
+        let grads = HostGrads::in_chunks(len, layout.threads, layout.chunk);
         Self {
-            grads: Arc::new(Mutex::new(HostGrads::new(len, threads))),
+            grads: Arc::new(Mutex::new(grads)),
+            ahead: None,
             #[cfg(feature = "cuda")]
             copier: None,
             failure: None,
@@ -137,6 +150,25 @@ impl<I: Backend> HostGradStream<I> {
         Ok(())
     }
 
+    /// Steps `opt`'s sub-groups as the next boundary backward finishes them (see
+    /// [`StepAhead`]), with the values the step after it will be given.
+    pub(crate) fn start_ahead(
+        &mut self,
+        opt: Arc<Mutex<HostOptimizer>>,
+        lr: f32,
+        betas: (f32, f32),
+        scale: GradScale,
+    ) -> Result<(), AheadError> {
+        let ahead = StepAhead::start(self.grads.clone(), opt, lr, betas, scale)?;
+        self.ahead = Some(ahead);
+        Ok(())
+    }
+
+    /// What stepping ahead did in the backward that ended (`None` if it was not started).
+    pub(crate) fn finish_ahead(&mut self) -> Option<AheadReport> {
+        self.ahead.take().map(StepAhead::finish)
+    }
+
     /// Starts a new accumulation window.
     pub(crate) fn clear(&mut self) {
         self.grads().clear();
@@ -144,7 +176,7 @@ impl<I: Backend> HostGradStream<I> {
 
     /// Elements `range` of the partition on `device` (for reading gradients back).
     pub(crate) fn upload(&self, range: Range<usize>, device: &I::Device) -> Tensor<I, 1> {
-        let values = self.grads().values()[range].to_vec();
+        let values = self.grads().read(range);
         let n = values.len();
         Tensor::from_data(TensorData::new(values, [n]), device)
     }

@@ -7,6 +7,7 @@ use burn::tensor::backend::Backend;
 
 use super::collective::FlatComm;
 use super::grads::{EngineHook, GradCore};
+use super::host_grads::HostGradLayout;
 use super::optim_state::Optim;
 use super::precision::Precision;
 #[cfg(feature = "zero1")]
@@ -14,6 +15,7 @@ use super::stage::Partitioned;
 #[cfg(feature = "zero3")]
 use super::stage::Sharded;
 use super::stage::{Master, Replicated, Setup, Strategy};
+use super::step_ahead::StepAheadPlan;
 use super::{
     Engine, EngineError, FlatLayout, Timings, ZeroAutodiff, flatten_params, unflatten_params,
 };
@@ -190,7 +192,11 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
     let optim = optim.with_segments(strategy.tensor_bounds(comm), comm.clone());
     strategy.allocate(optim.offloaded().then(|| {
         let threads = resolved.config.burn_zero.cpu_adam.threads;
-        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        HostGradLayout {
+            threads: threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+            chunk: resolved.config.zero_optimization.sub_group_size.get(),
+        }
     }));
     let strategy = Arc::new(Mutex::new(strategy));
     #[cfg(feature = "zero3")]
@@ -201,6 +207,12 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
     }));
     // What building the optimizer state freed (copies, casts) goes back too.
     I::memory_cleanup(&device);
+    let step_ahead = StepAheadPlan::of(resolved);
+    if comm.rank() == 0
+        && let Some(line) = step_ahead.describe()
+    {
+        crate::log::info(&line);
+    }
     let mut engine = Engine {
         model: Some(model),
         scheduler: Scheduler::new(resolved.schedule.clone()),
@@ -223,6 +235,7 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
         last_profile: None,
         last_step_end: std::time::Instant::now(),
         device,
+        step_ahead,
     };
     engine.profile_maybe_start();
     Ok(engine)

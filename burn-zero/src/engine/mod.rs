@@ -5,7 +5,8 @@
 //! - `stage`: one strategy per ZeRO stage (gradient intake, norm, publish, checkpoint layout,
 //!   memory accounting); `grads`: what every stage's intake shares, and the gradient hook.
 //! - `optim_state`, `offload_io`, `offload_cuda`: this rank's master partition and optimizer
-//!   state, on the device or offloaded; `host_grads*`: gradients streamed to host memory.
+//!   state, on the device or offloaded; `host_grads*`: gradients streamed to host memory;
+//!   `step_ahead`: offloaded sub-groups stepped during backward.
 //! - `collective`, `flat_pieces`, `grad_buffer`: flat buffers and their collectives.
 //! - `checkpoint`, `export`, `load_module`: state in and out; `construct`: models built
 //!   sharded; `memory`, `profile`, `precision`, `params`, `device_failure`: the rest.
@@ -34,6 +35,7 @@ mod params;
 mod precision;
 mod profile;
 mod stage;
+mod step_ahead;
 
 pub use checkpoint::{LoadedCheckpoint, inject_save_failure};
 pub use construct::{ParamValues, construct_full, construct_full_from};

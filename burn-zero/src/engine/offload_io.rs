@@ -65,9 +65,9 @@ impl<'a, I: Backend> GradSource<'a, I> {
 }
 
 /// With the gradient in host memory (`host`), `lent`'s gradient buffers become the
-/// partition's own sub-groups, in order (nothing to copy), and the download stage only checks
-/// that each arrives where it lies; returns the scale CPU-Adam applies and that stage (`None`,
-/// and factors of 1, when the gradient is on the device).
+/// partition's own chunks, in order (nothing to copy: a chunk is a sub-group), and the
+/// download stage only checks that each arrives where it lies; returns the scale CPU-Adam
+/// applies and that stage (`None`, and factors of 1, when the gradient is on the device).
 #[allow(clippy::type_complexity)]
 pub(crate) fn in_place<'b>(
     host: Option<(&'b mut HostGrads, GradScale)>,
@@ -80,16 +80,20 @@ pub(crate) fn in_place<'b>(
     let Some((grads, scale)) = host else {
         return ([1.0, 1.0], None);
     };
-    let values = &mut grads.values_mut()[..opt.len()];
-    let base = values.as_ptr() as usize;
+    let sub_group = opt.sub_group_len().max(1);
+    let aligned = grads.chunk_len() == sub_group || grads.chunk_len() >= opt.len();
+    let mut chunks = grads.chunks_mut();
+    chunks.truncate(opt.sub_groups().len());
+    let bases: Vec<usize> = chunks.iter().map(|c| c.as_ptr() as usize).collect();
     let check = move |range: Range<usize>, buf: &mut [f32]| {
-        if buf.as_ptr() as usize == base + 4 * range.start {
+        let at = bases.get(range.start / sub_group);
+        if aligned && at == Some(&(buf.as_ptr() as usize)) {
             Ok(())
         } else {
-            Err("the host gradient's sub-groups arrived out of order".into())
+            Err("the host gradient's chunks are not the optimizer's sub-groups, in order".into())
         }
     };
-    lent.grads = values.chunks_mut(opt.sub_group_len().max(1)).collect();
+    lent.grads = chunks;
     (scale, Some(check))
 }
 

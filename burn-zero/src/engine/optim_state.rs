@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
-use burn_offload::{CpuAdam, HostOptimizer, HostSettings, SwapConfig};
+use burn_offload::{AheadReport, CpuAdam, HostOptimizer, HostSettings, SwapConfig};
 
 use super::EngineError;
 use super::offload_io::{self, GradSource, StepRing};
@@ -28,9 +28,9 @@ pub(crate) enum Optim<I: Backend> {
     },
     /// In host memory; the device holds only the working copy.
     Host {
-        /// Locked so the swap can be read through `&self` (export, checkpoints); boxed,
-        /// as the device variant is small.
-        opt: Box<Mutex<HostOptimizer>>,
+        /// Locked so the swap can be read through `&self` (export, checkpoints) and
+        /// sub-groups stepped ahead on another thread during backward.
+        opt: Arc<Mutex<HostOptimizer>>,
         /// The host buffers the steps stream through.
         ring: Box<StepRing>,
         device: I::Device,
@@ -49,8 +49,13 @@ pub struct OffloadTimings {
     /// Stages 2 and 3: reduced gradient buckets device → host during backward (busy time of
     /// the copy thread, overlapped with backward).
     pub backward_d2h: std::time::Duration,
-    /// CPU-Adam over every sub-group (on its own thread, overlapped with the copies).
+    /// CPU-Adam over every sub-group the step itself took (on its own thread, overlapped
+    /// with the copies).
     pub cpu_step: std::time::Duration,
+    /// CPU-Adam of sub-groups stepped ahead, during backward (`cpu_adam.step_ahead`).
+    pub ahead_cpu_step: std::time::Duration,
+    /// Sub-groups stepped ahead.
+    pub ahead_sub_groups: usize,
     /// New weights host → device (on the engine's thread, overlapped with the rest).
     pub h2d: std::time::Duration,
     /// The whole step, first byte down to last byte up.
@@ -180,7 +185,7 @@ impl<I: Backend> Optim<I> {
             HostOptimizer::new(values, settings, cpu, sub_group)
         };
         Ok(Optim::Host {
-            opt: Box::new(Mutex::new(opt)),
+            opt: Arc::new(Mutex::new(opt)),
             ring: Box::default(),
             device,
             timings: OffloadTimings::default(),
@@ -226,6 +231,36 @@ impl<I: Backend> Optim<I> {
         match self {
             Optim::Device { .. } => Vec::new(),
             Optim::Host { opt, .. } => lock(opt).swap_files(),
+        }
+    }
+
+    /// The offloaded optimizer, for stepping sub-groups ahead (`None` on the device).
+    pub(crate) fn host(&self) -> Option<Arc<Mutex<HostOptimizer>>> {
+        match self {
+            Optim::Device { .. } => None,
+            Optim::Host { opt, .. } => Some(opt.clone()),
+        }
+    }
+
+    /// Counts what stepping ahead did in the backward that ended.
+    pub(crate) fn add_ahead(&mut self, report: &AheadReport) {
+        if let Optim::Host { timings, .. } = self {
+            timings.ahead_cpu_step += report.busy;
+            timings.ahead_sub_groups += report.stepped;
+        }
+    }
+
+    /// Gives a step begun ahead up (its gradients overflowed): the sub-groups already stepped,
+    /// which keep their update (0: the step never happened).
+    pub(crate) fn abandon_ahead(&mut self) -> usize {
+        match self {
+            Optim::Device { .. } => 0,
+            Optim::Host { opt, .. } => {
+                let mut opt = lock(opt);
+                let stepped = opt.stepped_ahead();
+                opt.abandon_ahead();
+                stepped
+            }
         }
     }
 
@@ -298,9 +333,10 @@ impl<I: Backend> Optim<I> {
                     ),
                     source => source,
                 };
-                let opt = opt.get_mut().unwrap_or_else(|e| e.into_inner());
+                let mut opt = lock(opt);
                 let (lr, betas) = hp.f32();
-                let (out, t) = offload_io::step(opt, ring, source, lr, betas, device, compute)?;
+                let (out, t) =
+                    offload_io::step(&mut opt, ring, source, lr, betas, device, compute)?;
                 timings.d2h += t.download;
                 timings.cpu_step += t.compute;
                 timings.h2d += t.upload;

@@ -3,7 +3,11 @@
 //! (`offload_optimizer {"device": "cpu"}`, CPU-Adam) or to swap files (`"nvme"`, under
 //! `$BURN_ZERO_NVME_PATH`, default /tmp): median step time and, offloaded, its breakdown
 //! (gradient down, CPU step, weights up). Start it under the launcher:
-//!   burn-zero run --nproc-per-node 1 -- bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init]]
+//!   burn-zero run --nproc-per-node 1 -- bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [OPTIONS]]
+//! OPTIONS, `+`-separated: `huge` (host partitions advised for huge pages), `bf16init` (weights
+//! built in bf16), `formula` (weights and inputs from a formula another system can compute:
+//! bench/offload_deepspeed.py does, so losses compare step by step; implies bf16 weights),
+//! `serial` (`cpu_adam.step_ahead` off: CPU-Adam waits for the whole backward).
 
 use std::time::Instant;
 
@@ -12,7 +16,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, FloatDType, Tensor};
+use burn::tensor::{Distribution, FloatDType, Int, Tensor};
 use burn_zero::DeepSpeedConfig;
 use burn_zero::dist::init_nccl;
 use burn_zero::engine::{ZeroAutodiff, initialize};
@@ -26,7 +30,7 @@ struct DeepMlp<B: Backend> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init]]";
+    let usage = "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init+formula+serial]]";
     let layers: usize = args.get(1).and_then(|v| v.parse().ok()).expect(usage);
     let width: usize = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let place = args.get(3).cloned().expect(usage);
@@ -37,7 +41,9 @@ fn main() {
     // weights would not fit beside the engine's buffers).
     let options = args.get(5).cloned().unwrap_or_default();
     let huge_pages = options.split('+').any(|o| o == "huge");
-    let bf16_init = options.split('+').any(|o| o == "bf16init");
+    let formula = options.split('+').any(|o| o == "formula");
+    let bf16_init = formula || options.split('+').any(|o| o == "bf16init");
+    let step_ahead = !options.split('+').any(|o| o == "serial");
     let (_env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let device = burn::backend::cuda::CudaDevice::new(0);
     let nvme_path = std::env::var("BURN_ZERO_NVME_PATH").unwrap_or_else(|_| "/tmp".into());
@@ -57,7 +63,8 @@ fn main() {
             "bf16": {{"enabled": true}},
             "zero_optimization": {{"stage": 2, "overlap_comm": true{offload_json}}},
             "aio": {{"block_size": 4194304, "queue_depth": 32}},
-            "burn_zero": {{"matmul": {{"cublaslt": true}}, "cpu_adam": {{"huge_pages": {huge_pages}}}}}}}"#
+            "burn_zero": {{"matmul": {{"cublaslt": true}},
+                "cpu_adam": {{"huge_pages": {huge_pages}, "step_ahead": {step_ahead}}}}}}}"#
     );
     let config = DeepSpeedConfig::from_json(&json).expect("config").config;
     type B = ZeroAutodiff<Cuda>;
@@ -67,11 +74,14 @@ fn main() {
     let t0 = Instant::now();
     let model = DeepMlp::<B> {
         layers: (0..layers)
-            .map(|_| {
+            .map(|l| {
                 let mut layer = LinearConfig::new(width, width)
                     .with_bias(false)
                     .init(&device);
-                if bf16_init {
+                if formula {
+                    let weight = formula_weight::<B>(l, width, &device).cast(FloatDType::BF16);
+                    layer.weight = Param::from_tensor(weight.require_grad());
+                } else if bf16_init {
                     let weight = layer.weight.val().cast(FloatDType::BF16);
                     layer.weight = Param::from_tensor(weight.detach().require_grad());
                 }
@@ -89,7 +99,10 @@ fn main() {
     let mut losses = Vec::new();
     engine.take_offload_timings();
     for step in 0..steps + 1 {
-        let x = Tensor::<B, 2>::random([BATCH, width], Distribution::Default, &device);
+        let x = match formula {
+            true => formula_input::<B>(step, width, &device).cast(FloatDType::BF16),
+            false => Tensor::<B, 2>::random([BATCH, width], Distribution::Default, &device),
+        };
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
         let mut h = x;
@@ -116,6 +129,7 @@ fn main() {
     let per = |d: std::time::Duration| d.as_secs_f64() / steps as f64;
     let offload_breakdown = engine.take_offload_timings().map(|t| {
         serde_json::json!({"d2h_s": per(t.d2h), "backward_d2h_s": per(t.backward_d2h), "cpu_step_s": per(t.cpu_step),
+            "overlapped_cpu_step_s": per(t.ahead_cpu_step), "sub_groups_stepped_ahead": t.ahead_sub_groups,
             "h2d_s": per(t.h2d), "optimizer_total_s": per(t.total)})
     });
     let mut sorted = times.clone();
@@ -124,6 +138,7 @@ fn main() {
         "{}",
         serde_json::json!({"params": params, "layers": layers, "width": width, "batch": BATCH,
             "offload": place, "huge_pages": huge_pages, "bf16_init": bf16_init, "init_s": init_s,
+            "formula": formula, "step_ahead": step_ahead,
             "median_step_s": sorted[sorted.len() / 2], "step_times_s": times,
             "engine_backward_s": per(timings.backward), "engine_step_s": per(timings.step),
             "offload_breakdown": offload_breakdown, "losses": losses,
@@ -134,4 +149,30 @@ fn main() {
         eprintln!("loss of step {bad} is not finite: the run is invalid");
         std::process::exit(3);
     }
+}
+
+/// Layer `l`'s weight as burn stores it (`[in, out]`): `w[i][o] = sin((0.37·o + 0.91·i) +
+/// 1.3·l) / sqrt(width)` in f32 (bench/offload_deepspeed.py computes torch's `[out, in]`).
+fn formula_weight<B: Backend>(l: usize, width: usize, device: &B::Device) -> Tensor<B, 2> {
+    let index = || Tensor::<B, 1, Int>::arange(0..width as i64, device).float();
+    let o = index().reshape([1, width]).mul_scalar(0.37f32);
+    let i = index().reshape([width, 1]).mul_scalar(0.91f32);
+    (o + i)
+        .add_scalar(1.3f32 * l as f32)
+        .sin()
+        .div_scalar((width as f32).sqrt())
+}
+
+/// Step `s`'s input: `x[b][j] = cos(0.11·(b + 16·s) + 0.23·j)` in f32.
+fn formula_input<B: Backend>(s: usize, width: usize, device: &B::Device) -> Tensor<B, 2> {
+    let b = Tensor::<B, 1, Int>::arange(0..BATCH as i64, device)
+        .float()
+        .add_scalar((BATCH * s) as f32)
+        .mul_scalar(0.11f32)
+        .reshape([BATCH, 1]);
+    let j = Tensor::<B, 1, Int>::arange(0..width as i64, device)
+        .float()
+        .mul_scalar(0.23f32)
+        .reshape([1, width]);
+    (b + j).cos()
 }

@@ -14,6 +14,7 @@ use burn::tensor::backend::Backend;
 use super::super::collective::FlatComm;
 use super::super::flat_pieces::Gathered;
 use super::super::grads::GradCore;
+use super::super::host_grads::HostGradLayout;
 use super::super::params::ParamSlot;
 use super::super::{EngineError, PARTITION_ALIGN, ZeroAutodiff};
 use super::intake::Accumulated;
@@ -121,11 +122,11 @@ impl<I: Backend> Strategy<I> for Partitioned<I> {
         full_params(model, &mut self.grads, setup, owned)
     }
 
-    fn allocate(&mut self, host_threads: Option<usize>) {
+    fn allocate(&mut self, host: Option<HostGradLayout>) {
         match self.intake {
             Intake::Accumulated(_) => self.grads.allocate(self.plan.numel(), None),
             #[cfg(feature = "zero2")]
-            Intake::Scattered(_) => self.grads.allocate(self.plan.chunk(), host_threads),
+            Intake::Scattered(_) => self.grads.allocate(self.plan.chunk(), host),
         }
     }
 

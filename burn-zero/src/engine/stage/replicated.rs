@@ -10,6 +10,7 @@ use burn::tensor::backend::Backend;
 
 use super::super::flat_pieces::slice_pieces;
 use super::super::grads::GradCore;
+use super::super::host_grads::HostGradLayout;
 use super::super::params::ParamSlot;
 use super::super::{EngineError, ZeroAutodiff};
 use super::intake::Accumulated;
@@ -56,7 +57,7 @@ impl<I: Backend> Strategy<I> for Replicated<I> {
         full_params(model, &mut self.grads, setup, all)
     }
 
-    fn allocate(&mut self, _host_threads: Option<usize>) {
+    fn allocate(&mut self, _host: Option<HostGradLayout>) {
         // The full gradient stays on the device: ZeRO-Offload streams partitions only.
         let len = self.numel();
         self.grads.allocate(len, None);

@@ -17,6 +17,7 @@ use crate::checkpoint::{Partitioning, Span};
 use crate::comm::{CommError, Communicator};
 use crate::config::ZeroStage;
 use crate::engine::grads::GradCore;
+use crate::engine::host_grads::HostGradLayout;
 use crate::engine::params::{FlatLayout, ParamSlot};
 use crate::engine::{EngineError, ZeroAutodiff};
 use crate::optim::TensorBounds;
@@ -81,8 +82,8 @@ pub(crate) trait Strategy<I: Backend>: Send {
         Self: Sized;
 
     /// Allocates the gradients (after the optimizer's state, see `initialize`); in host memory
-    /// with `host_threads` where the stage's partition may live there.
-    fn allocate(&mut self, host_threads: Option<usize>);
+    /// laid out as `host` says where the stage's partition may live there.
+    fn allocate(&mut self, host: Option<HostGradLayout>);
 
     /// Installs the stage's gatherer of sharded parameters on this thread, if it has one
     /// (kept while the guard lives).

@@ -16,6 +16,7 @@ use crate::checkpoint::{Partitioning, Span};
 use crate::comm::{CommError, Communicator, ReduceOp, with_label};
 use crate::config::{OffloadDevice, ResolvedConfig, ZeroStage};
 use crate::engine::grads::GradCore;
+use crate::engine::host_grads::HostGradLayout;
 use crate::engine::optim_state::swap_config;
 use crate::engine::params::{FlatLayout, ParamSlot, flatten_params, rebuild_params};
 use crate::engine::precision::Format;
@@ -184,9 +185,9 @@ impl<I: Backend> Strategy<I> for Sharded<I> {
         Ok((hooks::mark_distributed(model), Master::Device(master)))
     }
 
-    fn allocate(&mut self, host_threads: Option<usize>) {
+    fn allocate(&mut self, host: Option<HostGradLayout>) {
         let len = self.params.plan().len();
-        self.grads.allocate(len, host_threads);
+        self.grads.allocate(len, host);
     }
 
     fn install_gatherer(this: &Arc<Mutex<Self>>) -> Option<GathererGuard<I>> {

@@ -1,0 +1,137 @@
+//! Stepping ahead: CPU-Adam of each sub-group starts as soon as the boundary backward has
+//! finished that sub-group's gradient in host memory, on a thread of its own, while backward
+//! goes on writing the others (ZeRO-Offload's optimizer overlapped with backward). The step
+//! that follows backward then only steps what never finished early and hands the weights out.
+//!
+//! Only a step that depends on nothing but each sub-group's own gradient may start early: no
+//! clipping by the global norm and no loss scale to unscale (the caller decides). A
+//! non-finite gradient stops stepping ahead at that sub-group; whether the step is then
+//! skipped is the caller's decision ([`HostOptimizer::abandon_ahead`]).
+
+use std::sync::mpsc::channel;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::cpu_adam::GradScale;
+use crate::grads::HostGrads;
+use crate::host::{AheadError, HostOptimizer};
+
+/// What stepping ahead did in one backward.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AheadReport {
+    /// Sub-groups stepped ahead.
+    pub stepped: usize,
+    /// Time spent stepping them (overlapped with backward).
+    pub busy: Duration,
+    /// The first sub-group whose gradient was not finite (none was stepped after it).
+    pub non_finite: Option<usize>,
+    /// Why stepping ahead stopped, if it failed.
+    pub failure: Option<String>,
+}
+
+/// The thread stepping one backward's finished sub-groups.
+#[derive(Debug)]
+pub struct StepAhead {
+    thread: Option<JoinHandle<AheadReport>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl StepAhead {
+    /// Begins `opt`'s step with `lr`, `betas` and `grad_scale` ahead of its gradient and
+    /// steps each sub-group the next boundary backward finishes in `grads`, whose chunks must
+    /// be `opt`'s sub-groups. [`Self::finish`] once that backward has ended, then
+    /// [`HostOptimizer::step`] with the same values.
+    pub fn start(
+        grads: Arc<Mutex<HostGrads>>,
+        opt: Arc<Mutex<HostOptimizer>>,
+        lr: f32,
+        betas: (f32, f32),
+        grad_scale: GradScale,
+    ) -> Result<Self, AheadError> {
+        let (sub_groups, chunk) = {
+            let o = lock(&opt);
+            (o.sub_groups(), o.sub_group_len().max(1))
+        };
+        let g_chunk = lock(&grads).chunk_len();
+        if g_chunk != chunk && sub_groups.len() > 1 {
+            return Err(AheadError::Chunks {
+                chunk: g_chunk,
+                sub_group: chunk,
+            });
+        }
+        lock(&opt).begin_ahead(lr, betas, grad_scale)?;
+        let (tx, finished) = channel::<usize>();
+        lock(&grads).watch(tx);
+        let thread = std::thread::Builder::new()
+            .name("burn-offload-step-ahead".into())
+            .spawn(move || {
+                let mut report = AheadReport::default();
+                // Ends when the backward ends (`end_pass` drops the watcher's sender).
+                for c in finished {
+                    let Some(range) = sub_groups.get(c) else {
+                        continue; // padding past the optimizer's partition
+                    };
+                    if report.non_finite.is_some() || report.failure.is_some() {
+                        continue;
+                    }
+                    let values = {
+                        let mut g = lock(&grads);
+                        if !g.chunk_sum_of_squares(c).is_finite() {
+                            report.non_finite = Some(c);
+                            continue;
+                        }
+                        match g.lend(c) {
+                            Ok(v) => v,
+                            Err(e) => {
+                                report.failure = Some(e.to_string());
+                                continue;
+                            }
+                        }
+                    };
+                    let start = Instant::now();
+                    let stepped = lock(&opt).step_ahead(c, &values[..range.len()]);
+                    report.busy += start.elapsed();
+                    lock(&grads).give_back(c, values);
+                    match stepped {
+                        Ok(()) => report.stepped += 1,
+                        Err(e) => report.failure = Some(e.to_string()),
+                    }
+                }
+                report
+            })
+            .expect("spawning the step-ahead thread");
+        Ok(Self {
+            thread: Some(thread),
+        })
+    }
+
+    /// Waits for every sub-group the backward finished (call after it ended).
+    pub fn finish(mut self) -> AheadReport {
+        self.join()
+    }
+
+    fn join(&mut self) -> AheadReport {
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(report)) => report,
+            Some(Err(_)) => AheadReport {
+                failure: Some("the step-ahead thread panicked".into()),
+                ..AheadReport::default()
+            },
+            None => AheadReport::default(),
+        }
+    }
+}
+
+impl Drop for StepAhead {
+    fn drop(&mut self) {
+        // The thread ends with the backward; if that never comes, the channel's sender goes
+        // with the gradient partition's next pass or its drop.
+        if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
+            self.join();
+        }
+    }
+}
