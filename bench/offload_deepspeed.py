@@ -6,7 +6,8 @@ The optimizer is named in the config (AdamW, lr 1e-4, weight decay 0.01), so Dee
 own DeepSpeedCPUAdam, built just in time with the machine's nvcc and ninja on first use (loaded
 before the model is built and timed apart: "op_load_s"). No gradient clipping.
 Weights and inputs come from bench-offload's formula, computed in float32 on the GPU, then bf16:
-    layer l, W[o][i] (torch's [out, in]) = sin((0.37*o + 0.91*i) + 1.3*l) / sqrt(WIDTH)
+    layer l, W[o][i] (torch's [out, in]) = ((o*i + 7*o + 13*i + 101*l) mod 8191 / 8191 - 0.5)
+                                           / (sqrt(WIDTH) / 2)
     step s (0 = the warm-up), x[b][j]   = cos(0.11*(b + 16*s) + 0.23*j)
 Installed as ../shared/GPU.md describes; one process:
     torchrun --nproc-per-node 1 bench/offload_deepspeed.py LAYERS WIDTH [STEPS]
@@ -78,16 +79,17 @@ def f32(v):
 
 @torch.no_grad()
 def formula_weight(l, width, device):
-    """sin((0.37*o + 0.91*i) + 1.3*l) / sqrt(width) in float32, [out, in]."""
-    idx = torch.arange(width, dtype=torch.float32, device=device)  # exact up to 2^24
-    rows = idx * f32(0.37)  # o
-    cols = idx * f32(0.91)  # i
-    w = rows[:, None] + cols[None, :]
-    w += f32(f32(1.3) * float(l))  # 1.3*l, the product rounded to float32
-    w.sin_()
-    # A true division: torch turns division by a CPU scalar into a multiplication by its
-    # reciprocal, so divide by a 0-dim device tensor.
-    w.div_(torch.tensor(math.sqrt(width), dtype=torch.float32, device=device))
+    """((o*i + 7*o + 13*i + 101*l) mod 8191 / 8191 - 0.5) / (sqrt(width) / 2) in float32,
+    [out, in]: exact integers first (a full-rank pattern: a smooth formula would be low-rank
+    and blow activations up), then a uniform-like weight of kaiming-uniform's range."""
+    o = torch.arange(width, dtype=torch.int64, device=device)[:, None]
+    i = torch.arange(width, dtype=torch.int64, device=device)[None, :]
+    v = (o * i + 7 * o + 13 * i + 101 * l) % 8191
+    # True divisions: torch turns division by a CPU scalar into a multiplication by its
+    # reciprocal, so divide by 0-dim device tensors.
+    w = v.to(torch.float32).div_(torch.tensor(8191.0, dtype=torch.float32, device=device))
+    w.sub_(0.5)
+    w.div_(torch.tensor(f32(math.sqrt(width)) / 2, dtype=torch.float32, device=device))
     return w
 
 

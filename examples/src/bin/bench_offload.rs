@@ -1,4 +1,5 @@
-//! One GPU training a deep residual MLP (`LAYERS` × `WIDTH`² weights) in bf16 at ZeRO-2 with the fp32
+//! One GPU training a deep residual MLP (`LAYERS` × `WIDTH`² weights) in bf16 at ZeRO-2 (no
+//! gradient clipping, DeepSpeed's default, so `cpu_adam.step_ahead` applies) with the fp32
 //! master weights and Adam's moments on the device or offloaded to host memory
 //! (`offload_optimizer {"device": "cpu"}`, CPU-Adam) or to swap files (`"nvme"`, under
 //! `$BURN_ZERO_NVME_PATH`, default /tmp): median step time and, offloaded, its breakdown
@@ -60,7 +61,7 @@ fn main() {
     let json = format!(
         r#"{{"train_micro_batch_size_per_gpu": {BATCH}, "gradient_accumulation_steps": 1,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
-            "bf16": {{"enabled": true}},
+            "bf16": {{"enabled": true}}, "gradient_clipping": 0,
             "zero_optimization": {{"stage": 2, "overlap_comm": true{offload_json}}},
             "aio": {{"block_size": 4194304, "queue_depth": 32}},
             "burn_zero": {{"matmul": {{"cublaslt": true}},
@@ -151,16 +152,21 @@ fn main() {
     }
 }
 
-/// Layer `l`'s weight as burn stores it (`[in, out]`): `w[i][o] = sin((0.37·o + 0.91·i) +
-/// 1.3·l) / sqrt(width)` in f32 (bench/offload_deepspeed.py computes torch's `[out, in]`).
+/// Layer `l`'s weight as burn stores it (`[in, out]`): `w[i][o] = ((o·i + 7·o + 13·i + 101·l)
+/// mod 8191 / 8191 − 0.5) / (sqrt(width) / 2)`, the integers exact, then f32 (a full-rank
+/// pattern in kaiming-uniform's range: a smooth formula is low-rank and blows the residual
+/// stream up). bench/offload_deepspeed.py computes torch's `[out, in]`.
 fn formula_weight<B: Backend>(l: usize, width: usize, device: &B::Device) -> Tensor<B, 2> {
-    let index = || Tensor::<B, 1, Int>::arange(0..width as i64, device).float();
-    let o = index().reshape([1, width]).mul_scalar(0.37f32);
-    let i = index().reshape([width, 1]).mul_scalar(0.91f32);
-    (o + i)
-        .add_scalar(1.3f32 * l as f32)
-        .sin()
-        .div_scalar((width as f32).sqrt())
+    let index = || Tensor::<B, 1, Int>::arange(0..width as i64, device);
+    let o = index().reshape([1, width]);
+    let i = index().reshape([width, 1]);
+    let v = (o.clone() * i.clone() + o.mul_scalar(7) + i.mul_scalar(13))
+        .add_scalar(101 * l as i64)
+        .remainder_scalar(8191);
+    v.float()
+        .div_scalar(8191.0)
+        .sub_scalar(0.5)
+        .div_scalar((width as f32).sqrt() / 2.0)
 }
 
 /// Step `s`'s input: `x[b][j] = cos(0.11·(b + 16·s) + 0.23·j)` in f32.
