@@ -112,6 +112,11 @@ impl HostGrads {
         self.chunk
     }
 
+    /// Chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
     /// The elements of chunk `c`.
     pub fn chunk_range(&self, c: usize) -> Range<usize> {
         let start = c * self.chunk;
@@ -180,6 +185,64 @@ impl HostGrads {
             }
         }
         Ok(())
+    }
+
+    /// Whether the running backward's writes copy (the first after a clear), so a writer may
+    /// place values where they lie itself ([`Self::reserve`], [`Self::commit`]).
+    pub fn copies(&self) -> bool {
+        self.fresh
+    }
+
+    /// Where chunk `c`'s values lie (stable while it is not lent: lending moves the vector, not
+    /// its buffer), for a writer that copies into them itself (a DMA).
+    pub fn chunk_ptr(&mut self, c: usize) -> Option<*mut f32> {
+        self.chunks[c].as_mut().map(|v| v.as_mut_ptr())
+    }
+
+    /// Claims elements `range` for a writer that copies them into place itself, in a backward
+    /// whose writes copy ([`Self::copies`]); [`Self::commit`] once they are there. Refused as
+    /// [`Self::write`] refuses (and when writes add).
+    pub fn reserve(&mut self, range: Range<usize>) -> Result<(), HostGradsError> {
+        if range.end > self.len {
+            return Err(HostGradsError::OutOfRange {
+                range,
+                len: self.len,
+            });
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        let before = self.written.range(..range.end).next_back();
+        if !self.fresh || before.is_some_and(|(_, &end)| end > range.start) {
+            return Err(HostGradsError::Twice { range });
+        }
+        let (first, last) = (range.start / self.chunk, (range.end - 1) / self.chunk);
+        if let Some(chunk) = (first..=last).find(|&c| self.chunks[c].is_none()) {
+            return Err(HostGradsError::Lent { chunk });
+        }
+        self.written.insert(range.start, range.end);
+        Ok(())
+    }
+
+    /// Elements `range`, claimed by [`Self::reserve`], are in place: counted, their sum of
+    /// squares taken when `boundary`, finished chunks told.
+    pub fn commit(&mut self, range: Range<usize>, boundary: bool) {
+        if range.is_empty() {
+            return;
+        }
+        for c in range.start / self.chunk..=(range.end - 1) / self.chunk {
+            let whole = self.chunk_range(c);
+            let part = range.start.max(whole.start)..range.end.min(whole.end);
+            if boundary {
+                let values = self.chunks[c].as_ref().expect("reserved, so not lent");
+                let dst = &values[part.start - whole.start..part.end - whole.start];
+                self.squares[c] += sum_squares_parallel(dst, self.threads);
+            }
+            self.filled[c] += part.len();
+            if boundary && self.filled[c] == whole.len() {
+                let _ = self.watch.as_ref().map(|w| w.send(c));
+            }
+        }
     }
 
     /// Ends a backward: zeroes what the first backward after a clear did not write, and at the
@@ -319,6 +382,25 @@ fn sum_squares(values: &[f32]) -> f64 {
     lanes.iter().sum::<f64>() + tail
 }
 
+/// The sum of squares of `values` on up to `threads` threads.
+fn sum_squares_parallel(values: &[f32], threads: usize) -> f64 {
+    let threads = threads.min(values.len() / PARALLEL_FROM).max(1);
+    if threads == 1 {
+        return sum_squares(values);
+    }
+    let per = values.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = values
+            .chunks(per)
+            .map(|v| s.spawn(move || sum_squares(v)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a sum-of-squares thread panicked"))
+            .sum()
+    })
+}
+
 /// `f` over matching chunks of `dst` and `src` on up to `threads` threads; the sum of its
 /// results.
 fn in_parallel(
@@ -413,6 +495,57 @@ mod tests {
         assert!(outside.to_string().contains("95..101"), "{outside}");
         grads.end_pass(false);
         grads.write(15..25, &[1.0; 10], false).unwrap();
+    }
+
+    /// A writer placing values itself (reserve, copy, commit) counts as a write: the same
+    /// values, squares and notifications; refused where writes add, overlap, or hit a lent chunk.
+    #[test]
+    fn values_placed_in_place_count_as_writes() {
+        let mut placed = HostGrads::in_chunks(25, 2, 10);
+        let mut written = HostGrads::in_chunks(25, 2, 10);
+        let (tx, rx) = std::sync::mpsc::channel();
+        placed.watch(tx);
+        let src: Vec<f32> = (0..25).map(|i| i as f32 * 0.5 - 3.0).collect();
+        for r in [3..17, 17..25, 0..3] {
+            assert!(placed.copies());
+            placed.reserve(r.clone()).unwrap();
+            assert_eq!(
+                placed.reserve(r.start..r.start + 1).unwrap_err(),
+                HostGradsError::Twice {
+                    range: r.start..r.start + 1
+                }
+            );
+            for c in r.start / 10..=(r.end - 1) / 10 {
+                let whole = placed.chunk_range(c);
+                let ptr = placed.chunk_ptr(c).unwrap();
+                for e in r.start.max(whole.start)..r.end.min(whole.end) {
+                    // SAFETY: `e` lies in chunk `c`, reserved above.
+                    unsafe { *ptr.add(e - whole.start) = src[e] };
+                }
+            }
+            placed.commit(r.clone(), true);
+            written.write(r.clone(), &src[r], true).unwrap();
+        }
+        assert_eq!(
+            rx.try_iter().collect::<Vec<_>>(),
+            vec![1, 2, 0],
+            "as they finish"
+        );
+        assert_eq!(placed.read(0..25), written.read(0..25));
+        assert_eq!(placed.sum_of_squares(), written.sum_of_squares());
+        placed.end_pass(true);
+        assert!(!placed.copies(), "the next backward adds");
+        assert_eq!(
+            placed.reserve(0..1).unwrap_err(),
+            HostGradsError::Twice { range: 0..1 }
+        );
+        placed.clear();
+        let lent = placed.lend(2).unwrap();
+        assert_eq!(
+            placed.reserve(19..21).unwrap_err(),
+            HostGradsError::Lent { chunk: 2 }
+        );
+        placed.give_back(2, lent);
     }
 
     /// The boundary backward tells each chunk as its last element arrives; a lent chunk

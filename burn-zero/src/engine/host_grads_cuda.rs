@@ -4,6 +4,12 @@
 //! copy overlaps the previous chunk's write into the partition (a copy when fresh, an add
 //! when accumulating, on the partition's threads).
 //!
+//! In a backward whose writes copy (the first after a step), the partition itself is the
+//! copy's destination: its chunks are page-locked in place (`cuMemHostRegister`) once, and
+//! each piece goes down straight into them, with no staging copy on the CPU (only the sum of
+//! squares reads it); the next piece's copy overlaps that read. Accumulating backwards add,
+//! so they go through the staging buffers.
+//!
 //! Ordering: the caller synchronizes burn's stream before handing a bucket over (it is
 //! complete), and the bucket's memory is held until its last chunk has been copied.
 
@@ -118,6 +124,61 @@ impl Staging {
         })
     }
 
+    /// Copies `chunks` (device address, partition range) straight into the partition's
+    /// registered memory (`ptrs` of its chunks), claiming each piece before its copy and
+    /// committing it once there.
+    fn run_direct(
+        &self,
+        chunks: &[(u64, Range<usize>)],
+        grads: &Mutex<HostGrads>,
+        boundary: bool,
+    ) -> Result<(), String> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| format!("{e:?}"))?;
+        let lock = || grads.lock().unwrap_or_else(|e| e.into_inner());
+        // Pieces within one chunk of the partition (its chunks are separate buffers).
+        let per = lock().chunk_len();
+        let pieces: Vec<(u64, Range<usize>)> = chunks
+            .iter()
+            .flat_map(|(src, dst)| {
+                let (src, start) = (*src, dst.start);
+                split_at_multiples(dst.clone(), per)
+                    .map(move |r| (src + 4 * (r.start - start) as u64, r))
+            })
+            .collect();
+        let issue = |k: usize| -> Result<(), String> {
+            let (src, dst) = &pieces[k];
+            let ptr = {
+                let mut g = lock();
+                g.reserve(dst.clone()).map_err(|e| e.to_string())?;
+                let c = dst.start / per;
+                let base = g.chunk_ptr(c).ok_or("a reserved chunk is lent")?;
+                // SAFETY: `dst` lies inside chunk `c` (split above), `base` is its buffer.
+                unsafe { base.add(dst.start - c * per) }
+            };
+            // SAFETY: the destination is registered (page-locked) memory of a piece reserved
+            // for this copy: nothing reads or writes it before `commit`, nor frees it (the
+            // partition lives while this thread does); `src` lies in a live, complete bucket.
+            let buf = unsafe { std::slice::from_raw_parts_mut(ptr, dst.len()) };
+            unsafe { result::memcpy_dtoh_async(buf, *src, self.streams[k % 2].cu_stream()) }
+                .map_err(|e| format!("{e:?}"))
+        };
+        if !pieces.is_empty() {
+            issue(0)?;
+        }
+        for (k, (_, dst)) in pieces.iter().enumerate() {
+            if k + 1 < pieces.len() {
+                issue(k + 1)?;
+            }
+            self.streams[k % 2]
+                .synchronize()
+                .map_err(|e| format!("{e:?}"))?;
+            lock().commit(dst.clone(), boundary);
+        }
+        Ok(())
+    }
+
     /// Copies `chunks` (device address, partition range) down and writes each into `grads`.
     fn run(
         &self,
@@ -158,6 +219,59 @@ impl Staging {
     }
 }
 
+/// `range` cut where multiples of `per` fall.
+fn split_at_multiples(range: Range<usize>, per: usize) -> impl Iterator<Item = Range<usize>> {
+    let mut at = range.start;
+    std::iter::from_fn(move || {
+        (at < range.end).then(|| {
+            let end = ((at / per + 1) * per).min(range.end);
+            let piece = at..end;
+            at = end;
+            piece
+        })
+    })
+}
+
+/// The partition's chunks, page-locked in place while this lives.
+struct Registered {
+    ptrs: Vec<*mut core::ffi::c_void>,
+}
+
+impl Registered {
+    /// Registers every chunk of `grads` (all present: before the first step); an error, with
+    /// whatever was registered undone, if the driver refuses one.
+    fn new(grads: &Mutex<HostGrads>) -> Result<Self, String> {
+        let mut g = grads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut done = Self { ptrs: Vec::new() };
+        for c in 0..g.chunk_count() {
+            let bytes = 4 * g.chunk_range(c).len();
+            let ptr = g.chunk_ptr(c).ok_or("a gradient chunk is lent")?;
+            if bytes == 0 {
+                continue;
+            }
+            // SAFETY: `ptr` is the start of a live buffer of `bytes` bytes, kept (not moved)
+            // while the partition lives, which outlives this (both held by the copy thread).
+            let r = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr.cast(), bytes, 0) };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                return Err(format!(
+                    "registering {bytes} bytes of the host gradient partition: {r:?}"
+                ));
+            }
+            done.ptrs.push(ptr.cast());
+        }
+        Ok(done)
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        for &p in &self.ptrs {
+            // SAFETY: registered above, still alive.
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(p) };
+        }
+    }
+}
+
 fn ptr(buf: &mut PinnedHostSlice<f32>) -> Result<*mut f32, String> {
     buf.as_mut_ptr().map_err(|e| format!("{e:?}"))
 }
@@ -169,6 +283,8 @@ fn serve(
     reply: &Sender<Result<(), String>>,
 ) {
     let mut staging: Option<Staging> = None;
+    // The partition page-locked at the first copy (`Err`: refused, staged copies only).
+    let mut registered: Option<Result<Registered, String>> = None;
     let mut failure: Option<String> = None;
     for job in inbox {
         match job {
@@ -203,7 +319,25 @@ fn serve(
                     })
                     .collect();
                 let stage = staging.as_ref().expect("made above");
-                if let Err(e) = stage.run(&chunks, grads, boundary) {
+                let registered = registered.get_or_insert_with(|| {
+                    let r = stage
+                        .context
+                        .bind_to_thread()
+                        .map_err(|e| format!("{e:?}"))
+                        .and_then(|()| Registered::new(grads));
+                    if let Err(e) = &r {
+                        crate::log::warn(&format!(
+                            "{e}; gradients go down through staging buffers"
+                        ));
+                    }
+                    r
+                });
+                let copies = grads.lock().unwrap_or_else(|e| e.into_inner()).copies();
+                let done = match registered.is_ok() && copies {
+                    true => stage.run_direct(&chunks, grads, boundary),
+                    false => stage.run(&chunks, grads, boundary),
+                };
+                if let Err(e) = done {
                     failure = Some(e);
                 }
                 drop(src);
