@@ -133,25 +133,10 @@ impl HostGrads {
         boundary: bool,
     ) -> Result<(), HostGradsError> {
         assert_eq!(range.len(), src.len(), "a write's source is its range long");
-        if range.end > self.len {
-            return Err(HostGradsError::OutOfRange {
-                range,
-                len: self.len,
-            });
-        }
-        if range.is_empty() {
+        if !self.claim(&range, true)? {
             return Ok(());
         }
-        let before = self.written.range(..range.end).next_back();
-        if before.is_some_and(|(_, &end)| end > range.start) {
-            return Err(HostGradsError::Twice { range });
-        }
-        let first = range.start / self.chunk;
-        let last = (range.end - 1) / self.chunk;
-        if let Some(chunk) = (first..=last).find(|&c| self.chunks[c].is_none()) {
-            return Err(HostGradsError::Lent { chunk });
-        }
-        self.written.insert(range.start, range.end);
+        let (first, last) = (range.start / self.chunk, (range.end - 1) / self.chunk);
         let copy = self.fresh;
         for c in first..=last {
             let whole = self.chunk_range(c);
@@ -203,25 +188,34 @@ impl HostGrads {
     /// whose writes copy ([`Self::copies`]); [`Self::commit`] once they are there. Refused as
     /// [`Self::write`] refuses (and when writes add).
     pub fn reserve(&mut self, range: Range<usize>) -> Result<(), HostGradsError> {
+        self.claim(&range, false).map(|_| ())
+    }
+
+    /// Marks `range` written by the running backward, unless it lies outside, overlaps an
+    /// earlier write, touches a lent chunk, or (`adds` false) the backward's writes add;
+    /// whether it holds any element.
+    fn claim(&mut self, range: &Range<usize>, adds: bool) -> Result<bool, HostGradsError> {
         if range.end > self.len {
             return Err(HostGradsError::OutOfRange {
-                range,
+                range: range.clone(),
                 len: self.len,
             });
         }
         if range.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let before = self.written.range(..range.end).next_back();
-        if !self.fresh || before.is_some_and(|(_, &end)| end > range.start) {
-            return Err(HostGradsError::Twice { range });
+        if (!adds && !self.fresh) || before.is_some_and(|(_, &end)| end > range.start) {
+            return Err(HostGradsError::Twice {
+                range: range.clone(),
+            });
         }
         let (first, last) = (range.start / self.chunk, (range.end - 1) / self.chunk);
         if let Some(chunk) = (first..=last).find(|&c| self.chunks[c].is_none()) {
             return Err(HostGradsError::Lent { chunk });
         }
         self.written.insert(range.start, range.end);
-        Ok(())
+        Ok(true)
     }
 
     /// Elements `range`, claimed by [`Self::reserve`], are in place: counted, their sum of
@@ -518,9 +512,10 @@ mod tests {
             for c in r.start / 10..=(r.end - 1) / 10 {
                 let whole = placed.chunk_range(c);
                 let ptr = placed.chunk_ptr(c).unwrap();
-                for e in r.start.max(whole.start)..r.end.min(whole.end) {
+                let part = r.start.max(whole.start)..r.end.min(whole.end);
+                for (e, v) in src.iter().enumerate().take(part.end).skip(part.start) {
                     // SAFETY: `e` lies in chunk `c`, reserved above.
-                    unsafe { *ptr.add(e - whole.start) = src[e] };
+                    unsafe { *ptr.add(e - whole.start) = *v };
                 }
             }
             placed.commit(r.clone(), true);

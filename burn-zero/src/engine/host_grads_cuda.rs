@@ -125,8 +125,7 @@ impl Staging {
     }
 
     /// Copies `chunks` (device address, partition range) straight into the partition's
-    /// registered memory (`ptrs` of its chunks), claiming each piece before its copy and
-    /// committing it once there.
+    /// registered memory, claiming each piece before its copy and committing it once there.
     fn run_direct(
         &self,
         chunks: &[(u64, Range<usize>)],
@@ -164,17 +163,31 @@ impl Staging {
             unsafe { result::memcpy_dtoh_async(buf, *src, self.streams[k % 2].cu_stream()) }
                 .map_err(|e| format!("{e:?}"))
         };
-        if !pieces.is_empty() {
+        self.pipelined(pieces.len(), issue, |k| {
+            lock().commit(pieces[k].1.clone(), boundary);
+            Ok(())
+        })
+    }
+
+    /// Copies `0..n` issued by `issue(k)` on stream `k % 2`, the next issued before the last
+    /// is waited for; `landed(k)` once copy `k` is done.
+    fn pipelined(
+        &self,
+        n: usize,
+        issue: impl Fn(usize) -> Result<(), String>,
+        mut landed: impl FnMut(usize) -> Result<(), String>,
+    ) -> Result<(), String> {
+        if n > 0 {
             issue(0)?;
         }
-        for (k, (_, dst)) in pieces.iter().enumerate() {
-            if k + 1 < pieces.len() {
+        for k in 0..n {
+            if k + 1 < n {
                 issue(k + 1)?;
             }
             self.streams[k % 2]
                 .synchronize()
                 .map_err(|e| format!("{e:?}"))?;
-            lock().commit(dst.clone(), boundary);
+            landed(k)?;
         }
         Ok(())
     }
@@ -197,25 +210,16 @@ impl Staging {
             unsafe { result::memcpy_dtoh_async(buf, *src, self.streams[k % 2].cu_stream()) }
                 .map_err(|e| format!("{e:?}"))
         };
-        if !chunks.is_empty() {
-            issue(0)?;
-        }
-        for (k, (_, dst)) in chunks.iter().enumerate() {
-            if k + 1 < chunks.len() {
-                issue(k + 1)?;
-            }
-            self.streams[k % 2]
-                .synchronize()
-                .map_err(|e| format!("{e:?}"))?;
-            // SAFETY: the copy into this buffer is done (synchronized above).
+        self.pipelined(chunks.len(), issue, |k| {
+            let dst = &chunks[k].1;
+            // SAFETY: the copy into this buffer is done (synchronized before `landed`).
             let values = unsafe { std::slice::from_raw_parts(self.ptrs[k % 2], dst.len()) };
             grads
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .write(dst.clone(), values, boundary)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
+                .map_err(|e| e.to_string())
+        })
     }
 }
 
