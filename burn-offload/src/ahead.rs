@@ -34,6 +34,9 @@ pub struct AheadReport {
 #[derive(Debug)]
 pub struct StepAhead {
     thread: Option<JoinHandle<AheadReport>>,
+    /// The partition watched (told to stop watching if this is dropped before its backward
+    /// ended, so the thread ends).
+    grads: Arc<Mutex<HostGrads>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -66,6 +69,7 @@ impl StepAhead {
         lock(&opt).begin_ahead(lr, betas, grad_scale)?;
         let (tx, finished) = channel::<usize>();
         lock(&grads).watch(tx);
+        let watched = grads.clone();
         let thread = std::thread::Builder::new()
             .name("burn-offload-step-ahead".into())
             .spawn(move || {
@@ -106,6 +110,7 @@ impl StepAhead {
             .expect("spawning the step-ahead thread");
         Ok(Self {
             thread: Some(thread),
+            grads: watched,
         })
     }
 
@@ -127,10 +132,11 @@ impl StepAhead {
 }
 
 impl Drop for StepAhead {
+    /// Not finished (its backward failed or never ended): the watcher goes, so the thread
+    /// ends once it has stepped what it was told of.
     fn drop(&mut self) {
-        // The thread ends with the backward; if that never comes, the channel's sender goes
-        // with the gradient partition's next pass or its drop.
-        if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
+        if self.thread.is_some() {
+            lock(&self.grads).unwatch();
             self.join();
         }
     }

@@ -308,6 +308,11 @@ impl HostGrads {
         self.watch = Some(watcher);
     }
 
+    /// Stops telling the watcher (whose channel closes), as the end of a pass does.
+    pub fn unwatch(&mut self) {
+        self.watch = None;
+    }
+
     /// Takes chunk `c` out (a finished chunk, for a step while backward goes on); a write to it
     /// is refused until [`Self::give_back`].
     pub fn lend(&mut self, c: usize) -> Result<Vec<f32>, HostGradsError> {

@@ -355,8 +355,8 @@ impl HostOptimizer {
                 vec![false; ranges.len()],
             ),
             Some(ahead) if ahead.with != (lr, betas, grad_scale) => {
+                // Closed: the sub-groups stepped keep their update (see `abandon_ahead`).
                 let begun = ahead.with;
-                self.ahead = Some(ahead);
                 return Err(AheadError::Changed {
                     begun,
                     completed: (lr, betas, grad_scale),
@@ -486,22 +486,40 @@ impl HostOptimizer {
             .map_or(0, |a| a.done.iter().filter(|&&d| d).count())
     }
 
-    /// Gives the step begun ahead up (its gradients overflowed). With no sub-group stepped, it
-    /// never happened (`false`). Otherwise (`true`) those keep their update, and the next
-    /// [`Self::step`] (same values) hands the weights out without stepping the rest.
-    pub fn abandon_ahead(&mut self) -> bool {
-        match self.ahead.take() {
-            None => false,
-            Some(a) if !a.done.contains(&true) => {
-                self.step -= 1;
-                false
-            }
-            Some(mut a) => {
-                a.rest_skipped = true;
-                self.ahead = Some(a);
-                true
-            }
+    /// Whether a step begun ahead is open (not completed by [`Self::step`] nor abandoned).
+    pub fn has_ahead(&self) -> bool {
+        self.ahead.is_some()
+    }
+
+    /// Closes the step begun ahead without completing it (its backward failed, or its
+    /// gradients overflowed everywhere before any sub-group was stepped): with no sub-group
+    /// stepped it never happened; otherwise those keep their update and the step count, and
+    /// their new weights go out with the next step's. Returns how many were stepped.
+    pub fn abandon_ahead(&mut self) -> usize {
+        let stepped = self.stepped_ahead();
+        if self.ahead.take().is_some() && stepped == 0 {
+            self.step -= 1;
         }
+        stepped
+    }
+
+    /// The step (begun ahead with these values, or now) steps nothing more: the next
+    /// [`Self::step`] with the same values hands every sub-group's weights out, those stepped
+    /// ahead with their update, the others as they are (gradients that overflowed, where some
+    /// sub-group somewhere was stepped ahead already). Host memory only.
+    pub fn skip_rest_ahead(
+        &mut self,
+        lr: f32,
+        betas: (f32, f32),
+        grad_scale: GradScale,
+    ) -> Result<(), AheadError> {
+        if self.ahead.is_none() {
+            self.begin_ahead(lr, betas, grad_scale)?;
+        }
+        if let Some(a) = self.ahead.as_mut() {
+            a.rest_skipped = true;
+        }
+        Ok(())
     }
 
     /// The master, step count and the state as named partitions (PyTorch's names).
@@ -574,6 +592,8 @@ impl HostOptimizer {
             Storage::Memory(t) => *t = values,
             Storage::Nvme(s) => s.write_all(&values).map_err(|e| e.to_string())?,
         }
+        // A step begun ahead belonged to the state replaced.
+        self.ahead = None;
         Ok(())
     }
 }

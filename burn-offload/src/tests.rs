@@ -613,7 +613,7 @@ mod streamed {
     /// order the writes finish them, give the serial step's master and bf16 weights bit for
     /// bit over three steps, with a chunk left for the step itself (never finished early) and
     /// a last sub-group shorter than the rest; the step refuses other values than those it
-    /// began with, and an abandoned step before any sub-group leaves no trace.
+    /// began with (and closes), and an abandoned step before any sub-group leaves no trace.
     #[test]
     fn sub_groups_stepped_ahead_give_the_serial_bits() {
         use std::sync::{Arc, Mutex};
@@ -659,20 +659,6 @@ mod streamed {
                 first[..10].copy_from_slice(&g[..10]);
             }
             let mut opt = opt.lock().unwrap();
-            let mut buffers = OwnedBuffers::new(1, sub_group, OutDtype::Bf16);
-            let wrong = opt.step(
-                2e-3,
-                (0.9, 0.999),
-                [1.0, 1.0],
-                buffers.lend(),
-                &|_, _| Ok(()),
-                &mut |_, _| Ok(()),
-            );
-            let wrong = wrong.map(|_| ()).unwrap_err();
-            assert!(matches!(
-                wrong,
-                StreamError::Ahead(AheadError::Changed { .. })
-            ));
             let got = {
                 let mut buffers = OwnedBuffers::new(2, sub_group, OutDtype::Bf16);
                 let mut g1 = grads.lock().unwrap();
@@ -702,13 +688,30 @@ mod streamed {
             assert_eq!(opt.export().unwrap(), serial.export().unwrap(), "step {t}");
         }
         let mut opt = opt.lock().unwrap();
+        // Completed with another learning rate: refused, and the step begun ahead is closed.
+        opt.begin_ahead(1e-3, (0.9, 0.999), [1.0; 2]).unwrap();
+        let mut buffers = OwnedBuffers::new(1, sub_group, OutDtype::Bf16);
+        let wrong = opt.step(
+            2e-3,
+            (0.9, 0.999),
+            [1.0, 1.0],
+            buffers.lend(),
+            &|_, _| Ok(()),
+            &mut |_, _| Ok(()),
+        );
+        let wrong = wrong.map(|_| ()).unwrap_err();
+        assert!(matches!(
+            wrong,
+            StreamError::Ahead(AheadError::Changed { .. })
+        ));
+        assert!(!opt.has_ahead());
         let steps = opt.export().unwrap().1;
         opt.begin_ahead(1e-3, (0.9, 0.999), [1.0; 2]).unwrap();
         assert_eq!(
             opt.begin_ahead(1.0, (0.9, 0.9), [1.0; 2]),
             Err(AheadError::Open)
         );
-        assert!(!opt.abandon_ahead(), "nothing was stepped");
+        assert_eq!(opt.abandon_ahead(), 0, "nothing was stepped");
         assert_eq!(opt.export().unwrap().1, steps, "the step count is back");
     }
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use burn::backend::NdArray;
 use burn::module::Module;
 use burn::nn::Linear;
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn_zero::DeepSpeedConfig;
 use burn_zero::comm::Communicator;
@@ -543,82 +544,137 @@ struct Two<B: Backend> {
 
 /// A NaN gradient skips the step. Serially nothing moves; stepping ahead, the sub-groups that
 /// finished before the NaN one was seen keep their update (documented), the NaN one does not
-/// take it, nothing becomes non-finite, and the next step trains.
+/// take it, nothing becomes non-finite, and the next step trains. On 2 ranks the NaN comes from
+/// the last rank's micro-batch alone and lands in the other rank's partition: the ranks must
+/// still agree (no rank left waiting in a collective, one model everywhere).
 #[test]
 fn a_nan_gradient_stops_stepping_ahead_and_skips_the_rest() {
+    for world in [1, 2] {
+        for ahead in [false, true] {
+            let ranks = run_two(world, ahead, |engine, rank, stage| {
+                let factor = match stage == Stage::Poisoned && rank + 1 == world {
+                    true => f32::NAN,
+                    false => 0.0,
+                };
+                two_step(engine, factor).unwrap();
+            });
+            let what = format!("world {world}, step_ahead {ahead}");
+            let (before, after, next, skipped) = &ranks[0];
+            for other in &ranks[1..] {
+                assert!(other == &ranks[0], "{what}: the ranks disagree");
+            }
+            assert_eq!(*skipped, 1, "{what}: the NaN step is counted as skipped");
+            assert!(
+                after.iter().flatten().all(|v| v.is_finite()),
+                "{what}: a NaN reached the weights"
+            );
+            assert_eq!(
+                after[0], before[0],
+                "{what}: the NaN gradient's weight moved"
+            );
+            let moved = before.iter().zip(after).filter(|(b, a)| b != a).count();
+            match ahead {
+                false => assert_eq!(moved, 0, "{what}: serially the skipped step moves nothing"),
+                true => assert!(
+                    moved > 0,
+                    "{what}: no sub-group finished before the NaN one"
+                ),
+            }
+            assert!(next != after, "{what}: the step after trains");
+        }
+    }
+}
+
+/// A boundary backward that fails (no parameter gradient reached the engine) after stepping
+/// ahead began leaves no thread waiting: the next backward and step train as usual.
+#[test]
+fn a_failed_backward_stops_stepping_ahead() {
+    for world in [1, 2] {
+        let ranks = run_two(world, true, |engine, _, stage| {
+            // Only the first backward can see no gradient at all (later ones keep the count).
+            if stage == Stage::First {
+                let device = Default::default();
+                let stray = Tensor::<B, 1>::from_floats([1.0, 2.0], &device).require_grad();
+                let err = engine.backward(stray.sum()).unwrap_err();
+                assert!(err.to_string().contains("no parameter gradient"), "{err}");
+            }
+            two_step(engine, 0.0).unwrap();
+        });
+        let (before, after, next, skipped) = &ranks[0];
+        assert_eq!(*skipped, 0, "world {world}");
+        assert!(before != after && after != next, "world {world}: it trains");
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Stage {
+    First,
+    Poisoned,
+    After,
+}
+
+type TwoEngine = burn_zero::engine::Engine<NdArray, Two<B>>;
+type TwoRun = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>, usize);
+
+/// [`Two`] (a's 96 + 12, b's 120 + 10 parameters) at stage 2 offloaded in sub-groups of 40, on
+/// `world` ranks; `step` runs each of three steps; the model's values after each, and the
+/// skipped steps.
+fn run_two(
+    world: usize,
+    ahead: bool,
+    step: impl Fn(&mut TwoEngine, usize, Stage) + Sync,
+) -> Vec<TwoRun> {
     use burn::module::Param;
     use burn::nn::LinearConfig;
-    use burn::tensor::Tensor;
     let values = |m: &Two<B>| -> Vec<Vec<f32>> {
         param_data::<B, _>(m)
             .into_iter()
             .map(|d| d.convert::<f32>().to_vec::<f32>().unwrap())
             .collect()
     };
-    for ahead in [false, true] {
-        let json = format!(
-            r#"{{"train_batch_size": 4, "optimizer": {ADAMW}, "gradient_clipping": 0,
-            "zero_optimization": {{"stage": 2, "reduce_bucket_size": 50,
-                "offload_optimizer": {{"device": "cpu"}}, "sub_group_size": 40}},
-            "burn_zero": {{"cpu_adam": {{"threads": 2, "step_ahead": {ahead}}}}}}}"#
-        );
-        let cfg = DeepSpeedConfig::from_json(&json).unwrap().config;
-        let (before, after, next, skipped) = run_ranks(1, |ctx| {
-            let device = Default::default();
-            let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
-            let mut model = Two::<B> {
-                a: LinearConfig::new(8, 12).init(&device),
-                b: LinearConfig::new(12, 10).init(&device),
-            };
-            let ramp = |n: usize, s: f32| {
-                Tensor::<B, 1>::from_floats(
-                    (0..n)
-                        .map(|i| ((i * 7 % 13) as f32 - 6.0) * s)
-                        .collect::<Vec<_>>()
-                        .as_slice(),
-                    &device,
-                )
-            };
-            model.a.weight = Param::from_tensor(ramp(96, 0.05).reshape([8, 12]));
-            model.b.weight = Param::from_tensor(ramp(120, 0.03).reshape([12, 10]));
-            let mut engine = initialize::<NdArray, _>(model, &cfg, comm).unwrap();
-            let x = ramp(32, 0.1).reshape([4, 8]);
-            let step = |engine: &mut burn_zero::engine::Engine<NdArray, Two<B>>, poison: bool| {
-                let m = engine.model();
-                let out = m.b.forward(m.a.forward(x.clone()));
-                let mut loss = out.powf_scalar(2.0).mean();
-                if poison {
-                    // d/dw of (w · NaN)·0 is NaN for `a.weight` alone.
-                    let nan = m.a.weight.val().mul_scalar(f32::NAN).sum().mul_scalar(0.0);
-                    loss = loss + nan;
-                }
-                engine.backward(loss).unwrap();
-                engine.step().unwrap();
-            };
-            step(&mut engine, false);
-            let before = values(engine.model());
-            step(&mut engine, true);
-            let after = values(engine.model());
-            step(&mut engine, false);
-            let next = values(engine.model());
-            (before, after, next, engine.skipped_steps())
-        })
-        .remove(0);
-        let what = format!("step_ahead {ahead}");
-        assert_eq!(skipped, 1, "{what}: the NaN step is counted as skipped");
-        assert!(
-            after.iter().flatten().all(|v| v.is_finite()),
-            "{what}: a NaN reached the weights"
-        );
-        assert_eq!(
-            after[0], before[0],
-            "{what}: the NaN gradient's weight moved"
-        );
-        let moved = before.iter().zip(&after).filter(|(b, a)| b != a).count();
-        match ahead {
-            false => assert_eq!(moved, 0, "serially the skipped step moves nothing"),
-            true => assert!(moved > 0, "no sub-group finished before the NaN one"),
-        }
-        assert!(next != after, "{what}: the step after trains");
-    }
+    let json = format!(
+        r#"{{"train_batch_size": {}, "optimizer": {ADAMW}, "gradient_clipping": 0,
+        "zero_optimization": {{"stage": 2, "reduce_bucket_size": 50,
+            "offload_optimizer": {{"device": "cpu"}}, "sub_group_size": 40}},
+        "burn_zero": {{"cpu_adam": {{"threads": 2, "step_ahead": {ahead}}}}}}}"#,
+        4 * world
+    );
+    let cfg = DeepSpeedConfig::from_json(&json).unwrap().config;
+    run_ranks(world, |ctx| {
+        let device = Default::default();
+        let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let mut model = Two::<B> {
+            a: LinearConfig::new(8, 12).init(&device),
+            b: LinearConfig::new(12, 10).init(&device),
+        };
+        model.a.weight = Param::from_tensor(ramp(96, 0.05).reshape([8, 12]));
+        model.a.bias = Some(Param::from_tensor(ramp(12, 0.02)));
+        model.b.weight = Param::from_tensor(ramp(120, 0.03).reshape([12, 10]));
+        model.b.bias = Some(Param::from_tensor(ramp(10, 0.01)));
+        let mut engine = initialize::<NdArray, _>(model, &cfg, comm).unwrap();
+        step(&mut engine, ctx.rank, Stage::First);
+        let before = values(engine.model());
+        step(&mut engine, ctx.rank, Stage::Poisoned);
+        let after = values(engine.model());
+        step(&mut engine, ctx.rank, Stage::After);
+        let next = values(engine.model());
+        (before, after, next, engine.skipped_steps())
+    })
+}
+
+fn ramp(n: usize, s: f32) -> Tensor<B, 1> {
+    let values: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * s).collect();
+    Tensor::<B, 1>::from_floats(values.as_slice(), &Default::default())
+}
+
+/// One step of [`Two`] on a fixed batch, plus a term whose gradient for `a.weight` alone is
+/// `factor`·0 (NaN for a NaN factor): d/dw of (w · factor)·0. Every rank adds it, so every
+/// rank's graph (and its gradients' order) is the same.
+fn two_step(engine: &mut TwoEngine, factor: f32) -> Result<(), burn_zero::engine::EngineError> {
+    let m = engine.model();
+    let x = ramp(32, 0.1).reshape([4, 8]);
+    let out = m.b.forward(m.a.forward(x));
+    let term = m.a.weight.val().mul_scalar(factor).sum().mul_scalar(0.0);
+    engine.backward(out.powf_scalar(2.0).mean() + term)?;
+    engine.step()
 }

@@ -153,6 +153,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                 self.micro_steps % gas
             )));
         }
+        self.refuse_while_ahead("save_checkpoint")?;
         let tag = tag.map_or_else(|| format!("global_step{}", self.global_steps), String::from);
         if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
             return Err(EngineError::Usage(format!(
@@ -399,6 +400,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// This rank's side of a load: the manifest, the directory, the master partition and the
     /// optimizer state partitions, checked and read (nothing changed yet).
     fn read_checkpoint(&self, root: &Path, tag: Option<&str>) -> Result<Restored, EngineError> {
+        // The optimizer's import closes a step begun ahead: its thread must be done.
+        self.settle_step_ahead();
         let gas = self.resolved.batch.gradient_accumulation_steps;
         if !self.micro_steps.is_multiple_of(gas) {
             return Err(EngineError::Usage(

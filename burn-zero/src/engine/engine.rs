@@ -262,6 +262,26 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         if boundary {
             self.start_step_ahead()?;
         }
+        let ran = self.run_backward(loss, profiled);
+        if ran.is_err() && boundary {
+            self.cancel_step_ahead();
+        }
+        ran?;
+        if !boundary {
+            // burn consumes the marks in backward; the next micro-step needs them again.
+            let model = self.model.take().expect("model");
+            self.model = Some(hooks::mark_distributed(model));
+        }
+        self.timings.backward += start.elapsed();
+        Ok(())
+    }
+
+    /// Backpropagates the scaled `loss` and checks that gradients arrived.
+    fn run_backward(
+        &mut self,
+        loss: Tensor<ZeroAutodiff<I>, 1>,
+        profiled: Option<Instant>,
+    ) -> Result<(), EngineError> {
         // The forward's freed temporaries go back before backward allocates (and backward's
         // before the step): pages cached for one phase's sizes do not hold the next's.
         self.release_cached_memory();
@@ -284,13 +304,6 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     .into(),
             ));
         }
-        drop(strategy);
-        if !boundary {
-            // burn consumes the marks in backward; the next micro-step needs them again.
-            let model = self.model.take().expect("model");
-            self.model = Some(hooks::mark_distributed(model));
-        }
-        self.timings.backward += start.elapsed();
         Ok(())
     }
 
@@ -303,7 +316,10 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             return Ok(());
         }
         let start = Instant::now();
-        self.finish_step_ahead()?;
+        if self.step_ahead == StepAheadPlan::On {
+            let finished = self.finish_step_ahead();
+            self.agree("step sub-groups ahead", finished)?;
+        }
         let strategy = self.strategy.clone();
         let mut strategy = strategy.lock().expect("strategy");
         // In the buffer's pieces: a large partition is more than one device buffer may hold.
@@ -345,18 +361,19 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.last_grad_norm = Some(norm);
         // The norm is reduced across ranks: inf or NaN anywhere overflows everywhere.
         let update = self.precision.scaler.update(!norm.is_finite())?;
-        // Sub-groups stepped ahead of an overflowing step keep their update: the step goes on
-        // to send their weights up, stepping nothing more.
+        // Sub-groups stepped ahead of an overflowing step (on any rank) keep their update:
+        // every rank's step goes on to send its weights up, stepping nothing more.
         let kept = match update.skipped() {
-            true => self.optim.abandon_ahead(),
+            true => self.overflow_after_step_ahead()?,
             false => 0,
         };
         if kept > 0 {
             self.precision.skipped += 1;
             crate::log::warn(&format!(
-                "step {}: gradients overflowed (norm {norm}); step skipped on rank {}, but for \
-                 the {kept} sub-groups stepped ahead of the overflow (cpu_adam.step_ahead)",
+                "step {}: gradients overflowed (norm {norm}); step skipped, but for the \
+                 {} sub-groups rank {} had stepped ahead of the overflow (cpu_adam.step_ahead)",
                 self.global_steps + 1,
+                self.optim.stepped_ahead(),
                 self.comm.rank()
             ));
         }

@@ -23,6 +23,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         &self,
         f: impl FnMut(&ParamSlot, Tensor<I, 1>),
     ) -> Result<(), EngineError> {
+        self.refuse_while_ahead("for_each_full_param")?;
         self.for_each_full(self.master_partition()?, Held::Master, f)
     }
 
@@ -33,6 +34,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         &self,
         f: impl FnMut(&ParamSlot, Tensor<I, 1>),
     ) -> Result<(), EngineError> {
+        self.settle_step_ahead();
         let buffer = self.strategy().grads().partition().cast(FloatDType::F32);
         let buffer = if self.precision.scales() {
             buffer.div_scalar(self.precision.scaler.scale())
@@ -48,6 +50,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// `stage3_gather_16bit_weights_on_model_save` (else [`Engine::for_each_full_param`]
     /// streams the parameters without holding them all).
     pub fn full_model(&self) -> Result<M, EngineError> {
+        self.refuse_while_ahead("full_model")?;
         let gather = self
             .resolved
             .config

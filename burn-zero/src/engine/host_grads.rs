@@ -52,6 +52,8 @@ pub(crate) struct HostGradStream<I: Backend> {
     grads: Arc<Mutex<HostGrads>>,
     /// The boundary backward's sub-groups stepped as they finish, when started.
     ahead: Option<StepAhead>,
+    /// What stepping ahead did, once its thread was waited for before the step.
+    ahead_report: Option<AheadReport>,
     #[cfg(feature = "cuda")]
     copier: Option<super::host_grads_cuda::Copier>,
     /// The first failure since the last `end_pass`.
@@ -68,6 +70,7 @@ impl<I: Backend> HostGradStream<I> {
         Self {
             grads: Arc::new(Mutex::new(grads)),
             ahead: None,
+            ahead_report: None,
             #[cfg(feature = "cuda")]
             copier: None,
             failure: None,
@@ -144,6 +147,8 @@ impl<I: Backend> HostGradStream<I> {
             self.failure.get_or_insert(e);
         }
         if let Some(e) = self.failure.take() {
+            // The pass ends all the same for a watcher (a thread stepping ahead).
+            self.grads().unwatch();
             return Err(format!("moving gradients to the host: {e}"));
         }
         self.grads().end_pass(boundary);
@@ -164,9 +169,26 @@ impl<I: Backend> HostGradStream<I> {
         Ok(())
     }
 
+    /// Waits for the sub-groups stepped ahead (after the backward ended: every chunk is back
+    /// in the partition then); the report is kept for [`Self::finish_ahead`].
+    pub(crate) fn settle_ahead(&mut self) {
+        if let Some(ahead) = self.ahead.take() {
+            self.ahead_report = Some(ahead.finish());
+        }
+    }
+
     /// What stepping ahead did in the backward that ended (`None` if it was not started).
     pub(crate) fn finish_ahead(&mut self) -> Option<AheadReport> {
-        self.ahead.take().map(StepAhead::finish)
+        self.settle_ahead();
+        self.ahead_report.take()
+    }
+
+    /// Stops stepping ahead of a backward that failed: the thread ends once it has stepped
+    /// what it was told of.
+    pub(crate) fn cancel_ahead(&mut self) {
+        // Dropping it stops the watching and waits for the thread.
+        drop(self.ahead.take());
+        self.ahead_report = None;
     }
 
     /// Starts a new accumulation window.

@@ -177,19 +177,29 @@ impl Staging {
         issue: impl Fn(usize) -> Result<(), String>,
         mut landed: impl FnMut(usize) -> Result<(), String>,
     ) -> Result<(), String> {
-        if n > 0 {
-            issue(0)?;
-        }
-        for k in 0..n {
-            if k + 1 < n {
-                issue(k + 1)?;
+        let mut run = || -> Result<(), String> {
+            if n > 0 {
+                issue(0)?;
             }
-            self.streams[k % 2]
-                .synchronize()
-                .map_err(|e| format!("{e:?}"))?;
-            landed(k)?;
+            for k in 0..n {
+                if k + 1 < n {
+                    issue(k + 1)?;
+                }
+                self.streams[k % 2]
+                    .synchronize()
+                    .map_err(|e| format!("{e:?}"))?;
+                landed(k)?;
+            }
+            Ok(())
+        };
+        let done = run();
+        if done.is_err() {
+            // No copy may still read the bucket or write the host once this returns.
+            for s in &self.streams {
+                let _ = s.synchronize();
+            }
         }
-        Ok(())
+        done
     }
 
     /// Copies `chunks` (device address, partition range) down and writes each into `grads`.

@@ -250,16 +250,32 @@ impl<I: Backend> Optim<I> {
         }
     }
 
-    /// Gives a step begun ahead up (its gradients overflowed): the sub-groups already stepped,
-    /// which keep their update (0: the step never happened).
+    /// Sub-groups stepped ahead in the step begun (0 on the device).
+    pub(crate) fn stepped_ahead(&self) -> usize {
+        match self {
+            Optim::Device { .. } => 0,
+            Optim::Host { opt, .. } => lock(opt).stepped_ahead(),
+        }
+    }
+
+    /// Closes a step begun ahead without completing it (see
+    /// [`HostOptimizer::abandon_ahead`]); the sub-groups stepped, which keep their update.
     pub(crate) fn abandon_ahead(&mut self) -> usize {
         match self {
             Optim::Device { .. } => 0,
+            Optim::Host { opt, .. } => lock(opt).abandon_ahead(),
+        }
+    }
+
+    /// The step steps nothing more (see [`HostOptimizer::skip_rest_ahead`]).
+    pub(crate) fn skip_rest_ahead(&mut self, hp: StepParams) -> Result<(), EngineError> {
+        match self {
+            Optim::Device { .. } => Ok(()),
             Optim::Host { opt, .. } => {
-                let mut opt = lock(opt);
-                let stepped = opt.stepped_ahead();
-                opt.abandon_ahead();
-                stepped
+                let (lr, betas) = hp.f32();
+                lock(opt)
+                    .skip_rest_ahead(lr, betas, [1.0, 1.0])
+                    .map_err(|e| EngineError::HostGradients(e.to_string()))
             }
         }
     }

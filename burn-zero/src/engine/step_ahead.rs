@@ -12,7 +12,10 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 
+use burn_offload::AheadError;
+
 use super::engine::{Engine, EngineError, ZeroAutodiff};
+use crate::comm::ReduceOp;
 use crate::config::{OffloadDevice, ResolvedConfig};
 use crate::optim::StepParams;
 
@@ -85,7 +88,73 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         };
         // No loss scale, no clipping: the step's gradient scale is [1, 1].
         host.start_ahead(opt, lr, betas, [1.0, 1.0])
-            .map_err(|e| EngineError::HostGradients(format!("stepping sub-groups ahead: {e}")))
+            .map_err(|e| match e {
+                AheadError::Open => EngineError::Usage(
+                    "a second backward at an accumulation boundary without `step` between: the \
+                     first one's sub-groups were stepped ahead (cpu_adam.step_ahead); call \
+                     `step`, or set step_ahead false to accumulate them"
+                        .into(),
+                ),
+                e => EngineError::HostGradients(format!("stepping sub-groups ahead: {e}")),
+            })
+    }
+
+    /// After a boundary backward that failed: stops stepping ahead and closes the step. The
+    /// sub-groups already stepped (their gradients were final) keep their update; their
+    /// weights go up with the next step's.
+    pub(super) fn cancel_step_ahead(&mut self) {
+        if let Some(host) = self.strategy().grads_mut().host.as_mut() {
+            host.cancel_ahead();
+        }
+        let kept = self.optim.abandon_ahead();
+        if kept > 0 {
+            crate::log::warn(&format!(
+                "rank {}: backward failed after {kept} sub-groups were stepped ahead from its \
+                 finished gradients; they keep that update",
+                self.comm.rank()
+            ));
+        }
+    }
+
+    /// At a step whose gradients overflowed (every rank sees it): whether any rank has
+    /// stepped sub-groups ahead already. If so (the largest count is returned), every rank's
+    /// step goes on stepping nothing more, so the ranks keep one step count and meet in the
+    /// same collectives; if not, the step begun ahead never happened.
+    pub(super) fn overflow_after_step_ahead(&mut self) -> Result<usize, EngineError> {
+        if self.step_ahead != StepAheadPlan::On {
+            return Ok(0);
+        }
+        let mut most = [self.optim.stepped_ahead() as f32];
+        self.comm
+            .all_reduce(most.as_mut_slice().into(), ReduceOp::Max)?;
+        if most[0] > 0.0 {
+            self.optim.skip_rest_ahead(self.step_params())?;
+        } else {
+            self.optim.abandon_ahead();
+        }
+        Ok(most[0] as usize)
+    }
+
+    /// Refuses `what` (reading the master: a checkpoint, full parameters) between a
+    /// backward and its step once sub-groups were stepped ahead: the master is half stepped.
+    pub(super) fn refuse_while_ahead(&self, what: &str) -> Result<(), EngineError> {
+        if let Some(host) = self.strategy().grads_mut().host.as_mut() {
+            host.settle_ahead();
+        }
+        match self.optim.stepped_ahead() {
+            0 => Ok(()),
+            n => Err(EngineError::Usage(format!(
+                "{what} between `backward` and `step` after {n} sub-groups were stepped ahead \
+                 (cpu_adam.step_ahead): call `step` first"
+            ))),
+        }
+    }
+
+    /// Waits for the sub-groups stepped ahead, so the gradient partition is whole to read.
+    pub(super) fn settle_step_ahead(&self) {
+        if let Some(host) = self.strategy().grads_mut().host.as_mut() {
+            host.settle_ahead();
+        }
     }
 
     /// At the step: waits for the sub-groups stepped ahead and counts them.
