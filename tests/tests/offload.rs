@@ -364,6 +364,93 @@ fn a_corrupted_swap_file_stops_every_rank_and_is_named() {
     assert!(rank0.contains("another rank failed"), "{rank0}");
 }
 
+/// How a swap goes wrong between two steps (on one rank).
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// A byte of a swap file flipped on disk.
+    Corrupt,
+    /// A swap file cut short.
+    Truncate,
+    /// The disk fills up (the swap files are sparse): the step's writes fail.
+    FullDisk,
+}
+
+/// A corrupted or truncated swap file, or a disk that fills up during a step's writes, stops
+/// every rank, with the file and the cause named on the rank that hit it; the checkpoint
+/// saved before still loads, and a run resumed from it trains step 1 as an unbroken run does.
+#[test]
+fn a_damaged_swap_or_a_full_disk_stops_every_rank_and_the_last_checkpoint_loads() {
+    let cfg = config(2, Place::Nvme, ADAMW, "");
+    let unbroken = train(2, &cfg, 0..2, None, None);
+    for fault in [Fault::Corrupt, Fault::Truncate, Fault::FullDisk] {
+        let root =
+            std::env::temp_dir().join(format!("bz-offload-{fault:?}-{}", std::process::id()));
+        let outcomes = run_ranks(2, |ctx| {
+            let device = Default::default();
+            let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+            let mut engine =
+                initialize::<NdArray, _>(Mlp::<B>::new(&device), &cfg, comm.clone()).unwrap();
+            let files = engine.swap_files();
+            assert_eq!(files.len(), 3, "master, exp_avg, exp_avg_sq: {files:?}");
+            train_step(&mut engine, comm.as_ref(), 0, ctx.rank, 2);
+            engine.save_checkpoint(&root, None, json!(null)).unwrap();
+            if ctx.rank == 1 {
+                let victim = files
+                    .iter()
+                    .find(|f| f.ends_with("exp_avg_sq.swp"))
+                    .unwrap();
+                match fault {
+                    Fault::Corrupt => {
+                        let mut bytes = std::fs::read(victim).unwrap();
+                        bytes[4] ^= 0x01;
+                        std::fs::write(victim, &bytes).unwrap();
+                    }
+                    Fault::Truncate => {
+                        let file = std::fs::OpenOptions::new().write(true).open(victim);
+                        file.unwrap().set_len(100).unwrap();
+                    }
+                    Fault::FullDisk => {
+                        let dir = victim.parent().unwrap().to_string_lossy();
+                        burn_zero::engine::inject_full_disk(&dir, 0);
+                    }
+                }
+            }
+            let mut outcome = Ok(());
+            for j in 0..2 {
+                let start = (j * 2 + ctx.rank) * 9;
+                let (x, y) = engine_run::batch::<B>(1, start..start + 9, &device);
+                let loss = engine_run::loss(engine.model(), x, y);
+                engine.backward(loss).unwrap();
+                outcome = engine.step().map_err(|e| e.to_string());
+            }
+            outcome
+        });
+        let rank1 = outcomes[1].as_ref().unwrap_err();
+        // A full disk fails the first file the step writes (the master's).
+        let (file, cause) = match fault {
+            Fault::Corrupt => ("rank1-optimizer/exp_avg_sq.swp", "corrupted"),
+            Fault::Truncate => ("rank1-optimizer/exp_avg_sq.swp", "short read"),
+            Fault::FullDisk => ("rank1-optimizer/master.swp", "No space left on device"),
+        };
+        assert!(
+            rank1.contains(file) && rank1.contains(cause),
+            "{fault:?}: {rank1}"
+        );
+        let rank0 = outcomes[0].as_ref().unwrap_err();
+        assert!(rank0.contains("another rank failed"), "{fault:?}: {rank0}");
+        let resumed = train(2, &cfg, 1..2, Some(&root), None);
+        for (r, u) in resumed.iter().zip(&unbroken) {
+            assert_eq!(
+                r.losses[..],
+                u.losses[1..],
+                "{fault:?}: step 1 from the checkpoint"
+            );
+            assert!(r.params == u.params, "{fault:?}: parameters after step 1");
+        }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}
+
 #[test]
 fn nvme_offload_without_a_path_is_refused_naming_the_key() {
     let json = r#"{"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},

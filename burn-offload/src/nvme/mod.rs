@@ -9,5 +9,8 @@
 mod disk;
 pub use disk::AlignedBuf;
 
+mod fault;
+pub use fault::inject_full_disk;
+
 mod store;
 pub use store::*;

@@ -174,6 +174,11 @@ impl IoThread {
                     && in_flight < self.depth as usize
                     && let Some((at, len)) = pending.pop_front()
                 {
+                    if write && super::fault::disk_full(path, len as u64) {
+                        let enospc = std::io::Error::from_raw_os_error(libc::ENOSPC);
+                        failure = Some(enospc.to_string());
+                        break;
+                    }
                     let offset = base + at as u64;
                     // SAFETY: `ptr + at .. + len` lies inside the buffer, which outlives the
                     // request (every completion is collected before returning).

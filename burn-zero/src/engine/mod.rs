@@ -37,6 +37,7 @@ mod profile;
 mod stage;
 mod step_ahead;
 
+pub use burn_offload::nvme::inject_full_disk;
 pub use checkpoint::{LoadedCheckpoint, inject_save_failure};
 pub use construct::{ParamValues, construct_full, construct_full_from};
 #[cfg(feature = "zero3")]
