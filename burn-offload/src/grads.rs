@@ -136,13 +136,10 @@ impl HostGrads {
         if !self.claim(&range, true)? {
             return Ok(());
         }
-        let (first, last) = (range.start / self.chunk, (range.end - 1) / self.chunk);
         let copy = self.fresh;
-        for c in first..=last {
-            let whole = self.chunk_range(c);
-            let part = range.start.max(whole.start)..range.end.min(whole.end);
+        for (c, local, part) in self.pieces(&range) {
             let values = self.chunks[c].as_mut().expect("checked above");
-            let dst = &mut values[part.start - whole.start..part.end - whole.start];
+            let dst = &mut values[local];
             let src = &src[part.start - range.start..part.end - range.start];
             let squares = in_parallel(dst, src, self.threads, |dst, src| match (copy, boundary) {
                 (true, false) => {
@@ -163,13 +160,34 @@ impl HostGrads {
                 }
             });
             self.squares[c] += squares;
-            self.filled[c] += part.len();
-            if boundary && self.filled[c] == whole.len() {
-                // A closed receiver only means nobody steps ahead any more.
-                let _ = self.watch.as_ref().map(|w| w.send(c));
-            }
+            self.arrived(c, part.len(), boundary);
         }
         Ok(())
+    }
+
+    /// Each chunk `range` touches: its index, the part of it inside the chunk, and that part's
+    /// elements in the partition.
+    fn pieces(&self, range: &Range<usize>) -> Vec<(usize, Range<usize>, Range<usize>)> {
+        if range.is_empty() {
+            return Vec::new();
+        }
+        (range.start / self.chunk..=(range.end - 1) / self.chunk)
+            .map(|c| {
+                let whole = self.chunk_range(c);
+                let part = range.start.max(whole.start)..range.end.min(whole.end);
+                (c, part.start - whole.start..part.end - whole.start, part)
+            })
+            .collect()
+    }
+
+    /// `n` more elements of chunk `c` are in for the running backward; told to the watcher
+    /// when that finishes the chunk in the boundary backward.
+    fn arrived(&mut self, c: usize, n: usize, boundary: bool) {
+        self.filled[c] += n;
+        if boundary && self.filled[c] == self.chunk_range(c).len() {
+            // A closed receiver only means nobody steps ahead any more.
+            let _ = self.watch.as_ref().map(|w| w.send(c));
+        }
     }
 
     /// Whether the running backward's writes copy (the first after a clear), so a writer may
@@ -221,21 +239,12 @@ impl HostGrads {
     /// Elements `range`, claimed by [`Self::reserve`], are in place: counted, their sum of
     /// squares taken when `boundary`, finished chunks told.
     pub fn commit(&mut self, range: Range<usize>, boundary: bool) {
-        if range.is_empty() {
-            return;
-        }
-        for c in range.start / self.chunk..=(range.end - 1) / self.chunk {
-            let whole = self.chunk_range(c);
-            let part = range.start.max(whole.start)..range.end.min(whole.end);
+        for (c, local, part) in self.pieces(&range) {
             if boundary {
                 let values = self.chunks[c].as_ref().expect("reserved, so not lent");
-                let dst = &values[part.start - whole.start..part.end - whole.start];
-                self.squares[c] += sum_squares_parallel(dst, self.threads);
+                self.squares[c] += sum_squares_parallel(&values[local], self.threads);
             }
-            self.filled[c] += part.len();
-            if boundary && self.filled[c] == whole.len() {
-                let _ = self.watch.as_ref().map(|w| w.send(c));
-            }
+            self.arrived(c, part.len(), boundary);
         }
     }
 
@@ -258,11 +267,9 @@ impl HostGrads {
             gaps.push(at..self.len);
         }
         for gap in gaps {
-            for c in gap.start / self.chunk..=(gap.end - 1) / self.chunk {
-                let whole = self.chunk_range(c);
-                let part = gap.start.max(whole.start)..gap.end.min(whole.end);
+            for (c, local, _) in self.pieces(&gap) {
                 let values = self.chunks[c].as_mut().expect("a lent chunk was finished");
-                let values = &mut values[part.start - whole.start..part.end - whole.start];
+                let values = &mut values[local];
                 if self.fresh {
                     values.fill(0.0);
                 } else if boundary {
@@ -341,16 +348,11 @@ impl HostGrads {
     /// If a chunk it covers is lent.
     pub fn read(&self, range: Range<usize>) -> Vec<f32> {
         let mut out = Vec::with_capacity(range.len());
-        let mut at = range.start;
-        while at < range.end {
-            let c = at / self.chunk;
-            let whole = self.chunk_range(c);
-            let end = range.end.min(whole.end);
+        for (c, local, _) in self.pieces(&range) {
             let values = self.chunks[c]
                 .as_ref()
                 .expect("reading a lent gradient chunk");
-            out.extend_from_slice(&values[at - whole.start..end - whole.start]);
-            at = end;
+            out.extend_from_slice(&values[local]);
         }
         out
     }

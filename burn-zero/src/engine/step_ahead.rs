@@ -138,9 +138,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Refuses `what` (reading the master: a checkpoint, full parameters) between a
     /// backward and its step once sub-groups were stepped ahead: the master is half stepped.
     pub(super) fn refuse_while_ahead(&self, what: &str) -> Result<(), EngineError> {
-        if let Some(host) = self.strategy().grads_mut().host.as_mut() {
-            host.settle_ahead();
-        }
+        self.settle_step_ahead();
         match self.optim.stepped_ahead() {
             0 => Ok(()),
             n => Err(EngineError::Usage(format!(
