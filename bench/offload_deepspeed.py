@@ -152,10 +152,13 @@ def main():
     torch.cuda.empty_cache()
 
     times, forward_times, backward_times, step_parts, losses = [], [], [], [], []
+    window = [0.0, 0.0]  # unix seconds: the first timed step's start, the last one's end
     for step in range(steps + 1):
         x = formula_input(step, width, device)
         torch.cuda.synchronize()
         start = time.perf_counter()
+        if step == 1:
+            window[0] = time.time()
         h = engine(x)
         loss = h.pow(2).mean()  # bf16, as bench-offload's
         torch.cuda.synchronize()
@@ -169,6 +172,7 @@ def main():
         value = loss.float().item()
         torch.cuda.synchronize()
         secs = time.perf_counter() - start
+        window[1] = time.time()
         losses.append(value)
         print(f"step {step}: {secs:.3f} s (forward {t_fwd - start:.3f}, backward "
               f"{t_bwd - t_fwd:.3f}, step {t_step - t_bwd:.3f}), loss {value}", file=sys.stderr)
@@ -186,6 +190,7 @@ def main():
         "init_s": init_s, "build_s": build_s, "initialize_s": initialize_s,
         "op_load_s": op_load_s,
         "median_step_s": median(times), "step_times_s": times,
+        "rows_per_s": BATCH / median(times) if times else None, "timed_window_unix_s": window,
         "forward_s": median(forward_times), "backward_s": median(backward_times),
         "step_s": median(step_parts),
         "forward_times_s": forward_times, "backward_times_s": backward_times,

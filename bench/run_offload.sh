@@ -35,7 +35,8 @@ fi
 [ -n "${SKIP_CPU_ADAM:-}" ] || bash bench/run_cpu_adam.sh "$1"
 results=()
 for spec in $runs; do
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > /tmp/mem.log &
+  nvidia-smi -i 0 --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits \
+    -lms 200 > /tmp/smi.log &
   smi=$!
   if [[ "$spec" == ds:* ]]; then
     IFS=: read -r _ layers width <<< "$spec"
@@ -49,6 +50,8 @@ for spec in $runs; do
   rc=$?
   kill $smi
   cat /tmp/run.json >> "$out/offload-${spec//:/_}.log"
+  cut -d, -f2 /tmp/smi.log | tr -d ' ' > /tmp/mem.log
+  cp /tmp/smi.log "$out/offload-${spec//:/_}-smi.csv"
   peak=$(sort -n /tmp/mem.log | tail -1)
   echo "$spec: exit $rc, peak GPU memory ${peak} MiB"; tail -n 3 "$out/offload-${spec//:/_}.log"
   python3 - "$spec" "$rc" "$peak" <<'PY' >> /tmp/offload-runs.jsonl
@@ -60,12 +63,27 @@ try:
 except Exception as e:
     run = {"error": f"no result ({e})"}
 run.update({"spec": spec, "exit": rc, "peak_gpu_mib": int(peak) if peak.isdigit() else None})
+# GPU busy fraction: nvidia-smi's utilization.gpu (the share of its sample period in which a
+# kernel ran), averaged over the samples inside the timed steps' window.
+from datetime import datetime
+window = run.get("timed_window_unix_s") or [0, 0]
+busy = []
+for line in open("/tmp/smi.log"):
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        if window[0] <= t <= window[1]:
+            busy.append(float(parts[2]) / 100)
+    except (ValueError, IndexError):
+        pass
+run["gpu_busy_smi"] = sum(busy) / len(busy) if busy else None
+run["gpu_busy_samples"] = len(busy)
 print(json.dumps(run))
 PY
   cp /tmp/offload-runs.jsonl "$out/offload-runs.jsonl"
 done
 python3 - "$kind" "$out/offload-$kind.json" <<'PY'
-import json, sys
+import json, os, sys
 runs = [json.loads(l) for l in open("/tmp/offload-runs.jsonl")]
 mem = open("/proc/meminfo").read().split("\n")[0]
 def is_ds(r):
@@ -132,12 +150,15 @@ for r in ours:
         largest = max(parts, key=parts.get)
         r["step_over_max_part"] = r["median_step_s"] / parts[largest]
         r["step_max_part"] = largest
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), None)
 json.dump({"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0], "host_memory": mem,
+           "host_cpu": cpu, "host_cores": os.cpu_count(),
            "runs": runs, "parity": parity, "versus_deepspeed": versus}, open(sys.argv[2], "w"), indent=1)
 for p in parity:
     print("parity", p["spec"], "max rel diff", p["max_rel_diff"], "step 0 equal", p["step0_equal"])
 for r in runs:
-    print(r["spec"], r.get("exit"), r.get("median_step_s"), r.get("offload_breakdown"), r.get("peak_gpu_mib"))
+    print(r["spec"], r.get("exit"), r.get("median_step_s"), r.get("offload_breakdown"), r.get("peak_gpu_mib"),
+          "busy", r.get("gpu_busy_smi"), "rows/s", r.get("rows_per_s"))
 for r in runs:
     if "step_over_max_part" in r:
         print("step over max part", r["spec"], round(r["step_over_max_part"], 3), "(" + r["step_max_part"] + ")")

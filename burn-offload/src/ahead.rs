@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use crate::cpu_adam::GradScale;
 use crate::grads::HostGrads;
 use crate::host::{AheadError, HostOptimizer};
+use crate::stream::OutSlot;
 
 /// What stepping ahead did in one backward.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -30,6 +31,21 @@ pub struct AheadReport {
     pub failure: Option<String>,
 }
 
+/// Where each sub-group stepped ahead sends its new weights at once (the device, on CUDA),
+/// so the step after backward hands out only the others and reads no master twice.
+pub trait AheadSink: Send {
+    /// A free buffer of at least `n` elements in the weights' dtype (nothing sent earlier
+    /// still reads it).
+    fn slot(&mut self, n: usize) -> Result<OutSlot<'_>, String>;
+    /// Sends sub-group `index`'s `n` new weights, written into the slot last given.
+    fn send(&mut self, index: usize, n: usize) -> Result<(), String>;
+    /// Waits until everything sent has arrived.
+    fn flush(&mut self) -> Result<(), String>;
+}
+
+/// A sink shared between the engine, which aims it, and the thread stepping ahead.
+pub type SharedSink = Arc<Mutex<dyn AheadSink>>;
+
 /// The thread stepping one backward's finished sub-groups.
 #[derive(Debug)]
 pub struct StepAhead {
@@ -39,21 +55,44 @@ pub struct StepAhead {
     grads: Arc<Mutex<HostGrads>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Steps sub-group `c` of `opt` with `grad` and, given a sink, sends its new weights there.
+fn step_one(
+    opt: &Mutex<HostOptimizer>,
+    sink: Option<&SharedSink>,
+    c: usize,
+    grad: &[f32],
+) -> Result<(), String> {
+    let Some(sink) = sink else {
+        return lock(opt)
+            .step_ahead(c, grad, None)
+            .map_err(|e| e.to_string());
+    };
+    let mut sink = lock(sink);
+    {
+        let mut slot = sink.slot(grad.len())?;
+        lock(opt)
+            .step_ahead(c, grad, Some(&mut slot))
+            .map_err(|e| e.to_string())?;
+    }
+    sink.send(c, grad.len())?;
+    lock(opt).sent_ahead(c);
+    Ok(())
 }
 
 impl StepAhead {
     /// Begins `opt`'s step with `lr`, `betas` and `grad_scale` ahead of its gradient and
     /// steps each sub-group the next boundary backward finishes in `grads`, whose chunks must
-    /// be `opt`'s sub-groups. [`Self::finish`] once that backward has ended, then
-    /// [`HostOptimizer::step`] with the same values.
+    /// be `opt`'s sub-groups; each one's new weights go to `sink` when given. [`Self::finish`]
+    /// once that backward has ended, then [`HostOptimizer::step`] with the same values.
     pub fn start(
         grads: Arc<Mutex<HostGrads>>,
         opt: Arc<Mutex<HostOptimizer>>,
-        lr: f32,
-        betas: (f32, f32),
-        grad_scale: GradScale,
+        (lr, betas, grad_scale): (f32, (f32, f32), GradScale),
+        sink: Option<SharedSink>,
     ) -> Result<Self, AheadError> {
         let (sub_groups, chunk) = {
             let o = lock(&opt);
@@ -97,13 +136,16 @@ impl StepAhead {
                         }
                     };
                     let start = Instant::now();
-                    let stepped = lock(&opt).step_ahead(c, &values[..range.len()]);
+                    let stepped = step_one(&opt, sink.as_ref(), c, &values[..range.len()]);
                     report.busy += start.elapsed();
                     lock(&grads).give_back(c, values);
                     match stepped {
                         Ok(()) => report.stepped += 1,
-                        Err(e) => report.failure = Some(e.to_string()),
+                        Err(e) => report.failure = Some(e),
                     }
+                }
+                if let Some(Err(e)) = sink.as_ref().map(|s| lock(s).flush()) {
+                    report.failure.get_or_insert(e);
                 }
                 report
             })

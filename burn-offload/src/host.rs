@@ -86,6 +86,8 @@ struct Ahead {
     /// What it was begun with: the step that completes it must be given the same.
     with: (f32, (f32, f32), GradScale),
     done: Vec<bool>,
+    /// Sub-groups whose new weights went out as they were stepped ([`HostOptimizer::sent_ahead`]).
+    sent: Vec<bool>,
     /// Abandoned after some sub-groups were stepped: the rest keep their values.
     rest_skipped: bool,
 }
@@ -338,7 +340,9 @@ impl HostOptimizer {
     /// sub-group: `download` fills a buffer with a sub-group's fp32 gradient (on a thread of
     /// its own), CPU-Adam steps it (multiplied by `grad_scale` first), and `upload` takes its
     /// new weights (on this thread), the three overlapping across sub-groups. The buffers'
-    /// output dtype is the weights' dtype.
+    /// output dtype is the weights' dtype. Completing a step begun ahead, only the sub-groups
+    /// of [`Self::to_hand_out`] pass through the stages (gradient buffers given in place are
+    /// theirs, in that order).
     pub fn step(
         &mut self,
         lr: f32,
@@ -348,7 +352,11 @@ impl HostOptimizer {
         download: &Download<'_>,
         upload: &mut Upload<'_>,
     ) -> Result<StreamTimings, StreamError> {
-        let ranges = self.sub_groups();
+        let keep = self.to_hand_out();
+        let ranges: Vec<Range<usize>> = {
+            let all = self.sub_groups();
+            keep.iter().map(|&i| all[i].clone()).collect()
+        };
         let (k, skip) = match self.ahead.take() {
             None => (
                 self.constants(lr, betas, grad_scale),
@@ -364,10 +372,13 @@ impl HostOptimizer {
                 .into());
             }
             Some(ahead) => {
-                let skip = ahead.done.iter().map(|&d| d || ahead.rest_skipped);
+                let skip = keep.iter().map(|&i| ahead.done[i] || ahead.rest_skipped);
                 (ahead.k, skip.collect())
             }
         };
+        if ranges.is_empty() {
+            return Ok(StreamTimings::default());
+        }
         let cpu = &self.cpu;
         let storage = &mut self.storage;
         stream::run(
@@ -440,14 +451,21 @@ impl HostOptimizer {
             k,
             with: (lr, betas, grad_scale),
             done: vec![false; self.sub_groups().len()],
+            sent: vec![false; self.sub_groups().len()],
             rest_skipped: false,
         });
         Ok(())
     }
 
-    /// Steps sub-group `index` of the step begun ahead with its final gradient `grad` (the
-    /// master and state only: [`Self::step`] hands the new weights out).
-    pub fn step_ahead(&mut self, index: usize, grad: &[f32]) -> Result<(), AheadError> {
+    /// Steps sub-group `index` of the step begun ahead with its final gradient `grad`: the
+    /// master and state, and the new weights into `out` when given (the caller sends them on
+    /// and says so with [`Self::sent_ahead`]; otherwise [`Self::step`] hands them out).
+    pub fn step_ahead(
+        &mut self,
+        index: usize,
+        grad: &[f32],
+        out: Option<&mut OutSlot<'_>>,
+    ) -> Result<(), AheadError> {
         let range = self.sub_groups().get(index).cloned();
         let ahead = self.ahead.as_mut().ok_or(AheadError::NotBegun)?;
         let count = ahead.done.len();
@@ -455,10 +473,11 @@ impl HostOptimizer {
             Some(r) if !ahead.done[index] => r,
             _ => return Err(AheadError::Index { index, count }),
         };
-        if grad.len() != range.len() {
+        let n = range.len();
+        if grad.len() != n {
             return Err(AheadError::Length {
                 index,
-                expected: range.len(),
+                expected: n,
                 got: grad.len(),
             });
         }
@@ -467,16 +486,36 @@ impl HostOptimizer {
         };
         let (master, state) = tensors.split_first_mut().expect("the master");
         let mut slices: Vec<&mut [f32]> = state.iter_mut().map(|s| &mut s[range.clone()]).collect();
-        step_into(
-            &self.cpu,
-            &ahead.k,
-            &mut master[range],
-            &mut slices,
-            grad,
-            Out::None,
-        );
+        let w = &mut master[range];
+        match out {
+            None => step_into(&self.cpu, &ahead.k, w, &mut slices, grad, Out::None),
+            Some(slot) => {
+                step_into(&self.cpu, &ahead.k, w, &mut slices, grad, slot.target(n));
+                slot.finish(w);
+            }
+        }
         ahead.done[index] = true;
         Ok(())
+    }
+
+    /// Sub-group `index`, stepped ahead, has had its new weights sent on: the step that
+    /// completes it hands out only the others.
+    pub fn sent_ahead(&mut self, index: usize) {
+        if let Some(a) = self.ahead.as_mut()
+            && a.done.get(index) == Some(&true)
+        {
+            a.sent[index] = true;
+        }
+    }
+
+    /// The sub-groups whose new weights the next [`Self::step`] hands out, in order: all but
+    /// those sent on as they were stepped ahead.
+    pub fn to_hand_out(&self) -> Vec<usize> {
+        let count = self.sub_groups().len();
+        match &self.ahead {
+            Some(a) => (0..count).filter(|&i| !a.sent[i]).collect(),
+            None => (0..count).collect(),
+        }
     }
 
     /// Sub-groups of the step begun ahead stepped so far.

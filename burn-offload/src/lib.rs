@@ -20,7 +20,7 @@ pub mod memory;
 pub mod nvme;
 pub mod stream;
 
-pub use ahead::{AheadReport, StepAhead};
+pub use ahead::{AheadReport, AheadSink, SharedSink, StepAhead};
 pub use cpu_adam::{AdamStep, CpuAdam, Decay, Grad, GradScale, Out, SgdStep, SimdLevel};
 pub use grads::{HostGrads, HostGradsError};
 pub use host::{AheadError, HostOptimizer, HostSettings, OutDtype, StepConstants};

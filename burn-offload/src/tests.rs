@@ -481,12 +481,15 @@ mod swap {
 
 /// The streamed step: the pipeline's buffers, counts and failures.
 mod streamed {
+    use std::sync::{Arc, Mutex};
+
     use half::bf16;
 
     use super::swap::stepped;
+    use crate::ahead::{AheadSink, SharedSink};
     use crate::cpu_adam::{AdamStep, CpuAdam, Grad, Out};
     use crate::host::{HostOptimizer, HostSettings, OutDtype};
-    use crate::stream::{OwnedBuffers, StreamError, Weights};
+    use crate::stream::{OutSlot, OwnedBuffers, StreamError, Weights};
 
     const ADAM: HostSettings = HostSettings::Adam {
         eps: 1e-8,
@@ -616,8 +619,45 @@ mod streamed {
     /// began with (and closes), and an abandoned step before any sub-group leaves no trace.
     #[test]
     fn sub_groups_stepped_ahead_give_the_serial_bits() {
-        use std::sync::{Arc, Mutex};
+        stepped_ahead_against_serial(false);
+    }
 
+    /// The same with each sub-group's weights sent to a sink as it is stepped ahead: the
+    /// step hands out only the others, and together they are the serial step's.
+    #[test]
+    fn sub_groups_stepped_ahead_send_the_serial_weights() {
+        stepped_ahead_against_serial(true);
+    }
+
+    /// Sub-group and weights' bits, as sent.
+    type Sent = Arc<Mutex<Vec<(usize, Vec<u16>)>>>;
+
+    /// Collects what is sent to it, as the device would.
+    struct VecSink {
+        slot: Vec<bf16>,
+        sent: Sent,
+    }
+
+    impl AheadSink for VecSink {
+        fn slot(&mut self, n: usize) -> Result<OutSlot<'_>, String> {
+            self.slot.resize(n.max(self.slot.len()), bf16::ZERO);
+            // Garbage in the slot: the step must overwrite every element it sends.
+            self.slot.fill(bf16::from_f32(-7.0));
+            Ok(OutSlot::Bf16(&mut self.slot))
+        }
+
+        fn send(&mut self, index: usize, n: usize) -> Result<(), String> {
+            let bits = self.slot[..n].iter().map(|x| x.to_bits()).collect();
+            self.sent.lock().unwrap().push((index, bits));
+            Ok(())
+        }
+
+        fn flush(&mut self) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    fn stepped_ahead_against_serial(with_sink: bool) {
         use crate::ahead::StepAhead;
         use crate::grads::HostGrads;
         use crate::host::AheadError;
@@ -635,8 +675,15 @@ mod streamed {
         for t in 1..=3u64 {
             let g: Vec<f32> = super::values(n, 40 + t).iter().map(|x| x * 0.3).collect();
             let expected = stepped(&mut serial, &g, 2).unwrap();
-            let ahead =
-                StepAhead::start(grads.clone(), opt.clone(), 1e-3, (0.9, 0.999), [1.0; 2]).unwrap();
+            let sent: Sent = Arc::new(Mutex::new(Vec::new()));
+            let sink: Option<SharedSink> = with_sink.then(|| {
+                Arc::new(Mutex::new(VecSink {
+                    slot: Vec::new(),
+                    sent: sent.clone(),
+                })) as SharedSink
+            });
+            let hp = (1e-3, (0.9, 0.999), [1.0; 2]);
+            let ahead = StepAhead::start(grads.clone(), opt.clone(), hp, sink).unwrap();
             // Writes from the end backwards in pieces of 70, the first 10 elements last, after
             // the pass ends unwritten (zeroed), as a parameter without gradient would be.
             let mut at = n;
@@ -659,12 +706,22 @@ mod streamed {
                 first[..10].copy_from_slice(&g[..10]);
             }
             let mut opt = opt.lock().unwrap();
+            let expect_out: Vec<usize> = match with_sink {
+                true => vec![0],
+                false => (0..11).collect(),
+            };
+            assert_eq!(opt.to_hand_out(), expect_out);
             let got = {
                 let mut buffers = OwnedBuffers::new(2, sub_group, OutDtype::Bf16);
                 let mut g1 = grads.lock().unwrap();
                 let chunks = g1.chunks_mut();
                 let by_chunk: Vec<Vec<f32>> = chunks.iter().map(|c| c.to_vec()).collect();
-                let mut got = Vec::new();
+                let mut got: Vec<(std::ops::Range<usize>, Vec<u16>)> = sent
+                    .lock()
+                    .unwrap()
+                    .drain(..)
+                    .map(|(i, bits)| (i * sub_group..(i * sub_group + bits.len()), bits))
+                    .collect();
                 opt.step(
                     1e-3,
                     (0.9, 0.999),
@@ -682,12 +739,18 @@ mod streamed {
                 )
                 .unwrap();
                 g1.clear();
+                got.sort_by_key(|(r, _)| r.start);
                 got
             };
             assert!(got == expected, "step {t}: the weights");
             assert_eq!(opt.export().unwrap(), serial.export().unwrap(), "step {t}");
         }
         let mut opt = opt.lock().unwrap();
+        assert_eq!(
+            opt.to_hand_out().len(),
+            11,
+            "nothing is sent outside a step begun ahead"
+        );
         // Completed with another learning rate: refused, and the step begun ahead is closed.
         opt.begin_ahead(1e-3, (0.9, 0.999), [1.0; 2]).unwrap();
         let mut buffers = OwnedBuffers::new(1, sub_group, OutDtype::Bf16);

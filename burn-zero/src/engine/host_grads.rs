@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
-use burn_offload::{AheadError, AheadReport, GradScale, HostGrads, HostOptimizer, StepAhead};
+use burn_offload::{
+    AheadError, AheadReport, GradScale, HostGrads, HostOptimizer, SharedSink, StepAhead,
+};
 
 use crate::partition::Piece;
 
@@ -156,15 +158,15 @@ impl<I: Backend> HostGradStream<I> {
     }
 
     /// Steps `opt`'s sub-groups as the next boundary backward finishes them (see
-    /// [`StepAhead`]), with the values the step after it will be given.
+    /// [`StepAhead`]), with the values the step after it will be given, their new weights
+    /// sent to `sink`.
     pub(crate) fn start_ahead(
         &mut self,
         opt: Arc<Mutex<HostOptimizer>>,
-        lr: f32,
-        betas: (f32, f32),
-        scale: GradScale,
+        hp: (f32, (f32, f32), GradScale),
+        sink: Option<SharedSink>,
     ) -> Result<(), AheadError> {
-        let ahead = StepAhead::start(self.grads.clone(), opt, lr, betas, scale)?;
+        let ahead = StepAhead::start(self.grads.clone(), opt, hp, sink)?;
         self.ahead = Some(ahead);
         Ok(())
     }

@@ -9,14 +9,15 @@
 //! on its stream before its buffer is reused or the step returns.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 use burn_offload::{
-    Download, GradScale, HostOptimizer, OutDtype, OutSlot, StepBuffers, StreamTimings, Weights,
+    AheadSink, Download, GradScale, HostOptimizer, OutDtype, OutSlot, SharedSink, StepBuffers,
+    StreamTimings, Weights,
 };
-use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice, result};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice, result};
 use half::{bf16, f16};
 
 use super::EngineError;
@@ -121,8 +122,37 @@ impl PinnedRing {
     }
 }
 
-/// The step on CUDA memory, or `Err(source)` back when the gradient or the weights are not
-/// contiguous CUDA tensors in a native format (the host-path fallback takes it).
+/// One output tensor per sub-group of `opt` (a large partition is more than one buffer may
+/// hold) and their CUDA buffers (`None`: not CUDA memory).
+fn outputs<I: Backend>(
+    opt: &HostOptimizer,
+    device: &I::Device,
+    compute: Format,
+) -> Option<(Vec<Tensor<I, 1>>, Vec<CudaBuffer>)> {
+    let weights: Vec<Tensor<I, 1>> = opt
+        .sub_groups()
+        .iter()
+        .map(|r| Tensor::empty([r.len()], (device, compute.storage())))
+        .collect();
+    let dst = buffers_of::<I>(&weights)?;
+    Some((weights, dst))
+}
+
+fn buffers_of<I: Backend>(tensors: &[Tensor<I, 1>]) -> Option<Vec<CudaBuffer>> {
+    tensors
+        .iter()
+        .map(|w| cuda_buffer::<I>(&w.clone().into_primitive().tensor()))
+        .collect()
+}
+
+/// What [`step`] hands back when it is not for CUDA: the gradient and the outputs made.
+pub(crate) type NotCuda<'a, I> = (GradSource<'a, I>, Vec<Option<Tensor<I, 1>>>);
+
+/// The step on CUDA memory, or `Err` back when the gradient or the weights are not
+/// contiguous CUDA tensors in a native format (the host-path fallback takes it). `targets`:
+/// every sub-group's output, made before backward for a step begun ahead (some hold the
+/// weights sent ahead), or none.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn step<'a, I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut StepRing,
@@ -131,36 +161,31 @@ pub(crate) fn step<'a, I: Backend>(
     betas: (f32, f32),
     device: &I::Device,
     compute: Format,
-) -> Result<Stepped<I>, GradSource<'a, I>> {
+    targets: Vec<Option<Tensor<I, 1>>>,
+) -> Result<Stepped<I>, NotCuda<'a, I>> {
     let grad: &[Tensor<I, 1>] = match &source {
         GradSource::Device(grad) => grad,
         GradSource::Host { .. } => &[],
     };
     if compute.emulated || grad.iter().any(|g| g.dtype() != FloatDType::F32.into()) {
-        return Err(source);
+        return Err((source, targets));
     }
-    let Some(src) = grad
-        .iter()
-        .map(|g| cuda_buffer::<I>(&g.clone().into_primitive().tensor()))
-        .collect::<Option<Vec<CudaBuffer>>>()
-    else {
-        return Err(source);
+    let Some(src) = buffers_of::<I>(grad) else {
+        return Err((source, targets));
     };
-    // One output tensor per sub-group: a large partition is more than one buffer may hold.
-    let weights: Vec<Tensor<I, 1>> = opt
-        .sub_groups()
-        .iter()
-        .map(|r| Tensor::empty([r.len()], (device, compute.storage())))
-        .collect();
-    let Some(dst) = weights
-        .iter()
-        .map(|w| cuda_buffer::<I>(&w.clone().into_primitive().tensor()))
-        .collect::<Option<Vec<CudaBuffer>>>()
-    else {
-        return Err(source);
+    let made = match targets.len() == opt.sub_groups().len() {
+        true => targets.iter().cloned().collect::<Option<Vec<_>>>(),
+        false => None,
+    };
+    let outputs = match made {
+        Some(weights) => buffers_of::<I>(&weights).map(|dst| (weights, dst)),
+        None => outputs::<I>(opt, device, compute),
+    };
+    let Some((weights, dst)) = outputs else {
+        return Err((source, targets));
     };
     let Some(ordinal) = dst.first().map(|d| d._keep.device.index) else {
-        return Err(source);
+        return Err((source, targets));
     };
     let dst: Vec<u64> = dst.iter().map(|d| d.buf.ptr).collect();
     let out = out_dtype(compute);
@@ -247,4 +272,162 @@ fn upload_weights(
         },
     )?;
     Ok(timings)
+}
+
+/// Sends each sub-group stepped ahead straight into its output tensor, made before backward:
+/// CPU-Adam writes the new weights into one of two page-locked slots, copied up on a stream
+/// of its own while the next sub-group steps into the other.
+pub(crate) struct CudaSink {
+    ordinal: usize,
+    len: usize,
+    out: OutDtype,
+    context: Arc<CudaContext>,
+    up: Arc<CudaStream>,
+    slots32: Vec<PinnedHostSlice<f32>>,
+    slots16: Vec<PinnedHostSlice<u16>>,
+    /// The copy last enqueued from each slot.
+    copies: [Option<CudaEvent>; 2],
+    /// The slot the next sub-group is written into.
+    next: usize,
+    /// Each sub-group's output's device address.
+    targets: Vec<u64>,
+}
+
+impl CudaSink {
+    fn new(ordinal: usize, len: usize, out: OutDtype) -> Result<Self, String> {
+        let (context, [up]) = copy_streams(ordinal)?;
+        let fail = |e| format!("{len} elements of page-locked host memory: {e:?}");
+        // SAFETY: a slot is written by the step before it is copied.
+        let (slots32, slots16) = match out {
+            OutDtype::F32 => (
+                (0..2)
+                    .map(|_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) })
+                    .collect::<Result<_, _>>()
+                    .map_err(fail)?,
+                Vec::new(),
+            ),
+            _ => (
+                Vec::new(),
+                (0..2)
+                    .map(|_| unsafe { context.alloc_pinned_with_flags::<u16>(len, 0) })
+                    .collect::<Result<_, _>>()
+                    .map_err(fail)?,
+            ),
+        };
+        Ok(Self {
+            ordinal,
+            len,
+            out,
+            context,
+            up,
+            slots32,
+            slots16,
+            copies: [None, None],
+            next: 0,
+            targets: Vec::new(),
+        })
+    }
+}
+
+impl AheadSink for CudaSink {
+    fn slot(&mut self, n: usize) -> Result<OutSlot<'_>, String> {
+        if n > self.len {
+            return Err(format!("a {}-element slot for {n} weights", self.len));
+        }
+        if let Some(copy) = self.copies[self.next].take() {
+            copy.synchronize().map_err(|e| format!("{e:?}"))?;
+        }
+        let fail = |e| format!("a page-locked buffer: {e:?}");
+        let i = self.next;
+        Ok(match self.out {
+            OutDtype::F32 => OutSlot::F32(self.slots32[i].as_mut_slice().map_err(fail)?),
+            out => {
+                let bits = self.slots16[i].as_mut_slice().map_err(fail)?;
+                let (ptr, n) = (bits.as_mut_ptr(), bits.len());
+                // SAFETY: bf16 and f16 are `repr(transparent)` over u16; the slice replaces `bits`.
+                match out {
+                    OutDtype::Bf16 => OutSlot::Bf16(unsafe {
+                        std::slice::from_raw_parts_mut(ptr.cast::<bf16>(), n)
+                    }),
+                    _ => OutSlot::F16(unsafe {
+                        std::slice::from_raw_parts_mut(ptr.cast::<f16>(), n)
+                    }),
+                }
+            }
+        })
+    }
+
+    fn send(&mut self, index: usize, n: usize) -> Result<(), String> {
+        let dst = *self
+            .targets
+            .get(index)
+            .ok_or_else(|| format!("sub-group {index} has no output tensor"))?;
+        self.context
+            .bind_to_thread()
+            .map_err(|e| format!("{e:?}"))?;
+        let (i, stream) = (self.next, self.up.cu_stream());
+        let fail = |e| format!("{e:?}");
+        // SAFETY: `dst` is the sub-group's output tensor, made for it and synchronized on
+        // burn's stream before backward, untouched by burn until the step (after `flush`); the
+        // slot is page-locked and not written again before this copy's event completes.
+        unsafe {
+            match self.out {
+                OutDtype::F32 => {
+                    let src = &self.slots32[i].as_slice().map_err(fail)?[..n];
+                    result::memcpy_htod_async(dst, src, stream)
+                }
+                _ => {
+                    let src = &self.slots16[i].as_slice().map_err(fail)?[..n];
+                    result::memcpy_htod_async(dst, src, stream)
+                }
+            }
+        }
+        .map_err(fail)?;
+        self.copies[i] = Some(self.up.record_event(None).map_err(fail)?);
+        self.next = 1 - i;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), String> {
+        self.copies = [None, None];
+        self.up.synchronize().map_err(|e| format!("{e:?}"))
+    }
+}
+
+/// The sink for a step of `opt` begun ahead, aimed at new output tensors (every sub-group's,
+/// on `device` in `compute`'s format), made in `cache` or reused from it; `None` when they are
+/// not CUDA memory in a native format.
+#[allow(clippy::type_complexity)]
+pub(crate) fn aim<I: Backend>(
+    cache: &mut Option<Arc<Mutex<CudaSink>>>,
+    opt: &HostOptimizer,
+    device: &I::Device,
+    compute: Format,
+) -> Result<Option<(SharedSink, Vec<Tensor<I, 1>>)>, EngineError> {
+    if compute.emulated {
+        return Ok(None);
+    }
+    let Some((weights, dst)) = outputs::<I>(opt, device, compute) else {
+        return Ok(None);
+    };
+    let Some(ordinal) = dst.first().map(|d| d._keep.device.index) else {
+        return Ok(None);
+    };
+    let (len, out) = (opt.sub_group_len(), out_dtype(compute));
+    let fits = |s: &CudaSink| s.ordinal == ordinal && s.len == len && s.out == out;
+    let reuse = cache
+        .as_ref()
+        .is_some_and(|s| fits(&s.lock().unwrap_or_else(|e| e.into_inner())));
+    if !reuse {
+        let sink = CudaSink::new(ordinal, len, out)
+            .map_err(|e| EngineError::Usage(format!("offload buffers: {e}")))?;
+        *cache = Some(Arc::new(Mutex::new(sink)));
+    }
+    let sink = cache.clone().expect("set above");
+    sink.lock().unwrap_or_else(|e| e.into_inner()).targets =
+        dst.iter().map(|d| d.buf.ptr).collect();
+    // Nothing of burn's still uses the outputs' memory when the copies start.
+    I::sync(device).map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+    let sink: SharedSink = sink;
+    Ok(Some((sink, weights)))
 }

@@ -4,12 +4,13 @@
 //! burn's `slice`/`into_data` and `from_data` into ordinary host buffers, also kept.
 
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_offload::{
-    Download, GradScale, HostGrads, HostOptimizer, OutDtype, OwnedBuffers, StepBuffers,
-    StreamTimings, Weights,
+    AheadSink, Download, GradScale, HostGrads, HostOptimizer, OutDtype, OutSlot, OwnedBuffers,
+    SharedSink, StepBuffers, StreamTimings, Weights,
 };
 
 use super::EngineError;
@@ -65,7 +66,8 @@ impl<'a, I: Backend> GradSource<'a, I> {
 }
 
 /// With the gradient in host memory (`host`), `lent`'s gradient buffers become the
-/// partition's own chunks, in order (nothing to copy: a chunk is a sub-group), and the
+/// partition's own chunks, in order (nothing to copy: a chunk is a sub-group; those of
+/// sub-groups whose weights went out ahead are left out, as the step leaves them), and the
 /// download stage only checks that each arrives where it lies; returns the scale CPU-Adam
 /// applies and that stage (`None`, and factors of 1, when the gradient is on the device).
 #[allow(clippy::type_complexity)]
@@ -82,9 +84,18 @@ pub(crate) fn in_place<'b>(
     };
     let sub_group = opt.sub_group_len().max(1);
     let aligned = grads.chunk_len() == sub_group || grads.chunk_len() >= opt.len();
-    let mut chunks = grads.chunks_mut();
+    let mut chunks: Vec<Option<&mut [f32]>> = grads.chunks_mut().into_iter().map(Some).collect();
     chunks.truncate(opt.sub_groups().len());
-    let bases: Vec<usize> = chunks.iter().map(|c| c.as_ptr() as usize).collect();
+    let bases: Vec<usize> = chunks
+        .iter()
+        .flatten()
+        .map(|c| c.as_ptr() as usize)
+        .collect();
+    let chunks = opt
+        .to_hand_out()
+        .into_iter()
+        .filter_map(|i| chunks.get_mut(i).and_then(Option::take))
+        .collect();
     let check = move |range: Range<usize>, buf: &mut [f32]| {
         let at = bases.get(range.start / sub_group);
         if aligned && at == Some(&(buf.as_ptr() as usize)) {
@@ -101,7 +112,9 @@ pub(crate) fn in_place<'b>(
 pub(crate) type Stepped<I> = Result<(Vec<Tensor<I, 1>>, StreamTimings), EngineError>;
 
 /// One offloaded step: the gradient of this rank's partition in, the new weights in the
-/// compute format out, on `device`, one piece per sub-group.
+/// compute format out, on `device`, one piece per sub-group; `targets[i]`, where given, is
+/// sub-group `i`'s output made before the step (holding its weights if they were sent ahead).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn step<I: Backend>(
     opt: &mut HostOptimizer,
     ring: &mut StepRing,
@@ -110,12 +123,14 @@ pub(crate) fn step<I: Backend>(
     betas: (f32, f32),
     device: &I::Device,
     compute: Format,
+    targets: Vec<Option<Tensor<I, 1>>>,
 ) -> Stepped<I> {
     #[cfg(feature = "cuda")]
-    let source = match super::offload_cuda::step(opt, ring, source, lr, betas, device, compute) {
-        Ok(done) => return done,
-        Err(not_cuda) => not_cuda,
-    };
+    let (source, targets) =
+        match super::offload_cuda::step(opt, ring, source, lr, betas, device, compute, targets) {
+            Ok(done) => return done,
+            Err(not_cuda) => not_cuda,
+        };
     let out = out_dtype(compute);
     if !matches!(ring, StepRing::Owned(_)) {
         *ring = StepRing::Owned(OwnedBuffers::new(RING_DEPTH, opt.sub_group_len(), out));
@@ -141,30 +156,157 @@ pub(crate) fn step<I: Backend>(
         Some(check) => check,
         None => &from_device,
     };
-    let mut parts = Vec::new();
-    let timings = opt.step(lr, betas, scale, lent, download, &mut |_, weights| {
-        parts.push(weights_on_device::<I>(weights, device, compute));
+    let sub_group = opt.sub_group_len().max(1);
+    let mut parts = targets;
+    parts.resize(opt.sub_groups().len(), None);
+    let timings = opt.step(lr, betas, scale, lent, download, &mut |range, weights| {
+        let data = weights_data(weights, compute);
+        let dtype: DType = data.dtype;
+        parts[range.start / sub_group] = Some(Tensor::from_data(data, (device, dtype)));
         Ok(())
     })?;
+    let mut parts: Vec<Tensor<I, 1>> = parts
+        .into_iter()
+        .collect::<Option<_>>()
+        .ok_or_else(|| EngineError::Usage("a sub-group's new weights went nowhere".into()))?;
     if parts.is_empty() {
         parts.push(Tensor::zeros([0], (device, compute.storage())));
     }
     Ok((parts, timings))
 }
 
-/// A sub-group's weights on the device, stored as the compute format stores them (emulated
-/// formats hold the rounded values in f32).
-fn weights_on_device<I: Backend>(
-    weights: Weights<'_>,
-    device: &I::Device,
-    compute: Format,
-) -> Tensor<I, 1> {
+/// A sub-group's weights as the compute format stores them (emulated formats hold the
+/// rounded values in f32).
+fn weights_data(weights: Weights<'_>, compute: Format) -> TensorData {
     let n = weights.len();
-    let data = match weights {
+    match weights {
         Weights::Bf16(w) if !compute.emulated => TensorData::new(w.to_vec(), [n]),
         Weights::F16(w) if !compute.emulated => TensorData::new(w.to_vec(), [n]),
         other => TensorData::new(other.to_f32(), [n]),
-    };
-    let dtype: DType = data.dtype;
-    Tensor::from_data(data, (device, dtype))
+    }
+}
+
+/// Sub-groups' new weights stepped ahead where no page-locked copy reaches the device: kept
+/// in host memory until the step makes them tensors.
+pub(crate) struct HostSink {
+    slot: OwnedBuffers,
+    compute: Format,
+    sent: Vec<(usize, TensorData)>,
+}
+
+impl HostSink {
+    fn new(len: usize, compute: Format) -> Self {
+        Self {
+            slot: OwnedBuffers::new(1, len, out_dtype(compute)),
+            compute,
+            sent: Vec::new(),
+        }
+    }
+}
+
+impl AheadSink for HostSink {
+    fn slot(&mut self, n: usize) -> Result<OutSlot<'_>, String> {
+        let slot = self.slot.lend().outs.swap_remove(0);
+        match slot.len() >= n {
+            true => Ok(slot),
+            false => Err(format!("a {}-element slot for {n} weights", slot.len())),
+        }
+    }
+
+    fn send(&mut self, index: usize, n: usize) -> Result<(), String> {
+        let slot = self.slot.lend().outs.swap_remove(0);
+        self.sent
+            .push((index, weights_data(slot.weights(n), self.compute)));
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Where an offloaded optimizer's sub-groups stepped ahead send their weights (kept across
+/// steps), and the outputs made for the step begun ahead.
+pub(crate) struct AheadOut<I: Backend> {
+    host: Option<Arc<Mutex<HostSink>>>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<Arc<Mutex<super::offload_cuda::CudaSink>>>,
+    /// Sub-group `i`'s output on the device (CUDA: every sub-group's, made before backward).
+    targets: Vec<Option<Tensor<I, 1>>>,
+}
+
+impl<I: Backend> Default for AheadOut<I> {
+    fn default() -> Self {
+        Self {
+            host: None,
+            #[cfg(feature = "cuda")]
+            cuda: None,
+            targets: Vec::new(),
+        }
+    }
+}
+
+impl<I: Backend> AheadOut<I> {
+    /// The sink for a step begun ahead of `opt`'s gradient, its outputs made on `device` in
+    /// `compute`'s format where the copies reach them (CUDA), in host memory otherwise.
+    pub(crate) fn aim(
+        &mut self,
+        opt: &HostOptimizer,
+        device: &I::Device,
+        compute: Format,
+    ) -> Result<SharedSink, EngineError> {
+        self.targets.clear();
+        #[cfg(feature = "cuda")]
+        if let Some((sink, targets)) =
+            super::offload_cuda::aim::<I>(&mut self.cuda, opt, device, compute)?
+        {
+            self.targets = targets.into_iter().map(Some).collect();
+            return Ok(sink);
+        }
+        let _ = device;
+        let len = opt.sub_group_len();
+        let host = self
+            .host
+            .get_or_insert_with(|| Arc::new(Mutex::new(HostSink::new(len, compute))));
+        {
+            let mut h = host.lock().unwrap_or_else(|e| e.into_inner());
+            if h.slot.lend().outs[0].len() < len || h.compute != compute {
+                *h = HostSink::new(len, compute);
+            }
+            h.sent.clear();
+        }
+        let sink: SharedSink = host.clone();
+        Ok(sink)
+    }
+
+    /// The outputs for the step completing the one begun ahead: those made before it, and
+    /// the weights of sub-groups sent ahead that are not `to_hand_out`.
+    pub(crate) fn take(
+        &mut self,
+        to_hand_out: &[usize],
+        device: &I::Device,
+    ) -> Vec<Option<Tensor<I, 1>>> {
+        let mut targets = std::mem::take(&mut self.targets);
+        if let Some(host) = &self.host {
+            let mut h = host.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, data) in h.sent.drain(..) {
+                if !to_hand_out.contains(&i) {
+                    if targets.len() <= i {
+                        targets.resize(i + 1, None);
+                    }
+                    let dtype: DType = data.dtype;
+                    targets[i] = Some(Tensor::from_data(data, (device, dtype)));
+                }
+            }
+        }
+        targets
+    }
+
+    /// Forgets the outputs of a step begun ahead that was abandoned.
+    pub(crate) fn forget(&mut self) {
+        self.targets.clear();
+        if let Some(host) = &self.host {
+            host.lock().unwrap_or_else(|e| e.into_inner()).sent.clear();
+        }
+    }
 }

@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
-use burn_offload::{AheadReport, CpuAdam, HostOptimizer, HostSettings, SwapConfig};
+use burn_offload::{AheadReport, CpuAdam, HostOptimizer, HostSettings, SharedSink, SwapConfig};
 
 use super::EngineError;
-use super::offload_io::{self, GradSource, StepRing};
+use super::offload_io::{self, AheadOut, GradSource, StepRing};
 use super::precision::Format;
 use crate::comm::Communicator;
 use crate::config::{OffloadDevice, ResolvedConfig};
@@ -33,6 +33,8 @@ pub(crate) enum Optim<I: Backend> {
         opt: Arc<Mutex<HostOptimizer>>,
         /// The host buffers the steps stream through.
         ring: Box<StepRing>,
+        /// Where sub-groups stepped ahead send their weights.
+        ahead_out: Box<AheadOut<I>>,
         device: I::Device,
         timings: OffloadTimings,
     },
@@ -187,6 +189,7 @@ impl<I: Backend> Optim<I> {
         Ok(Optim::Host {
             opt: Arc::new(Mutex::new(opt)),
             ring: Box::default(),
+            ahead_out: Box::default(),
             device,
             timings: OffloadTimings::default(),
         })
@@ -242,6 +245,20 @@ impl<I: Backend> Optim<I> {
         }
     }
 
+    /// Where the sub-groups of a step begun ahead send their new weights: outputs in the
+    /// `compute` format made for them (`None` on the device).
+    pub(crate) fn aim_ahead(&mut self, compute: Format) -> Result<Option<SharedSink>, EngineError> {
+        match self {
+            Optim::Device { .. } => Ok(None),
+            Optim::Host {
+                opt,
+                ahead_out,
+                device,
+                ..
+            } => ahead_out.aim(&lock(opt), device, compute).map(Some),
+        }
+    }
+
     /// Counts what stepping ahead did in the backward that ended.
     pub(crate) fn add_ahead(&mut self, report: &AheadReport) {
         if let Optim::Host { timings, .. } = self {
@@ -263,7 +280,10 @@ impl<I: Backend> Optim<I> {
     pub(crate) fn abandon_ahead(&mut self) -> usize {
         match self {
             Optim::Device { .. } => 0,
-            Optim::Host { opt, .. } => lock(opt).abandon_ahead(),
+            Optim::Host { opt, ahead_out, .. } => {
+                ahead_out.forget();
+                lock(opt).abandon_ahead()
+            }
         }
     }
 
@@ -339,6 +359,7 @@ impl<I: Backend> Optim<I> {
             Optim::Host {
                 opt,
                 ring,
+                ahead_out,
                 device,
                 timings,
             } => {
@@ -351,8 +372,9 @@ impl<I: Backend> Optim<I> {
                 };
                 let mut opt = lock(opt);
                 let (lr, betas) = hp.f32();
+                let targets = ahead_out.take(&opt.to_hand_out(), device);
                 let (out, t) =
-                    offload_io::step(&mut opt, ring, source, lr, betas, device, compute)?;
+                    offload_io::step(&mut opt, ring, source, lr, betas, device, compute, targets)?;
                 timings.d2h += t.download;
                 timings.cpu_step += t.compute;
                 timings.h2d += t.upload;

@@ -15,6 +15,7 @@ use burn::tensor::backend::Backend;
 use burn_offload::AheadError;
 
 use super::engine::{Engine, EngineError, ZeroAutodiff};
+use super::precision::Format;
 use crate::comm::ReduceOp;
 use crate::config::{OffloadDevice, ResolvedConfig};
 use crate::optim::StepParams;
@@ -82,12 +83,20 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             return Ok(());
         };
         let (lr, betas) = self.step_params().f32();
-        let mut strategy = self.strategy();
-        let Some(host) = strategy.grads_mut().host.as_mut() else {
+        let strategy = self.strategy.clone();
+        let mut strategy = strategy.lock().expect("strategy");
+        if strategy.grads_mut().host.is_none() {
             return Ok(());
+        }
+        // The step's weights in the format `step` would write them (see there).
+        let compute = match strategy.master_backed() {
+            true => Format::F32,
+            false => self.precision.compute,
         };
+        let sink = self.optim.aim_ahead(compute)?;
+        let host = strategy.grads_mut().host.as_mut().expect("checked above");
         // No loss scale, no clipping: the step's gradient scale is [1, 1].
-        host.start_ahead(opt, lr, betas, [1.0, 1.0])
+        host.start_ahead(opt, (lr, betas, [1.0, 1.0]), sink)
             .map_err(|e| match e {
                 AheadError::Open => EngineError::Usage(
                     "a second backward at an accumulation boundary without `step` between: the \

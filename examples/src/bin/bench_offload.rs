@@ -99,6 +99,12 @@ fn main() {
     let mut times = Vec::new();
     let mut losses = Vec::new();
     engine.take_offload_timings();
+    let unix = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    };
+    let mut window = [0.0f64; 2];
     for step in 0..steps + 1 {
         let x = match formula {
             true => formula_input::<B>(step, width, &device).cast(FloatDType::BF16),
@@ -106,6 +112,9 @@ fn main() {
         };
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
+        if step == 1 {
+            window[0] = unix();
+        }
         let mut h = x;
         // Residual, so activations keep their scale through any depth (a finite loss to compare).
         for layer in &engine.model().layers {
@@ -118,6 +127,7 @@ fn main() {
         losses.push(loss.cast(FloatDType::F32).into_scalar());
         <Cuda as Backend>::sync(&device).expect("sync");
         let secs = start.elapsed().as_secs_f64();
+        window[1] = unix();
         eprintln!("step {step}: {secs:.3} s");
         if step == 0 {
             engine.take_offload_timings(); // the first step compiles kernels
@@ -141,6 +151,7 @@ fn main() {
             "offload": place, "huge_pages": huge_pages, "bf16_init": bf16_init, "init_s": init_s,
             "formula": formula, "step_ahead": step_ahead,
             "median_step_s": sorted[sorted.len() / 2], "step_times_s": times,
+            "rows_per_s": BATCH as f64 / sorted[sorted.len() / 2], "timed_window_unix_s": window,
             "engine_backward_s": per(timings.backward), "engine_step_s": per(timings.step),
             "offload_breakdown": offload_breakdown, "losses": losses,
             "memory_report": report, "memory_report_text": report.to_string()})
