@@ -248,6 +248,23 @@ impl HostGrads {
         }
     }
 
+    /// [`Self::commit`] for a range whose squares the caller took itself (on the device, say)
+    /// and added with [`Self::add_squares`] before.
+    pub fn commit_squared(&mut self, range: Range<usize>, boundary: bool) {
+        for (c, _, part) in self.pieces(&range) {
+            self.arrived(c, part.len(), boundary);
+        }
+    }
+
+    /// Adds `squares` (Σ g² of values written into chunk `c`, taken by the caller) to the
+    /// chunk's sum; call before the values' [`Self::commit_squared`], so a watcher told the
+    /// chunk has finished sees them.
+    pub fn add_squares(&mut self, c: usize, squares: f64) {
+        if let Some(s) = self.squares.get_mut(c) {
+            *s += squares;
+        }
+    }
+
     /// Ends a backward: zeroes what the first backward after a clear did not write, and at the
     /// `boundary` adds the squares of everything it did not write to the sum. Stops telling
     /// the watcher (which sees its channel close).
@@ -525,7 +542,18 @@ mod tests {
                     unsafe { *ptr.add(e - whole.start) = *v };
                 }
             }
-            placed.commit(r.clone(), true);
+            // The second range's squares come from the caller (taken on the device).
+            if r.start == 17 {
+                for c in [1, 2] {
+                    let whole = placed.chunk_range(c);
+                    let part = r.start.max(whole.start)..r.end.min(whole.end);
+                    let squares = src[part].iter().map(|v| f64::from(v * v)).sum();
+                    placed.add_squares(c, squares);
+                }
+                placed.commit_squared(r.clone(), true);
+            } else {
+                placed.commit(r.clone(), true);
+            }
             written.write(r.clone(), &src[r], true).unwrap();
         }
         assert_eq!(
@@ -534,7 +562,16 @@ mod tests {
             "as they finish"
         );
         assert_eq!(placed.read(0..25), written.read(0..25));
-        assert_eq!(placed.sum_of_squares(), written.sum_of_squares());
+        for c in 0..3 {
+            let (p, w) = (
+                placed.chunk_sum_of_squares(c),
+                written.chunk_sum_of_squares(c),
+            );
+            assert!(
+                (p - w).abs() <= 1e-12 * w.abs(),
+                "chunk {c}: {p} against {w}"
+            );
+        }
         placed.end_pass(true);
         assert!(!placed.copies(), "the next backward adds");
         assert_eq!(

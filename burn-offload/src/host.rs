@@ -74,6 +74,8 @@ pub struct HostOptimizer {
     /// Steps taken (Adam's t; SGD's buffer holds a value once it is > 0).
     step: u64,
     cpu: CpuAdam,
+    /// The step of sub-groups stepped ahead, while backward runs beside it.
+    cpu_ahead: CpuAdam,
     sub_group: usize,
     /// A step begun ahead of its whole gradient ([`HostOptimizer::begin_ahead`]).
     ahead: Option<Ahead>,
@@ -213,6 +215,7 @@ impl HostOptimizer {
             settings,
             storage: Storage::Memory(tensors),
             step: 0,
+            cpu_ahead: cpu.clone(),
             cpu,
             sub_group: sub_group.max(1),
             ahead: None,
@@ -238,10 +241,18 @@ impl HostOptimizer {
             settings,
             storage: Storage::Nvme(store),
             step: 0,
+            cpu_ahead: cpu.clone(),
             cpu,
             sub_group: sub_group.max(1),
             ahead: None,
         })
+    }
+
+    /// Sub-groups stepped ahead run on `threads` threads (the same arithmetic per element:
+    /// the bits do not depend on it), leaving the rest of the cores to the backward beside.
+    pub fn with_ahead_threads(mut self, threads: usize) -> Self {
+        self.cpu_ahead = self.cpu.clone().with_threads(threads);
+        self
     }
 
     /// Elements of the partition.
@@ -488,9 +499,16 @@ impl HostOptimizer {
         let mut slices: Vec<&mut [f32]> = state.iter_mut().map(|s| &mut s[range.clone()]).collect();
         let w = &mut master[range];
         match out {
-            None => step_into(&self.cpu, &ahead.k, w, &mut slices, grad, Out::None),
+            None => step_into(&self.cpu_ahead, &ahead.k, w, &mut slices, grad, Out::None),
             Some(slot) => {
-                step_into(&self.cpu, &ahead.k, w, &mut slices, grad, slot.target(n));
+                step_into(
+                    &self.cpu_ahead,
+                    &ahead.k,
+                    w,
+                    &mut slices,
+                    grad,
+                    slot.target(n),
+                );
                 slot.finish(w);
             }
         }

@@ -205,6 +205,12 @@ impl CpuAdam {
         }
     }
 
+    /// The same step over `threads` threads (at least one).
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.max(1);
+        self
+    }
+
     /// Pins worker `i` to core `i` (Linux; ignored elsewhere).
     pub fn with_pinned_cores(mut self, pin: bool) -> Self {
         self.pin_cores = pin;

@@ -275,6 +275,9 @@ pub struct CpuAdamConfig {
     /// true). Only where a sub-group's step needs nothing else: no `gradient_clipping` (the
     /// global norm), no fp16 loss scale, master and state in host memory (not NVMe).
     pub step_ahead: bool,
+    /// `ahead_threads`: threads of the sub-groups stepped ahead, while backward (its launches,
+    /// the gradient copies) runs beside them (default: `threads`).
+    pub ahead_threads: Option<usize>,
 }
 
 impl Default for CpuAdamConfig {
@@ -284,6 +287,7 @@ impl Default for CpuAdamConfig {
             pin_cores: false,
             huge_pages: false,
             step_ahead: true,
+            ahead_threads: None,
         }
     }
 }

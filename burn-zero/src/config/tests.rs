@@ -276,6 +276,20 @@ fn unsupported_features_are_refused_clearly() {
 }
 
 #[test]
+fn zero_cpu_adam_threads_are_refused_by_key() {
+    for key in ["threads", "ahead_threads"] {
+        let json = format!(r#"{{"burn_zero": {{"cpu_adam": {{"{key}": 0}}}}}}"#);
+        let e = error(&json);
+        assert!(
+            e.contains(&format!("burn_zero.cpu_adam.{key}")) && e.contains("at least 1"),
+            "{json}: {e}"
+        );
+    }
+    let json = r#"{"train_batch_size": 4, "burn_zero": {"cpu_adam": {"ahead_threads": 3}}}"#;
+    assert_eq!(load(json).config.burn_zero.cpu_adam.ahead_threads, Some(3));
+}
+
+#[test]
 fn legacy_boolean_zero_optimization() {
     let loaded = load(r#"{"zero_optimization": true}"#);
     assert_eq!(loaded.config.zero_optimization.stage, 1);

@@ -124,6 +124,17 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
             "a positive number of seconds",
         )?;
     }
+    for (key, threads) in [
+        ("burn_zero.cpu_adam.threads", c.burn_zero.cpu_adam.threads),
+        (
+            "burn_zero.cpu_adam.ahead_threads",
+            c.burn_zero.cpu_adam.ahead_threads,
+        ),
+    ] {
+        if let Some(t) = threads {
+            check(t >= 1, key, t, "at least 1")?;
+        }
+    }
     check(
         c.burn_zero.max_buffer_elements >= 1,
         "burn_zero.max_buffer_elements",

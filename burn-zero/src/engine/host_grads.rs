@@ -47,6 +47,12 @@ pub(crate) struct HostGradLayout {
     pub(crate) threads: usize,
     /// Elements per chunk: the offloaded optimizer's sub-group.
     pub(crate) chunk: usize,
+    /// The boundary backward's sums of squares are taken on the device, before each bucket
+    /// goes down (f32 per piece, summed in f64), where the host would read the whole
+    /// partition once more for them; only where the norm decides nothing but overflow (no
+    /// clipping) and runs need not repeat it bit for bit. CUDA only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) squares_on_device: bool,
 }
 
 /// The host partition and what moves buckets into it.
@@ -62,6 +68,8 @@ pub(crate) struct HostGradStream<I: Backend> {
     failure: Option<String>,
     /// Nanoseconds spent moving buckets down since the last take.
     busy: Arc<AtomicU64>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    layout: HostGradLayout,
     _backend: PhantomData<I>,
 }
 
@@ -77,6 +85,7 @@ impl<I: Backend> HostGradStream<I> {
             copier: None,
             failure: None,
             busy: Arc::new(AtomicU64::new(0)),
+            layout,
             _backend: PhantomData,
         }
     }
@@ -102,16 +111,22 @@ impl<I: Backend> HostGradStream<I> {
         {
             let primitive = received.clone().into_primitive().tensor();
             if let Some(buf) = crate::backend::cuda::cuda_buffer::<I>(&primitive) {
-                // The bucket is complete before the copy stream reads it.
+                let squares = (boundary && self.layout.squares_on_device)
+                    .then(|| device_squares(&received, &spans, self.layout.chunk));
+                // The bucket (and its squares) complete before the copy stream reads it.
                 if let Err(e) = I::sync(&received.device()) {
                     self.failure = Some(format!("the compute stream failed: {e:?}"));
                     return;
                 }
+                let squares = squares.map(|(sums, chunks)| {
+                    let sums = sums.into_data();
+                    chunks.into_iter().zip(sums.iter::<f64>()).collect()
+                });
                 let (grads, busy) = (self.grads.clone(), self.busy.clone());
                 let copier = self
                     .copier
                     .get_or_insert_with(|| super::host_grads_cuda::Copier::new(grads, busy));
-                copier.copy(buf, spans, boundary);
+                copier.copy(buf, spans, boundary, squares);
                 return;
             }
         }
@@ -204,4 +219,29 @@ impl<I: Backend> HostGradStream<I> {
         let n = values.len();
         Tensor::from_data(TensorData::new(values, [n]), device)
     }
+}
+
+/// Σ g² of each piece of `spans` (in `received`) that lies within one chunk of `chunk`
+/// elements, on the device in f32: the sums, and each one's chunk.
+#[cfg(feature = "cuda")]
+fn device_squares<I: Backend>(
+    received: &Tensor<I, 1>,
+    spans: &[Span],
+    chunk: usize,
+) -> (Tensor<I, 1>, Vec<usize>) {
+    let chunk = chunk.max(1);
+    let mut sums = Vec::new();
+    let mut chunks = Vec::new();
+    for (at, dst) in spans {
+        let mut start = dst.start;
+        while start < dst.end {
+            let end = ((start / chunk + 1) * chunk).min(dst.end);
+            let from = at + (start - dst.start);
+            let piece = received.clone().slice(from..from + (end - start));
+            sums.push(piece.clone().mul(piece).sum());
+            chunks.push(start / chunk);
+            start = end;
+        }
+    }
+    (Tensor::cat(sums, 0), chunks)
 }

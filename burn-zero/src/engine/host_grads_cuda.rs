@@ -7,8 +7,9 @@
 //! In a backward whose writes copy (the first after a step), the partition itself is the
 //! copy's destination: its chunks are page-locked in place (`cuMemHostRegister`) once, and
 //! each piece goes down straight into them, with no staging copy on the CPU (only the sum of
-//! squares reads it); the next piece's copy overlaps that read. Accumulating backwards add,
-//! so they go through the staging buffers.
+//! squares reads it, unless it was taken on the device); the next piece's copy overlaps that
+//! read. Accumulating backwards add, so they go through the staging buffers (and take their
+//! squares on the host: they are of the sums).
 //!
 //! Ordering: the caller synchronizes burn's stream before handing a bucket over (it is
 //! complete), and the bucket's memory is held until its last chunk has been copied.
@@ -28,11 +29,15 @@ use crate::backend::cuda::CudaBuffer;
 /// Elements of one staging buffer (64 MiB of f32).
 const STAGING: usize = 1 << 24;
 
+/// Σ g² of a bucket's pieces taken on the device: (chunk, sum).
+pub(crate) type Squares = Vec<(usize, f64)>;
+
 enum Job {
     Copy {
         src: Box<CudaBuffer>,
         spans: Vec<Span>,
         boundary: bool,
+        squares: Option<Squares>,
     },
     /// Reply once every earlier copy is done.
     Flush,
@@ -61,12 +66,20 @@ impl Copier {
         }
     }
 
-    /// Queues `src`'s `spans` for the partition.
-    pub(crate) fn copy(&self, src: CudaBuffer, spans: Vec<Span>, boundary: bool) {
+    /// Queues `src`'s `spans` for the partition (their sums of squares taken already when
+    /// `squares` is given; used where the copy goes straight into the partition).
+    pub(crate) fn copy(
+        &self,
+        src: CudaBuffer,
+        spans: Vec<Span>,
+        boundary: bool,
+        squares: Option<Squares>,
+    ) {
         let job = Job::Copy {
             src: Box::new(src),
             spans,
             boundary,
+            squares,
         };
         // A closed channel means the thread died; `flush` reports it.
         let _ = self.jobs.as_ref().map(|j| j.send(job));
@@ -125,12 +138,14 @@ impl Staging {
     }
 
     /// Copies `chunks` (device address, partition range) straight into the partition's
-    /// registered memory, claiming each piece before its copy and committing it once there.
+    /// registered memory, claiming each piece before its copy and committing it once there
+    /// (with the `squares` taken on the device, if given, instead of reading it again).
     fn run_direct(
         &self,
         chunks: &[(u64, Range<usize>)],
         grads: &Mutex<HostGrads>,
         boundary: bool,
+        squares: Option<Squares>,
     ) -> Result<(), String> {
         self.context
             .bind_to_thread()
@@ -163,8 +178,15 @@ impl Staging {
             unsafe { result::memcpy_dtoh_async(buf, *src, self.streams[k % 2].cu_stream()) }
                 .map_err(|e| format!("{e:?}"))
         };
+        let squared = squares.is_some();
+        for (c, sum) in squares.into_iter().flatten() {
+            lock().add_squares(c, sum);
+        }
         self.pipelined(pieces.len(), issue, |k| {
-            lock().commit(pieces[k].1.clone(), boundary);
+            match squared {
+                true => lock().commit_squared(pieces[k].1.clone(), boundary),
+                false => lock().commit(pieces[k].1.clone(), boundary),
+            }
             Ok(())
         })
     }
@@ -310,6 +332,7 @@ fn serve(
                 src,
                 spans,
                 boundary,
+                squares,
             } => {
                 let start = std::time::Instant::now();
                 let ordinal = src._keep.device.index;
@@ -348,7 +371,7 @@ fn serve(
                 });
                 let copies = grads.lock().unwrap_or_else(|e| e.into_inner()).copies();
                 let done = match registered.is_ok() && copies {
-                    true => stage.run_direct(&chunks, grads, boundary),
+                    true => stage.run_direct(&chunks, grads, boundary, squares),
                     false => stage.run(&chunks, grads, boundary),
                 };
                 if let Err(e) = done {

@@ -196,6 +196,11 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
             threads: threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             chunk: resolved.config.zero_optimization.sub_group_size.get(),
+            // Without clipping or a loss scale the norm only finds non-finite gradients and
+            // is reported.
+            squares_on_device: resolved.config.gradient_clipping <= 0.0
+                && !resolved.config.fp16.enabled
+                && !resolved.config.burn_zero.deterministic,
         }
     }));
     let strategy = Arc::new(Mutex::new(strategy));

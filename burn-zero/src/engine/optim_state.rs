@@ -173,10 +173,10 @@ impl<I: Backend> Optim<I> {
                 )));
             }
         };
-        let cpu = &config.config.burn_zero.cpu_adam;
-        let cpu = CpuAdam::new(cpu.threads)
-            .with_pinned_cores(cpu.pin_cores)
-            .with_huge_pages(cpu.huge_pages);
+        let cpu_config = &config.config.burn_zero.cpu_adam;
+        let cpu = CpuAdam::new(cpu_config.threads)
+            .with_pinned_cores(cpu_config.pin_cores)
+            .with_huge_pages(cpu_config.huge_pages);
         let sub_group = zero.sub_group_size.get();
         let opt = if place == OffloadDevice::Nvme {
             let offload = zero.offload_optimizer.as_ref().expect("validated");
@@ -184,7 +184,11 @@ impl<I: Backend> Optim<I> {
             let swap = swap_config(config, root, offload.buffer_count.get(), rank, "optimizer");
             HostOptimizer::on_nvme(values, settings, cpu, sub_group, &swap)?
         } else {
-            HostOptimizer::new(values, settings, cpu, sub_group)
+            let opt = HostOptimizer::new(values, settings, cpu, sub_group);
+            match cpu_config.ahead_threads {
+                Some(threads) => opt.with_ahead_threads(threads),
+                None => opt,
+            }
         };
         Ok(Optim::Host {
             opt: Arc::new(Mutex::new(opt)),

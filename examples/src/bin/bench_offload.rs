@@ -8,7 +8,8 @@
 //! OPTIONS, `+`-separated: `huge` (host partitions advised for huge pages), `bf16init` (weights
 //! built in bf16), `formula` (weights and inputs from a formula another system can compute:
 //! bench/offload_deepspeed.py does, so losses compare step by step; implies bf16 weights),
-//! `serial` (`cpu_adam.step_ahead` off: CPU-Adam waits for the whole backward).
+//! `serial` (`cpu_adam.step_ahead` off: CPU-Adam waits for the whole backward), `atN`
+//! (`cpu_adam.ahead_threads` N: sub-groups stepped ahead on N threads).
 
 use std::time::Instant;
 
@@ -31,7 +32,8 @@ struct DeepMlp<B: Backend> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init+formula+serial]]";
+    let usage =
+        "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init+formula+serial+atN]]";
     let layers: usize = args.get(1).and_then(|v| v.parse().ok()).expect(usage);
     let width: usize = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let place = args.get(3).cloned().expect(usage);
@@ -45,6 +47,11 @@ fn main() {
     let formula = options.split('+').any(|o| o == "formula");
     let bf16_init = formula || options.split('+').any(|o| o == "bf16init");
     let step_ahead = !options.split('+').any(|o| o == "serial");
+    // `atN`: CPU-Adam of the sub-groups stepped ahead on N threads (`cpu_adam.ahead_threads`).
+    let ahead_threads: Option<usize> = options
+        .split('+')
+        .find_map(|o| o.strip_prefix("at").and_then(|n| n.parse().ok()));
+    let ahead_json = ahead_threads.map_or(String::new(), |n| format!(r#", "ahead_threads": {n}"#));
     let (_env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let device = burn::backend::cuda::CudaDevice::new(0);
     let nvme_path = std::env::var("BURN_ZERO_NVME_PATH").unwrap_or_else(|_| "/tmp".into());
@@ -65,7 +72,7 @@ fn main() {
             "zero_optimization": {{"stage": 2, "overlap_comm": true{offload_json}}},
             "aio": {{"block_size": 4194304, "queue_depth": 32}},
             "burn_zero": {{"matmul": {{"cublaslt": true}},
-                "cpu_adam": {{"huge_pages": {huge_pages}, "step_ahead": {step_ahead}}}}}}}"#
+                "cpu_adam": {{"huge_pages": {huge_pages}, "step_ahead": {step_ahead}{ahead_json}}}}}}}"#
     );
     let config = DeepSpeedConfig::from_json(&json).expect("config").config;
     type B = ZeroAutodiff<Cuda>;
@@ -149,7 +156,7 @@ fn main() {
         "{}",
         serde_json::json!({"params": params, "layers": layers, "width": width, "batch": BATCH,
             "offload": place, "huge_pages": huge_pages, "bf16_init": bf16_init, "init_s": init_s,
-            "formula": formula, "step_ahead": step_ahead,
+            "formula": formula, "step_ahead": step_ahead, "ahead_threads": ahead_threads,
             "median_step_s": sorted[sorted.len() / 2], "step_times_s": times,
             "rows_per_s": BATCH as f64 / sorted[sorted.len() / 2], "timed_window_unix_s": window,
             "engine_backward_s": per(timings.backward), "engine_step_s": per(timings.step),
