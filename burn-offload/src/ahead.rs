@@ -1,7 +1,8 @@
 //! Stepping ahead: CPU-Adam of each sub-group starts as soon as the boundary backward has
 //! finished that sub-group's gradient in host memory, on a thread of its own, while backward
-//! goes on writing the others (ZeRO-Offload's optimizer overlapped with backward). The step
-//! that follows backward then only steps what never finished early and hands the weights out.
+//! goes on writing the others (ZeRO-Offload's optimizer overlapped with backward); given an
+//! [`AheadSink`], each one's new weights are sent there at once. The step that follows
+//! backward then only steps what never finished early and hands the other weights out.
 //!
 //! Only a step that depends on nothing but each sub-group's own gradient may start early: no
 //! clipping by the global norm and no loss scale to unscale (the caller decides). A
@@ -47,12 +48,33 @@ pub trait AheadSink: Send {
 pub type SharedSink = Arc<Mutex<dyn AheadSink>>;
 
 /// The thread stepping one backward's finished sub-groups.
-#[derive(Debug)]
 pub struct StepAhead {
     thread: Option<JoinHandle<AheadReport>>,
     /// The partition watched (told to stop watching if this is dropped before its backward
     /// ended, so the thread ends).
     grads: Arc<Mutex<HostGrads>>,
+    /// The optimizer stepped (told to forget what was sent if the thread panicked).
+    opt: Arc<Mutex<HostOptimizer>>,
+}
+
+impl std::fmt::Debug for StepAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepAhead")
+            .field("running", &self.thread.is_some())
+            .finish()
+    }
+}
+
+/// Waits for everything sent to a sink when dropped, even by a panic: nothing may still be
+/// copying into outputs that the caller frees once this thread has ended.
+struct FlushOnDrop(Option<SharedSink>);
+
+impl Drop for FlushOnDrop {
+    fn drop(&mut self) {
+        if let Some(sink) = &self.0 {
+            let _ = lock(sink).flush();
+        }
+    }
 }
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -108,10 +130,11 @@ impl StepAhead {
         lock(&opt).begin_ahead(lr, betas, grad_scale)?;
         let (tx, finished) = channel::<usize>();
         lock(&grads).watch(tx);
-        let watched = grads.clone();
+        let (watched, stepped) = (grads.clone(), opt.clone());
         let thread = std::thread::Builder::new()
             .name("burn-offload-step-ahead".into())
             .spawn(move || {
+                let _flush = FlushOnDrop(sink.clone());
                 let mut report = AheadReport::default();
                 // Ends when the backward ends (`end_pass` drops the watcher's sender).
                 for c in finished {
@@ -147,12 +170,17 @@ impl StepAhead {
                 if let Some(Err(e)) = sink.as_ref().map(|s| lock(s).flush()) {
                     report.failure.get_or_insert(e);
                 }
+                if report.failure.is_some() {
+                    // What reached the outputs is not known: the step hands them all out.
+                    lock(&opt).unsend_ahead();
+                }
                 report
             })
             .expect("spawning the step-ahead thread");
         Ok(Self {
             thread: Some(thread),
             grads: watched,
+            opt: stepped,
         })
     }
 
@@ -164,10 +192,13 @@ impl StepAhead {
     fn join(&mut self) -> AheadReport {
         match self.thread.take().map(JoinHandle::join) {
             Some(Ok(report)) => report,
-            Some(Err(_)) => AheadReport {
-                failure: Some("the step-ahead thread panicked".into()),
-                ..AheadReport::default()
-            },
+            Some(Err(_)) => {
+                lock(&self.opt).unsend_ahead();
+                AheadReport {
+                    failure: Some("the step-ahead thread panicked".into()),
+                    ..AheadReport::default()
+                }
+            }
             None => AheadReport::default(),
         }
     }

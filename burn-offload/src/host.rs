@@ -443,8 +443,9 @@ impl HostOptimizer {
     /// Begins a step with learning rate `lr`, `betas` and `grad_scale` whose sub-groups are
     /// then stepped one at a time as their gradients become final ([`Self::step_ahead`], in
     /// any order, while backward goes on); the [`Self::step`] given the same values completes
-    /// it, stepping the rest and handing every sub-group's new weights out. The arithmetic is
-    /// the serial step's, so are the bits. Host memory only.
+    /// it, stepping the rest and handing out the new weights of every sub-group not sent on
+    /// already ([`Self::sent_ahead`]). The arithmetic is the serial step's, so are the bits.
+    /// Host memory only.
     pub fn begin_ahead(
         &mut self,
         lr: f32,
@@ -526,6 +527,14 @@ impl HostOptimizer {
         }
     }
 
+    /// Forgets which sub-groups' weights were sent (the sending failed, and what arrived is
+    /// not known): the step that completes the one begun ahead hands them all out.
+    pub fn unsend_ahead(&mut self) {
+        if let Some(a) = self.ahead.as_mut() {
+            a.sent.fill(false);
+        }
+    }
+
     /// The sub-groups whose new weights the next [`Self::step`] hands out, in order: all but
     /// those sent on as they were stepped ahead.
     pub fn to_hand_out(&self) -> Vec<usize> {
@@ -561,8 +570,9 @@ impl HostOptimizer {
     }
 
     /// The step (begun ahead with these values, or now) steps nothing more: the next
-    /// [`Self::step`] with the same values hands every sub-group's weights out, those stepped
-    /// ahead with their update, the others as they are (gradients that overflowed, where some
+    /// [`Self::step`] with the same values hands the weights of every sub-group not sent on
+    /// already out, those stepped ahead with their update, the others as they are (gradients
+    /// that overflowed, where some
     /// sub-group somewhere was stepped ahead already). Host memory only.
     pub fn skip_rest_ahead(
         &mut self,

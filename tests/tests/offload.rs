@@ -695,6 +695,36 @@ fn a_failed_backward_stops_stepping_ahead() {
     }
 }
 
+/// A second boundary backward without `step` between is refused before it touches the step
+/// begun ahead (whose sub-groups' weights were sent on as they were stepped): the `step`
+/// after it completes the first backward's step, and training goes on with the bits of a
+/// run that never made the mistake.
+#[test]
+fn a_second_boundary_backward_is_refused_and_the_step_completes() {
+    for world in [1, 2] {
+        let mistaken = run_two(world, true, |engine, _, stage| {
+            if stage == Stage::Poisoned {
+                let m = engine.model();
+                let x = ramp(32, 0.1).reshape([4, 8]);
+                let loss = m.b.forward(m.a.forward(x)).powf_scalar(2.0).mean();
+                engine.backward(loss.clone()).unwrap();
+                let err = engine.backward(loss).unwrap_err();
+                assert!(
+                    err.to_string().contains("second backward"),
+                    "world {world}: {err}"
+                );
+                engine.step().unwrap();
+            } else {
+                two_step(engine, 0.0).unwrap();
+            }
+        });
+        let plain = run_two(world, true, |engine, _, _| two_step(engine, 0.0).unwrap());
+        assert!(mistaken == plain, "world {world}: the same three steps");
+        let (before, after, next, _) = &plain[0];
+        assert!(before != after && after != next, "world {world}: it trains");
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Stage {
     First,

@@ -122,6 +122,14 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     pub(super) step_ahead: StepAheadPlan,
 }
 
+impl<I: Backend, M: Module<ZeroAutodiff<I>>> Drop for Engine<I, M> {
+    fn drop(&mut self) {
+        if self.step_ahead == StepAheadPlan::On {
+            self.join_step_ahead();
+        }
+    }
+}
+
 impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// The model, for the user's forward pass.
     pub fn model(&self) -> &M {

@@ -111,16 +111,22 @@ impl<I: Backend> HostGradStream<I> {
         {
             let primitive = received.clone().into_primitive().tensor();
             if let Some(buf) = crate::backend::cuda::cuda_buffer::<I>(&primitive) {
-                let squares = (boundary && self.layout.squares_on_device)
-                    .then(|| device_squares(&received, &spans, self.layout.chunk));
+                // Only a copy straight into the partition (a fresh pass) uses them: an
+                // accumulating one's squares are of the sums, taken on the host.
+                let squares = (boundary && self.layout.squares_on_device && self.grads().copies())
+                    .then(|| device_squares(&received, &spans, self.layout.chunk))
+                    .flatten();
                 // The bucket (and its squares) complete before the copy stream reads it.
                 if let Err(e) = I::sync(&received.device()) {
                     self.failure = Some(format!("the compute stream failed: {e:?}"));
                     return;
                 }
-                let squares = squares.map(|(sums, chunks)| {
-                    let sums = sums.into_data();
-                    chunks.into_iter().zip(sums.iter::<f64>()).collect()
+                // A sum past f32's range (or a non-finite gradient) is taken again on the host,
+                // in f64: it decides whether the step overflows.
+                let squares = squares.and_then(|(sums, chunks)| {
+                    let sums: Vec<f64> = sums.into_data().iter::<f64>().collect();
+                    let finite = sums.len() == chunks.len() && sums.iter().all(|s| s.is_finite());
+                    finite.then(|| chunks.into_iter().zip(sums).collect())
                 });
                 let (grads, busy) = (self.grads.clone(), self.busy.clone());
                 let copier = self
@@ -222,13 +228,13 @@ impl<I: Backend> HostGradStream<I> {
 }
 
 /// Σ g² of each piece of `spans` (in `received`) that lies within one chunk of `chunk`
-/// elements, on the device in f32: the sums, and each one's chunk.
+/// elements, on the device in f32: the sums, and each one's chunk (`None`: no piece).
 #[cfg(feature = "cuda")]
 fn device_squares<I: Backend>(
     received: &Tensor<I, 1>,
     spans: &[Span],
     chunk: usize,
-) -> (Tensor<I, 1>, Vec<usize>) {
+) -> Option<(Tensor<I, 1>, Vec<usize>)> {
     let chunk = chunk.max(1);
     let mut sums = Vec::new();
     let mut chunks = Vec::new();
@@ -243,5 +249,5 @@ fn device_squares<I: Backend>(
             start = end;
         }
     }
-    (Tensor::cat(sums, 0), chunks)
+    (!sums.is_empty()).then(|| (Tensor::cat(sums, 0), chunks))
 }

@@ -122,15 +122,14 @@ impl PinnedRing {
     }
 }
 
-/// One output tensor per sub-group of `opt` (a large partition is more than one buffer may
+/// One output tensor per sub-group (`ranges`: a large partition is more than one buffer may
 /// hold) and their CUDA buffers (`None`: not CUDA memory).
 fn outputs<I: Backend>(
-    opt: &HostOptimizer,
+    ranges: &[Range<usize>],
     device: &I::Device,
     compute: Format,
 ) -> Option<(Vec<Tensor<I, 1>>, Vec<CudaBuffer>)> {
-    let weights: Vec<Tensor<I, 1>> = opt
-        .sub_groups()
+    let weights: Vec<Tensor<I, 1>> = ranges
         .iter()
         .map(|r| Tensor::empty([r.len()], (device, compute.storage())))
         .collect();
@@ -179,7 +178,7 @@ pub(crate) fn step<'a, I: Backend>(
     };
     let outputs = match made {
         Some(weights) => buffers_of::<I>(&weights).map(|dst| (weights, dst)),
-        None => outputs::<I>(opt, device, compute),
+        None => outputs::<I>(&opt.sub_groups(), device, compute),
     };
     let Some((weights, dst)) = outputs else {
         return Err((source, targets));
@@ -394,26 +393,27 @@ impl AheadSink for CudaSink {
     }
 }
 
-/// The sink for a step of `opt` begun ahead, aimed at new output tensors (every sub-group's,
-/// on `device` in `compute`'s format), made in `cache` or reused from it; `None` when they are
-/// not CUDA memory in a native format.
+/// The sink for a step begun ahead, aimed at new output tensors (one per sub-group of
+/// `ranges`, on `device` in `compute`'s format), made in `cache` or reused from it; `None`
+/// when they are not CUDA memory in a native format.
 #[allow(clippy::type_complexity)]
 pub(crate) fn aim<I: Backend>(
     cache: &mut Option<Arc<Mutex<CudaSink>>>,
-    opt: &HostOptimizer,
+    ranges: &[Range<usize>],
     device: &I::Device,
     compute: Format,
 ) -> Result<Option<(SharedSink, Vec<Tensor<I, 1>>)>, EngineError> {
     if compute.emulated {
         return Ok(None);
     }
-    let Some((weights, dst)) = outputs::<I>(opt, device, compute) else {
+    let Some((weights, dst)) = outputs::<I>(ranges, device, compute) else {
         return Ok(None);
     };
     let Some(ordinal) = dst.first().map(|d| d._keep.device.index) else {
         return Ok(None);
     };
-    let (len, out) = (opt.sub_group_len(), out_dtype(compute));
+    let len = ranges.iter().map(Range::len).max().unwrap_or(0);
+    let out = out_dtype(compute);
     let fits = |s: &CudaSink| s.ordinal == ordinal && s.len == len && s.out == out;
     let reuse = cache
         .as_ref()

@@ -247,24 +247,25 @@ impl<I: Backend> Default for AheadOut<I> {
 }
 
 impl<I: Backend> AheadOut<I> {
-    /// The sink for a step begun ahead of `opt`'s gradient, its outputs made on `device` in
-    /// `compute`'s format where the copies reach them (CUDA), in host memory otherwise.
+    /// The sink for a step begun ahead of the gradient of an optimizer whose sub-groups are
+    /// `ranges`, its outputs made on `device` in `compute`'s format where the copies reach
+    /// them (CUDA), in host memory otherwise.
     pub(crate) fn aim(
         &mut self,
-        opt: &HostOptimizer,
+        ranges: &[Range<usize>],
         device: &I::Device,
         compute: Format,
     ) -> Result<SharedSink, EngineError> {
         self.targets.clear();
         #[cfg(feature = "cuda")]
         if let Some((sink, targets)) =
-            super::offload_cuda::aim::<I>(&mut self.cuda, opt, device, compute)?
+            super::offload_cuda::aim::<I>(&mut self.cuda, ranges, device, compute)?
         {
             self.targets = targets.into_iter().map(Some).collect();
             return Ok(sink);
         }
         let _ = device;
-        let len = opt.sub_group_len();
+        let len = ranges.iter().map(Range::len).max().unwrap_or(0);
         let host = self
             .host
             .get_or_insert_with(|| Arc::new(Mutex::new(HostSink::new(len, compute))));

@@ -259,7 +259,12 @@ impl<I: Backend> Optim<I> {
                 ahead_out,
                 device,
                 ..
-            } => ahead_out.aim(&lock(opt), device, compute).map(Some),
+            } => {
+                // The optimizer is not held while the sink is (the thread takes them the
+                // other way round).
+                let ranges = lock(opt).sub_groups();
+                ahead_out.aim(&ranges, device, compute).map(Some)
+            }
         }
     }
 

@@ -1,8 +1,10 @@
 //! ZeRO-Offload's optimizer overlapped with backward (`burn_zero.cpu_adam.step_ahead`): at
 //! stages 2 and 3 with the optimizer in host memory, each sub-group is stepped by CPU-Adam as
 //! soon as the boundary backward has finished its gradient there (burn-offload's
-//! [`burn_offload::StepAhead`]); `step` then steps what never finished early and sends every
-//! sub-group's weights up. The arithmetic and its order are the serial step's: same bits.
+//! [`burn_offload::StepAhead`]), and on CUDA its new weights go up at once into the step's
+//! output tensors, made before backward; `step` then steps what never finished early and
+//! sends the rest of the weights up. The arithmetic and its order are the serial step's: same
+//! bits.
 //!
 //! Only where a sub-group's step needs nothing but its own gradient: without
 //! `gradient_clipping` (the global norm) and without fp16's loss scale. A non-finite gradient
@@ -82,30 +84,50 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let Some(opt) = self.optim.host() else {
             return Ok(());
         };
+        let refuse = |e| match e {
+            AheadError::Open => EngineError::Usage(
+                "a second backward at an accumulation boundary without `step` between: the \
+                 first one's sub-groups were stepped ahead (cpu_adam.step_ahead); call `step`, \
+                 or set step_ahead false to accumulate them"
+                    .into(),
+            ),
+            e => EngineError::HostGradients(format!("stepping sub-groups ahead: {e}")),
+        };
+        // Before anything is aimed: the open step's outputs may still be receiving weights.
+        if opt.lock().unwrap_or_else(|e| e.into_inner()).has_ahead() {
+            return Err(refuse(AheadError::Open));
+        }
         let (lr, betas) = self.step_params().f32();
         let strategy = self.strategy.clone();
         let mut strategy = strategy.lock().expect("strategy");
         if strategy.grads_mut().host.is_none() {
             return Ok(());
         }
-        // The step's weights in the format `step` would write them (see there).
+        // The step's weights in the format `step` would write them (see there). Offloaded
+        // parameters end in host memory: nothing to send up ahead of the step.
         let compute = match strategy.master_backed() {
             true => Format::F32,
             false => self.precision.compute,
         };
-        let sink = self.optim.aim_ahead(compute)?;
+        let sink = match self.resolved.config.zero_optimization.param_offload() {
+            OffloadDevice::None => self.optim.aim_ahead(compute)?,
+            _ => None,
+        };
         let host = strategy.grads_mut().host.as_mut().expect("checked above");
         // No loss scale, no clipping: the step's gradient scale is [1, 1].
         host.start_ahead(opt, (lr, betas, [1.0, 1.0]), sink)
-            .map_err(|e| match e {
-                AheadError::Open => EngineError::Usage(
-                    "a second backward at an accumulation boundary without `step` between: the \
-                     first one's sub-groups were stepped ahead (cpu_adam.step_ahead); call \
-                     `step`, or set step_ahead false to accumulate them"
-                        .into(),
-                ),
-                e => EngineError::HostGradients(format!("stepping sub-groups ahead: {e}")),
-            })
+            .map_err(refuse)
+    }
+
+    /// When the engine goes: waits for a thread still stepping ahead (it may be sending
+    /// weights into outputs the optimizer state owns, which are dropped before the hook that
+    /// holds the thread).
+    pub(super) fn join_step_ahead(&mut self) {
+        let strategy = self.strategy.clone();
+        let mut strategy = strategy.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(host) = strategy.grads_mut().host.as_mut() {
+            host.cancel_ahead();
+        }
     }
 
     /// After a boundary backward that failed: stops stepping ahead and closes the step. The
