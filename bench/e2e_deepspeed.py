@@ -55,7 +55,7 @@ def fill(model, stage, device):
 
 def main():
     size, stage, steps, micro, seq, ac = lt.parse(sys.argv[1:])
-    vocab, hidden, inter, layers, heads, kv, tied = lt.PRESETS[size]
+    vocab, hidden, inter, layers, heads, kv, tied = lt.preset(size)
     deepspeed.init_distributed("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

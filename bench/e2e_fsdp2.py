@@ -35,7 +35,7 @@ def fill_shards(model, device):
 
 def main():
     size, stage, steps, micro, seq, ac = lt.parse(sys.argv[1:])
-    vocab, hidden, inter, layers, heads, kv, tied = lt.PRESETS[size]
+    vocab, hidden, inter, layers, heads, kv, tied = lt.preset(size)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

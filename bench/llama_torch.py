@@ -18,7 +18,18 @@ PRESETS = {  # vocab, hidden, intermediate, layers, heads, kv heads, tied (bench
     "1b": (128256, 2048, 8192, 16, 32, 8, True),
     "3b": (128256, 3072, 8192, 28, 24, 8, True),
     "8b": (128256, 4096, 14336, 32, 32, 8, False),
+    "70b": (128256, 8192, 28672, 80, 64, 8, False),
 }
+
+
+def preset(size):
+    """PRESETS[size]; `SIZE:LAYERS` keeps a shape's widths with LAYERS decoder layers."""
+    base, _, layers = size.partition(":")
+    vocab, hidden, inter, n, heads, kv, tied = PRESETS[base]
+    if layers:
+        n = int(layers)
+        assert n > 0, f"SIZE:LAYERS needs a positive layer count, not {layers!r}"
+    return vocab, hidden, inter, n, heads, kv, tied
 ROPE_THETA = 500000.0
 SEED = 42
 

@@ -6,7 +6,8 @@
 #   bash bench/run_e2e_zero3.sh KIND    (carry [".gpu", ".whl"]; staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; .whl as ../shared/GPU.md says)
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
-# row's own comma-separated systems replace SYSTEMS for it); SYSTEMS: which of
+# row's own comma-separated systems replace SYSTEMS for it; SIZE is 125m, 1b, 3b, 8b or 70b, or
+# SIZE:LAYERS for that shape with LAYERS decoder layers: 8b:48 is 11.5B, 70b:28 26.1B); SYSTEMS: which of
 # "ours ours-pf ours-pf-unfused ours-pf-smem ours-pf-regs ours-pf-keep ours-prev ours-pf-prev ours-op ours-op-nvme ours-oo-op ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8
 # ours-rows1k fsdp2 deepspeed"
 # run (ours: fitted pools, the chunked loss, free pages released between phases,
@@ -50,19 +51,20 @@ fi
 python3 bench/shared_init.py | tee "$out/shared-init-check.txt"
 
 port=29700
-hidden2() { # Hugging Face's "auto" reduce_bucket_size: hidden x hidden
-  case "$1" in 125m) echo $((768 * 768)) ;; 1b) echo $((2048 * 2048)) ;;
-    3b) echo $((3072 * 3072)) ;; 8b) echo $((4096 * 4096)) ;; esac
+hidden2() { # Hugging Face's "auto" reduce_bucket_size: hidden x hidden (SIZE:LAYERS as SIZE)
+  case "${1%%:*}" in 125m) echo $((768 * 768)) ;; 1b) echo $((2048 * 2048)) ;;
+    3b) echo $((3072 * 3072)) ;; 8b) echo $((4096 * 4096)) ;; 70b) echo $((8192 * 8192)) ;; esac
 }
 layers2() { # two decoder layers' parameters: 2 x (2 h^2 + 2 h kv + 3 h i)
-  case "$1" in 125m) echo $((2 * (2*768*768 + 2*768*256 + 3*768*2048))) ;;
+  case "${1%%:*}" in 125m) echo $((2 * (2*768*768 + 2*768*256 + 3*768*2048))) ;;
     1b) echo $((2 * (2*2048*2048 + 2*2048*512 + 3*2048*8192))) ;;
     3b) echo $((2 * (2*3072*3072 + 2*3072*1024 + 3*3072*8192))) ;;
-    8b) echo $((2 * (2*4096*4096 + 2*4096*1024 + 3*4096*14336))) ;; esac
+    8b) echo $((2 * (2*4096*4096 + 2*4096*1024 + 3*4096*14336))) ;;
+    70b) echo $((2 * (2*8192*8192 + 2*8192*1024 + 3*8192*28672))) ;; esac
 }
 measure() { # name size n micro seq ac command...
   local name=$1 size=$2 n=$3 micro=$4 seq=$5 ac=$6; shift 6
-  local tag="$name-$size-$n-$micro-$seq-ac$ac"
+  local tag="$name-${size//:/l}-$n-$micro-$seq-ac$ac"  # 70b:28 -> 70bl28 (file names take no ':')
   nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 200 \
     > "/tmp/mem-$tag.log" &
   local smi=$!

@@ -43,15 +43,28 @@ use burn_zero_llm::{Llama, LlamaConfig};
 
 type B = ZeroAutodiff<Cuda>;
 
-/// The model of `size`: SmolLM2-like 125M, Llama-3.2-1B and -3B shapes (tied embeddings).
+/// The model of `size`: SmolLM2-like 125M, Llama-3.2-1B and -3B shapes (tied embeddings),
+/// Llama-3.1-8B and -70B shapes (untied); `SIZE:LAYERS` keeps a shape's widths with `LAYERS`
+/// decoder layers (`8b:48`, `70b:28`), for the largest model a machine trains.
 fn preset(size: &str) -> LlamaConfig {
-    let config = match size {
+    let (base, layers) = match size.split_once(':') {
+        Some((base, n)) => match n.parse::<usize>() {
+            Ok(n) if n > 0 => (base, Some(n)),
+            _ => panic!("SIZE:LAYERS needs a positive layer count, not `{n}`"),
+        },
+        None => (size, None),
+    };
+    let mut config = match base {
         "125m" => LlamaConfig::new(49152, 768, 2048, 12, 12, 4),
         "1b" => LlamaConfig::new(128256, 2048, 8192, 16, 32, 8),
         "3b" => LlamaConfig::new(128256, 3072, 8192, 28, 24, 8),
         "8b" => LlamaConfig::new(128256, 4096, 14336, 32, 32, 8).with_tie_embeddings(false),
-        other => panic!("SIZE is 125m, 1b, 3b or 8b, not `{other}`"),
+        "70b" => LlamaConfig::new(128256, 8192, 28672, 80, 64, 8).with_tie_embeddings(false),
+        other => panic!("SIZE is 125m, 1b, 3b, 8b or 70b (optionally :LAYERS), not `{other}`"),
     };
+    if let Some(n) = layers {
+        config.num_layers = n;
+    }
     config.with_rope_theta(500000.0).with_max_seq_len(8192)
 }
 
