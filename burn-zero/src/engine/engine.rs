@@ -131,6 +131,15 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Drop for Engine<I, M> {
 }
 
 impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
+    /// The format the step writes the new weights in: none but the master where the
+    /// parameters are chunks of it (`master_backed`, ZeRO-3), the compute format otherwise.
+    pub(super) fn step_format(&self, master_backed: bool) -> Format {
+        match master_backed {
+            true => Format::F32,
+            false => self.precision.compute,
+        }
+    }
+
     /// The model, for the user's forward pass.
     pub fn model(&self) -> &M {
         self.model
@@ -417,10 +426,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             let model = self.model.take().expect("model");
             self.model = Some(rebuild_from(model, &self.layout, &mut *placeholders));
         }
-        let compute = match strategy.master_backed() {
-            true => Format::F32,
-            false => self.precision.compute,
-        };
+        let compute = self.step_format(strategy.master_backed());
         let working = match grad {
             // Clipped inside the optimizer's update (no pass of its own where it is fused).
             Some(grad) => {

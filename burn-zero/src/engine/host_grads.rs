@@ -239,14 +239,11 @@ fn device_squares<I: Backend>(
     let mut sums = Vec::new();
     let mut chunks = Vec::new();
     for (at, dst) in spans {
-        let mut start = dst.start;
-        while start < dst.end {
-            let end = ((start / chunk + 1) * chunk).min(dst.end);
-            let from = at + (start - dst.start);
-            let piece = received.clone().slice(from..from + (end - start));
+        for r in super::host_grads_cuda::split_at_multiples(dst.clone(), chunk) {
+            let from = at + (r.start - dst.start);
+            let piece = received.clone().slice(from..from + r.len());
             sums.push(piece.clone().mul(piece).sum());
-            chunks.push(start / chunk);
-            start = end;
+            chunks.push(r.start / chunk);
         }
     }
     (!sums.is_empty()).then(|| (Tensor::cat(sums, 0), chunks))

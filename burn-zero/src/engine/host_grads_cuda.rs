@@ -179,8 +179,11 @@ impl Staging {
                 .map_err(|e| format!("{e:?}"))
         };
         let squared = squares.is_some();
-        for (c, sum) in squares.into_iter().flatten() {
-            lock().add_squares(c, sum);
+        if let Some(squares) = squares {
+            let mut g = lock();
+            squares
+                .into_iter()
+                .for_each(|(c, sum)| g.add_squares(c, sum));
         }
         self.pipelined(pieces.len(), issue, |k| {
             match squared {
@@ -256,7 +259,10 @@ impl Staging {
 }
 
 /// `range` cut where multiples of `per` fall.
-fn split_at_multiples(range: Range<usize>, per: usize) -> impl Iterator<Item = Range<usize>> {
+pub(crate) fn split_at_multiples(
+    range: Range<usize>,
+    per: usize,
+) -> impl Iterator<Item = Range<usize>> {
     let mut at = range.start;
     std::iter::from_fn(move || {
         (at < range.end).then(|| {

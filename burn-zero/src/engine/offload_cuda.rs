@@ -44,55 +44,139 @@ pub(crate) fn copy_streams<const N: usize>(
     Ok((context, streams))
 }
 
+/// Page-locked buffers for new weights in their dtype (16-bit weights held as their bits).
+struct PinnedOuts {
+    out: OutDtype,
+    f32s: Vec<PinnedHostSlice<f32>>,
+    bits: Vec<PinnedHostSlice<u16>>,
+}
+
+impl PinnedOuts {
+    /// `count` buffers of `len` elements of `out`.
+    fn new(
+        context: &Arc<CudaContext>,
+        count: usize,
+        len: usize,
+        out: OutDtype,
+    ) -> Result<Self, String> {
+        let fail = |e| format!("{len} elements of page-locked host memory: {e:?}");
+        // Flags 0: cached (not write-combined) memory, as the CPU writes it.
+        // SAFETY: a buffer is written by the step before it is read.
+        let (f32s, bits) = match out {
+            OutDtype::F32 => (
+                (0..count)
+                    .map(|_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) })
+                    .collect::<Result<_, _>>()
+                    .map_err(fail)?,
+                Vec::new(),
+            ),
+            _ => (
+                Vec::new(),
+                (0..count)
+                    .map(|_| unsafe { context.alloc_pinned_with_flags::<u16>(len, 0) })
+                    .collect::<Result<_, _>>()
+                    .map_err(fail)?,
+            ),
+        };
+        Ok(Self { out, f32s, bits })
+    }
+
+    /// Every buffer as a step's output slot.
+    fn slots(&mut self) -> Result<Vec<OutSlot<'_>>, String> {
+        let out = self.out;
+        let f32s = self.f32s.iter_mut().map(slot_f32);
+        f32s.chain(self.bits.iter_mut().map(|b| slot_bits(out, b)))
+            .collect()
+    }
+
+    /// Buffer `i` as a step's output slot.
+    fn slot(&mut self, i: usize) -> Result<OutSlot<'_>, String> {
+        match self.out {
+            OutDtype::F32 => slot_f32(&mut self.f32s[i]),
+            out => slot_bits(out, &mut self.bits[i]),
+        }
+    }
+
+    /// Copies the first `n` elements of buffer `i` to `dst` on `stream`.
+    ///
+    /// # Safety
+    /// `dst` must hold `n` elements of the dtype, and buffer `i` must not be written before
+    /// the copy completes.
+    unsafe fn copy_up(
+        &self,
+        i: usize,
+        n: usize,
+        dst: u64,
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        let fail = |e| format!("{e:?}");
+        // SAFETY: as the caller promises; the source is page-locked.
+        unsafe {
+            match self.out {
+                OutDtype::F32 => {
+                    let src = &self.f32s[i].as_slice().map_err(fail)?[..n];
+                    result::memcpy_htod_async(dst, src, stream.cu_stream())
+                }
+                _ => {
+                    let src = &self.bits[i].as_slice().map_err(fail)?[..n];
+                    result::memcpy_htod_async(dst, src, stream.cu_stream())
+                }
+            }
+        }
+        .map_err(fail)
+    }
+}
+
+fn slot_f32(b: &mut PinnedHostSlice<f32>) -> Result<OutSlot<'_>, String> {
+    let values = b
+        .as_mut_slice()
+        .map_err(|e| format!("a page-locked buffer: {e:?}"))?;
+    Ok(OutSlot::F32(values))
+}
+
+fn slot_bits(out: OutDtype, b: &mut PinnedHostSlice<u16>) -> Result<OutSlot<'_>, String> {
+    let bits = b
+        .as_mut_slice()
+        .map_err(|e| format!("a page-locked buffer: {e:?}"))?;
+    let (ptr, n) = (bits.as_mut_ptr(), bits.len());
+    // SAFETY: bf16 and f16 are `repr(transparent)` over u16; the slice replaces `bits`.
+    Ok(match out {
+        OutDtype::Bf16 => {
+            OutSlot::Bf16(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<bf16>(), n) })
+        }
+        _ => OutSlot::F16(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<f16>(), n) }),
+    })
+}
+
 /// Page-locked buffers and the two copy streams of one offloaded optimizer.
 pub(crate) struct PinnedRing {
     ordinal: usize,
     len: usize,
-    out: OutDtype,
     context: Arc<CudaContext>,
     down: Arc<CudaStream>,
     up: Arc<CudaStream>,
     grads: Vec<PinnedHostSlice<f32>>,
-    /// f32 weights; 16-bit weights are held as their bits.
-    outs32: Vec<PinnedHostSlice<f32>>,
-    outs16: Vec<PinnedHostSlice<u16>>,
+    outs: PinnedOuts,
 }
 
 impl PinnedRing {
     fn new(ordinal: usize, len: usize, out: OutDtype) -> Result<Self, String> {
         let (context, [down, up]) = copy_streams(ordinal)?;
         // Flags 0: cached (not write-combined) memory, as the CPU reads gradients from it.
-        // SAFETY: the buffers are written (by a copy or the step) before they are read.
-        let pinned = |_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) };
-        let pinned16 = |_| unsafe { context.alloc_pinned_with_flags::<u16>(len, 0) };
-        let fail = |e| format!("{len} elements of page-locked host memory: {e:?}");
+        // SAFETY: the buffers are written by a copy before they are read.
         let grads = (0..RING_DEPTH)
-            .map(pinned)
+            .map(|_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) })
             .collect::<Result<_, _>>()
-            .map_err(fail)?;
-        let (outs32, outs16) = if out == OutDtype::F32 {
-            let outs = (0..RING_DEPTH)
-                .map(pinned)
-                .collect::<Result<_, _>>()
-                .map_err(fail)?;
-            (outs, Vec::new())
-        } else {
-            let outs = (0..RING_DEPTH)
-                .map(pinned16)
-                .collect::<Result<_, _>>()
-                .map_err(fail)?;
-            (Vec::new(), outs)
-        };
+            .map_err(|e| format!("{len} elements of page-locked host memory: {e:?}"))?;
+        let outs = PinnedOuts::new(&context, RING_DEPTH, len, out)?;
         Ok(Self {
             ordinal,
             len,
-            out,
             context,
             down,
             up,
             grads,
-            outs32,
-            outs16,
+            outs,
         })
     }
 
@@ -103,21 +187,7 @@ impl PinnedRing {
             .iter_mut()
             .map(|b| b.as_mut_slice().map_err(fail))
             .collect::<Result<_, _>>()?;
-        let mut outs = Vec::new();
-        for b in &mut self.outs32 {
-            outs.push(OutSlot::F32(b.as_mut_slice().map_err(fail)?));
-        }
-        for b in &mut self.outs16 {
-            let bits = b.as_mut_slice().map_err(fail)?;
-            let (ptr, n) = (bits.as_mut_ptr(), bits.len());
-            // SAFETY: bf16 and f16 are `repr(transparent)` over u16; the slice replaces `bits`.
-            outs.push(match self.out {
-                OutDtype::Bf16 => {
-                    OutSlot::Bf16(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<bf16>(), n) })
-                }
-                _ => OutSlot::F16(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<f16>(), n) }),
-            });
-        }
+        let outs = self.outs.slots()?;
         Ok(StepBuffers { grads, outs })
     }
 }
@@ -189,8 +259,7 @@ pub(crate) fn step<'a, I: Backend>(
     let dst: Vec<u64> = dst.iter().map(|d| d.buf.ptr).collect();
     let out = out_dtype(compute);
     let len = opt.sub_group_len();
-    let reuse =
-        matches!(ring, StepRing::Pinned(r) if r.ordinal == ordinal && r.len == len && r.out == out);
+    let reuse = matches!(ring, StepRing::Pinned(r) if r.ordinal == ordinal && r.len == len && r.outs.out == out);
     if !reuse {
         match PinnedRing::new(ordinal, len, out) {
             Ok(r) => *ring = StepRing::Pinned(r),
@@ -279,11 +348,9 @@ fn upload_weights(
 pub(crate) struct CudaSink {
     ordinal: usize,
     len: usize,
-    out: OutDtype,
     context: Arc<CudaContext>,
     up: Arc<CudaStream>,
-    slots32: Vec<PinnedHostSlice<f32>>,
-    slots16: Vec<PinnedHostSlice<u16>>,
+    slots: PinnedOuts,
     /// The copy last enqueued from each slot.
     copies: [Option<CudaEvent>; 2],
     /// The slot the next sub-group is written into.
@@ -295,32 +362,13 @@ pub(crate) struct CudaSink {
 impl CudaSink {
     fn new(ordinal: usize, len: usize, out: OutDtype) -> Result<Self, String> {
         let (context, [up]) = copy_streams(ordinal)?;
-        let fail = |e| format!("{len} elements of page-locked host memory: {e:?}");
-        // SAFETY: a slot is written by the step before it is copied.
-        let (slots32, slots16) = match out {
-            OutDtype::F32 => (
-                (0..2)
-                    .map(|_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) })
-                    .collect::<Result<_, _>>()
-                    .map_err(fail)?,
-                Vec::new(),
-            ),
-            _ => (
-                Vec::new(),
-                (0..2)
-                    .map(|_| unsafe { context.alloc_pinned_with_flags::<u16>(len, 0) })
-                    .collect::<Result<_, _>>()
-                    .map_err(fail)?,
-            ),
-        };
+        let slots = PinnedOuts::new(&context, 2, len, out)?;
         Ok(Self {
             ordinal,
             len,
-            out,
             context,
             up,
-            slots32,
-            slots16,
+            slots,
             copies: [None, None],
             next: 0,
             targets: Vec::new(),
@@ -336,24 +384,7 @@ impl AheadSink for CudaSink {
         if let Some(copy) = self.copies[self.next].take() {
             copy.synchronize().map_err(|e| format!("{e:?}"))?;
         }
-        let fail = |e| format!("a page-locked buffer: {e:?}");
-        let i = self.next;
-        Ok(match self.out {
-            OutDtype::F32 => OutSlot::F32(self.slots32[i].as_mut_slice().map_err(fail)?),
-            out => {
-                let bits = self.slots16[i].as_mut_slice().map_err(fail)?;
-                let (ptr, n) = (bits.as_mut_ptr(), bits.len());
-                // SAFETY: bf16 and f16 are `repr(transparent)` over u16; the slice replaces `bits`.
-                match out {
-                    OutDtype::Bf16 => OutSlot::Bf16(unsafe {
-                        std::slice::from_raw_parts_mut(ptr.cast::<bf16>(), n)
-                    }),
-                    _ => OutSlot::F16(unsafe {
-                        std::slice::from_raw_parts_mut(ptr.cast::<f16>(), n)
-                    }),
-                }
-            }
-        })
+        self.slots.slot(self.next)
     }
 
     fn send(&mut self, index: usize, n: usize) -> Result<(), String> {
@@ -364,25 +395,13 @@ impl AheadSink for CudaSink {
         self.context
             .bind_to_thread()
             .map_err(|e| format!("{e:?}"))?;
-        let (i, stream) = (self.next, self.up.cu_stream());
-        let fail = |e| format!("{e:?}");
+        let i = self.next;
         // SAFETY: `dst` is the sub-group's output tensor, made for it and synchronized on
         // burn's stream before backward, untouched by burn until the step (after `flush`); the
-        // slot is page-locked and not written again before this copy's event completes.
-        unsafe {
-            match self.out {
-                OutDtype::F32 => {
-                    let src = &self.slots32[i].as_slice().map_err(fail)?[..n];
-                    result::memcpy_htod_async(dst, src, stream)
-                }
-                _ => {
-                    let src = &self.slots16[i].as_slice().map_err(fail)?[..n];
-                    result::memcpy_htod_async(dst, src, stream)
-                }
-            }
-        }
-        .map_err(fail)?;
-        self.copies[i] = Some(self.up.record_event(None).map_err(fail)?);
+        // slot is not written again before this copy's event completes (`slot` waits).
+        unsafe { self.slots.copy_up(i, n, dst, &self.up)? };
+        let event = self.up.record_event(None).map_err(|e| format!("{e:?}"))?;
+        self.copies[i] = Some(event);
         self.next = 1 - i;
         Ok(())
     }
@@ -414,7 +433,7 @@ pub(crate) fn aim<I: Backend>(
     };
     let len = ranges.iter().map(Range::len).max().unwrap_or(0);
     let out = out_dtype(compute);
-    let fits = |s: &CudaSink| s.ordinal == ordinal && s.len == len && s.out == out;
+    let fits = |s: &CudaSink| s.ordinal == ordinal && s.len == len && s.slots.out == out;
     let reuse = cache
         .as_ref()
         .is_some_and(|s| fits(&s.lock().unwrap_or_else(|e| e.into_inner())));

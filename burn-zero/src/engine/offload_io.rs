@@ -160,9 +160,7 @@ pub(crate) fn step<I: Backend>(
     let mut parts = targets;
     parts.resize(opt.sub_groups().len(), None);
     let timings = opt.step(lr, betas, scale, lent, download, &mut |range, weights| {
-        let data = weights_data(weights, compute);
-        let dtype: DType = data.dtype;
-        parts[range.start / sub_group] = Some(Tensor::from_data(data, (device, dtype)));
+        parts[range.start / sub_group] = Some(tensor_of(weights_data(weights, compute), device));
         Ok(())
     })?;
     let mut parts: Vec<Tensor<I, 1>> = parts
@@ -184,6 +182,12 @@ fn weights_data(weights: Weights<'_>, compute: Format) -> TensorData {
         Weights::F16(w) if !compute.emulated => TensorData::new(w.to_vec(), [n]),
         other => TensorData::new(other.to_f32(), [n]),
     }
+}
+
+/// `data` on `device`, in its own dtype.
+fn tensor_of<I: Backend>(data: TensorData, device: &I::Device) -> Tensor<I, 1> {
+    let dtype: DType = data.dtype;
+    Tensor::from_data(data, (device, dtype))
 }
 
 /// Sub-groups' new weights stepped ahead where no page-locked copy reaches the device: kept
@@ -295,8 +299,7 @@ impl<I: Backend> AheadOut<I> {
                     if targets.len() <= i {
                         targets.resize(i + 1, None);
                     }
-                    let dtype: DType = data.dtype;
-                    targets[i] = Some(Tensor::from_data(data, (device, dtype)));
+                    targets[i] = Some(tensor_of(data, device));
                 }
             }
         }

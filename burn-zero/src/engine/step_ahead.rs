@@ -17,7 +17,6 @@ use burn::tensor::backend::Backend;
 use burn_offload::AheadError;
 
 use super::engine::{Engine, EngineError, ZeroAutodiff};
-use super::precision::Format;
 use crate::comm::ReduceOp;
 use crate::config::{OffloadDevice, ResolvedConfig};
 use crate::optim::StepParams;
@@ -103,12 +102,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         if strategy.grads_mut().host.is_none() {
             return Ok(());
         }
-        // The step's weights in the format `step` would write them (see there). Offloaded
-        // parameters end in host memory: nothing to send up ahead of the step.
-        let compute = match strategy.master_backed() {
-            true => Format::F32,
-            false => self.precision.compute,
-        };
+        // The step's weights in the format `step` writes them. Offloaded parameters end in
+        // host memory: nothing to send up ahead of the step.
+        let compute = self.step_format(strategy.master_backed());
         let sink = match self.resolved.config.zero_optimization.param_offload() {
             OffloadDevice::None => self.optim.aim_ahead(compute)?,
             _ => None,
@@ -119,9 +115,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             .map_err(refuse)
     }
 
-    /// When the engine goes: waits for a thread still stepping ahead (it may be sending
-    /// weights into outputs the optimizer state owns, which are dropped before the hook that
-    /// holds the thread).
+    /// Stops a thread still stepping ahead and waits for it (also when the engine goes: it
+    /// may be sending weights into outputs the optimizer state owns, which are dropped before
+    /// the hook that holds the thread).
     pub(super) fn join_step_ahead(&mut self) {
         let strategy = self.strategy.clone();
         let mut strategy = strategy.lock().unwrap_or_else(|e| e.into_inner());
@@ -134,9 +130,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// sub-groups already stepped (their gradients were final) keep their update; their
     /// weights go up with the next step's.
     pub(super) fn cancel_step_ahead(&mut self) {
-        if let Some(host) = self.strategy().grads_mut().host.as_mut() {
-            host.cancel_ahead();
-        }
+        self.join_step_ahead();
         let kept = self.optim.abandon_ahead();
         if kept > 0 {
             crate::log::warn(&format!(
