@@ -522,6 +522,25 @@ pub trait DeviceCollectives: Send + Sync {
             "this communicator cannot order its stream by flags".into(),
         ))
     }
+    /// Enqueues on the collective stream a copy of `bytes` bytes from host memory at `src` into
+    /// device memory at `dst`: a parameter partition offloaded to page-locked host memory
+    /// uploaded right before the all-gather that reads it, in the same stream order.
+    ///
+    /// # Safety
+    /// `src` is page-locked host memory of `bytes` bytes, neither freed nor written until the
+    /// copy has run; `dst` is device memory of the communicator's device of at least `bytes`
+    /// bytes, untouched by anything else until then.
+    unsafe fn copy_from_host(
+        &self,
+        src: *const u8,
+        dst: u64,
+        bytes: usize,
+    ) -> Result<(), CommError> {
+        let _ = (src, dst, bytes);
+        Err(CommError::Aborted(
+            "this communicator cannot copy from host memory on its stream".into(),
+        ))
+    }
     /// Enqueues on the collective stream a wait for the CUDA event `event` (a `CUevent`):
     /// what follows starts once the work recorded before it is done. No kernel waits: a module
     /// that CUDA loads meanwhile cannot stall on it.

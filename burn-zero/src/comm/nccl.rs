@@ -736,6 +736,27 @@ impl DeviceCollectives for NcclComm {
             .map_err(|e| CommError::Aborted(format!("NCCL stream of rank {}: {e}", self.rank)))
     }
 
+    unsafe fn copy_from_host(
+        &self,
+        src: *const u8,
+        dst: u64,
+        bytes: usize,
+    ) -> Result<(), CommError> {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: as the caller promises: `src` holds `bytes` page-locked bytes until the copy
+        // has run, and `dst` as many bytes of this device.
+        unsafe {
+            let src = std::slice::from_raw_parts(src, bytes);
+            cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+        }
+        .map_err(|e| {
+            CommError::Aborted(format!(
+                "NCCL stream of rank {}: an upload: {e:?}",
+                self.rank
+            ))
+        })
+    }
+
     unsafe fn wait_event(&self, event: u64) -> Result<(), CommError> {
         let _ = self.stream.context().bind_to_thread();
         // SAFETY: the caller's event, recorded before; the stream is ours.

@@ -171,6 +171,43 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         self.run_pieces(Op::AllGather, t, pieces)
     }
 
+    /// [`FlatComm::all_gather_group`] of an input that waits in page-locked host memory: `host`
+    /// holds each piece's bytes in `dtype`, uploaded on the communication stream right before
+    /// the collective, so burn's stream neither uploads nor waits. `None` where that path is
+    /// not open (one rank, no device collectives or flags, not CUDA): the caller uploads the
+    /// pieces and calls [`FlatComm::all_gather_group`].
+    ///
+    /// # Safety
+    /// Every slice of `host` is page-locked, and neither freed nor written until the
+    /// collective's ticket ([`FlatComm::last_ticket`]) has been waited for.
+    #[cfg(feature = "cuda")]
+    pub(crate) unsafe fn all_gather_group_from_host(
+        &mut self,
+        host: &[&[u8]],
+        pieces: &[usize],
+        dtype: burn::tensor::DType,
+    ) -> Result<Option<Tensor<I, 1>>, CommError> {
+        self.last_ticket = None;
+        let len: usize = pieces.iter().sum();
+        assert_eq!(
+            host.iter().map(|h| h.len()).sum::<usize>(),
+            len * dtype.size(),
+            "the host pieces of a grouped all-gather hold its input"
+        );
+        let open = self.comm.get().world_size() > 1
+            && !self.host_only
+            && self
+                .comm
+                .get()
+                .device()
+                .is_some_and(|d| d.orders_by_flags());
+        if !open || len == 0 {
+            return Ok(None);
+        }
+        let input = Tensor::<I, 1>::empty([len], (&self.device, dtype));
+        self.run_on_device(Op::AllGather, &input, pieces, Some(host))
+    }
+
     /// `root`'s `t` on every rank.
     pub(crate) fn broadcast(
         &mut self,
@@ -263,7 +300,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             return Ok(input);
         }
         #[cfg(feature = "cuda")]
-        if let Some(output) = self.run_on_device(op, &input, pieces)? {
+        if let Some(output) = self.run_on_device(op, &input, pieces, None)? {
             return Ok(output);
         }
         self.run_on_host(op, input, pieces)
@@ -312,13 +349,16 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
     }
 
     /// Runs `op` on device memory when the communicator and the tensor allow it (`pieces`: as
-    /// in [`FlatComm::run_pieces`]).
+    /// in [`FlatComm::run_pieces`]; `upload`: the input's bytes, copied into it from page-locked
+    /// host memory on the communication stream first, as
+    /// [`FlatComm::all_gather_group_from_host`] promises).
     #[cfg(feature = "cuda")]
     fn run_on_device(
         &mut self,
         op: Op,
         input: &Tensor<I, 1>,
         pieces: &[usize],
+        upload: Option<&[&[u8]]>,
     ) -> Result<Option<Tensor<I, 1>>, CommError> {
         use crate::backend::cuda::{cuda_buffer, from_cube, ordered_output};
         let Some(device) = self.comm.get().device().filter(|_| !self.host_only) else {
@@ -353,10 +393,21 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             // SAFETY: the flag lives as long as the thread-local flags of cubecl's thread.
             unsafe { device.wait_for_flag(flag, seq)? };
         }
+        let uploaded = match upload {
+            // SAFETY: the pieces are page-locked and kept by the caller until this collective's
+            // ticket is waited for; together they are exactly `src`'s bytes (checked by the
+            // caller), which nothing else touches before the collective.
+            Some(host) => host.iter().try_fold(src.buf.ptr, |at, piece| unsafe {
+                device
+                    .copy_from_host(piece.as_ptr(), at, piece.len())
+                    .map(|()| at + piece.len() as u64)
+            }),
+            None => Ok(src.buf.ptr),
+        };
         // SAFETY: both buffers are live CUDA allocations of this device, complete when NCCL's
         // stream reaches the call (the flag above, or the sync), and held in `in_flight` until
         // `wait` has ordered burn's stream after NCCL's (or seen NCCL's stream finish).
-        let ran = unsafe {
+        let ran = uploaded.and_then(|_| unsafe {
             match op {
                 Op::AllReduce(reduce) => device.all_reduce(src.buf, dst.buf, reduce),
                 Op::ReduceScatter(reduce) => device.reduce_scatter(src.buf, dst.buf, reduce),
@@ -367,7 +418,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
                 Op::AllGather => device.all_gather(src.buf, dst.buf),
                 Op::Broadcast(root) => device.broadcast(src.buf, dst.buf, root),
             }
-        };
+        });
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         match fence {

@@ -115,8 +115,9 @@ pub(crate) trait Strategy<I: Backend>: Send {
         false
     }
 
-    /// Before a master-backed step: drops every reference to the master but the optimizer's,
-    /// and returns placeholders for the model's parameters until [`Strategy::publish`].
+    /// Before a master-backed step, or one that rewrites the parameters' host buffer: drops
+    /// every reference to the master (but the optimizer's) or to the buffer, and returns
+    /// placeholders for the model's parameters until [`Strategy::publish`].
     fn release(&mut self) -> Result<Option<Box<dyn ParamSource<I> + '_>>, EngineError> {
         Ok(None)
     }

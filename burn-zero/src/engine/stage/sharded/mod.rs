@@ -6,6 +6,9 @@
 //! Parameters smaller than `param_persistence_threshold` stay replicated (full, local): they
 //! are partitioned in the optimizer like the others and all-gathered after each step.
 
+mod param_host;
+#[cfg(feature = "cuda")]
+mod param_host_cuda;
 mod param_swap;
 mod params;
 mod strategy;

@@ -28,26 +28,41 @@ use crate::engine::{EngineError, ZeroAutodiff};
 use crate::partition::ShardPlan;
 use crate::trace::{GatherTracer, TraceConfig};
 
+use super::param_host::{HostParams, HostPartition};
 use super::param_swap::ParamSwap;
+
+/// How much of the new partitions goes down to host memory at a time
+/// (`offload_param {"device": "cpu"}`): their copies in the compute format are device memory.
+const HOST_BATCH_BYTES: usize = 256 << 20;
 
 /// This rank's partition of one sharded parameter.
 enum Partition<I: Backend> {
     /// On the device.
     Device(Tensor<I, 1>),
-    /// Off the device (`offload_param`: host memory or swap files), uploaded at each gather.
+    /// In host memory (`offload_param {"device": "cpu"}`), page-locked on CUDA.
+    Host(Arc<HostPartition>, I::Device, DType),
+    /// In a swap file (`offload_param {"device": "nvme"}`), read and uploaded at each gather.
     Off(Arc<dyn PartitionSource>, I::Device, DType),
 }
 
 impl<I: Backend> Partition<I> {
     fn on_device(&self) -> Tensor<I, 1> {
+        let (source, device, dtype): (&dyn PartitionSource, _, _) = match self {
+            Partition::Device(t) => return t.clone(),
+            Partition::Host(source, device, dtype) => (&**source, device, dtype),
+            Partition::Off(source, device, dtype) => (&**source, device, dtype),
+        };
+        let data = source
+            .fetch()
+            .unwrap_or_else(|e| panic!("an offloaded parameter partition could not be read: {e}"));
+        Tensor::from_data(data, (device, *dtype))
+    }
+
+    /// The page-locked bytes of a partition in host memory ([`HostPartition::pinned`]).
+    fn pinned(&self) -> Option<&[u8]> {
         match self {
-            Partition::Device(t) => t.clone(),
-            Partition::Off(source, device, dtype) => {
-                let data = source.fetch().unwrap_or_else(|e| {
-                    panic!("an offloaded parameter partition could not be read: {e}")
-                });
-                Tensor::from_data(data, (device, *dtype))
-            }
+            Partition::Host(source, ..) => source.pinned(),
+            _ => None,
         }
     }
 }
@@ -94,6 +109,8 @@ pub(crate) struct ShardedParams<I: Backend> {
     format: Format,
     /// `offload_param {"device": "nvme"}`: the swap files of this rank's partitions.
     swap: Option<ParamSwap>,
+    /// `offload_param {"device": "cpu"}`: the host buffer of this rank's partitions.
+    host: HostParams,
     /// Bumped at each parameter update.
     version: u64,
     events: Vec<GatherEvent>,
@@ -140,6 +157,7 @@ impl<I: Backend> ShardedParams<I> {
             master_backed,
             format: Format::F32,
             swap,
+            host: HostParams::default(),
             version: 0,
             events: Vec::new(),
             stats: GatherStats::default(),
@@ -217,6 +235,9 @@ impl<I: Backend> ShardedParams<I> {
         self.format = format;
         self.tracer.drop_live();
         self.drop_live(flat)?;
+        if matches!(self.place, ParamPlace::Host) {
+            return self.set_host_partitions(flat, master);
+        }
         let (device, dtype) = (master[0].device(), format.storage());
         // A swap file holds the sharded partitions end to end, widened to f32.
         let (mut swapped, mut slots, mut spans) = (Vec::new(), Vec::new(), Vec::new());
@@ -228,11 +249,7 @@ impl<I: Backend> ShardedParams<I> {
                 let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
                 match &self.place {
                     ParamPlace::Device => Some(Partition::Device(chunk)),
-                    ParamPlace::Host => Some(Partition::Off(
-                        Arc::new(format.convert(chunk).into_data()),
-                        device.clone(),
-                        dtype,
-                    )),
+                    ParamPlace::Host => unreachable!("set_host_partitions"),
                     // Set below, once the swap file is written.
                     ParamPlace::Nvme(_) => {
                         let at = swapped.len();
@@ -254,8 +271,69 @@ impl<I: Backend> ShardedParams<I> {
         Ok(())
     }
 
+    /// [`ShardedParams::set_partitions`] into host memory: the chunks in the compute format,
+    /// end to end in the rank's buffer, [`HOST_BATCH_BYTES`] at a time (their converted copies
+    /// are device memory).
+    fn set_host_partitions(
+        &mut self,
+        flat: &mut FlatComm<I>,
+        master: &[Tensor<I, 1>],
+    ) -> Result<(), EngineError> {
+        let (device, format) = (master[0].device(), self.format);
+        let dtype = format.storage();
+        let chunk = |p: usize| {
+            let start = self.plan.offset(p);
+            slice_pieces(master, start..start + self.plan.chunk(p))
+        };
+        let sharded: Vec<usize> = (0..self.plan.params())
+            .filter(|p| !self.persistent[*p])
+            .collect();
+        let len = sharded.iter().map(|&p| self.plan.chunk(p)).sum();
+        // Every upload from the buffer went on NCCL's stream before a collective whose fence
+        // burn's stream waits for: once burn's stream is done, nothing reads the buffer.
+        flat.wait()?;
+        I::sync(&device)
+            .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+        let failed =
+            |e: String| EngineError::Usage(format!("parameters offloaded to the host: {e}"));
+        let probe = sharded.first().map(|&p| chunk(p));
+        self.host
+            .begin(len, dtype, probe.as_ref())
+            .map_err(failed)?;
+        let (mut batch, mut bytes, mut ranges, mut at) = (Vec::new(), 0, Vec::new(), 0);
+        for &p in &sharded {
+            let c = self.plan.chunk(p);
+            batch.push(format.convert(chunk(p)));
+            ranges.push(at..at + c);
+            at += c;
+            bytes += c * dtype.size();
+            if bytes >= HOST_BATCH_BYTES {
+                self.host
+                    .write(std::mem::take(&mut batch), &device)
+                    .map_err(failed)?;
+                bytes = 0;
+            }
+        }
+        if !batch.is_empty() {
+            self.host.write(batch, &device).map_err(failed)?;
+        }
+        self.partitions.iter_mut().for_each(|p| *p = None);
+        for (&p, source) in sharded.iter().zip(self.host.partitions(&ranges)) {
+            self.partitions[p] = Some(Partition::Host(source, device.clone(), dtype));
+        }
+        Ok(())
+    }
+
+    /// Whether the model must hold placeholders while the optimizer steps: the partitions are
+    /// chunks of the master it updates in place, or the host buffer it rewrites.
+    pub(crate) fn released_for_step(&self) -> bool {
+        self.master_backed || matches!(self.place, ParamPlace::Host)
+    }
+
     /// Lets go of every partition and gather, so that the fp32 master the partitions are
-    /// chunks of has one reference left and the optimizer may update it in place. Until the
+    /// chunks of has one reference left and the optimizer may update it in place (or, with
+    /// `offload_param {"device": "cpu"}`, the host buffer may be rewritten without copying
+    /// anything out). Until the
     /// next [`ShardedParams::set_partitions`] nothing can be gathered: the model must hold
     /// [`ShardedParams::placeholder`]s meanwhile.
     pub(crate) fn release_partitions(&mut self, flat: &mut FlatComm<I>) -> Result<(), CommError> {
@@ -350,13 +428,18 @@ impl<I: Backend> ShardedParams<I> {
             let flat = full.clone().into_primitive().tensor();
             return ZeroTensor::local(I::float_reshape(flat, self.shapes[p].clone()));
         }
+        // One element of the dtype, on the device: for metadata queries only.
+        let stub = |device, dtype: &DType| Tensor::<I, 1>::zeros([1], (device, *dtype));
         let (partition, offloaded) = match &self.partitions[p] {
             Some(Partition::Device(t)) => (t.clone().into_primitive().tensor(), None),
-            Some(Partition::Off(source, device, dtype)) => {
-                // One element of the dtype, on the device: for metadata queries only.
-                let stub = Tensor::<I, 1>::zeros([1], (device, *dtype));
-                (stub.into_primitive().tensor(), Some(source.clone()))
+            Some(Partition::Host(source, device, dtype)) => {
+                let source: Arc<dyn PartitionSource> = source.clone();
+                (stub(device, dtype).into_primitive().tensor(), Some(source))
             }
+            Some(Partition::Off(source, device, dtype)) => (
+                stub(device, dtype).into_primitive().tensor(),
+                Some(source.clone()),
+            ),
             None => panic!("sharded parameters have a partition"),
         };
         ZeroTensor::sharded(Arc::new(ShardedParam {
@@ -369,42 +452,34 @@ impl<I: Backend> ShardedParams<I> {
         }))
     }
 
-    /// Every rank's chunk of `p`, from `partition`, as the flat full parameter, and the
-    /// collective's ticket: a gather on demand.
+    /// Every rank's chunk of `p`, from `partition` (`None`: the current one, from page-locked
+    /// host memory where it waits there), as the flat full parameter, and the collective's
+    /// ticket: a gather on demand.
     fn all_gather(
         &mut self,
         flat: &mut FlatComm<I>,
         p: usize,
-        partition: Tensor<I, 1>,
+        partition: Option<Tensor<I, 1>>,
     ) -> Result<(Tensor<I, 1>, Option<Ticket>), CommError> {
         self.stats.gathers += 1;
         self.events.push(GatherEvent::Gather {
             slot: p,
             ahead: false,
         });
-        let full = with_label(p as u64 + 1, || flat.all_gather(partition))?;
-        Ok((full, flat.last_ticket()))
+        match partition {
+            Some(partition) => {
+                let full = with_label(p as u64 + 1, || flat.all_gather(partition))?;
+                Ok((full, flat.last_ticket()))
+            }
+            None => self.gather_batch(flat, &[p]),
+        }
     }
 
     /// Gathers the parameters of `batch` ahead of use, as one grouped all-gather of their
     /// partitions (one collective and one output buffer for the batch: a layer's parameters
     /// go together, and the host visits cubecl a few times per batch, not per parameter).
     fn prefetch(&mut self, flat: &mut FlatComm<I>, batch: &[usize]) -> Result<(), CommError> {
-        let parts: Vec<Tensor<I, 1>> = batch
-            .iter()
-            .map(|&p| {
-                let partition = self.partitions[p]
-                    .as_ref()
-                    .expect("the trace holds sharded parameters only")
-                    .on_device();
-                self.format.convert(partition)
-            })
-            .collect();
-        let chunks: Vec<usize> = batch.iter().map(|&p| self.plan.chunk(p)).collect();
-        let input = match parts.len() {
-            1 => parts.into_iter().next().expect("one part"),
-            _ => Tensor::cat(parts, 0),
-        };
+        let (output, ticket) = self.gather_batch(flat, batch)?;
         self.stats.gathers += batch.len();
         self.stats.prefetched += batch.len();
         self.events.extend(
@@ -412,18 +487,59 @@ impl<I: Backend> ShardedParams<I> {
                 .iter()
                 .map(|&slot| GatherEvent::Gather { slot, ahead: true }),
         );
-        let first = batch.first().map_or(0, |p| *p as u64 + 1);
-        let output = with_label(first, || flat.all_gather_group(input, &chunks))?;
-        let ticket = flat.last_ticket();
         let world = self.plan.world_size();
         let mut at = 0;
-        for (&p, &chunk) in batch.iter().zip(&chunks) {
+        for &p in batch {
+            let chunk = self.plan.chunk(p);
             let range = at..at + self.plan.numel(p);
             self.live
                 .insert(p, Gathered::InFlight(output.clone(), range, ticket));
             at += world * chunk;
         }
         Ok(())
+    }
+
+    /// The current partitions of `batch` all-gathered as one collective, and its ticket:
+    /// uploaded on the communication stream from page-locked host memory where they wait
+    /// there, else on burn's stream.
+    fn gather_batch(
+        &self,
+        flat: &mut FlatComm<I>,
+        batch: &[usize],
+    ) -> Result<(Tensor<I, 1>, Option<Ticket>), CommError> {
+        let partition = |p: usize| {
+            self.partitions[p]
+                .as_ref()
+                .expect("the trace holds sharded parameters only")
+        };
+        let chunks: Vec<usize> = batch.iter().map(|&p| self.plan.chunk(p)).collect();
+        let first = batch.first().map_or(0, |p| *p as u64 + 1);
+        #[cfg(feature = "cuda")]
+        if let Some(host) = batch
+            .iter()
+            .map(|&p| partition(p).pinned())
+            .collect::<Option<Vec<&[u8]>>>()
+        {
+            let dtype = self.format.storage();
+            // SAFETY: `HostPartition::pinned`'s bytes are not written before
+            // `set_host_partitions`, which first waits for every collective's fence.
+            let output = with_label(first, || unsafe {
+                flat.all_gather_group_from_host(&host, &chunks, dtype)
+            })?;
+            if let Some(output) = output {
+                return Ok((output, flat.last_ticket()));
+            }
+        }
+        let parts: Vec<Tensor<I, 1>> = batch
+            .iter()
+            .map(|&p| self.format.convert(partition(p).on_device()))
+            .collect();
+        let input = match parts.len() {
+            1 => parts.into_iter().next().expect("one part"),
+            _ => Tensor::cat(parts, 0),
+        };
+        let output = with_label(first, || flat.all_gather_group(input, &chunks))?;
+        Ok((output, flat.last_ticket()))
     }
 
     fn shaped(&self, p: usize, flat_full: Tensor<I, 1>) -> I::FloatTensorPrimitive {
@@ -451,7 +567,7 @@ impl<I: Backend> ShardedParams<I> {
         };
         if param.version != self.version || p >= self.plan.params() {
             // A handle kept from an older step: its own values, outside the trace.
-            let (full, ticket) = self.all_gather(flat, p, own())?;
+            let (full, ticket) = self.all_gather(flat, p, Some(own()))?;
             flat.wait_for(ticket)?;
             return Ok(self.shaped(p, full));
         }
@@ -476,7 +592,7 @@ impl<I: Backend> ShardedParams<I> {
                     // Its memory may be reused only once NCCL is done writing it.
                     flat.wait_for(ticket)?;
                 }
-                let (gathered, ticket) = self.all_gather(flat, p, own())?;
+                let (gathered, ticket) = self.all_gather(flat, p, None)?;
                 flat.wait_for(ticket)?;
                 self.shaped(p, gathered)
             }

@@ -223,7 +223,7 @@ impl<I: Backend> Strategy<I> for Sharded<I> {
     }
 
     fn release(&mut self) -> Result<Option<Box<dyn ParamSource<I> + '_>>, EngineError> {
-        if !self.params.master_backed() {
+        if !self.params.released_for_step() {
             return Ok(None);
         }
         self.params.release_partitions(&mut self.grads.flat)?;

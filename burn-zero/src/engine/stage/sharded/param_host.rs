@@ -1,0 +1,223 @@
+//! `offload_param {"device": "cpu"}`: the sharded partitions in host memory, end to end in one
+//! buffer per rank, in the compute format. On CUDA the buffer is page-locked: a gather uploads
+//! its partitions on the communication stream right before the all-gather that reads them
+//! (`FlatComm::all_gather_group_from_host`), at PCIe speed and without stopping burn's stream,
+//! and after each step the new partitions come down into it by DMA.
+//!
+//! One buffer, rewritten at each step, where the device keeps each step's values in new
+//! tensors: while it is rewritten the engine's model holds placeholders
+//! (`ShardedParams::release_partitions`), and a partition that something else still holds (a
+//! model the user kept from an earlier step) is copied out first, so it keeps its values.
+
+use std::ops::Range;
+use std::sync::{Arc, OnceLock, RwLock, Weak};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+
+use crate::backend::PartitionSource;
+
+/// The buffer's memory.
+enum HostBytes {
+    Plain(Vec<u8>),
+    /// Page-locked, with the copy stream that fills it.
+    #[cfg(feature = "cuda")]
+    Pinned(super::param_host_cuda::Pinned),
+}
+
+impl HostBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            HostBytes::Plain(v) => v,
+            #[cfg(feature = "cuda")]
+            HostBytes::Pinned(p) => p.as_slice(),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            HostBytes::Plain(v) => v,
+            #[cfg(feature = "cuda")]
+            HostBytes::Pinned(p) => p.as_mut_slice(),
+        }
+    }
+}
+
+/// One rank's partitions, end to end.
+struct HostStore {
+    bytes: RwLock<HostBytes>,
+    dtype: DType,
+}
+
+impl HostStore {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HostBytes> {
+        self.bytes.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One parameter's partition in the rank's buffer (`range`: its elements there), or, once
+/// the buffer was rewritten while this was still held, its values copied out.
+pub(crate) struct HostPartition {
+    store: Arc<HostStore>,
+    range: Range<usize>,
+    kept: OnceLock<TensorData>,
+}
+
+impl std::fmt::Debug for HostPartition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostPartition({:?}, {:?})", self.range, self.store.dtype)
+    }
+}
+
+impl HostPartition {
+    fn bytes(&self) -> Range<usize> {
+        let size = self.store.dtype.size();
+        self.range.start * size..self.range.end * size
+    }
+
+    fn copy_out(&self) -> TensorData {
+        let bytes = self.store.read().as_slice()[self.bytes()].to_vec();
+        TensorData::from_bytes_vec(bytes, [self.range.len()], self.store.dtype)
+    }
+
+    /// The partition's page-locked bytes, for an upload on the communication stream; `None`
+    /// when the buffer is not page-locked or the values were copied out.
+    ///
+    /// The bytes stay valid until the buffer is next written ([`HostParams::begin`]), which
+    /// first waits for every collective and for burn's stream: the caller uploads them before
+    /// a collective whose ticket it waits for.
+    pub(crate) fn pinned(&self) -> Option<&[u8]> {
+        if self.kept.get().is_some() {
+            return None;
+        }
+        let bytes = self.store.read();
+        match &*bytes {
+            HostBytes::Plain(_) => None,
+            #[cfg(feature = "cuda")]
+            HostBytes::Pinned(p) => {
+                let slice = &p.as_slice()[self.bytes()];
+                // SAFETY: the page-locked allocation lives as long as `self.store` (held by
+                // `self`) and is only written by `HostParams::begin`'s callers, which wait for
+                // every upload first (see above): the lock guards the enum, not the bytes.
+                Some(unsafe { std::slice::from_raw_parts(slice.as_ptr(), slice.len()) })
+            }
+        }
+    }
+}
+
+impl PartitionSource for HostPartition {
+    fn fetch(&self) -> Result<TensorData, String> {
+        Ok(match self.kept.get() {
+            Some(data) => data.clone(),
+            None => self.copy_out(),
+        })
+    }
+}
+
+/// The rank's partition buffer and the partitions last written to it.
+#[derive(Default)]
+pub(super) struct HostParams {
+    store: Option<Arc<HostStore>>,
+    written: Vec<Weak<HostPartition>>,
+    /// Bytes written since [`HostParams::begin`].
+    at: usize,
+}
+
+impl HostParams {
+    /// Readies the buffer for `len` elements of `dtype`: the partitions written before and
+    /// still held elsewhere are copied out, and the buffer is made (page-locked when `probe`
+    /// is a CUDA tensor) or reused. The caller has waited for every upload from it.
+    pub(super) fn begin<I: Backend>(
+        &mut self,
+        len: usize,
+        dtype: DType,
+        probe: Option<&Tensor<I, 1>>,
+    ) -> Result<(), String> {
+        for partition in self.written.drain(..).filter_map(|w| w.upgrade()) {
+            let _ = partition.kept.set(partition.copy_out());
+        }
+        self.at = 0;
+        let bytes = len * dtype.size();
+        let fits = self
+            .store
+            .as_ref()
+            .is_some_and(|s| s.dtype == dtype && s.read().as_slice().len() == bytes);
+        if fits {
+            return Ok(());
+        }
+        // The old buffer's memory goes before the new one is taken.
+        self.store = None;
+        #[cfg(feature = "cuda")]
+        if let Some(pinned) = probe.and_then(|t| super::param_host_cuda::Pinned::new_for(t, bytes))
+        {
+            self.store = Some(Arc::new(HostStore {
+                bytes: RwLock::new(HostBytes::Pinned(pinned?)),
+                dtype,
+            }));
+            return Ok(());
+        }
+        let _ = probe;
+        self.store = Some(Arc::new(HostStore {
+            bytes: RwLock::new(HostBytes::Plain(vec![0; bytes])),
+            dtype,
+        }));
+        Ok(())
+    }
+
+    /// Writes `parts` (1-D tensors in the buffer's dtype) one after another from where the
+    /// last write ended: by DMA into page-locked memory, or read through burn.
+    pub(super) fn write<I: Backend>(
+        &mut self,
+        parts: Vec<Tensor<I, 1>>,
+        device: &I::Device,
+    ) -> Result<(), String> {
+        let store = self.store.as_ref().expect("begin made the buffer");
+        let size = store.dtype.size();
+        let mut bytes = store.bytes.write().unwrap_or_else(|e| e.into_inner());
+        let len: usize = parts.iter().map(|p| p.dims()[0] * size).sum();
+        let span = self.at..self.at + len;
+        if span.end > bytes.as_slice().len() {
+            return Err(format!(
+                "{} bytes of parameter partitions past the {}-byte host buffer",
+                span.end,
+                bytes.as_slice().len()
+            ));
+        }
+        self.at = span.end;
+        #[cfg(feature = "cuda")]
+        let parts = match &mut *bytes {
+            HostBytes::Pinned(pinned) => match pinned.download::<I>(parts, span.start, device)? {
+                None => return Ok(()),
+                Some(parts) => parts,
+            },
+            HostBytes::Plain(_) => parts,
+        };
+        let _ = device;
+        let mut at = span.start;
+        for part in parts {
+            let data = part.into_data();
+            let values = data.as_bytes();
+            bytes.as_mut_slice()[at..at + values.len()].copy_from_slice(values);
+            at += values.len();
+        }
+        Ok(())
+    }
+
+    /// The sources of the partitions written since [`HostParams::begin`], at `ranges`
+    /// (elements of the buffer).
+    pub(super) fn partitions(&mut self, ranges: &[Range<usize>]) -> Vec<Arc<HostPartition>> {
+        let store = self.store.as_ref().expect("begin made the buffer");
+        let partitions: Vec<Arc<HostPartition>> = ranges
+            .iter()
+            .map(|range| {
+                Arc::new(HostPartition {
+                    store: store.clone(),
+                    range: range.clone(),
+                    kept: OnceLock::new(),
+                })
+            })
+            .collect();
+        self.written = partitions.iter().map(Arc::downgrade).collect();
+        partitions
+    }
+}
