@@ -90,6 +90,8 @@ struct Run {
     device_grads: usize,
     /// Sub-groups CPU-Adam stepped during backward (`cpu_adam.step_ahead`).
     stepped_ahead: usize,
+    /// Parameter partitions copied out of the host buffer before a rewrite.
+    copied_out: usize,
 }
 
 /// Equal within fp32 rounding.
@@ -145,6 +147,7 @@ fn train(
             host_grads: report.host_gradients,
             device_grads: report.gradients,
             stepped_ahead,
+            copied_out: engine.gather_stats().map_or(0, |s| s.copied_out),
         }
     })
 }
@@ -503,6 +506,8 @@ fn offloaded_parameters_train_the_same_at_stage_3() {
                 }
                 assert_eq!(b.host_params > 0, on_host, "{what}: {b:?}");
                 assert_eq!(a.host_params, 0, "{what}");
+                // The engine's model held placeholders while the host buffer was rewritten.
+                assert_eq!(b.copied_out, 0, "{what}: {b:?}");
             }
         }
     }
@@ -529,8 +534,8 @@ fn parameter_offload_needs_stage_3_and_nvme_a_path() {
 
 /// A model kept from an earlier step keeps that step's values when its parameters are
 /// offloaded, as it does on the device: its handles gather their own partitions after the
-/// engine has moved on (host memory keeps each step's partitions; a swap file holds only the
-/// newest, so the kept handles' partitions must be read out before the file is rewritten).
+/// engine has moved on (the host buffer and a swap file hold only the newest, so the kept
+/// handles' partitions must be read out before they are rewritten).
 #[test]
 fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters() {
     let nvme = format!(
@@ -566,9 +571,16 @@ fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters(
             for step in 1..3 {
                 train_step(&mut engine, comm.as_ref(), step, ctx.rank, world);
             }
-            (before, values(&kept), values(engine.model()))
+            let copied = engine.gather_stats().map_or(0, |s| s.copied_out);
+            (before, values(&kept), values(engine.model()), copied)
         });
-        for (rank, (before, kept_after, trained)) in outcome.iter().enumerate() {
+        for (rank, (before, kept_after, trained, copied)) in outcome.iter().enumerate() {
+            if param_place.contains("cpu") {
+                assert!(
+                    *copied > 0,
+                    "rank {rank}: the kept partitions were not copied out"
+                );
+            }
             assert!(
                 before == kept_after,
                 "{param_place}, rank {rank}: the kept model changed"

@@ -31,6 +31,10 @@ pub struct GatherStats {
     pub peak_live_numel: usize,
     /// Times a change of order made the trace be recorded again.
     pub invalidations: usize,
+    /// Partitions copied out of the host buffer (`offload_param {"device": "cpu"}`) before it
+    /// was rewritten, because something still held them (a model kept from an earlier step);
+    /// none in a plain training loop.
+    pub copied_out: usize,
     /// The events of the last complete pass.
     pub last_pass: Vec<GatherEvent>,
 }

@@ -121,6 +121,8 @@ pub(super) struct HostParams {
     written: Vec<Weak<HostPartition>>,
     /// Bytes written since [`HostParams::begin`].
     at: usize,
+    /// Partitions copied out before a rewrite, in all.
+    copied_out: usize,
 }
 
 impl HostParams {
@@ -135,6 +137,7 @@ impl HostParams {
     ) -> Result<(), String> {
         for partition in self.written.drain(..).filter_map(|w| w.upgrade()) {
             let _ = partition.kept.set(partition.copy_out());
+            self.copied_out += 1;
         }
         self.at = 0;
         let bytes = len * dtype.size();
@@ -201,6 +204,11 @@ impl HostParams {
             at += values.len();
         }
         Ok(())
+    }
+
+    /// Partitions copied out before a rewrite so far.
+    pub(super) fn copied_out(&self) -> usize {
+        self.copied_out
     }
 
     /// The sources of the partitions written since [`HostParams::begin`], at `ranges`

@@ -172,6 +172,7 @@ impl<I: Backend> ShardedParams<I> {
         GatherStats {
             peak_live_numel: self.tracer.peak_live_numel(),
             invalidations: self.tracer.invalidations(),
+            copied_out: self.host.copied_out(),
             ..self.stats.clone()
         }
     }
