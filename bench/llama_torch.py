@@ -135,7 +135,7 @@ def parse(argv):
 def result(system, extra, size, stage, world, micro, seq, steps, params, times, forward, backward,
            stepping, losses, train_start):
     """The JSON line bench-e2e prints, for a torch run."""
-    vocab, hidden, inter, layers, heads, kv, tied = PRESETS[size]
+    vocab, hidden, inter, layers, heads, kv, tied = preset(size)
     median = sorted(times)[len(times) // 2]
     per_token = flops_per_token(params, layers, hidden, seq)
     peak = float(os.environ.get("BURN_ZERO_PEAK_TFLOPS", "989.4")) * 1e12
@@ -157,7 +157,7 @@ def result(system, extra, size, stage, world, micro, seq, steps, params, times, 
 
 def train(model, opt_step, backward, size, micro, seq, steps, rank, device):
     """The timed loop both peers share: forward, loss in fp32, backward, the step."""
-    vocab = PRESETS[size][0]
+    vocab = preset(size)[0]
     times, forward, backward_t, stepping, losses = [], [], [], [], []
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)

@@ -155,16 +155,20 @@ pub(crate) struct PinnedRing {
     context: Arc<CudaContext>,
     down: Arc<CudaStream>,
     up: Arc<CudaStream>,
+    /// Gradient buffers, for a gradient on the device only: one in host memory is read where
+    /// it lies (at the default `sub_group_size` of 1e9 these would hold 12 GB of page-locked
+    /// memory a rank for nothing).
     grads: Vec<PinnedHostSlice<f32>>,
     outs: PinnedOuts,
 }
 
 impl PinnedRing {
-    fn new(ordinal: usize, len: usize, out: OutDtype) -> Result<Self, String> {
+    fn new(ordinal: usize, len: usize, out: OutDtype, grads: bool) -> Result<Self, String> {
         let (context, [down, up]) = copy_streams(ordinal)?;
+        let count = if grads { RING_DEPTH } else { 0 };
         // Flags 0: cached (not write-combined) memory, as the CPU reads gradients from it.
         // SAFETY: the buffers are written by a copy before they are read.
-        let grads = (0..RING_DEPTH)
+        let grads = (0..count)
             .map(|_| unsafe { context.alloc_pinned_with_flags::<f32>(len, 0) })
             .collect::<Result<_, _>>()
             .map_err(|e| format!("{len} elements of page-locked host memory: {e:?}"))?;
@@ -259,9 +263,13 @@ pub(crate) fn step<'a, I: Backend>(
     let dst: Vec<u64> = dst.iter().map(|d| d.buf.ptr).collect();
     let out = out_dtype(compute);
     let len = opt.sub_group_len();
-    let reuse = matches!(ring, StepRing::Pinned(r) if r.ordinal == ordinal && r.len == len && r.outs.out == out);
+    let on_device = matches!(source, GradSource::Device(_));
+    let reuse = matches!(ring, StepRing::Pinned(r) if r.ordinal == ordinal && r.len == len
+        && r.outs.out == out && (!on_device || !r.grads.is_empty()));
     if !reuse {
-        match PinnedRing::new(ordinal, len, out) {
+        // The old buffers go before the new ones are taken.
+        *ring = StepRing::Unset;
+        match PinnedRing::new(ordinal, len, out, on_device) {
             Ok(r) => *ring = StepRing::Pinned(r),
             Err(e) => return Ok(Err(EngineError::Usage(format!("offload buffers: {e}")))),
         }
