@@ -4,8 +4,12 @@ bench-e2e and e2e_fsdp2.py, through `deepspeed.initialize` with ZeRO-3 (or STAGE
 fp32 master weights, clipping at 1.0, and torch's fused AdamW (betas 0.9/0.95, weight decay 0.1)
 as the client optimizer (DeepSpeed's own FusedAdam would need a JIT build; the step is the same
 arithmetic). Parameters are partitioned at construction (`zero.Init`) and each filled from the
-shared values while gathered. Installed as ../shared/GPU.md describes. One process per GPU:
+shared values while gathered. `--offload cpu` (stage 3) offloads the optimizer and the parameters
+to page-locked host memory (ZeRO-Infinity's `offload_optimizer` / `offload_param`), with
+DeepSpeedCPUAdam from the config's AdamW (built just in time on first use) as the optimizer.
+Installed as ../shared/GPU.md describes. One process per GPU:
     torchrun --nproc-per-node N bench/e2e_deepspeed.py SIZE STAGE [STEPS] [MICRO] [SEQ] [--ac 0|1]
+        [--offload cpu]
 Rank 0 prints one JSON line with bench-e2e's keys."""
 import json
 import os
@@ -21,8 +25,8 @@ import shared_init  # noqa: E402
 import deepspeed  # noqa: E402
 
 
-def config(stage, micro, world):
-    return {
+def config(stage, micro, world, offload):
+    ds = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "train_batch_size": micro * world,
@@ -37,6 +41,13 @@ def config(stage, micro, world):
         "steps_per_print": 1000000,
         "wall_clock_breakdown": False,
     }
+    if offload:
+        # bench-e2e's AdamW, stepped by DeepSpeedCPUAdam on the host.
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
+                                                      "weight_decay": 0.1, "eps": 1e-8}}
+        for key in ("offload_optimizer", "offload_param"):
+            ds["zero_optimization"][key] = {"device": "cpu", "pin_memory": True}
+    return ds
 
 
 @torch.no_grad()
@@ -55,12 +66,17 @@ def fill(model, stage, device):
 
 def main():
     size, stage, steps, micro, seq, ac = lt.parse(sys.argv[1:])
+    offload = "--offload" in sys.argv and sys.argv[sys.argv.index("--offload") + 1] == "cpu"
+    if offload:
+        assert stage == 3, "--offload cpu offloads parameters too: stage 3"
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+        CPUAdamBuilder().load()  # built once, before the model takes the GPU's time
     vocab, hidden, inter, layers, heads, kv, tied = lt.preset(size)
     deepspeed.init_distributed("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
-    ds = config(stage, micro, world)
+    ds = config(stage, micro, world, offload)
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32):
             model = lt.Llama(vocab, hidden, inter, layers, heads, kv, tied, checkpointing=ac)
@@ -69,14 +85,19 @@ def main():
         model = lt.Llama(vocab, hidden, inter, layers, heads, kv, tied, checkpointing=ac)
         params = sum(p.numel() for p in model.parameters())
     fill(model, stage, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=True)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    if offload:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
+                                weight_decay=0.1, fused=True)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     torch.cuda.empty_cache()
     run = lt.train(engine, engine.step, engine.backward, size, micro, seq, steps, rank, device)
     if rank == 0:
         print(json.dumps(lt.result("deepspeed", {"deepspeed": deepspeed.__version__,
-                                                 "activation_checkpointing": ac},
+                                                 "activation_checkpointing": ac,
+                                                 "offload": "cpu" if offload else None},
                                    size, stage, world, micro, seq, steps, params, *run)))
     dist.destroy_process_group()
 

@@ -9,7 +9,8 @@
 # row's own comma-separated systems replace SYSTEMS for it; SIZE is 125m, 1b, 3b, 8b or 70b, or
 # SIZE:LAYERS for that shape with LAYERS decoder layers: 8b:48 is 11.5B, 70b:28 26.1B); SYSTEMS: which of
 # "ours ours-pf ours-pf-unfused ours-pf-smem ours-pf-regs ours-pf-keep ours-prev ours-pf-prev ours-op ours-op-nvme ours-oo-op ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8
-# ours-rows1k fsdp2 deepspeed"
+# ours-rows1k fsdp2 deepspeed deepspeed-oo-op" (deepspeed-oo-op: DeepSpeed with its optimizer and
+# parameters offloaded to the CPU, as ours-oo-op)
 # run (ours: fitted pools, the chunked loss, free pages released between phases,
 # reduce_bucket_size 5e7; ours-keep: the same without the release; ours-full-loss: logits
 # materialized; ours-old: cubecl's pools, logits materialized, no release, as before issue 33;
@@ -40,7 +41,7 @@ systems="${SYSTEMS:-ours ours-old fsdp2 deepspeed}"
 } | tee "$out/machine.txt"
 
 # DeepSpeed: its pure-Python install and the wheels the machine lacks (../shared/GPU.md).
-if [[ " $systems " == *" deepspeed "* ]]; then
+if [[ " $systems ${cases} " == *deepspeed* ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && mkdir -p /tmp/dsb && tar xzf .whl/deepspeed-0.19.8.tar.gz -C /tmp/dsb \
     && (cd /tmp/dsb/deepspeed-0.19.8 && PYTHONPATH=/tmp/site DS_BUILD_OPS=0 python3 -m pip install \
@@ -65,14 +66,18 @@ layers2() { # two decoder layers' parameters: 2 x (2 h^2 + 2 h kv + 3 h i)
 measure() { # name size n micro seq ac command...
   local name=$1 size=$2 n=$3 micro=$4 seq=$5 ac=$6; shift 6
   local tag="$name-${size//:/l}-$n-$micro-$seq-ac$ac"  # 70b:28 -> 70bl28 (file names take no ':')
-  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader,nounits -lms 200 \
+  nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 200 \
     > "/tmp/mem-$tag.log" &
   local smi=$!
+  # Host memory in use (MemTotal - MemAvailable, MiB) every second: offload's footprint.
+  (while true; do awk -v t="$(date +%s.%N)" '/^MemTotal/{m=$2} /^MemAvailable/{a=$2}
+     END{printf "%s %d\n", t, (m-a)/1024}' /proc/meminfo; sleep 1; done) > "/tmp/host-$tag.log" &
+  local hostmem=$!
   local t0; t0=$(date +%s)
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "${RUN_TIMEOUT:-300}" "$@" \
     > "/tmp/$tag.out" 2> "$out/$tag.log"
   local rc=$?
-  kill $smi; wait $smi 2>/dev/null
+  kill $smi $hostmem; wait $smi $hostmem 2>/dev/null
   echo "$tag: exit $rc after $(( $(date +%s) - t0 )) s"; tail -n 3 "$out/$tag.log"
   python3 - "$tag" "$name" "$n" "$rc" "$size" "$micro" "$seq" "$ac" <<'PY' >> /tmp/e2e.jsonl
 import datetime, json, sys
@@ -85,17 +90,24 @@ except Exception as e:
 samples = []
 for l in open(f"/tmp/mem-{tag}.log"):
     try:
-        ts, idx, mib = [x.strip() for x in l.split(",")]
+        ts, idx, mib, busy = [x.strip() for x in l.split(",")]
         t = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        samples.append((t, int(idx), int(mib)))
+        samples.append((t, int(idx), int(mib), int(busy)))
     except ValueError:
         pass
 start = run.get("train_start_unix")
-peak = max((m for _, _, m in samples), default=None)
-train = [m for t, _, m in samples if start is not None and t >= start]
+peak = max((m for _, _, m, _ in samples), default=None)
+train = [m for t, _, m, _ in samples if start is not None and t >= start]
+# nvidia-smi's utilization.gpu (percent of time a kernel ran) over the training steps, all GPUs.
+busy = [b for t, _, _, b in samples if start is not None and t >= start]
+host = [(float(t), int(m)) for t, m in (l.split() for l in open(f"/tmp/host-{tag}.log") if l.strip())]
 run.update({"name": name, "gpus": int(n), "exit": int(rc), "case": [size, int(micro), int(seq)],
             "activation_checkpointing_asked": ac == "1",
-            "peak_gpu_mib": peak, "peak_gpu_mib_training": max(train) if train else None})
+            "peak_gpu_mib": peak, "peak_gpu_mib_training": max(train) if train else None,
+            "gpu_busy_smi": sum(busy) / len(busy) / 100 if busy else None,
+            "peak_host_mib": max((m for _, m in host), default=None),
+            "peak_host_mib_training": max((m for t, m in host if start is not None and t >= start),
+                                          default=None)})
 print(json.dumps(run))
 PY
 }
@@ -146,6 +158,9 @@ for row in "${rows[@]}"; do
       deepspeed) measure deepspeed "$size" "$n" "$micro" "$seq" "$ac" \
         env PYTHONPATH=/tmp/site torchrun --nproc-per-node "$n" --master-port "$port" \
         bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" ;;
+      deepspeed-oo-op) measure deepspeed-oo-op "$size" "$n" "$micro" "$seq" "$ac" \
+        env PYTHONPATH=/tmp/site torchrun --nproc-per-node "$n" --master-port "$port" \
+        bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" --offload cpu ;;
     esac
   done
 done
