@@ -83,9 +83,10 @@ impl HostPartition {
     /// The partition's page-locked bytes, for an upload on the communication stream; `None`
     /// when the buffer is not page-locked or the values were copied out.
     ///
-    /// The bytes stay valid until the buffer is next written ([`HostParams::begin`]), which
-    /// first waits for every collective and for burn's stream: the caller uploads them before
-    /// a collective whose ticket it waits for.
+    /// The bytes stay valid until the buffer is next written (after each step, by
+    /// `ShardedParams::set_host_partitions`, which first waits for every collective and for
+    /// burn's stream): the caller uploads them before a collective whose ticket it waits for.
+    #[cfg(feature = "cuda")]
     pub(crate) fn pinned(&self) -> Option<&[u8]> {
         if self.kept.get().is_some() {
             return None;
@@ -93,12 +94,11 @@ impl HostPartition {
         let bytes = self.store.read();
         match &*bytes {
             HostBytes::Plain(_) => None,
-            #[cfg(feature = "cuda")]
             HostBytes::Pinned(p) => {
                 let slice = &p.as_slice()[self.bytes()];
                 // SAFETY: the page-locked allocation lives as long as `self.store` (held by
-                // `self`) and is only written by `HostParams::begin`'s callers, which wait for
-                // every upload first (see above): the lock guards the enum, not the bytes.
+                // `self`) and is only written after every upload from it is done (see above):
+                // the lock guards the enum, not the bytes.
                 Some(unsafe { std::slice::from_raw_parts(slice.as_ptr(), slice.len()) })
             }
         }

@@ -59,6 +59,7 @@ impl<I: Backend> Partition<I> {
     }
 
     /// The page-locked bytes of a partition in host memory ([`HostPartition::pinned`]).
+    #[cfg(feature = "cuda")]
     fn pinned(&self) -> Option<&[u8]> {
         match self {
             Partition::Host(source, ..) => source.pinned(),
