@@ -541,6 +541,7 @@ pub trait DeviceCollectives: Send + Sync {
             "this communicator cannot copy from host memory on its stream".into(),
         ))
     }
+
     /// Enqueues on the collective stream a wait for the CUDA event `event` (a `CUevent`):
     /// what follows starts once the work recorded before it is done. No kernel waits: a module
     /// that CUDA loads meanwhile cannot stall on it.
