@@ -513,6 +513,37 @@ fn offloaded_parameters_train_the_same_at_stage_3() {
     }
 }
 
+/// A checkpoint loaded with `offload_param {"device": "cpu"}` resumes bit for bit, and the
+/// model lets go of its parameters before the host buffer is rewritten, as in a step: no
+/// partition is copied out (a load used to copy out all of them).
+#[test]
+fn a_resumed_run_with_offloaded_parameters_repeats_the_steps_and_copies_nothing_out() {
+    let root = std::env::temp_dir().join(format!("bz-offload-param-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut cfg = config(3, Place::Host, ADAMW, "");
+    cfg.zero_optimization.offload_param = DeepSpeedConfig::from_json(
+        r#"{"train_batch_size": 36, "zero_optimization": {"stage": 3,
+        "stage3_param_persistence_threshold": 16, "offload_param": {"device": "cpu"}}}"#,
+    )
+    .unwrap()
+    .config
+    .zero_optimization
+    .offload_param;
+    let full = train(2, &cfg, 0..4, None, None);
+    train(2, &cfg, 0..2, None, Some(&root));
+    let resumed = train(2, &cfg, 2..4, Some(&root), None);
+    for (rank, (a, b)) in full.iter().zip(&resumed).enumerate() {
+        assert_eq!(a.losses[2..], b.losses[..], "rank {rank}: losses");
+        assert!(a.params == b.params, "rank {rank}: parameters");
+        assert!(
+            b.host_params > 0,
+            "rank {rank}: the parameters were not offloaded"
+        );
+        assert_eq!(b.copied_out, 0, "rank {rank}: partitions copied out");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn parameter_offload_needs_stage_3_and_nvme_a_path() {
     for device in ["cpu", "nvme\", \"nvme_path\": \"/tmp"] {

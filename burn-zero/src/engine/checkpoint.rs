@@ -370,6 +370,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         strategy.grads_mut().clear();
         let working = self.precision.compute.convert(self.optim.master()?);
         let stage = strategy.stage();
+        self.release_params(&mut *strategy)?;
         self.publish(&mut *strategy, vec![working])?;
         drop(strategy);
         let loaded = LoadedCheckpoint {

@@ -434,9 +434,10 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             }
             None => self.host_wait = true,
         }
-        ran?;
+        // Held even when the call failed: copies enqueued before it may still write them.
         self.in_flight.push((ticket, src));
         self.in_flight.push((ticket, dst));
+        ran?;
         self.device_calls += 1;
         if !self.overlap {
             self.wait()?;

@@ -419,13 +419,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let clip = self.resolved.config.gradient_clipping;
         let factor = (clip > 0.0 && norm + 1e-6 > clip).then(|| (clip / (norm + 1e-6)) as f32);
         let hp = self.step_params();
-        // Where the parameters are chunks of the master (ZeRO-3), the model's handles and the
-        // partitions let go of it so the fused step updates it in place, and the step writes
-        // no compute-format copy (each gather narrows its chunk instead).
-        if let Some(mut placeholders) = strategy.release()? {
-            let model = self.model.take().expect("model");
-            self.model = Some(rebuild_from(model, &self.layout, &mut *placeholders));
-        }
+        self.release_params(&mut *strategy)?;
         let compute = self.step_format(strategy.master_backed());
         let working = match grad {
             // Clipped inside the optimizer's update (no pass of its own where it is fused).
@@ -465,6 +459,23 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         self.report_progress();
         self.release_cached_memory();
         self.last_step_end = Instant::now();
+        Ok(())
+    }
+
+    /// Before the parameters are replaced ([`Engine::publish`]): where they are chunks of the
+    /// master (ZeRO-3), the model's handles and the partitions let go of it so the fused step
+    /// updates it in place, and the step writes no compute-format copy (each gather narrows
+    /// its chunk instead); where they wait in host memory, of the buffer the new ones are
+    /// written into. The model holds placeholders until `publish`; an error in between leaves
+    /// it so (the step failed: train no further with it).
+    pub(super) fn release_params(
+        &mut self,
+        strategy: &mut dyn Strategy<I>,
+    ) -> Result<(), EngineError> {
+        if let Some(mut placeholders) = strategy.release()? {
+            let model = self.model.take().expect("model");
+            self.model = Some(rebuild_from(model, &self.layout, &mut *placeholders));
+        }
         Ok(())
     }
 

@@ -139,19 +139,19 @@ fn upload_by<I: Backend>(values: Vec<f32>, device: &I::Device, piece: usize) -> 
     if n <= piece {
         return Tensor::from_data(TensorData::new(values, [n]), (device, DType::F32));
     }
-    let pieces = values
-        .chunks(piece)
-        .map(|piece| {
-            let t = Tensor::from_data(
-                TensorData::new(piece.to_vec(), [piece.len()]),
-                (device, DType::F32),
-            );
-            // A failed device fails the first use of the tensor, with its own error.
-            let _ = I::sync(device);
-            t
-        })
-        .collect();
-    Tensor::cat(pieces, 0)
+    // One tensor filled piece by piece: a concatenation would hold every piece beside it.
+    let mut out = Tensor::<I, 1>::empty([n], (device, DType::F32));
+    for (i, values) in values.chunks(piece).enumerate() {
+        let start = i * piece;
+        let t = Tensor::from_data(
+            TensorData::new(values.to_vec(), [values.len()]),
+            (device, DType::F32),
+        );
+        out = out.slice_assign(start..start + values.len(), t);
+        // A failed device fails the first use of the tensor, with its own error.
+        let _ = I::sync(device);
+    }
+    out
 }
 
 impl<I: Backend> Optim<I> {

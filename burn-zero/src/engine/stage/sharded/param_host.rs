@@ -4,8 +4,8 @@
 //! (`FlatComm::all_gather_group_from_host`), at PCIe speed and without stopping burn's stream,
 //! and after each step the new partitions come down into it by DMA.
 //!
-//! One buffer, rewritten at each step, where the device keeps each step's values in new
-//! tensors: while it is rewritten the engine's model holds placeholders
+//! One buffer, rewritten at each step (and checkpoint load), where the device keeps each
+//! step's values in new tensors: while it is rewritten the engine's model holds placeholders
 //! (`ShardedParams::release_partitions`), and a partition that something else still holds (a
 //! model the user kept from an earlier step) is copied out first, so it keeps its values.
 
@@ -148,16 +148,22 @@ impl HostParams {
         if fits {
             return Ok(());
         }
-        // The old buffer's memory goes before the new one is taken.
+        // Ours goes before the new one is taken (a partition copied out holds it until dropped).
         self.store = None;
         #[cfg(feature = "cuda")]
-        if let Some(pinned) = probe.and_then(|t| super::param_host_cuda::Pinned::new_for(t, bytes))
-        {
-            self.store = Some(Arc::new(HostStore {
-                bytes: RwLock::new(HostBytes::Pinned(pinned?)),
-                dtype,
-            }));
-            return Ok(());
+        match probe.and_then(|t| super::param_host_cuda::Pinned::new_for(t, bytes)) {
+            Some(Ok(pinned)) => {
+                self.store = Some(Arc::new(HostStore {
+                    bytes: RwLock::new(HostBytes::Pinned(pinned)),
+                    dtype,
+                }));
+                return Ok(());
+            }
+            // Gathers then upload through burn, on its stream: slower, still correct.
+            Some(Err(e)) => crate::log::warn(&format!(
+                "offload_param: the parameters' host buffer is not page-locked ({e})"
+            )),
+            None => {}
         }
         let _ = probe;
         self.store = Some(Arc::new(HostStore {

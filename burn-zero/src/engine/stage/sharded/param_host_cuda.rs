@@ -102,3 +102,12 @@ impl Pinned {
         Ok(None)
     }
 }
+
+/// Waits for the device before the memory is freed: an upload on NCCL's stream may still read
+/// it when the engine is dropped mid-step.
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let _ = self.context.bind_to_thread();
+        let _ = self.context.synchronize();
+    }
+}

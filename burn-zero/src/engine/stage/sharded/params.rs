@@ -594,7 +594,10 @@ impl<I: Backend> ShardedParams<I> {
                     // Its memory may be reused only once NCCL is done writing it.
                     flat.wait_for(ticket)?;
                 }
-                let (gathered, ticket) = self.all_gather(flat, p, None)?;
+                // The current partition, from page-locked host memory where it waits there
+                // (the handle's own after an error left the partitions released).
+                let partition = self.partitions[p].is_none().then(own);
+                let (gathered, ticket) = self.all_gather(flat, p, partition)?;
                 flat.wait_for(ticket)?;
                 self.shaped(p, gathered)
             }
