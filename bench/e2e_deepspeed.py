@@ -9,7 +9,7 @@ to page-locked host memory (ZeRO-Infinity's `offload_optimizer` / `offload_param
 DeepSpeedCPUAdam from the config's AdamW (built just in time on first use) as the optimizer.
 Installed as ../shared/GPU.md describes. One process per GPU:
     torchrun --nproc-per-node N bench/e2e_deepspeed.py SIZE STAGE [STEPS] [MICRO] [SEQ] [--ac 0|1]
-        [--offload cpu]
+        [--offload cpu] [--sub-group N]
 Rank 0 prints one JSON line with bench-e2e's keys."""
 import json
 import os
@@ -25,7 +25,7 @@ import shared_init  # noqa: E402
 import deepspeed  # noqa: E402
 
 
-def config(stage, micro, world, offload):
+def config(stage, micro, world, offload, sub_group=None):
     ds = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -47,6 +47,8 @@ def config(stage, micro, world, offload):
                                                       "weight_decay": 0.1, "eps": 1e-8}}
         for key in ("offload_optimizer", "offload_param"):
             ds["zero_optimization"][key] = {"device": "cpu", "pin_memory": True}
+    if sub_group:
+        ds["zero_optimization"]["sub_group_size"] = sub_group
     return ds
 
 
@@ -76,7 +78,9 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
-    ds = config(stage, micro, world, offload)
+    sub_group = int(float(sys.argv[sys.argv.index("--sub-group") + 1])) \
+        if "--sub-group" in sys.argv else None
+    ds = config(stage, micro, world, offload, sub_group)
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32):
             model = lt.Llama(vocab, hidden, inter, layers, heads, kv, tied, checkpointing=ac)

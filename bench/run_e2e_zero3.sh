@@ -25,7 +25,7 @@
 # ours-pf-prev: ours-pf with .gpu/prev's binary; ours-op, ours-op-nvme, ours-oo-op: ours-pf with
 # offload_param on the CPU or in swap files under /tmp/burn-zero-swap, or with offload_param and
 # offload_optimizer both on the CPU);
-# STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300).
+# STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300); SUB_GROUP (see below).
 source bench/prelude.sh "$1"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # a failing collective says why
 steps="${STEPS:-6}"
@@ -52,6 +52,9 @@ fi
 python3 bench/shared_init.py | tee "$out/shared-init-check.txt"
 
 port=29700
+# SUB_GROUP: sub_group_size of both systems' offloaded runs (ours-oo-op, deepspeed-oo-op);
+# unset, each keeps its default (1e9 for both).
+sub_group="${SUB_GROUP:+--sub-group $SUB_GROUP}"
 hidden2() { # Hugging Face's "auto" reduce_bucket_size: hidden x hidden (SIZE:LAYERS as SIZE)
   case "${1%%:*}" in 125m) echo $((768 * 768)) ;; 1b) echo $((2048 * 2048)) ;;
     3b) echo $((3072 * 3072)) ;; 8b) echo $((4096 * 4096)) ;; 70b) echo $((8192 * 8192)) ;; esac
@@ -139,7 +142,7 @@ for row in "${rows[@]}"; do
           ours-op) flags=("${pf[@]}" --offload-param cpu) ;;
           ours-op-nvme) mkdir -p /tmp/burn-zero-swap
             flags=("${pf[@]}" --offload-param nvme:/tmp/burn-zero-swap) ;;
-          ours-oo-op) flags=("${pf[@]}" --offload-param cpu --offload-optimizer cpu) ;;
+          ours-oo-op) flags=("${pf[@]}" --offload-param cpu --offload-optimizer cpu $sub_group) ;;
           ours-mid) flags=("${base[@]}"); bin=.gpu/mid/bench-e2e ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
           ours-full-loss) flags=(--pool fitted --loss full --release 1) ;;
@@ -160,7 +163,7 @@ for row in "${rows[@]}"; do
         bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" ;;
       deepspeed-oo-op) measure deepspeed-oo-op "$size" "$n" "$micro" "$seq" "$ac" \
         env PYTHONPATH=/tmp/site torchrun --nproc-per-node "$n" --master-port "$port" \
-        bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" --offload cpu ;;
+        bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" --offload cpu $sub_group ;;
     esac
   done
 done

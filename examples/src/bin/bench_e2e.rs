@@ -20,7 +20,8 @@
 //! (start from DIR's latest checkpoint, at the step it names) and `--precision bf16|fp32`
 //! (default bf16; fp32 drops the config's bf16 section) and `--offload-param cpu|nvme:DIR|none`
 //! and `--offload-optimizer cpu|nvme:DIR|none` (`zero_optimization.offload_param` /
-//! `offload_optimizer`, default none; parameters only at stage 3). Rank 0 prints one JSON line:
+//! `offload_optimizer`, default none; parameters only at stage 3) and `--sub-group N`
+//! (`sub_group_size`, default the config's 1e9). Rank 0 prints one JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
@@ -167,7 +168,7 @@ fn count_option(options: &[(String, String)], key: &str, default: usize) -> usiz
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
-                 [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--loss-rows N] \
+                 [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--sub-group N] [--loss-rows N] \
                  [--deterministic 0|1] [--ckpt DIR --save-at N] [--resume DIR] \
                  [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none]";
     let (args, options) = split_options(&args, usage);
@@ -230,6 +231,10 @@ fn main() {
     let resume = option(&options, "resume").map(std::path::PathBuf::from);
     let offload_param = offload_section(&options, "offload-param", "offload_param");
     let offload_optimizer = offload_section(&options, "offload-optimizer", "offload_optimizer");
+    let sub_group = option(&options, "sub-group").map_or(String::new(), |_| {
+        let n = count_option(&options, "sub-group", 0);
+        format!(r#", "sub_group_size": {n}"#)
+    });
     let size = args.get(1).cloned().expect(usage);
     let stage: u8 = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let steps: usize = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10);
@@ -256,7 +261,7 @@ fn main() {
             "bf16": {{"enabled": {bf16}}},
             "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                 "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
-                "stage3_prefetch_bucket_size": {prefetch}{offload_param}{offload_optimizer}}},
+                "stage3_prefetch_bucket_size": {prefetch}{offload_param}{offload_optimizer}{sub_group}}},
             "burn_zero": {{"matmul": {{"cublaslt": true}}, "deterministic": {deterministic},
                 "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
                 {ac}{profile}}}"#,
