@@ -113,9 +113,10 @@ impl<'a> OutSlot<'a> {
 }
 
 /// The buffers a step cycles through: each at least a sub-group long. One of each runs the
-/// stages in turn; two or more let them overlap. Gradient buffers are taken in the order
-/// given, so one per sub-group, in order, can be the gradient itself (already in host memory:
-/// `download` then has nothing to move).
+/// stages in turn; two or more let them overlap. Buffers are taken in the order given, so one
+/// gradient buffer per sub-group, in order, can be the gradient itself (already in host
+/// memory: `download` then has nothing to move), and one output per sub-group, in order, the
+/// weights' own place (`upload` then has nothing to move).
 #[derive(Debug)]
 pub struct StepBuffers<'a> {
     /// For gradients coming down.
@@ -258,9 +259,16 @@ pub(crate) fn run<'a>(
         "a streamed step needs at least one buffer of each kind"
     );
     let longest = ranges.iter().map(Range::len).max().unwrap_or(0);
+    // Output buffers cycle like gradient buffers: any holds any sub-group, or there is one per
+    // sub-group, in order (the weights' own place in host memory: nothing to upload).
+    let each_its_own = buffers.outs.len() >= ranges.len()
+        && ranges
+            .iter()
+            .zip(&buffers.outs)
+            .all(|(r, b)| b.len() >= r.len());
     assert!(
-        buffers.outs.iter().all(|b| b.len() >= longest),
-        "every output buffer must hold a sub-group ({longest} elements)"
+        each_its_own || buffers.outs.iter().all(|b| b.len() >= longest),
+        "every output buffer must hold a sub-group ({longest} elements), or be its own sub-group's"
     );
     let start = Instant::now();
     let (grads_free, grads_free_rx) = channel();

@@ -539,6 +539,76 @@ mod streamed {
         }
     }
 
+    /// One output per sub-group, in order, each its own place in a buffer as long as the
+    /// partition (the last sub-group shorter than the others): every sub-group's weights land
+    /// at their own elements, the bits of slots cycled through a ring.
+    #[test]
+    fn outputs_in_their_own_place_get_the_ring_s_bits() {
+        let (n, sub_group) = (2500, 1000);
+        let g = super::values(n, 12);
+        let download = |r: std::ops::Range<usize>, buf: &mut [f32]| {
+            buf.copy_from_slice(&g[r]);
+            Ok(())
+        };
+        let fresh = || HostOptimizer::new(super::values(n, 11), ADAM, CpuAdam::new(Some(2)), 700);
+        let mut ring = fresh();
+        let mut own = fresh();
+        assert_ne!(ring.sub_groups().len(), 1);
+        let mut expected = vec![bf16::ZERO; n];
+        let mut buffers = OwnedBuffers::new(2, sub_group, OutDtype::Bf16);
+        ring.step(
+            1e-3,
+            (0.9, 0.999),
+            [1.0, 1.0],
+            buffers.lend(),
+            &download,
+            &mut |r, w| {
+                let Weights::Bf16(w) = w else { unreachable!() };
+                expected[r].copy_from_slice(w);
+                Ok(())
+            },
+        )
+        .unwrap();
+        let mut place = vec![bf16::ZERO; n];
+        let mut grads = vec![0.0f32; sub_group];
+        let ranges = own.sub_groups();
+        let mut rest = place.as_mut_slice();
+        let mut outs = Vec::new();
+        for r in &ranges {
+            let (slot, tail) = rest.split_at_mut(r.len());
+            outs.push(OutSlot::Bf16(slot));
+            rest = tail;
+        }
+        let lent = crate::stream::StepBuffers {
+            grads: vec![grads.as_mut_slice()],
+            outs,
+        };
+        let mut uploads = Vec::new();
+        own.step(
+            1e-3,
+            (0.9, 0.999),
+            [1.0, 1.0],
+            lent,
+            &download,
+            &mut |r, _| {
+                uploads.push(r);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(uploads, ranges, "every sub-group handed on once, in order");
+        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&place) == bits(&expected),
+            "weights in their own place"
+        );
+        assert_eq!(
+            own.export().unwrap().0,
+            ring.export().unwrap().0,
+            "the master"
+        );
+    }
+
     /// fp32 weights go up as a copy of the master.
     #[test]
     fn fp32_weights_are_the_master() {

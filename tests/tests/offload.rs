@@ -92,6 +92,8 @@ struct Run {
     stepped_ahead: usize,
     /// Parameter partitions copied out of the host buffer before a rewrite.
     copied_out: usize,
+    /// Steps whose new weights CPU-Adam wrote into the parameters' host buffer.
+    into_host: usize,
 }
 
 /// Equal within fp32 rounding.
@@ -131,9 +133,9 @@ fn train(
             engine.save_checkpoint(root, None, json!(null)).unwrap();
         }
         let report = engine.memory_report();
-        let stepped_ahead = engine
-            .take_offload_timings()
-            .map_or(0, |t| t.ahead_sub_groups);
+        let offload = engine.take_offload_timings();
+        let stepped_ahead = offload.map_or(0, |t| t.ahead_sub_groups);
+        let into_host = offload.map_or(0, |t| t.into_host);
         Run {
             losses,
             params: param_data(engine.model())
@@ -148,6 +150,7 @@ fn train(
             device_grads: report.gradients,
             stepped_ahead,
             copied_out: engine.gather_stats().map_or(0, |s| s.copied_out),
+            into_host,
         }
     })
 }
@@ -508,6 +511,12 @@ fn offloaded_parameters_train_the_same_at_stage_3() {
                 assert_eq!(a.host_params, 0, "{what}");
                 // The engine's model held placeholders while the host buffer was rewritten.
                 assert_eq!(b.copied_out, 0, "{what}: {b:?}");
+                // CPU-Adam wrote fp32 weights straight into the host buffer of fp32 parameters
+                // (emulated bf16 keeps f32 partitions, which bf16 outputs cannot be written
+                // into: those go through the device).
+                let direct = on_host && matches!(place, Place::Host) && extra.is_empty();
+                assert_eq!(b.into_host > 0, direct, "{what}: {b:?}");
+                assert_eq!(a.into_host, 0, "{what}");
             }
         }
     }
@@ -573,8 +582,15 @@ fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters(
         r#"{{"device": "nvme", "nvme_path": "{}"}}"#,
         nvme_dir().display()
     );
-    for param_place in [r#"{"device": "cpu"}"#, nvme.as_str()] {
-        let mut cfg = config(3, Place::Device, ADAMW, "");
+    // With the optimizer offloaded too, CPU-Adam writes the new parameters straight into the
+    // host buffer: the kept partitions must be copied out before that step.
+    let cases = [
+        (r#"{"device": "cpu"}"#, Place::Device),
+        (r#"{"device": "cpu"}"#, Place::Host),
+        (nvme.as_str(), Place::Device),
+    ];
+    for (param_place, optimizer) in cases {
+        let mut cfg = config(3, optimizer, ADAMW, "");
         let params = format!(
             r#"{{"train_batch_size": 36, "zero_optimization": {{"stage": 3,
             "stage3_param_persistence_threshold": 16, "offload_param": {param_place}}}}}"#
@@ -614,7 +630,7 @@ fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters(
             }
             assert!(
                 before == kept_after,
-                "{param_place}, rank {rank}: the kept model changed"
+                "{param_place}, optimizer {optimizer:?}, rank {rank}: the kept model changed"
             );
             assert!(
                 before != trained,

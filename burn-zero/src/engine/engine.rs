@@ -428,6 +428,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     .step(GradSource::Device(grad), hp, compute, factor.unwrap_or(1.0))
             }
             None => {
+                // ZeRO-Infinity: the new parameters straight into their host buffer, if any.
+                let direct = match self.optim.steps_into_host() {
+                    true => strategy.direct_outs(super::offload_io::out_dtype(compute))?,
+                    false => None,
+                };
                 let grads = strategy.grads();
                 let mut host = grads.host.as_ref().expect("checked above").grads();
                 // Multiplying by a power-of-two loss scale's inverse divides exactly.
@@ -436,7 +441,10 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     grads: &mut host,
                     scale: [unscale, factor.unwrap_or(1.0)],
                 };
-                self.optim.step(source, hp, compute, 1.0)
+                match direct {
+                    Some(outs) => self.optim.step_into(source, hp, outs),
+                    None => self.optim.step(source, hp, compute, 1.0),
+                }
             }
         };
         // A failing swap on one rank must not leave the others waiting in the gathers below.

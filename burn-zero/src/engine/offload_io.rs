@@ -111,6 +111,89 @@ pub(crate) fn in_place<'b>(
 /// An offloaded step's new weights (one piece per sub-group) and where its time went.
 pub(crate) type Stepped<I> = Result<(Vec<Tensor<I, 1>>, StreamTimings), EngineError>;
 
+/// Where an offloaded step writes its new weights instead of sending them to the device: the
+/// host buffer of the parameters (ZeRO-3 with `offload_param {"device": "cpu"}`), laid out as
+/// the optimizer's partition, so sub-group `[a, b)` writes its elements `[a, b)` and nothing
+/// goes up or comes back down (ZeRO-Infinity's step).
+pub(crate) struct DirectOuts {
+    ptr: *mut u8,
+    len: usize,
+    dtype: OutDtype,
+}
+
+impl DirectOuts {
+    /// `len` elements of `dtype` at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is aligned for `dtype` and holds `len` elements that nothing else reads or writes
+    /// until the step that takes this is done.
+    pub(crate) unsafe fn new(ptr: *mut u8, len: usize, dtype: OutDtype) -> Self {
+        Self { ptr, len, dtype }
+    }
+
+    /// One slot per range (ascending, disjoint, inside the buffer), in order.
+    fn slots<'a>(&'a mut self, ranges: &[Range<usize>]) -> Result<Vec<OutSlot<'a>>, String> {
+        let mut end = 0;
+        for r in ranges {
+            if r.start < end || r.end > self.len {
+                return Err(format!(
+                    "sub-group {r:?} outside the {}-element parameter buffer or out of order",
+                    self.len
+                ));
+            }
+            end = r.end;
+        }
+        // SAFETY: the ranges are disjoint and inside the buffer, which `new`'s caller lends
+        // to this step alone, aligned for the dtype.
+        Ok(ranges
+            .iter()
+            .map(|r| unsafe {
+                match self.dtype {
+                    OutDtype::F32 => OutSlot::F32(std::slice::from_raw_parts_mut(
+                        self.ptr.cast::<f32>().add(r.start),
+                        r.len(),
+                    )),
+                    OutDtype::Bf16 => OutSlot::Bf16(std::slice::from_raw_parts_mut(
+                        self.ptr.cast::<half::bf16>().add(r.start),
+                        r.len(),
+                    )),
+                    OutDtype::F16 => OutSlot::F16(std::slice::from_raw_parts_mut(
+                        self.ptr.cast::<half::f16>().add(r.start),
+                        r.len(),
+                    )),
+                }
+            })
+            .collect())
+    }
+}
+
+/// One offloaded step whose gradient lies in host memory, writing the new weights into
+/// `outs` (every sub-group: none was stepped ahead).
+pub(crate) fn step_into(
+    opt: &mut HostOptimizer,
+    grads: &mut HostGrads,
+    scale: GradScale,
+    lr: f32,
+    betas: (f32, f32),
+    mut outs: DirectOuts,
+) -> Result<StreamTimings, EngineError> {
+    let ranges = opt.sub_groups();
+    if opt.has_ahead() || opt.to_hand_out().len() != ranges.len() {
+        return Err(EngineError::Usage(
+            "a step into the parameter buffer after sub-groups were stepped ahead".into(),
+        ));
+    }
+    let slots = outs.slots(&ranges).map_err(EngineError::Usage)?;
+    let mut lent = StepBuffers {
+        grads: Vec::new(),
+        outs: slots,
+    };
+    let (scale, check) = in_place(Some((grads, scale)), opt, &mut lent);
+    let check = check.expect("a gradient in host memory");
+    // The weights are where they belong once stepped: nothing to send.
+    Ok(opt.step(lr, betas, scale, lent, &check, &mut |_, _| Ok(()))?)
+}
+
 /// One offloaded step: the gradient of this rank's partition in, the new weights in the
 /// compute format out, on `device`, one piece per sub-group; `targets[i]`, where given, is
 /// sub-group `i`'s output made before the step (holding its weights if they were sent ahead).

@@ -12,7 +12,7 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_offload::{AheadReport, CpuAdam, HostOptimizer, HostSettings, SharedSink, SwapConfig};
 
 use super::EngineError;
-use super::offload_io::{self, AheadOut, GradSource, StepRing};
+use super::offload_io::{self, AheadOut, DirectOuts, GradSource, StepRing};
 use super::precision::Format;
 use crate::comm::Communicator;
 use crate::config::{OffloadDevice, ResolvedConfig};
@@ -62,6 +62,9 @@ pub struct OffloadTimings {
     pub h2d: std::time::Duration,
     /// The whole step, first byte down to last byte up.
     pub total: std::time::Duration,
+    /// Steps that wrote the new weights into the parameters' host buffer (ZeRO-3 with
+    /// `offload_param` on the CPU): nothing went up.
+    pub into_host: usize,
 }
 
 /// An optimizer's partition on the host, for a checkpoint.
@@ -428,6 +431,40 @@ impl<I: Backend> Optim<I> {
                 Ok(out)
             }
         }
+    }
+
+    /// Whether a step may write the new weights into a host buffer of the parameters
+    /// ([`Optim::step_into`]): offloaded, and no sub-group stepped ahead.
+    pub(crate) fn steps_into_host(&self) -> bool {
+        match self {
+            Optim::Host { opt, .. } => !lock(opt).has_ahead(),
+            Optim::Device { .. } => false,
+        }
+    }
+
+    /// [`Optim::step`] of an offloaded optimizer whose gradient lies in host memory, the new
+    /// weights written into `outs` (the parameters' host buffer): none on the device.
+    pub(crate) fn step_into(
+        &mut self,
+        source: GradSource<'_, I>,
+        hp: StepParams,
+        outs: DirectOuts,
+    ) -> Result<Vec<Tensor<I, 1>>, EngineError> {
+        let (Optim::Host { opt, timings, .. }, GradSource::Host { grads, scale }) = (self, source)
+        else {
+            return Err(EngineError::Usage(
+                "a step into host memory needs an offloaded optimizer and a host gradient".into(),
+            ));
+        };
+        let start = Instant::now();
+        let (lr, betas) = hp.f32();
+        let t = offload_io::step_into(&mut lock(opt), grads, scale, lr, betas, outs)?;
+        timings.d2h += t.download;
+        timings.cpu_step += t.compute;
+        timings.total += start.elapsed();
+        timings.steps += 1;
+        timings.into_host += 1;
+        Ok(Vec::new())
     }
 
     /// Master, step count and named state partitions on the host (for checkpoints).

@@ -122,6 +122,18 @@ pub(crate) trait Strategy<I: Backend>: Send {
         Ok(None)
     }
 
+    /// After [`Strategy::release`], for an offloaded step whose gradient lies in host memory:
+    /// where it may write the new parameters in `out`'s dtype instead of sending them to the
+    /// device (the parameters' own host buffer, ZeRO-3 with `offload_param` on the CPU);
+    /// [`Strategy::publish`] then takes an empty source.
+    fn direct_outs(
+        &mut self,
+        out: burn_offload::OutDtype,
+    ) -> Result<Option<crate::engine::offload_io::DirectOuts>, EngineError> {
+        let _ = out;
+        Ok(None)
+    }
+
     /// The parameters after a step or a load, from this rank's new partition (`source`: the
     /// master where [`Strategy::master_backed`], else the working copy in the compute format).
     fn publish(

@@ -19,7 +19,8 @@ use crate::backend::PartitionSource;
 
 /// The buffer's memory.
 enum HostBytes {
-    Plain(Vec<u8>),
+    /// Ordinary memory, in words so that it is aligned for any element (`usize`: its bytes).
+    Plain(Vec<u64>, usize),
     /// Page-locked, with the copy stream that fills it.
     #[cfg(feature = "cuda")]
     Pinned(super::param_host_cuda::Pinned),
@@ -28,7 +29,8 @@ enum HostBytes {
 impl HostBytes {
     fn as_slice(&self) -> &[u8] {
         match self {
-            HostBytes::Plain(v) => v,
+            // SAFETY: `n` of the vector's bytes, initialized (zeroed words).
+            HostBytes::Plain(v, n) => unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), *n) },
             #[cfg(feature = "cuda")]
             HostBytes::Pinned(p) => p.as_slice(),
         }
@@ -36,7 +38,10 @@ impl HostBytes {
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         match self {
-            HostBytes::Plain(v) => v,
+            // SAFETY: as in `as_slice`, borrowed mutably.
+            HostBytes::Plain(v, n) => unsafe {
+                std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), *n)
+            },
             #[cfg(feature = "cuda")]
             HostBytes::Pinned(p) => p.as_mut_slice(),
         }
@@ -93,7 +98,7 @@ impl HostPartition {
         }
         let bytes = self.store.read();
         match &*bytes {
-            HostBytes::Plain(_) => None,
+            HostBytes::Plain(..) => None,
             HostBytes::Pinned(p) => {
                 let slice = &p.as_slice()[self.bytes()];
                 // SAFETY: the page-locked allocation lives as long as `self.store` (held by
@@ -167,7 +172,7 @@ impl HostParams {
         }
         let _ = probe;
         self.store = Some(Arc::new(HostStore {
-            bytes: RwLock::new(HostBytes::Plain(vec![0; bytes])),
+            bytes: RwLock::new(HostBytes::Plain(vec![0; bytes.div_ceil(8)], bytes)),
             dtype,
         }));
         Ok(())
@@ -199,7 +204,7 @@ impl HostParams {
                 None => return Ok(()),
                 Some(parts) => parts,
             },
-            HostBytes::Plain(_) => parts,
+            HostBytes::Plain(..) => parts,
         };
         let _ = device;
         let mut at = span.start;
@@ -210,6 +215,27 @@ impl HostParams {
             at += values.len();
         }
         Ok(())
+    }
+
+    /// Elements `range` of the buffer (its dtype), copied.
+    pub(super) fn read(&self, range: Range<usize>) -> TensorData {
+        let store = self.store.as_ref().expect("begin made the buffer");
+        let size = store.dtype.size();
+        let bytes = store.read().as_slice()[range.start * size..range.end * size].to_vec();
+        TensorData::from_bytes_vec(bytes, [range.len()], store.dtype)
+    }
+
+    /// The buffer's first byte and its length in elements of its dtype, when it holds `len`
+    /// elements of `dtype`: for a step that writes the new parameters into it directly. The
+    /// caller has waited for every upload from it and lets nothing read it until it is done.
+    pub(super) fn raw(&mut self, len: usize, dtype: DType) -> Option<*mut u8> {
+        let store = self.store.as_ref()?;
+        if store.dtype != dtype {
+            return None;
+        }
+        let mut bytes = store.bytes.write().unwrap_or_else(|e| e.into_inner());
+        let all = bytes.as_mut_slice();
+        (all.len() == len * dtype.size()).then_some(all.as_mut_ptr())
     }
 
     /// Partitions copied out before a rewrite so far.

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
-use burn_offload::{SwapConfig, SwapError};
+use burn_offload::{OutDtype, SwapConfig, SwapError};
 
 use crate::ZeroTensor;
 use crate::backend::{PartitionSource, ShardedParam};
@@ -21,6 +21,7 @@ use crate::comm::{CommError, with_label};
 use crate::engine::collective::{FlatComm, Ticket};
 use crate::engine::construct::chunk_of;
 use crate::engine::flat_pieces::slice_pieces;
+use crate::engine::offload_io::DirectOuts;
 use crate::engine::params::FlatLayout;
 use crate::engine::precision::Format;
 use crate::engine::stage::{GatherEvent, GatherStats};
@@ -112,6 +113,8 @@ pub(crate) struct ShardedParams<I: Backend> {
     swap: Option<ParamSwap>,
     /// `offload_param {"device": "cpu"}`: the host buffer of this rank's partitions.
     host: HostParams,
+    /// An offloaded step wrote the new parameters into `host` ([`ShardedParams::direct_outs`]).
+    host_written: bool,
     /// Bumped at each parameter update.
     version: u64,
     events: Vec<GatherEvent>,
@@ -159,6 +162,7 @@ impl<I: Backend> ShardedParams<I> {
             format: Format::F32,
             swap,
             host: HostParams::default(),
+            host_written: false,
             version: 0,
             events: Vec::new(),
             stats: GatherStats::default(),
@@ -185,6 +189,11 @@ impl<I: Backend> ShardedParams<I> {
         let (mut device, mut host) = (0, 0);
         for p in 0..self.plan.params() {
             match (self.persistent[p], &self.place) {
+                // The host buffer holds its chunk too, laid out as the optimizer's partition.
+                (true, ParamPlace::Host) => {
+                    device += self.plan.numel(p);
+                    host += self.plan.chunk(p);
+                }
                 (true, _) => device += self.plan.numel(p),
                 (false, ParamPlace::Device) => device += self.plan.chunk(p),
                 (false, ParamPlace::Host) => host += self.plan.chunk(p),
@@ -273,57 +282,100 @@ impl<I: Backend> ShardedParams<I> {
         Ok(())
     }
 
-    /// [`ShardedParams::set_partitions`] into host memory: the chunks in the compute format,
-    /// end to end in the rank's buffer, [`HOST_BATCH_BYTES`] at a time (their converted copies
-    /// are device memory).
+    /// [`ShardedParams::set_partitions`] into host memory: every parameter's chunk in the
+    /// compute format, laid out as the optimizer's partition (the persistent ones' too, so a
+    /// step may write the buffer directly: [`ShardedParams::direct_outs`]),
+    /// [`HOST_BATCH_BYTES`] at a time (their converted copies are device memory); or, after such
+    /// a step, what it wrote.
     fn set_host_partitions(
         &mut self,
         flat: &mut FlatComm<I>,
         master: &[Tensor<I, 1>],
     ) -> Result<(), EngineError> {
-        let (device, format) = (master[0].device(), self.format);
+        let (device, format) = (flat.device().clone(), self.format);
         let dtype = format.storage();
-        let chunk = |p: usize| {
-            let start = self.plan.offset(p);
-            slice_pieces(master, start..start + self.plan.chunk(p))
-        };
+        let failed =
+            |e: String| EngineError::Usage(format!("parameters offloaded to the host: {e}"));
+        if !std::mem::take(&mut self.host_written) {
+            let chunk = |p: usize| {
+                let start = self.plan.offset(p);
+                slice_pieces(master, start..start + self.plan.chunk(p))
+            };
+            // Every upload from the buffer went on NCCL's stream before a collective whose
+            // fence burn's stream waits for: once burn's stream is done, nothing reads it.
+            flat.wait()?;
+            I::sync(&device)
+                .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+            let probe = (self.plan.params() > 0).then(|| chunk(0));
+            self.host
+                .begin(self.plan.len(), dtype, probe.as_ref())
+                .map_err(failed)?;
+            let (mut batch, mut bytes) = (Vec::new(), 0);
+            for p in 0..self.plan.params() {
+                batch.push(format.convert(chunk(p)));
+                bytes += self.plan.chunk(p) * dtype.size();
+                if bytes >= HOST_BATCH_BYTES {
+                    self.host
+                        .write(std::mem::take(&mut batch), &device)
+                        .map_err(failed)?;
+                    bytes = 0;
+                }
+            }
+            if !batch.is_empty() {
+                self.host.write(batch, &device).map_err(failed)?;
+            }
+        }
         let sharded: Vec<usize> = (0..self.plan.params())
             .filter(|p| !self.persistent[*p])
             .collect();
-        let len = sharded.iter().map(|&p| self.plan.chunk(p)).sum();
-        // Every upload from the buffer went on NCCL's stream before a collective whose fence
-        // burn's stream waits for: once burn's stream is done, nothing reads the buffer.
-        flat.wait()?;
-        I::sync(&device)
-            .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
-        let failed =
-            |e: String| EngineError::Usage(format!("parameters offloaded to the host: {e}"));
-        let probe = sharded.first().map(|&p| chunk(p));
-        self.host
-            .begin(len, dtype, probe.as_ref())
-            .map_err(failed)?;
-        let (mut batch, mut bytes, mut ranges, mut at) = (Vec::new(), 0, Vec::new(), 0);
-        for &p in &sharded {
-            let c = self.plan.chunk(p);
-            batch.push(format.convert(chunk(p)));
-            ranges.push(at..at + c);
-            at += c;
-            bytes += c * dtype.size();
-            if bytes >= HOST_BATCH_BYTES {
-                self.host
-                    .write(std::mem::take(&mut batch), &device)
-                    .map_err(failed)?;
-                bytes = 0;
-            }
-        }
-        if !batch.is_empty() {
-            self.host.write(batch, &device).map_err(failed)?;
-        }
+        let ranges: Vec<Range<usize>> = sharded
+            .iter()
+            .map(|&p| self.plan.offset(p)..self.plan.offset(p) + self.plan.chunk(p))
+            .collect();
         self.partitions.iter_mut().for_each(|p| *p = None);
         for (&p, source) in sharded.iter().zip(self.host.partitions(&ranges)) {
             self.partitions[p] = Some(Partition::Host(source, device.clone(), dtype));
         }
         Ok(())
+    }
+
+    /// The host buffer of the parameters, lent to an offloaded step that writes the new ones
+    /// into it in `out`'s dtype (ZeRO-Infinity: no weights go up and come back down), when
+    /// they wait there in that dtype; the next [`ShardedParams::set_partitions`] takes what
+    /// the step wrote. Called once the model holds placeholders
+    /// ([`ShardedParams::release_partitions`]): every upload from the buffer is waited for and
+    /// a partition still held elsewhere is copied out first.
+    pub(crate) fn direct_outs(
+        &mut self,
+        flat: &mut FlatComm<I>,
+        out: OutDtype,
+    ) -> Result<Option<DirectOuts>, EngineError> {
+        let dtype = self.format.storage();
+        let same = matches!(
+            (out, dtype),
+            (OutDtype::F32, DType::F32)
+                | (OutDtype::Bf16, DType::BF16)
+                | (OutDtype::F16, DType::F16)
+        );
+        let len = self.plan.len();
+        if !matches!(self.place, ParamPlace::Host) || !same || self.host.raw(len, dtype).is_none() {
+            return Ok(None);
+        }
+        flat.wait()?;
+        I::sync(flat.device())
+            .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+        self.host
+            .begin::<I>(len, dtype, None)
+            .map_err(|e| EngineError::Usage(format!("parameters offloaded to the host: {e}")))?;
+        let ptr = self
+            .host
+            .raw(len, dtype)
+            .expect("the buffer fits, checked above");
+        self.host_written = true;
+        // SAFETY: the buffer holds `len` elements of the dtype, aligned (page-locked memory, or
+        // words); nothing reads it until `set_partitions` (the model holds placeholders, every
+        // partition was dropped or copied out, every upload waited for).
+        Ok(Some(unsafe { DirectOuts::new(ptr, len, out) }))
     }
 
     /// Whether the model must hold placeholders while the optimizer steps: the partitions are
@@ -382,7 +434,8 @@ impl<I: Backend> ShardedParams<I> {
     }
 
     /// The full values of the persistent parameters, all-gathered from every rank's
-    /// partition in one collective.
+    /// partition in one collective: from `master`, or, empty after a step that wrote the new
+    /// parameters into the host buffer, from there.
     pub(crate) fn gather_persistent(
         &self,
         flat: &mut FlatComm<I>,
@@ -397,8 +450,15 @@ impl<I: Backend> ShardedParams<I> {
         let pieces: Vec<Tensor<I, 1>> = slots
             .iter()
             .map(|&p| {
-                let start = self.plan.offset(p);
-                slice_pieces(master, start..start + self.plan.chunk(p))
+                let range = self.plan.offset(p)..self.plan.offset(p) + self.plan.chunk(p);
+                match master.is_empty() {
+                    true => {
+                        let data = self.host.read(range);
+                        let dtype = data.dtype;
+                        Tensor::from_data(data, (flat.device(), dtype))
+                    }
+                    false => slice_pieces(master, range),
+                }
             })
             .collect();
         let mine = self.format.convert(Tensor::cat(pieces, 0));

@@ -238,6 +238,13 @@ impl<I: Backend> Strategy<I> for Sharded<I> {
         })))
     }
 
+    fn direct_outs(
+        &mut self,
+        out: burn_offload::OutDtype,
+    ) -> Result<Option<crate::engine::offload_io::DirectOuts>, EngineError> {
+        self.params.direct_outs(&mut self.grads.flat, out)
+    }
+
     fn publish(
         &mut self,
         source: Vec<Tensor<I, 1>>,
