@@ -553,6 +553,86 @@ fn a_resumed_run_with_offloaded_parameters_repeats_the_steps_and_copies_nothing_
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// With the parameters in host memory and the optimizer in swap files, CPU-Adam writes the new
+/// parameters straight into their host buffer, sub-group by sub-group. A step that fails half
+/// way (a corrupted swap file) leaves that buffer half written: loading the last checkpoint
+/// into the same engine must replace it all, and the run then repeats the unbroken one.
+#[test]
+fn a_load_after_a_failed_step_into_host_parameters_restores_them() {
+    let mut cfg = config(3, Place::Nvme, ADAMW, "");
+    cfg.zero_optimization.sub_group_size = DeepSpeedConfig::from_json(
+        r#"{"train_batch_size": 36, "zero_optimization": {"stage": 3, "sub_group_size": 100}}"#,
+    )
+    .unwrap()
+    .config
+    .zero_optimization
+    .sub_group_size;
+    cfg.zero_optimization.offload_param = DeepSpeedConfig::from_json(
+        r#"{"train_batch_size": 36, "zero_optimization": {"stage": 3,
+        "stage3_param_persistence_threshold": 16, "offload_param": {"device": "cpu"}}}"#,
+    )
+    .unwrap()
+    .config
+    .zero_optimization
+    .offload_param;
+    let unbroken = train(2, &cfg, 0..3, None, None);
+    assert!(
+        unbroken[0].into_host > 0,
+        "the step wrote the host buffer directly"
+    );
+    let root = std::env::temp_dir().join(format!("bz-offload-into-{}", std::process::id()));
+    let resumed = run_ranks(2, |ctx| {
+        let device = Default::default();
+        let comm: Arc<dyn Communicator> = Arc::new(ctx.comm);
+        let mut engine =
+            initialize::<NdArray, _>(Mlp::<B>::new(&device), &cfg, comm.clone()).unwrap();
+        train_step(&mut engine, comm.as_ref(), 0, ctx.rank, 2);
+        engine.save_checkpoint(&root, None, json!(null)).unwrap();
+        let victim = engine
+            .swap_files()
+            .into_iter()
+            .find(|f| f.ends_with("exp_avg_sq.swp"));
+        let victim = victim.unwrap();
+        let mut bytes = std::fs::read(&victim).unwrap();
+        // Past the first sub-groups: those are stepped into the buffer before the read fails.
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x01;
+        std::fs::write(&victim, &bytes).unwrap();
+        // The swap files are read back from the second step on (as in the test above).
+        let mut failed = Ok(());
+        for j in 0..2 {
+            let start = (j * 2 + ctx.rank) * 9;
+            let (x, y) = engine_run::batch::<B>(1, start..start + 9, &device);
+            let loss = engine_run::loss(engine.model(), x, y);
+            engine.backward(loss).unwrap();
+            failed = engine.step().map_err(|e| e.to_string());
+        }
+        assert!(
+            failed.is_err(),
+            "rank {}: the corrupted step went through",
+            ctx.rank
+        );
+        engine.load_checkpoint(&root, None).unwrap();
+        let losses: Vec<f32> = (1..3)
+            .map(|step| train_step(&mut engine, comm.as_ref(), step, ctx.rank, 2))
+            .collect();
+        let params: Vec<Vec<f32>> = param_data(engine.model())
+            .into_iter()
+            .map(|d| d.convert::<f32>().to_vec::<f32>().unwrap())
+            .collect();
+        (losses, params)
+    });
+    for (rank, ((losses, params), u)) in resumed.iter().zip(&unbroken).enumerate() {
+        assert_eq!(
+            losses[..],
+            u.losses[1..],
+            "rank {rank}: steps 1 and 2 after the load"
+        );
+        assert!(*params == u.params, "rank {rank}: parameters");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn parameter_offload_needs_stage_3_and_nvme_a_path() {
     for device in ["cpu", "nvme\", \"nvme_path\": \"/tmp"] {

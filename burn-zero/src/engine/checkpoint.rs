@@ -403,10 +403,14 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     fn read_checkpoint(&self, root: &Path, tag: Option<&str>) -> Result<Restored, EngineError> {
         // The optimizer's import closes a step begun ahead: its thread must be done.
         self.settle_step_ahead();
+        // Mid-window (micro-steps accumulated, or a step that failed): the load replaces the
+        // parameters those gradients belong to, so they go (the load clears them), said aloud.
         let gas = self.resolved.batch.gradient_accumulation_steps;
-        if !self.micro_steps.is_multiple_of(gas) {
-            return Err(EngineError::Usage(
-                "load_checkpoint in the middle of a gradient-accumulation window".into(),
+        let pending = self.micro_steps % gas;
+        if pending != 0 && self.comm.rank() == 0 {
+            crate::log::warn(&format!(
+                "load_checkpoint discards the gradients of {pending} micro-step(s) of an \
+                 unfinished accumulation window"
             ));
         }
         let dir = resolve(root, tag)?;

@@ -428,10 +428,11 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     .step(GradSource::Device(grad), hp, compute, factor.unwrap_or(1.0))
             }
             None => {
-                // ZeRO-Infinity: the new parameters straight into their host buffer, if any.
+                // ZeRO-Infinity: the new parameters straight into their host buffer, if any (a
+                // failure is agreed on below, with the step's).
                 let direct = match self.optim.steps_into_host() {
-                    true => strategy.direct_outs(super::offload_io::out_dtype(compute))?,
-                    false => None,
+                    true => strategy.direct_outs(super::offload_io::out_dtype(compute)),
+                    false => Ok(None),
                 };
                 let grads = strategy.grads();
                 let mut host = grads.host.as_ref().expect("checked above").grads();
@@ -442,8 +443,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
                     scale: [unscale, factor.unwrap_or(1.0)],
                 };
                 match direct {
-                    Some(outs) => self.optim.step_into(source, hp, outs),
-                    None => self.optim.step(source, hp, compute, 1.0),
+                    Ok(Some(outs)) => self.optim.step_into(source, hp, outs),
+                    Ok(None) => self.optim.step(source, hp, compute, 1.0),
+                    Err(e) => Err(e),
                 }
             }
         };

@@ -126,7 +126,8 @@ impl DirectOuts {
     ///
     /// # Safety
     /// `ptr` is aligned for `dtype` and holds `len` elements that nothing else reads or writes
-    /// until the step that takes this is done.
+    /// until the step that takes this is done (for the parameters' host buffer: every read of
+    /// it happens under the engine's strategy lock, which the step holds until it publishes).
     pub(crate) unsafe fn new(ptr: *mut u8, len: usize, dtype: OutDtype) -> Self {
         Self { ptr, len, dtype }
     }
@@ -182,6 +183,13 @@ pub(crate) fn step_into(
         return Err(EngineError::Usage(
             "a step into the parameter buffer after sub-groups were stepped ahead".into(),
         ));
+    }
+    if opt.len() != outs.len {
+        return Err(EngineError::Usage(format!(
+            "an optimizer partition of {} elements stepped into a parameter buffer of {}",
+            opt.len(),
+            outs.len
+        )));
     }
     let slots = outs.slots(&ranges).map_err(EngineError::Usage)?;
     let mut lent = StepBuffers {

@@ -296,7 +296,13 @@ impl<I: Backend> ShardedParams<I> {
         let dtype = format.storage();
         let failed =
             |e: String| EngineError::Usage(format!("parameters offloaded to the host: {e}"));
-        if !std::mem::take(&mut self.host_written) {
+        // The source says which: an empty one follows a step that wrote the buffer (a flag
+        // left by a step that failed before publishing must not keep a load's values out).
+        let written = std::mem::take(&mut self.host_written);
+        if master.is_empty() && !written {
+            return Err(failed("no new parameters, and no step wrote them".into()));
+        }
+        if !master.is_empty() {
             let chunk = |p: usize| {
                 let start = self.plan.offset(p);
                 slice_pieces(master, start..start + self.plan.chunk(p))
@@ -394,6 +400,7 @@ impl<I: Backend> ShardedParams<I> {
         self.tracer.drop_live();
         self.drop_live(flat)?;
         self.partitions.iter_mut().for_each(|p| *p = None);
+        self.host_written = false;
         Ok(())
     }
 

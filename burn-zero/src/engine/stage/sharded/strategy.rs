@@ -130,6 +130,8 @@ struct Placeholders<'a, I: Backend> {
     params: &'a ShardedParams<I>,
     stub: Tensor<I, 1>,
     flags: &'a mut Vec<bool>,
+    /// The model holds placeholders already: `flags` keep the parameters' own.
+    again: bool,
 }
 
 impl<I: Backend> ParamSource<I> for Placeholders<'_, I> {
@@ -138,7 +140,9 @@ impl<I: Backend> ParamSource<I> for Placeholders<'_, I> {
     }
 
     fn require_grad(&mut self, p: usize, was: bool) -> bool {
-        self.flags[p] = was;
+        if !self.again {
+            self.flags[p] = was;
+        }
         false
     }
 }
@@ -228,13 +232,16 @@ impl<I: Backend> Strategy<I> for Sharded<I> {
         }
         self.params.release_partitions(&mut self.grads.flat)?;
         let stub = Tensor::<I, 1>::zeros([1], self.grads.flat.device());
-        let flags = self
-            .released
-            .insert(vec![false; self.grads.layout().slots().len()]);
+        // Released again before publishing (a step failed, then a load): the model holds
+        // placeholders, whose flags are not the parameters'; the first release's stay.
+        let again = self.released.is_some();
+        let n = self.grads.layout().slots().len();
+        let flags = self.released.get_or_insert_with(|| vec![false; n]);
         Ok(Some(Box::new(Placeholders {
             params: &self.params,
             stub,
             flags,
+            again,
         })))
     }
 
