@@ -522,14 +522,8 @@ fn offloaded_parameters_train_the_same_at_stage_3() {
     }
 }
 
-/// A checkpoint loaded with `offload_param {"device": "cpu"}` resumes bit for bit, and the
-/// model lets go of its parameters before the host buffer is rewritten, as in a step: no
-/// partition is copied out (a load used to copy out all of them).
-#[test]
-fn a_resumed_run_with_offloaded_parameters_repeats_the_steps_and_copies_nothing_out() {
-    let root = std::env::temp_dir().join(format!("bz-offload-param-ckpt-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let mut cfg = config(3, Place::Host, ADAMW, "");
+/// `cfg` with `offload_param {"device": "cpu"}`.
+fn with_params_on_host(cfg: &mut DeepSpeedConfig) {
     cfg.zero_optimization.offload_param = DeepSpeedConfig::from_json(
         r#"{"train_batch_size": 36, "zero_optimization": {"stage": 3,
         "stage3_param_persistence_threshold": 16, "offload_param": {"device": "cpu"}}}"#,
@@ -538,6 +532,17 @@ fn a_resumed_run_with_offloaded_parameters_repeats_the_steps_and_copies_nothing_
     .config
     .zero_optimization
     .offload_param;
+}
+
+/// A checkpoint loaded with `offload_param {"device": "cpu"}` resumes bit for bit, and the
+/// model lets go of its parameters before the host buffer is rewritten, as in a step: no
+/// partition is copied out (a load used to copy out all of them).
+#[test]
+fn a_resumed_run_with_offloaded_parameters_repeats_the_steps_and_copies_nothing_out() {
+    let root = std::env::temp_dir().join(format!("bz-offload-param-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut cfg = config(3, Place::Host, ADAMW, "");
+    with_params_on_host(&mut cfg);
     let full = train(2, &cfg, 0..4, None, None);
     train(2, &cfg, 0..2, None, Some(&root));
     let resumed = train(2, &cfg, 2..4, Some(&root), None);
@@ -567,14 +572,7 @@ fn a_load_after_a_failed_step_into_host_parameters_restores_them() {
     .config
     .zero_optimization
     .sub_group_size;
-    cfg.zero_optimization.offload_param = DeepSpeedConfig::from_json(
-        r#"{"train_batch_size": 36, "zero_optimization": {"stage": 3,
-        "stage3_param_persistence_threshold": 16, "offload_param": {"device": "cpu"}}}"#,
-    )
-    .unwrap()
-    .config
-    .zero_optimization
-    .offload_param;
+    with_params_on_host(&mut cfg);
     let unbroken = train(2, &cfg, 0..3, None, None);
     assert!(
         unbroken[0].into_host > 0,
