@@ -178,8 +178,9 @@ pub(crate) fn step_into(
     betas: (f32, f32),
     mut outs: DirectOuts,
 ) -> Result<StreamTimings, EngineError> {
+    // One slot per sub-group: the step must hand every one out (none was stepped ahead).
     let ranges = opt.sub_groups();
-    if opt.has_ahead() || opt.to_hand_out().len() != ranges.len() {
+    if opt.to_hand_out().len() != ranges.len() {
         return Err(EngineError::Usage(
             "a step into the parameter buffer after sub-groups were stepped ahead".into(),
         ));
@@ -276,7 +277,7 @@ fn weights_data(weights: Weights<'_>, compute: Format) -> TensorData {
 }
 
 /// `data` on `device`, in its own dtype.
-fn tensor_of<I: Backend>(data: TensorData, device: &I::Device) -> Tensor<I, 1> {
+pub(crate) fn tensor_of<I: Backend>(data: TensorData, device: &I::Device) -> Tensor<I, 1> {
     let dtype: DType = data.dtype;
     Tensor::from_data(data, (device, dtype))
 }

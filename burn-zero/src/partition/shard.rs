@@ -78,6 +78,11 @@ impl ShardPlan {
         self.offsets[p]
     }
 
+    /// The elements of `p`'s chunk in a rank's partition.
+    pub fn span(&self, p: usize) -> Range<usize> {
+        self.offsets[p]..self.offsets[p] + self.chunks[p]
+    }
+
     /// The elements of parameter `p` that `rank` holds (may be empty for the last ranks of a
     /// small parameter).
     pub fn owned(&self, p: usize, rank: usize) -> Range<usize> {

@@ -1,8 +1,9 @@
-//! `offload_param {"device": "cpu"}`: the sharded partitions in host memory, end to end in one
-//! buffer per rank, in the compute format. On CUDA the buffer is page-locked: a gather uploads
-//! its partitions on the communication stream right before the all-gather that reads them
-//! (`FlatComm::all_gather_group_from_host`), at PCIe speed and without stopping burn's stream,
-//! and after each step the new partitions come down into it by DMA.
+//! `offload_param {"device": "cpu"}`: the partitions in host memory, in one buffer per rank laid
+//! out as the optimizer's partition, in the compute format. On CUDA the buffer is page-locked:
+//! a gather uploads its partitions on the communication stream right before the all-gather that
+//! reads them (`FlatComm::all_gather_group_from_host`), at PCIe speed and without stopping
+//! burn's stream. After each step an offloaded optimizer writes the new parameters into it
+//! (`ShardedParams::direct_outs`), or they come down into it by DMA.
 //!
 //! One buffer, rewritten at each step (and checkpoint load), where the device keeps each
 //! step's values in new tensors: while it is rewritten the engine's model holds placeholders
@@ -58,6 +59,18 @@ impl HostStore {
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HostBytes> {
         self.bytes.read().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Elements `range`, copied.
+    fn copy(&self, range: Range<usize>) -> TensorData {
+        let size = self.dtype.size();
+        let bytes = self.read().as_slice()[range.start * size..range.end * size].to_vec();
+        TensorData::from_bytes_vec(bytes, [range.len()], self.dtype)
+    }
+
+    /// Whether it holds `len` elements of `dtype`.
+    fn fits(&self, len: usize, dtype: DType) -> bool {
+        self.dtype == dtype && self.read().as_slice().len() == len * dtype.size()
+    }
 }
 
 /// One parameter's partition in the rank's buffer (`range`: its elements there), or, once
@@ -75,14 +88,8 @@ impl std::fmt::Debug for HostPartition {
 }
 
 impl HostPartition {
-    fn bytes(&self) -> Range<usize> {
-        let size = self.store.dtype.size();
-        self.range.start * size..self.range.end * size
-    }
-
     fn copy_out(&self) -> TensorData {
-        let bytes = self.store.read().as_slice()[self.bytes()].to_vec();
-        TensorData::from_bytes_vec(bytes, [self.range.len()], self.store.dtype)
+        self.store.copy(self.range.clone())
     }
 
     /// The partition's page-locked bytes, for an upload on the communication stream; `None`
@@ -100,7 +107,8 @@ impl HostPartition {
         match &*bytes {
             HostBytes::Plain(..) => None,
             HostBytes::Pinned(p) => {
-                let slice = &p.as_slice()[self.bytes()];
+                let size = self.store.dtype.size();
+                let slice = &p.as_slice()[self.range.start * size..self.range.end * size];
                 // SAFETY: the page-locked allocation lives as long as `self.store` (held by
                 // `self`) and is only written after every upload from it is done (see above):
                 // the lock guards the enum, not the bytes.
@@ -145,14 +153,10 @@ impl HostParams {
             self.copied_out += 1;
         }
         self.at = 0;
-        let bytes = len * dtype.size();
-        let fits = self
-            .store
-            .as_ref()
-            .is_some_and(|s| s.dtype == dtype && s.read().as_slice().len() == bytes);
-        if fits {
+        if self.fits(len, dtype) {
             return Ok(());
         }
+        let bytes = len * dtype.size();
         // Ours goes before the new one is taken (a partition copied out holds it until dropped).
         self.store = None;
         #[cfg(feature = "cuda")]
@@ -219,23 +223,24 @@ impl HostParams {
 
     /// Elements `range` of the buffer (its dtype), copied.
     pub(super) fn read(&self, range: Range<usize>) -> TensorData {
-        let store = self.store.as_ref().expect("begin made the buffer");
-        let size = store.dtype.size();
-        let bytes = store.read().as_slice()[range.start * size..range.end * size].to_vec();
-        TensorData::from_bytes_vec(bytes, [range.len()], store.dtype)
+        self.store
+            .as_ref()
+            .expect("begin made the buffer")
+            .copy(range)
     }
 
-    /// The buffer's first byte and its length in elements of its dtype, when it holds `len`
-    /// elements of `dtype`: for a step that writes the new parameters into it directly. The
-    /// caller has waited for every upload from it and lets nothing read it until it is done.
+    /// Whether the buffer holds `len` elements of `dtype`.
+    pub(super) fn fits(&self, len: usize, dtype: DType) -> bool {
+        self.store.as_ref().is_some_and(|s| s.fits(len, dtype))
+    }
+
+    /// The buffer's first byte, when it holds `len` elements of `dtype`: for a step that
+    /// writes the new parameters into it directly. The caller has waited for every upload
+    /// from it and lets nothing read it until it is done.
     pub(super) fn raw(&mut self, len: usize, dtype: DType) -> Option<*mut u8> {
-        let store = self.store.as_ref()?;
-        if store.dtype != dtype {
-            return None;
-        }
+        let store = self.store.as_ref().filter(|s| s.fits(len, dtype))?;
         let mut bytes = store.bytes.write().unwrap_or_else(|e| e.into_inner());
-        let all = bytes.as_mut_slice();
-        (all.len() == len * dtype.size()).then_some(all.as_mut_ptr())
+        Some(bytes.as_mut_slice().as_mut_ptr())
     }
 
     /// Partitions copied out before a rewrite so far.

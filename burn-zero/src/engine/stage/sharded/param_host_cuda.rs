@@ -20,7 +20,7 @@ pub(super) struct Pinned {
     stream: Arc<CudaStream>,
 }
 
-// SAFETY: `ptr` is `memory`'s allocation (Send and Sync itself), reached only through `&self`
+// SAFETY: `ptr` is `_memory`'s allocation (Send and Sync itself), reached only through `&self`
 // for reads and `&mut self` for writes.
 unsafe impl Send for Pinned {}
 unsafe impl Sync for Pinned {}
@@ -54,7 +54,7 @@ impl Pinned {
     }
 
     pub(super) fn as_slice(&self) -> &[u8] {
-        // SAFETY: `len` bytes of `memory`, alive as long as `self`.
+        // SAFETY: `len` bytes of `_memory`, alive as long as `self`.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 

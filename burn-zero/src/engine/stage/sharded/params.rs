@@ -21,7 +21,7 @@ use crate::comm::{CommError, with_label};
 use crate::engine::collective::{FlatComm, Ticket};
 use crate::engine::construct::chunk_of;
 use crate::engine::flat_pieces::slice_pieces;
-use crate::engine::offload_io::DirectOuts;
+use crate::engine::offload_io::{DirectOuts, tensor_of};
 use crate::engine::params::FlatLayout;
 use crate::engine::precision::Format;
 use crate::engine::stage::{GatherEvent, GatherStats};
@@ -35,6 +35,15 @@ use super::param_swap::ParamSwap;
 /// How much of the new partitions goes down to host memory at a time
 /// (`offload_param {"device": "cpu"}`): their copies in the compute format are device memory.
 const HOST_BATCH_BYTES: usize = 256 << 20;
+
+/// Waits until nothing reads the parameters' host buffer: every upload from it went on NCCL's
+/// stream before a collective whose fence burn's stream waits for, so once burn's stream is
+/// done, they are.
+fn settle_uploads<I: Backend>(flat: &mut FlatComm<I>) -> Result<(), EngineError> {
+    flat.wait()?;
+    I::sync(flat.device())
+        .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))
+}
 
 /// This rank's partition of one sharded parameter.
 enum Partition<I: Backend> {
@@ -253,11 +262,10 @@ impl<I: Backend> ShardedParams<I> {
         // A swap file holds the sharded partitions end to end, widened to f32.
         let (mut swapped, mut slots, mut spans) = (Vec::new(), Vec::new(), Vec::new());
         for p in 0..self.plan.params() {
-            let start = self.plan.offset(p);
             self.partitions[p] = if self.persistent[p] {
                 None
             } else {
-                let chunk = slice_pieces(master, start..start + self.plan.chunk(p));
+                let chunk = slice_pieces(master, self.plan.span(p));
                 match &self.place {
                     ParamPlace::Device => Some(Partition::Device(chunk)),
                     ParamPlace::Host => unreachable!("set_host_partitions"),
@@ -303,15 +311,8 @@ impl<I: Backend> ShardedParams<I> {
             return Err(failed("no new parameters, and no step wrote them".into()));
         }
         if !master.is_empty() {
-            let chunk = |p: usize| {
-                let start = self.plan.offset(p);
-                slice_pieces(master, start..start + self.plan.chunk(p))
-            };
-            // Every upload from the buffer went on NCCL's stream before a collective whose
-            // fence burn's stream waits for: once burn's stream is done, nothing reads it.
-            flat.wait()?;
-            I::sync(&device)
-                .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+            let chunk = |p: usize| slice_pieces(master, self.plan.span(p));
+            settle_uploads(flat)?;
             let probe = (self.plan.params() > 0).then(|| chunk(0));
             self.host
                 .begin(self.plan.len(), dtype, probe.as_ref())
@@ -334,10 +335,7 @@ impl<I: Backend> ShardedParams<I> {
         let sharded: Vec<usize> = (0..self.plan.params())
             .filter(|p| !self.persistent[*p])
             .collect();
-        let ranges: Vec<Range<usize>> = sharded
-            .iter()
-            .map(|&p| self.plan.offset(p)..self.plan.offset(p) + self.plan.chunk(p))
-            .collect();
+        let ranges: Vec<Range<usize>> = sharded.iter().map(|&p| self.plan.span(p)).collect();
         self.partitions.iter_mut().for_each(|p| *p = None);
         for (&p, source) in sharded.iter().zip(self.host.partitions(&ranges)) {
             self.partitions[p] = Some(Partition::Host(source, device.clone(), dtype));
@@ -364,12 +362,10 @@ impl<I: Backend> ShardedParams<I> {
                 | (OutDtype::F16, DType::F16)
         );
         let len = self.plan.len();
-        if !matches!(self.place, ParamPlace::Host) || !same || self.host.raw(len, dtype).is_none() {
+        if !matches!(self.place, ParamPlace::Host) || !same || !self.host.fits(len, dtype) {
             return Ok(None);
         }
-        flat.wait()?;
-        I::sync(flat.device())
-            .map_err(|e| EngineError::Usage(format!("the compute stream failed: {e:?}")))?;
+        settle_uploads(flat)?;
         self.host
             .begin::<I>(len, dtype, None)
             .map_err(|e| EngineError::Usage(format!("parameters offloaded to the host: {e}")))?;
@@ -457,13 +453,9 @@ impl<I: Backend> ShardedParams<I> {
         let pieces: Vec<Tensor<I, 1>> = slots
             .iter()
             .map(|&p| {
-                let range = self.plan.offset(p)..self.plan.offset(p) + self.plan.chunk(p);
+                let range = self.plan.span(p);
                 match master.is_empty() {
-                    true => {
-                        let data = self.host.read(range);
-                        let dtype = data.dtype;
-                        Tensor::from_data(data, (flat.device(), dtype))
-                    }
+                    true => tensor_of(self.host.read(range), flat.device()),
                     false => slice_pieces(master, range),
                 }
             })

@@ -277,8 +277,7 @@ impl<I: Backend> Strategy<I> for Sharded<I> {
         let layout = self.grads.layout().clone();
         let flat = &mut self.grads.flat;
         for (p, slot) in layout.slots().iter().enumerate() {
-            let start = plan.offset(p);
-            let chunk = partition.clone().slice(start..start + plan.chunk(p));
+            let chunk = partition.clone().slice(plan.span(p));
             let gathered = with_label(p as u64 + 1, || flat.all_gather(chunk))?;
             flat.wait()?;
             f(slot, gathered.slice(0..plan.numel(p)));
@@ -322,9 +321,7 @@ impl<I: Backend> Strategy<I> for Sharded<I> {
     fn tensor_bounds(&self, comm: &Arc<dyn Communicator>) -> TensorBounds {
         let plan = self.params.plan();
         TensorBounds {
-            segments: (0..plan.params())
-                .map(|p| (p, plan.offset(p)..plan.offset(p) + plan.chunk(p)))
-                .collect(),
+            segments: (0..plan.params()).map(|p| (p, plan.span(p))).collect(),
             params: self.grads.layout().slots().len(),
             comm: (comm.world_size() > 1).then(|| comm.clone()),
         }
