@@ -6,10 +6,14 @@ as the client optimizer (DeepSpeed's own FusedAdam would need a JIT build; the s
 arithmetic). Parameters are partitioned at construction (`zero.Init`) and each filled from the
 shared values while gathered. `--offload cpu` (stage 3) offloads the optimizer and the parameters
 to page-locked host memory (ZeRO-Infinity's `offload_optimizer` / `offload_param`), with
-DeepSpeedCPUAdam from the config's AdamW (built just in time on first use) as the optimizer.
+DeepSpeedCPUAdam from the config's AdamW (built just in time on first use) as the optimizer;
+`--offload nvme:DIR` puts the optimizer state in swap files under DIR (`offload_optimizer`
+on nvme, DeepSpeed's async-I/O op built just in time; the parameters stay on the GPUs). Offloaded
+runs construct the parameters in bf16 (`zero.Init(dtype=bfloat16)`, as Hugging Face's
+integration does): fp32 construction held 4 more bytes a parameter of host memory at init.
 Installed as ../shared/GPU.md describes. One process per GPU:
     torchrun --nproc-per-node N bench/e2e_deepspeed.py SIZE STAGE [STEPS] [MICRO] [SEQ] [--ac 0|1]
-        [--offload cpu] [--sub-group N]
+        [--offload cpu|nvme:DIR] [--sub-group N]
 Rank 0 prints one JSON line with bench-e2e's keys."""
 import json
 import os
@@ -45,8 +49,15 @@ def config(stage, micro, world, offload, sub_group=None):
         # bench-e2e's AdamW, stepped by DeepSpeedCPUAdam on the host.
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
                                                       "weight_decay": 0.1, "eps": 1e-8}}
+    if offload == "cpu":
         for key in ("offload_optimizer", "offload_param"):
             ds["zero_optimization"][key] = {"device": "cpu", "pin_memory": True}
+    elif offload:
+        # nvme:DIR, with bench-e2e's `aio` defaults (1 MiB requests, 8 in flight).
+        ds["zero_optimization"]["offload_optimizer"] = {
+            "device": "nvme", "nvme_path": offload[len("nvme:"):], "pin_memory": True}
+        ds["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False,
+                     "overlap_events": True, "thread_count": 1}
     if sub_group:
         ds["zero_optimization"]["sub_group_size"] = sub_group
     return ds
@@ -68,11 +79,16 @@ def fill(model, stage, device):
 
 def main():
     size, stage, steps, micro, seq, ac = lt.parse(sys.argv[1:])
-    offload = "--offload" in sys.argv and sys.argv[sys.argv.index("--offload") + 1] == "cpu"
+    offload = sys.argv[sys.argv.index("--offload") + 1] if "--offload" in sys.argv else None
+    assert offload in (None, "cpu") or offload.startswith("nvme:"), \
+        f"--offload is cpu or nvme:DIR, not {offload}"
     if offload:
-        assert stage == 3, "--offload cpu offloads parameters too: stage 3"
+        assert stage == 3, "--offload: stage 3"
         from deepspeed.ops.op_builder import CPUAdamBuilder
         CPUAdamBuilder().load()  # built once, before the model takes the GPU's time
+    if offload and offload != "cpu":
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        AsyncIOBuilder().load()
     vocab, hidden, inter, layers, heads, kv, tied = lt.preset(size)
     deepspeed.init_distributed("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,7 +98,8 @@ def main():
         if "--sub-group" in sys.argv else None
     ds = config(stage, micro, world, offload, sub_group)
     if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32):
+        dtype = torch.bfloat16 if offload else torch.float32
+        with deepspeed.zero.Init(config_dict_or_path=ds, dtype=dtype):
             model = lt.Llama(vocab, hidden, inter, layers, heads, kv, tied, checkpointing=ac)
         params = sum(p.ds_numel for p in model.parameters())
     else:
@@ -101,7 +118,7 @@ def main():
     if rank == 0:
         print(json.dumps(lt.result("deepspeed", {"deepspeed": deepspeed.__version__,
                                                  "activation_checkpointing": ac,
-                                                 "offload": "cpu" if offload else None},
+                                                 "offload": offload},
                                    size, stage, world, micro, seq, steps, params, *run)))
     dist.destroy_process_group()
 

@@ -8,9 +8,10 @@
 # CASES: ';'-separated "SIZE GPUS MICRO SEQ [AC [SYSTEM,SYSTEM...]]" rows (default below; a
 # row's own comma-separated systems replace SYSTEMS for it; SIZE is 125m, 1b, 3b, 8b or 70b, or
 # SIZE:LAYERS for that shape with LAYERS decoder layers: 8b:48 is 11.5B, 70b:28 26.1B); SYSTEMS: which of
-# "ours ours-pf ours-pf-unfused ours-pf-smem ours-pf-regs ours-pf-keep ours-prev ours-pf-prev ours-op ours-op-nvme ours-oo-op ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8
-# ours-rows1k fsdp2 deepspeed deepspeed-oo-op" (deepspeed-oo-op: DeepSpeed with its optimizer and
-# parameters offloaded to the CPU, as ours-oo-op)
+# "ours ours-pf ours-pf-unfused ours-pf-smem ours-pf-regs ours-pf-keep ours-prev ours-pf-prev ours-op ours-op-nvme ours-oo ours-oo-op ours-nvme ours-mid ours-keep ours-full-loss ours-old ours-hf ours-b5e7 ours-b2e8
+# ours-rows1k fsdp2 deepspeed deepspeed-oo-op deepspeed-nvme" (deepspeed-oo-op: DeepSpeed with its
+# optimizer and parameters offloaded to the CPU, as ours-oo-op; deepspeed-nvme: its optimizer state
+# in swap files, as ours-nvme)
 # run (ours: fitted pools, the chunked loss, free pages released between phases,
 # reduce_bucket_size 5e7; ours-keep: the same without the release; ours-full-loss: logits
 # materialized; ours-old: cubecl's pools, logits materialized, no release, as before issue 33;
@@ -22,9 +23,11 @@
 # forward that stages scores in shared memory (burn_zero.attention_register_scores off);
 # ours-pf-regs: ours-pf with the attention kernels that keep scores in registers (on); ours-pf-keep: the same without the release; ours-prev, ours-mid: ours with the binary of an earlier
 # commit staged in .gpu/prev/ or .gpu/mid/ (with its commit file), for an A/B in the same call;
-# ours-pf-prev: ours-pf with .gpu/prev's binary; ours-op, ours-op-nvme, ours-oo-op: ours-pf with
-# offload_param on the CPU or in swap files under /tmp/burn-zero-swap, or with offload_param and
-# offload_optimizer both on the CPU);
+# ours-pf-prev: ours-pf with .gpu/prev's binary; ours-op, ours-op-nvme, ours-oo, ours-oo-op: ours-pf
+# with offload_param on the CPU or in swap files under /tmp/burn-zero-swap, with offload_optimizer
+# on the CPU, or with offload_param and offload_optimizer both on the CPU; ours-nvme: ours-pf with
+# the optimizer state in swap files under /tmp/burn-zero-swap, emptied before each run);
+# DISK_CHECK=GB: the swap directory's disk measured first (bench/disk_bandwidth.sh, GB per stream);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300); SUB_GROUP (see below).
 source bench/prelude.sh "$1"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # a failing collective says why
@@ -51,6 +54,10 @@ fi
 # The shared starting weights' hash in torch: llm/src/shared_init.rs's test expects these.
 python3 bench/shared_init.py | tee "$out/shared-init-check.txt"
 
+if [ -n "${DISK_CHECK:-}" ]; then
+  mkdir -p /tmp/burn-zero-swap
+  bash bench/disk_bandwidth.sh /tmp/burn-zero-swap "$DISK_CHECK" | tee "$out/disk.json"
+fi
 port=29700
 # SUB_GROUP: sub_group_size of both systems' offloaded runs (ours-oo-op, deepspeed-oo-op);
 # unset, each keeps its default (1e9 for both).
@@ -124,7 +131,7 @@ for row in "${rows[@]}"; do
   for system in $list; do
     port=$((port + 1))
     case "$system" in
-      ours|ours-pf|ours-pf-unfused|ours-pf-smem|ours-pf-regs|ours-pf-keep|ours-prev|ours-pf-prev|ours-op|ours-op-nvme|ours-oo-op|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
+      ours|ours-pf|ours-pf-unfused|ours-pf-smem|ours-pf-regs|ours-pf-keep|ours-prev|ours-pf-prev|ours-op|ours-op-nvme|ours-oo|ours-oo-op|ours-nvme|ours-mid|ours-keep|ours-full-loss|ours-old|ours-hf|ours-b5e7|ours-b2e8|ours-rows1k)
         bin=.gpu/bin/bench-e2e; envs=()
         # ours' settings, and ours-pf's: the same with two decoder layers' prefetch.
         base=(--pool fitted --loss chunked --release 1)
@@ -142,7 +149,10 @@ for row in "${rows[@]}"; do
           ours-op) flags=("${pf[@]}" --offload-param cpu) ;;
           ours-op-nvme) mkdir -p /tmp/burn-zero-swap
             flags=("${pf[@]}" --offload-param nvme:/tmp/burn-zero-swap) ;;
+          ours-oo) flags=("${pf[@]}" --offload-optimizer cpu $sub_group) ;;
           ours-oo-op) flags=("${pf[@]}" --offload-param cpu --offload-optimizer cpu $sub_group) ;;
+          ours-nvme) rm -rf /tmp/burn-zero-swap; mkdir -p /tmp/burn-zero-swap
+            flags=("${pf[@]}" --offload-optimizer nvme:/tmp/burn-zero-swap $sub_group) ;;
           ours-mid) flags=("${base[@]}"); bin=.gpu/mid/bench-e2e ;;
           ours-keep) flags=(--pool fitted --loss chunked --release 0) ;;
           ours-full-loss) flags=(--pool fitted --loss full --release 1) ;;
@@ -164,6 +174,10 @@ for row in "${rows[@]}"; do
       deepspeed-oo-op) measure deepspeed-oo-op "$size" "$n" "$micro" "$seq" "$ac" \
         env PYTHONPATH=/tmp/site torchrun --nproc-per-node "$n" --master-port "$port" \
         bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" --offload cpu $sub_group ;;
+      deepspeed-nvme) rm -rf /tmp/ds-swap; mkdir -p /tmp/ds-swap
+        measure deepspeed-nvme "$size" "$n" "$micro" "$seq" "$ac" \
+        env PYTHONPATH=/tmp/site torchrun --nproc-per-node "$n" --master-port "$port" \
+        bench/e2e_deepspeed.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" --offload nvme:/tmp/ds-swap $sub_group ;;
     esac
   done
 done

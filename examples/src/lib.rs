@@ -77,3 +77,12 @@ pub fn materialize<B: Backend, M: Module<B>>(module: M) -> M {
     }
     module.map(&mut Materialize)
 }
+
+/// An offloaded optimizer's step, per step over `steps` steps, as the benches report it.
+pub fn offload_breakdown(t: &burn_zero::engine::OffloadTimings, steps: usize) -> serde_json::Value {
+    let per = |d: std::time::Duration| d.as_secs_f64() / steps.max(1) as f64;
+    serde_json::json!({"d2h_s": per(t.d2h), "backward_d2h_s": per(t.backward_d2h),
+        "cpu_step_s": per(t.cpu_step), "overlapped_cpu_step_s": per(t.ahead_cpu_step),
+        "sub_groups_stepped_ahead": t.ahead_sub_groups, "h2d_s": per(t.h2d),
+        "optimizer_total_s": per(t.total), "steps_into_host": t.into_host})
+}

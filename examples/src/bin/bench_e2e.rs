@@ -353,12 +353,16 @@ fn main() {
         }
         if step == 1 {
             engine.take_timings();
+            engine.take_offload_timings();
             let _ = take_matmul_profile(env.local_rank);
             host_profile.start();
         }
     }
     host_profile.finish();
     let timings = engine.take_timings();
+    let offload = engine
+        .take_offload_timings()
+        .map(|t| burn_zero_examples::offload_breakdown(&t, times.len()));
     // cuBLASLt per timed step: calls, host µs per phase, GEMM GPU ms (the last only with
     // `burn_zero.matmul.profile`, or BURN_ZERO_MATMUL_PROFILE=1 read by `initialize`).
     let products = take_matmul_profile(env.local_rank);
@@ -392,6 +396,7 @@ fn main() {
                 "cublaslt_per_step": {"calls": products.calls as f64 / timed,
                     "host_ms": products.host_us.iter().sum::<f64>() / timed / 1e3,
                     "gemm_gpu_ms": products.gemm_gpu_us / timed / 1e3},
+                "offload_breakdown": offload,
                 "deterministic": deterministic, "first_step": first,
                 "losses": losses, "grad_norms": norms, "train_start_unix": train_start,
                 "memory_report": report.to_string(), "pool_memory": pools})

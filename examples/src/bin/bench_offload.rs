@@ -149,11 +149,9 @@ fn main() {
     }
     let timings = engine.take_timings();
     let per = |d: std::time::Duration| d.as_secs_f64() / steps as f64;
-    let offload_breakdown = engine.take_offload_timings().map(|t| {
-        serde_json::json!({"d2h_s": per(t.d2h), "backward_d2h_s": per(t.backward_d2h), "cpu_step_s": per(t.cpu_step),
-            "overlapped_cpu_step_s": per(t.ahead_cpu_step), "sub_groups_stepped_ahead": t.ahead_sub_groups,
-            "h2d_s": per(t.h2d), "optimizer_total_s": per(t.total)})
-    });
+    let offload_breakdown = engine
+        .take_offload_timings()
+        .map(|t| burn_zero_examples::offload_breakdown(&t, steps));
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     println!(
