@@ -21,7 +21,9 @@
 //! (default bf16; fp32 drops the config's bf16 section) and `--offload-param cpu|nvme:DIR|none`
 //! and `--offload-optimizer cpu|nvme:DIR|none` (`zero_optimization.offload_param` /
 //! `offload_optimizer`, default none; parameters only at stage 3) and `--sub-group N`
-//! (`sub_group_size`, default the config's 1e9). Rank 0 prints one JSON line:
+//! (`sub_group_size`, default the config's 1e9) and `--warmup N` (steps left out of the timing,
+//! default 2: the first two compile kernels and tune matmuls; 0 times every step, for a model
+//! whose steps are too long to spare). Rank 0 prints one JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
@@ -169,7 +171,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
                  [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--sub-group N] [--loss-rows N] \
-                 [--deterministic 0|1] [--ckpt DIR --save-at N] [--resume DIR] \
+                 [--deterministic 0|1] [--warmup N] [--ckpt DIR --save-at N] [--resume DIR] \
                  [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none]";
     let (args, options) = split_options(&args, usage);
     let pool = match option(&options, "pool") {
@@ -216,6 +218,7 @@ fn main() {
         Some("fp32") => false,
         Some(other) => panic!("--precision is bf16 or fp32, not `{other}`"),
     };
+    let warmup = count_option(&options, "warmup", 2);
     let deterministic = match option(&options, "deterministic") {
         None | Some("0") => false,
         Some("1") => true,
@@ -301,6 +304,7 @@ fn main() {
     };
     let mut host_calls: Vec<[f64; 3]> = Vec::new();
     engine.take_timings();
+    engine.take_offload_timings();
     let mut host_profile = HostProfileRun::from_env(rank);
     // When training starts: the runner takes the peak GPU memory of the steps from here on.
     let train_start = std::time::SystemTime::now()
@@ -345,13 +349,12 @@ fn main() {
                 .save_checkpoint(dir, None, state)
                 .unwrap_or_else(|e| panic!("{e}"));
         }
-        // The first two steps compile kernels and tune matmuls.
-        if step >= 2 {
+        if step >= warmup {
             times.push(secs);
             forward.push(forward_s);
             host_calls.push([forward_call, backward_call, step_call]);
         }
-        if step == 1 {
+        if step + 1 == warmup {
             engine.take_timings();
             engine.take_offload_timings();
             let _ = take_matmul_profile(env.local_rank);
@@ -383,7 +386,7 @@ fn main() {
                 "reduce_bucket_size": bucket, "prefetch_bucket_size": prefetch,
                 "release_cached_memory": release_cached,
                 "memory_pool": format!("{pool:?}").to_lowercase(),
-                "global_batch_tokens": micro * seq * world, "steps": steps,
+                "global_batch_tokens": micro * seq * world, "steps": steps, "warmup_steps": warmup,
                 "median_step_s": median, "step_times_s": times,
                 "tokens_per_s_per_gpu": tokens_per_gpu,
                 "flops_per_token": per_token, "peak_flops": peak_flops(),
