@@ -27,7 +27,9 @@
 # with offload_param on the CPU or in swap files under /tmp/burn-zero-swap, with offload_optimizer
 # on the CPU, or with offload_param and offload_optimizer both on the CPU; ours-nvme: ours-pf with
 # the optimizer state in swap files under /tmp/burn-zero-swap, emptied before each run);
-# WARMUP: ours' steps left out of the timing (bench-e2e --warmup, default 2);
+# WARMUP: ours' steps left out of the timing (bench-e2e --warmup, default 2); GRAD_ACCUM=bf16:
+# ours' gradients accumulated and reduced in bf16 (bench-e2e --grad-accum-dtype; an offloaded
+# optimizer's host gradient partition then bf16, 2 bytes a parameter instead of 4);
 # DISK_CHECK=GB: the swap directory's disk measured first (bench/disk_bandwidth.sh, GB per stream);
 # STEPS (default 6); RUN_TIMEOUT per run in seconds (default 300); SUB_GROUP (see below).
 source bench/prelude.sh "$1"
@@ -165,7 +167,8 @@ for row in "${rows[@]}"; do
         esac
         measure "$system" "$size" "$n" "$micro" "$seq" "$ac" \
           env "${envs[@]}" .gpu/bin/burn-zero run --nproc-per-node "$n" --master-port "$port" \
-          -- "$bin" "$size" 3 "$steps" "$micro" "$seq" "${flags[@]}" --ac "$ac" ${WARMUP:+--warmup $WARMUP} ;;
+          -- "$bin" "$size" 3 "$steps" "$micro" "$seq" "${flags[@]}" --ac "$ac" ${WARMUP:+--warmup $WARMUP} \
+          ${GRAD_ACCUM:+--grad-accum-dtype $GRAD_ACCUM} ;;
       fsdp2) measure fsdp2 "$size" "$n" "$micro" "$seq" "$ac" \
         torchrun --nproc-per-node "$n" --master-port "$port" \
         bench/e2e_fsdp2.py "$size" 3 "$steps" "$micro" "$seq" --ac "$ac" ;;

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cpu_adam::GradScale;
+use crate::cpu_adam::{Grad, GradScale};
 use crate::grads::HostGrads;
 use crate::host::{AheadError, HostOptimizer};
 use crate::stream::OutSlot;
@@ -86,7 +86,7 @@ fn step_one(
     opt: &Mutex<HostOptimizer>,
     sink: Option<&SharedSink>,
     c: usize,
-    grad: &[f32],
+    grad: Grad<'_>,
 ) -> Result<(), String> {
     let Some(sink) = sink else {
         return lock(opt)
@@ -159,7 +159,7 @@ impl StepAhead {
                         }
                     };
                     let start = Instant::now();
-                    let stepped = step_one(&opt, sink.as_ref(), c, &values[..range.len()]);
+                    let stepped = step_one(&opt, sink.as_ref(), c, values.grad(range.len()));
                     report.busy += start.elapsed();
                     lock(&grads).give_back(c, values);
                     match stepped {

@@ -1,6 +1,8 @@
-//! A rank's fp32 gradient partition in host memory (ZeRO-Offload at stages 2 and 3): reduced
+//! A rank's gradient partition in host memory (ZeRO-Offload at stages 2 and 3): reduced
 //! gradient buckets are written into it while backward still runs, so the device never holds
-//! the fp32 partition, and the CPU optimizer reads it where it lies at the step.
+//! the partition, and the CPU optimizer reads it where it lies at the step. It is fp32, or
+//! bf16 ([`GradDtype`]) where the gradients are reduced and accumulated in bf16: the same
+//! values in half the memory.
 //!
 //! No zeroing pass: after [`HostGrads::clear`], the next backward's writes copy instead of add,
 //! and only the elements it never wrote are zeroed when it ends. The sum of squares the
@@ -13,6 +15,11 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::mpsc::Sender;
+
+use half::bf16;
+
+use crate::cpu_adam::{Grad, bf16_bits};
+use crate::stream::GradBuf;
 
 /// Below this many elements a write runs on the calling thread.
 const PARALLEL_FROM: usize = 1 << 20;
@@ -43,14 +50,172 @@ pub enum HostGradsError {
     },
 }
 
+/// How the partition holds its elements.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GradDtype {
+    /// fp32.
+    #[default]
+    F32,
+    /// bfloat16, half the bytes: exact for gradients that arrive as bf16 values (reduced in
+    /// bf16); a sum of two is rounded to bf16 (nearest even), as accumulating in bf16 on the
+    /// device rounds it.
+    Bf16,
+}
+
+impl GradDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            GradDtype::F32 => 4,
+            GradDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// One chunk's values, in the partition's dtype (what [`HostGrads::lend`] hands out).
+#[derive(Debug)]
+pub enum GradChunk {
+    /// fp32.
+    F32(Vec<f32>),
+    /// bf16.
+    Bf16(Vec<bf16>),
+}
+
+impl GradChunk {
+    fn zeroed(n: usize, dtype: GradDtype) -> Self {
+        match dtype {
+            GradDtype::F32 => GradChunk::F32(crate::memory::zeroed_f32(n, false)),
+            GradDtype::Bf16 => GradChunk::Bf16(crate::memory::zeroed_bf16(n)),
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            GradChunk::F32(v) => v.len(),
+            GradChunk::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first `n` values, as CPU-Adam reads a gradient.
+    pub fn grad(&self, n: usize) -> Grad<'_> {
+        match self {
+            GradChunk::F32(v) => Grad::F32(&v[..n]),
+            GradChunk::Bf16(v) => Grad::Bf16(&v[..n]),
+        }
+    }
+
+    /// The values as a step's gradient buffer.
+    pub fn as_buf(&mut self) -> GradBuf<'_> {
+        match self {
+            GradChunk::F32(v) => GradBuf::F32(v),
+            GradChunk::Bf16(v) => GradBuf::Bf16(v),
+        }
+    }
+
+    fn ptr(&mut self) -> *mut u8 {
+        match self {
+            GradChunk::F32(v) => v.as_mut_ptr().cast(),
+            GradChunk::Bf16(v) => v.as_mut_ptr().cast(),
+        }
+    }
+
+    /// Copies (or adds, `add`) `src` into elements `local`; their sum of squares afterwards
+    /// when `squares`.
+    fn put(
+        &mut self,
+        local: Range<usize>,
+        src: &[f32],
+        add: bool,
+        squares: bool,
+        threads: usize,
+    ) -> f64 {
+        match self {
+            GradChunk::F32(v) => in_parallel(&mut v[local], src, threads, |dst, src| {
+                match add {
+                    false => dst.copy_from_slice(src),
+                    true => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s),
+                }
+                if squares { sum_squares(dst) } else { 0.0 }
+            }),
+            GradChunk::Bf16(v) => in_parallel(&mut v[local], src, threads, |dst, src| {
+                match add {
+                    false => dst
+                        .iter_mut()
+                        .zip(src)
+                        .for_each(|(d, s)| *d = bf16::from_bits(bf16_bits(*s))),
+                    true => dst
+                        .iter_mut()
+                        .zip(src)
+                        .for_each(|(d, s)| *d = bf16::from_bits(bf16_bits(d.widen() + s))),
+                }
+                if squares { sum_squares(dst) } else { 0.0 }
+            }),
+        }
+    }
+
+    /// Σ g² over elements `local`.
+    fn squares(&self, local: Range<usize>, threads: usize) -> f64 {
+        match self {
+            GradChunk::F32(v) => sum_squares_parallel(&v[local], threads),
+            GradChunk::Bf16(v) => sum_squares_parallel(&v[local], threads),
+        }
+    }
+
+    fn zero(&mut self, local: Range<usize>) {
+        match self {
+            GradChunk::F32(v) => v[local].fill(0.0),
+            GradChunk::Bf16(v) => v[local].fill(bf16::ZERO),
+        }
+    }
+
+    /// The values widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.len());
+        self.extend_f32(0..self.len(), &mut out);
+        out
+    }
+
+    fn extend_f32(&self, local: Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            GradChunk::F32(v) => out.extend_from_slice(&v[local]),
+            GradChunk::Bf16(v) => out.extend(v[local].iter().map(|x| x.widen())),
+        }
+    }
+}
+
+/// An element whose square the norm sums in f64.
+trait Widen: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+impl Widen for bf16 {
+    // A shift, written out so the loops vectorize.
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
 /// The partition, what the running backward has written, and the sum of squares.
 #[derive(Debug)]
 pub struct HostGrads {
     len: usize,
     /// Elements per chunk (the last may be shorter).
     chunk: usize,
+    dtype: GradDtype,
     /// The chunks; `None` while lent.
-    chunks: Vec<Option<Vec<f32>>>,
+    chunks: Vec<Option<GradChunk>>,
     threads: usize,
     /// No backward has ended since the last clear: writes copy.
     fresh: bool,
@@ -73,15 +238,21 @@ impl HostGrads {
 
     /// The same in chunks of `chunk` elements (the last may be shorter).
     pub fn in_chunks(len: usize, threads: usize, chunk: usize) -> Self {
+        Self::in_chunks_of(len, threads, chunk, GradDtype::F32)
+    }
+
+    /// The same held as `dtype`.
+    pub fn in_chunks_of(len: usize, threads: usize, chunk: usize, dtype: GradDtype) -> Self {
         let chunk = chunk.max(1);
-        let chunks: Vec<Option<Vec<f32>>> = (0..len)
+        let chunks: Vec<Option<GradChunk>> = (0..len)
             .step_by(chunk)
-            .map(|start| Some(crate::memory::zeroed_f32(chunk.min(len - start), false)))
+            .map(|start| Some(GradChunk::zeroed(chunk.min(len - start), dtype)))
             .collect();
         let n = chunks.len();
         Self {
             len,
             chunk,
+            dtype,
             chunks,
             threads: threads.max(1),
             fresh: true,
@@ -104,7 +275,12 @@ impl HostGrads {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        4 * self.len
+        self.dtype.size() * self.len
+    }
+
+    /// How the elements are held.
+    pub fn dtype(&self) -> GradDtype {
+        self.dtype
     }
 
     /// Elements per chunk.
@@ -136,30 +312,11 @@ impl HostGrads {
         if !self.claim(&range, true)? {
             return Ok(());
         }
-        let copy = self.fresh;
+        let add = !self.fresh;
         for (c, local, part) in self.pieces(&range) {
             let values = self.chunks[c].as_mut().expect("checked above");
-            let dst = &mut values[local];
             let src = &src[part.start - range.start..part.end - range.start];
-            let squares = in_parallel(dst, src, self.threads, |dst, src| match (copy, boundary) {
-                (true, false) => {
-                    dst.copy_from_slice(src);
-                    0.0
-                }
-                (true, true) => {
-                    dst.copy_from_slice(src);
-                    sum_squares(dst)
-                }
-                (false, false) => {
-                    dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
-                    0.0
-                }
-                (false, true) => {
-                    dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
-                    sum_squares(dst)
-                }
-            });
-            self.squares[c] += squares;
+            self.squares[c] += values.put(local, src, add, boundary, self.threads);
             self.arrived(c, part.len(), boundary);
         }
         Ok(())
@@ -197,9 +354,9 @@ impl HostGrads {
     }
 
     /// Where chunk `c`'s values lie (stable while it is not lent: lending moves the vector, not
-    /// its buffer), for a writer that copies into them itself (a DMA).
-    pub fn chunk_ptr(&mut self, c: usize) -> Option<*mut f32> {
-        self.chunks[c].as_mut().map(|v| v.as_mut_ptr())
+    /// its buffer), for a writer that copies into them itself (a DMA), in [`Self::dtype`].
+    pub fn chunk_ptr(&mut self, c: usize) -> Option<*mut u8> {
+        self.chunks[c].as_mut().map(GradChunk::ptr)
     }
 
     /// Claims elements `range` for a writer that copies them into place itself, in a backward
@@ -242,7 +399,7 @@ impl HostGrads {
         for (c, local, part) in self.pieces(&range) {
             if boundary {
                 let values = self.chunks[c].as_ref().expect("reserved, so not lent");
-                self.squares[c] += sum_squares_parallel(&values[local], self.threads);
+                self.squares[c] += values.squares(local, self.threads);
             }
             self.arrived(c, part.len(), boundary);
         }
@@ -286,11 +443,10 @@ impl HostGrads {
         for gap in gaps {
             for (c, local, _) in self.pieces(&gap) {
                 let values = self.chunks[c].as_mut().expect("a lent chunk was finished");
-                let values = &mut values[local];
                 if self.fresh {
-                    values.fill(0.0);
+                    values.zero(local);
                 } else if boundary {
-                    self.squares[c] += sum_squares(values);
+                    self.squares[c] += values.squares(local, 1);
                 }
             }
         }
@@ -339,7 +495,7 @@ impl HostGrads {
 
     /// Takes chunk `c` out (a finished chunk, for a step while backward goes on); a write to it
     /// is refused until [`Self::give_back`].
-    pub fn lend(&mut self, c: usize) -> Result<Vec<f32>, HostGradsError> {
+    pub fn lend(&mut self, c: usize) -> Result<GradChunk, HostGradsError> {
         self.chunks[c]
             .take()
             .ok_or(HostGradsError::Lent { chunk: c })
@@ -349,7 +505,7 @@ impl HostGrads {
     ///
     /// # Panics
     /// If it is not lent, or `values` is not its length.
-    pub fn give_back(&mut self, c: usize, values: Vec<f32>) {
+    pub fn give_back(&mut self, c: usize, values: GradChunk) {
         assert!(self.chunks[c].is_none(), "chunk {c} was not lent");
         assert_eq!(
             values.len(),
@@ -359,7 +515,7 @@ impl HostGrads {
         self.chunks[c] = Some(values);
     }
 
-    /// Elements `range` as they stand.
+    /// Elements `range` as they stand, widened to f32.
     ///
     /// # Panics
     /// If a chunk it covers is lent.
@@ -369,7 +525,7 @@ impl HostGrads {
             let values = self.chunks[c]
                 .as_ref()
                 .expect("reading a lent gradient chunk");
-            out.extend_from_slice(&values[local]);
+            values.extend_f32(local, &mut out);
         }
         out
     }
@@ -378,30 +534,31 @@ impl HostGrads {
     ///
     /// # Panics
     /// If a chunk is lent.
-    pub fn chunks_mut(&mut self) -> Vec<&mut [f32]> {
+    pub fn chunks_mut(&mut self) -> Vec<GradBuf<'_>> {
         self.chunks
             .iter_mut()
-            .map(|c| c.as_deref_mut().expect("a gradient chunk is lent"))
+            .map(|c| c.as_mut().expect("a gradient chunk is lent").as_buf())
             .collect()
     }
 }
 
-fn sum_squares(values: &[f32]) -> f64 {
+fn sum_squares<T: Widen>(values: &[T]) -> f64 {
     // Eight f64 lanes: vectorizes, and rounds less than one running sum.
     let mut lanes = [0.0f64; 8];
     let chunks = values.chunks_exact(8);
     let tail = chunks.remainder();
+    let sq = |v: &T| f64::from(v.widen()) * f64::from(v.widen());
     for c in chunks {
         for (l, v) in lanes.iter_mut().zip(c) {
-            *l += f64::from(*v) * f64::from(*v);
+            *l += sq(v);
         }
     }
-    let tail: f64 = tail.iter().map(|v| f64::from(*v) * f64::from(*v)).sum();
+    let tail: f64 = tail.iter().map(sq).sum();
     lanes.iter().sum::<f64>() + tail
 }
 
 /// The sum of squares of `values` on up to `threads` threads.
-fn sum_squares_parallel(values: &[f32], threads: usize) -> f64 {
+fn sum_squares_parallel<T: Widen>(values: &[T], threads: usize) -> f64 {
     let threads = threads.min(values.len() / PARALLEL_FROM).max(1);
     if threads == 1 {
         return sum_squares(values);
@@ -421,11 +578,11 @@ fn sum_squares_parallel(values: &[f32], threads: usize) -> f64 {
 
 /// `f` over matching chunks of `dst` and `src` on up to `threads` threads; the sum of its
 /// results.
-fn in_parallel(
-    dst: &mut [f32],
+fn in_parallel<T: Send>(
+    dst: &mut [T],
     src: &[f32],
     threads: usize,
-    f: impl Fn(&mut [f32], &[f32]) -> f64 + Sync,
+    f: impl Fn(&mut [T], &[f32]) -> f64 + Sync,
 ) -> f64 {
     let threads = threads.min(dst.len() / PARALLEL_FROM).max(1);
     if threads == 1 {
@@ -459,6 +616,57 @@ mod tests {
                     - 1.0
             })
             .collect()
+    }
+
+    /// A bf16 partition holds bf16 values exactly (a fresh pass equals the fp32 partition's),
+    /// rounds each sum to bf16 as accumulating in bf16 does, and sums the squares of what it
+    /// holds as an fp32 partition of the same values does; in half the bytes.
+    #[test]
+    fn a_bf16_partition_holds_bf16_values_and_rounds_each_sum() {
+        let len = PARALLEL_FROM * 2 + 7919;
+        let round = |v: f32| bf16::from_f32(v).to_f32();
+        let bf = |seed| {
+            values(len, seed)
+                .into_iter()
+                .map(round)
+                .collect::<Vec<f32>>()
+        };
+        let (a, b) = (bf(1), bf(2));
+        for chunk in [len, 4099] {
+            let mut wide = HostGrads::in_chunks(len, 3, chunk);
+            let mut narrow = HostGrads::in_chunks_of(len, 3, chunk, GradDtype::Bf16);
+            assert_eq!(2 * narrow.bytes(), wide.bytes());
+            for g in [&mut wide, &mut narrow] {
+                g.write(0..len - 3, &a[..len - 3], false).unwrap();
+                g.end_pass(false);
+            }
+            assert_eq!(narrow.read(0..len), wide.read(0..len), "a fresh pass");
+            narrow.write(0..len, &b, true).unwrap();
+            narrow.end_pass(true);
+            let sums: Vec<f32> = (0..len)
+                .map(|i| round(if i < len - 3 { a[i] } else { 0.0 } + b[i]))
+                .collect();
+            assert_eq!(narrow.read(0..len), sums, "each sum rounded to bf16");
+            let mut same = HostGrads::in_chunks(len, 3, chunk);
+            same.write(0..len, &sums, true).unwrap();
+            same.end_pass(true);
+            assert_eq!(narrow.sum_of_squares(), same.sum_of_squares());
+            for c in 0..narrow.chunk_count() {
+                let r = narrow.chunk_range(c);
+                let lent = narrow.lend(c).unwrap();
+                assert!(matches!(lent.grad(r.len()), Grad::Bf16(_)));
+                assert_eq!(lent.to_f32(), sums[r]);
+                narrow.give_back(c, lent);
+            }
+            narrow.clear();
+            narrow.write(5..len, &b[5..], true).unwrap();
+            narrow.end_pass(true);
+            assert_eq!(
+                narrow.read(0..5),
+                [0.0; 5],
+                "a fresh pass zeroes what it missed"
+            );
+        }
     }
 
     /// Three micro-steps of writes into an odd partition (a gap never written, pieces in any
@@ -535,7 +743,7 @@ mod tests {
             );
             for c in r.start / 10..=(r.end - 1) / 10 {
                 let whole = placed.chunk_range(c);
-                let ptr = placed.chunk_ptr(c).unwrap();
+                let ptr = placed.chunk_ptr(c).unwrap().cast::<f32>();
                 let part = r.start.max(whole.start)..r.end.min(whole.end);
                 for (e, v) in src.iter().enumerate().take(part.end).skip(part.start) {
                     // SAFETY: `e` lies in chunk `c`, reserved above.
@@ -604,7 +812,10 @@ mod tests {
         grads.write(5..12, &[3.0; 7], true).unwrap();
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 1]);
         let lent = grads.lend(1).unwrap();
-        assert_eq!(lent, [3.0, 3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]);
+        assert_eq!(
+            lent.to_f32(),
+            [3.0, 3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+        );
         assert_eq!(
             grads.lend(1).unwrap_err(),
             HostGradsError::Lent { chunk: 1 }

@@ -163,13 +163,13 @@ fn step_into(
     k: &StepConstants,
     w: &mut [f32],
     state: &mut [&mut [f32]],
-    grad: &[f32],
+    grad: Grad<'_>,
     target: Out<'_>,
 ) {
     match (k, state) {
-        (StepConstants::Adam(k), [m, v]) => cpu.adam(k, w, Grad::F32(grad), m, v, target),
-        (StepConstants::Sgd(k), [buf]) => cpu.sgd(k, w, Grad::F32(grad), buf, target),
-        (StepConstants::Sgd(k), []) => cpu.sgd(k, w, Grad::F32(grad), &mut [], target),
+        (StepConstants::Adam(k), [m, v]) => cpu.adam(k, w, grad, m, v, target),
+        (StepConstants::Sgd(k), [buf]) => cpu.sgd(k, w, grad, buf, target),
+        (StepConstants::Sgd(k), []) => cpu.sgd(k, w, grad, &mut [], target),
         _ => unreachable!("the state matches the settings"),
     }
 }
@@ -181,7 +181,7 @@ fn step_slices(
     k: &StepConstants,
     w: &mut [f32],
     state: &mut [&mut [f32]],
-    grad: &[f32],
+    grad: Grad<'_>,
     out: &mut OutSlot<'_>,
     stepped: bool,
 ) {
@@ -407,7 +407,7 @@ impl HostOptimizer {
                         let mut slices: Vec<&mut [f32]> =
                             state.iter_mut().map(|s| &mut s[range.clone()]).collect();
                         let w = &mut master[range.clone()];
-                        let g = &grad[..range.len()];
+                        let g = grad.grad(range.len());
                         step_slices(cpu, &k, w, &mut slices, g, &mut out, stepped);
                         stage.done(range, grad, out);
                     }
@@ -427,7 +427,7 @@ impl HostOptimizer {
                             .map(|s| &mut s.as_mut_slice()[..n])
                             .collect();
                         let w = &mut master.as_mut_slice()[..n];
-                        step_slices(cpu, &k, w, &mut slices, &grad[..n], &mut out, false);
+                        step_slices(cpu, &k, w, &mut slices, grad.grad(n), &mut out, false);
                         stage.done(range, grad, out);
                         Ok(())
                     });
@@ -475,7 +475,7 @@ impl HostOptimizer {
     pub fn step_ahead(
         &mut self,
         index: usize,
-        grad: &[f32],
+        grad: Grad<'_>,
         out: Option<&mut OutSlot<'_>>,
     ) -> Result<(), AheadError> {
         let range = self.sub_groups().get(index).cloned();

@@ -12,8 +12,73 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use crate::cpu_adam::Out;
+use crate::cpu_adam::{Grad, Out};
 use crate::host::OutDtype;
+
+/// A buffer for one sub-group's gradient: fp32 (filled from the device, or an fp32 host
+/// partition's own chunk) or bf16 (a bf16 host partition's own chunk).
+#[derive(Debug)]
+pub enum GradBuf<'a> {
+    /// fp32.
+    F32(&'a mut [f32]),
+    /// bf16.
+    Bf16(&'a mut [bf16]),
+}
+
+impl GradBuf<'_> {
+    /// Elements it holds.
+    pub fn len(&self) -> usize {
+        match self {
+            GradBuf::F32(g) => g.len(),
+            GradBuf::Bf16(g) => g.len(),
+        }
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its first `n` elements, to be filled.
+    pub fn prefix(&mut self, n: usize) -> GradBuf<'_> {
+        match self {
+            GradBuf::F32(g) => GradBuf::F32(&mut g[..n]),
+            GradBuf::Bf16(g) => GradBuf::Bf16(&mut g[..n]),
+        }
+    }
+
+    /// Its first `n` elements, as CPU-Adam reads a gradient.
+    pub fn grad(&self, n: usize) -> Grad<'_> {
+        match self {
+            GradBuf::F32(g) => Grad::F32(&g[..n]),
+            GradBuf::Bf16(g) => Grad::Bf16(&g[..n]),
+        }
+    }
+
+    /// Where its first element lies (to check a buffer is the one expected).
+    pub fn addr(&self) -> usize {
+        match self {
+            GradBuf::F32(g) => g.as_ptr() as usize,
+            GradBuf::Bf16(g) => g.as_ptr() as usize,
+        }
+    }
+
+    /// The values widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            GradBuf::F32(g) => g.to_vec(),
+            GradBuf::Bf16(g) => g.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// The fp32 buffer, or an error naming what it is instead (for a fill from the device).
+    pub fn f32_mut(&mut self) -> Result<&mut [f32], String> {
+        match self {
+            GradBuf::F32(g) => Ok(g),
+            GradBuf::Bf16(_) => Err("a bf16 gradient buffer cannot be filled with fp32".into()),
+        }
+    }
+}
 
 /// A buffer for one sub-group's new weights, in the dtype the device stores them.
 #[derive(Debug)]
@@ -120,7 +185,7 @@ impl<'a> OutSlot<'a> {
 #[derive(Debug)]
 pub struct StepBuffers<'a> {
     /// For gradients coming down.
-    pub grads: Vec<&'a mut [f32]>,
+    pub grads: Vec<GradBuf<'a>>,
     /// For new weights going up, all of one dtype.
     pub outs: Vec<OutSlot<'a>>,
 }
@@ -162,15 +227,15 @@ impl OwnedBuffers {
             OwnedOuts::F16(o) => o.iter_mut().map(|b| OutSlot::F16(b)).collect(),
         };
         StepBuffers {
-            grads: self.grads.iter_mut().map(|b| b.as_mut_slice()).collect(),
+            grads: self.grads.iter_mut().map(|b| GradBuf::F32(b)).collect(),
             outs,
         }
     }
 }
 
-/// Fills the buffer with the fp32 gradient of a range of the partition; runs on the
-/// pipeline's download thread.
-pub type Download<'f> = dyn Fn(Range<usize>, &mut [f32]) -> Result<(), String> + Sync + 'f;
+/// Fills the buffer with the gradient of a range of the partition (or checks that it is that
+/// gradient's own place); runs on the pipeline's download thread.
+pub type Download<'f> = dyn Fn(Range<usize>, GradBuf<'_>) -> Result<(), String> + Sync + 'f;
 
 /// Takes the new weights of a range of the partition; runs on the calling thread.
 pub type Upload<'f> = dyn FnMut(Range<usize>, Weights<'_>) -> Result<(), String> + 'f;
@@ -218,8 +283,8 @@ pub enum StreamError {
 /// The stepping stage's side of the pipeline: gradients arrive in sub-group order, and each
 /// stepped sub-group's weights leave.
 pub(crate) struct Stepper<'a> {
-    grads_in: Receiver<(Range<usize>, &'a mut [f32])>,
-    grads_free: Sender<&'a mut [f32]>,
+    grads_in: Receiver<(Range<usize>, GradBuf<'a>)>,
+    grads_free: Sender<GradBuf<'a>>,
     outs_free: Receiver<OutSlot<'a>>,
     outs_done: Sender<(Range<usize>, OutSlot<'a>)>,
     busy: Duration,
@@ -229,7 +294,7 @@ pub(crate) struct Stepper<'a> {
 impl<'a> Stepper<'a> {
     /// The next sub-group's gradient and a free output slot, or `None` if another stage
     /// stopped (its error is reported by [`run`]).
-    pub(crate) fn next(&mut self, range: &Range<usize>) -> Option<(&'a mut [f32], OutSlot<'a>)> {
+    pub(crate) fn next(&mut self, range: &Range<usize>) -> Option<(GradBuf<'a>, OutSlot<'a>)> {
         let (got, grad) = self.grads_in.recv().ok()?;
         assert_eq!(&got, range, "sub-groups arrive in order");
         let out = self.outs_free.recv().ok()?;
@@ -238,7 +303,7 @@ impl<'a> Stepper<'a> {
     }
 
     /// Hands a stepped sub-group on and its gradient buffer back.
-    pub(crate) fn done(&mut self, range: Range<usize>, grad: &'a mut [f32], out: OutSlot<'a>) {
+    pub(crate) fn done(&mut self, range: Range<usize>, grad: GradBuf<'a>, out: OutSlot<'a>) {
         self.busy += self.since.elapsed();
         let _ = self.grads_free.send(grad);
         let _ = self.outs_done.send((range, out));
@@ -294,7 +359,9 @@ pub(crate) fn run<'a>(
         let downloader = s.spawn(move || -> Result<Duration, StreamError> {
             let mut busy = Duration::ZERO;
             for range in down_ranges {
-                let Ok(buf) = grads_free_rx.recv() else { break };
+                let Ok(mut buf) = grads_free_rx.recv() else {
+                    break;
+                };
                 if buf.len() < range.len() {
                     return Err(StreamError::Download {
                         what: format!("a gradient buffer of {} elements", buf.len()),
@@ -302,7 +369,7 @@ pub(crate) fn run<'a>(
                     });
                 }
                 let t = Instant::now();
-                download(range.clone(), &mut buf[..range.len()]).map_err(|what| {
+                download(range.clone(), buf.prefix(range.len())).map_err(|what| {
                     StreamError::Download {
                         range: range.clone(),
                         what,

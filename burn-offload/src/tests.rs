@@ -368,8 +368,8 @@ mod swap {
             (0.9, 0.999),
             [1.0, 1.0],
             buffers.lend(),
-            &|r, buf| {
-                buf.copy_from_slice(&g[r]);
+            &|r, mut buf| {
+                buf.f32_mut()?.copy_from_slice(&g[r]);
                 Ok(())
             },
             &mut |r, w| {
@@ -488,8 +488,9 @@ mod streamed {
     use super::swap::stepped;
     use crate::ahead::{AheadSink, SharedSink};
     use crate::cpu_adam::{AdamStep, CpuAdam, Grad, Out};
+    use crate::grads::GradDtype;
     use crate::host::{HostOptimizer, HostSettings, OutDtype};
-    use crate::stream::{OutSlot, OwnedBuffers, StreamError, Weights};
+    use crate::stream::{GradBuf, OutSlot, OwnedBuffers, StreamError, Weights};
 
     const ADAM: HostSettings = HostSettings::Adam {
         eps: 1e-8,
@@ -546,8 +547,8 @@ mod streamed {
     fn outputs_in_their_own_place_get_the_ring_s_bits() {
         let (n, sub_group) = (2500, 1000);
         let g = super::values(n, 12);
-        let download = |r: std::ops::Range<usize>, buf: &mut [f32]| {
-            buf.copy_from_slice(&g[r]);
+        let download = |r: std::ops::Range<usize>, mut buf: GradBuf<'_>| {
+            buf.f32_mut()?.copy_from_slice(&g[r]);
             Ok(())
         };
         let fresh = || HostOptimizer::new(super::values(n, 11), ADAM, CpuAdam::new(Some(2)), 700);
@@ -580,7 +581,7 @@ mod streamed {
             rest = tail;
         }
         let lent = crate::stream::StepBuffers {
-            grads: vec![grads.as_mut_slice()],
+            grads: vec![GradBuf::F32(grads.as_mut_slice())],
             outs,
         };
         let mut uploads = Vec::new();
@@ -622,8 +623,8 @@ mod streamed {
             (0.9, 0.99),
             [1.0, 1.0],
             buffers.lend(),
-            &|r, buf| {
-                buf.copy_from_slice(&g[r]);
+            &|r, mut buf| {
+                buf.f32_mut()?.copy_from_slice(&g[r]);
                 Ok(())
             },
             &mut |r, w| {
@@ -652,11 +653,11 @@ mod streamed {
                     (0.9, 0.999),
                     [1.0, 1.0],
                     buffers.lend(),
-                    &|r, buf| {
+                    &|r, mut buf| {
                         if fail_down && r.start == 2000 {
                             return Err("device lost".into());
                         }
-                        buf.copy_from_slice(&g[r]);
+                        buf.f32_mut()?.copy_from_slice(&g[r]);
                         Ok(())
                     },
                     &mut |r, _| {
@@ -728,6 +729,14 @@ mod streamed {
     }
 
     fn stepped_ahead_against_serial(with_sink: bool) {
+        for dtype in [GradDtype::F32, GradDtype::Bf16] {
+            stepped_ahead_against_serial_in(with_sink, dtype);
+        }
+    }
+
+    /// With a bf16 partition the gradients are bf16 values (as a bf16 reduction gives), which
+    /// it holds exactly: the serial fp32 step's bits.
+    fn stepped_ahead_against_serial_in(with_sink: bool, dtype: GradDtype) {
         use crate::ahead::StepAhead;
         use crate::grads::HostGrads;
         use crate::host::AheadError;
@@ -741,9 +750,12 @@ mod streamed {
             cpu,
             sub_group,
         )));
-        let grads = Arc::new(Mutex::new(HostGrads::in_chunks(n, 1, sub_group)));
+        let grads = Arc::new(Mutex::new(HostGrads::in_chunks_of(n, 1, sub_group, dtype)));
         for t in 1..=3u64 {
-            let g: Vec<f32> = super::values(n, 40 + t).iter().map(|x| x * 0.3).collect();
+            let mut g: Vec<f32> = super::values(n, 40 + t).iter().map(|x| x * 0.3).collect();
+            if dtype == GradDtype::Bf16 {
+                g.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+            }
             let expected = stepped(&mut serial, &g, 2).unwrap();
             let sent: Sent = Arc::new(Mutex::new(Vec::new()));
             let sink: Option<SharedSink> = with_sink.then(|| {
@@ -772,8 +784,13 @@ mod streamed {
             assert_eq!(report.failure, None);
             {
                 let mut g0 = grads.lock().unwrap();
-                let first = g0.chunks_mut().remove(0);
-                first[..10].copy_from_slice(&g[..10]);
+                match g0.chunks_mut().remove(0) {
+                    GradBuf::F32(first) => first[..10].copy_from_slice(&g[..10]),
+                    GradBuf::Bf16(first) => first[..10]
+                        .iter_mut()
+                        .zip(&g[..10])
+                        .for_each(|(d, s)| *d = bf16::from_f32(*s)),
+                }
             }
             let mut opt = opt.lock().unwrap();
             let expect_out: Vec<usize> = match with_sink {
@@ -785,7 +802,7 @@ mod streamed {
                 let mut buffers = OwnedBuffers::new(2, sub_group, OutDtype::Bf16);
                 let mut g1 = grads.lock().unwrap();
                 let chunks = g1.chunks_mut();
-                let by_chunk: Vec<Vec<f32>> = chunks.iter().map(|c| c.to_vec()).collect();
+                let by_chunk: Vec<Vec<f32>> = chunks.iter().map(GradBuf::to_f32).collect();
                 let mut got: Vec<(std::ops::Range<usize>, Vec<u16>)> = sent
                     .lock()
                     .unwrap()
@@ -797,8 +814,9 @@ mod streamed {
                     (0.9, 0.999),
                     [1.0, 1.0],
                     buffers.lend(),
-                    &|r, buf| {
-                        buf.copy_from_slice(&by_chunk[r.start / sub_group][..r.len()]);
+                    &|r, mut buf| {
+                        buf.f32_mut()?
+                            .copy_from_slice(&by_chunk[r.start / sub_group][..r.len()]);
                         Ok(())
                     },
                     &mut |r, w| {

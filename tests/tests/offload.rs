@@ -257,10 +257,12 @@ fn gradient_buffers_in_pieces_change_nothing() {
 /// Without clipping, the gradient partition written into host memory bucket by bucket (copied
 /// by the first micro-step, added by the next) is the device's buffer bit for bit, and so is
 /// training, at stages 2 and 3, in fp32, bf16 and fp16 (whose loss scale CPU-Adam divides out
-/// as it reads the gradient).
+/// as it reads the gradient). With gradients accumulated in bf16 (`grad_accum_dtype`) the host
+/// partition is bf16, in half the bytes, and each sum is rounded as the device's is.
 #[test]
 fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
     let bf16 = r#", "bf16": {"enabled": true}"#;
+    let bf16_accum = r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
     let fp16 = r#", "fp16": {"enabled": true, "initial_scale_power": 12}"#;
     let cases = [
         (2, 3, ""),
@@ -269,7 +271,10 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
         (3, 3, bf16),
         (2, 3, fp16),
         (3, 2, fp16),
+        (2, 2, bf16_accum),
+        (3, 3, bf16_accum),
     ];
+    let mut host_grads = std::collections::HashMap::new();
     for (stage, world, extra) in cases {
         let what = format!("stage {stage}, world {world}{extra}");
         let run = |place| {
@@ -283,6 +288,14 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
             assert!(d.params == h.params, "{what}: parameters");
             assert!(h.host_grads > 0 && h.device_grads == 0, "{what}: {h:?}");
         }
+        host_grads.insert((stage, extra), host[0].host_grads);
+    }
+    for stage in [2, 3] {
+        assert_eq!(
+            2 * host_grads[&(stage, bf16_accum)],
+            host_grads[&(stage, bf16)],
+            "stage {stage}: a bf16 partition holds half the bytes"
+        );
     }
 }
 

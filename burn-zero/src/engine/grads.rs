@@ -7,9 +7,10 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::{Backend, TensorMetadata};
+use burn_offload::GradDtype;
 
 use super::collective::FlatComm;
 use super::grad_buffer::GradBuffer;
@@ -97,7 +98,13 @@ impl<I: Backend> GradCore<I> {
     /// Allocates `len` elements of gradients: on the device, or in host memory laid out as
     /// `host` says (smaller buckets then, see [`HOST_BUCKET`]).
     pub(crate) fn allocate(&mut self, len: usize, host: Option<HostGradLayout>) {
-        self.host = host.map(|layout| HostGradStream::new(len, layout));
+        // Gradients reduced and accumulated in bf16 are bf16 values: held as such, exactly,
+        // in half the host memory.
+        let dtype = match self.accum.dtype {
+            FloatDType::BF16 => GradDtype::Bf16,
+            _ => GradDtype::F32,
+        };
+        self.host = host.map(|layout| HostGradStream::new(len, layout, dtype));
         let device_len = if self.host.is_some() { 0 } else { len };
         if self.host.is_some() {
             self.bucket_size = self.bucket_size.min(HOST_BUCKET);

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_offload::{
-    AheadError, AheadReport, GradScale, HostGrads, HostOptimizer, SharedSink, StepAhead,
+    AheadError, AheadReport, GradDtype, GradScale, HostGrads, HostOptimizer, SharedSink, StepAhead,
 };
 
 use crate::partition::Piece;
@@ -74,9 +74,9 @@ pub(crate) struct HostGradStream<I: Backend> {
 }
 
 impl<I: Backend> HostGradStream<I> {
-    /// A partition of `len` elements laid out as `layout` says.
-    pub(crate) fn new(len: usize, layout: HostGradLayout) -> Self {
-        let grads = HostGrads::in_chunks(len, layout.threads, layout.chunk);
+    /// A partition of `len` elements of `dtype` laid out as `layout` says.
+    pub(crate) fn new(len: usize, layout: HostGradLayout, dtype: GradDtype) -> Self {
+        let grads = HostGrads::in_chunks_of(len, layout.threads, layout.chunk, dtype);
         Self {
             grads: Arc::new(Mutex::new(grads)),
             ahead: None,
@@ -106,18 +106,27 @@ impl<I: Backend> HostGradStream<I> {
         if self.failure.is_some() || spans.is_empty() {
             return;
         }
-        let received = received.cast(FloatDType::F32);
         #[cfg(feature = "cuda")]
         {
-            let primitive = received.clone().into_primitive().tensor();
+            // A bf16 partition takes bf16 buckets as they are (half the bytes down).
+            let bf16 = self.grads().dtype() == GradDtype::Bf16
+                && received.dtype() == burn::tensor::DType::BF16;
+            let moved = match bf16 {
+                true => received.clone(),
+                false => received.clone().cast(FloatDType::F32),
+            };
+            let primitive = moved.clone().into_primitive().tensor();
             if let Some(buf) = crate::backend::cuda::cuda_buffer::<I>(&primitive) {
                 // Only a copy straight into the partition (a fresh pass) uses them: an
                 // accumulating one's squares are of the sums, taken on the host.
                 let squares = (boundary && self.layout.squares_on_device && self.grads().copies())
-                    .then(|| device_squares(&received, &spans, self.layout.chunk))
+                    .then(|| {
+                        let wide = received.clone().cast(FloatDType::F32);
+                        device_squares(&wide, &spans, self.layout.chunk)
+                    })
                     .flatten();
                 // The bucket (and its squares) complete before the copy stream reads it.
-                if let Err(e) = I::sync(&received.device()) {
+                if let Err(e) = I::sync(&moved.device()) {
                     self.failure = Some(format!("the compute stream failed: {e:?}"));
                     return;
                 }
@@ -132,10 +141,16 @@ impl<I: Backend> HostGradStream<I> {
                 let copier = self
                     .copier
                     .get_or_insert_with(|| super::host_grads_cuda::Copier::new(grads, busy));
-                copier.copy(buf, spans, boundary, squares);
+                let src = if bf16 {
+                    GradDtype::Bf16
+                } else {
+                    GradDtype::F32
+                };
+                copier.copy(buf, src, spans, boundary, squares);
                 return;
             }
         }
+        let received = received.cast(FloatDType::F32);
         let start = Instant::now();
         let data: TensorData = received.into_data();
         let done = data

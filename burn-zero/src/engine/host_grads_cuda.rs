@@ -11,6 +11,9 @@
 //! read. Accumulating backwards add, so they go through the staging buffers (and take their
 //! squares on the host: they are of the sums).
 //!
+//! A bucket comes in fp32, or in bf16 for a bf16 partition: straight into it when the copy
+//! goes there, else widened on the host after its staged copy.
+//!
 //! Ordering: the caller synchronizes burn's stream before handing a bucket over (it is
 //! complete), and the bucket's memory is held until its last chunk has been copied.
 
@@ -20,8 +23,9 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use burn_offload::HostGrads;
+use burn_offload::{GradDtype, HostGrads};
 use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice, result};
+use half::bf16;
 
 use super::host_grads::{Span, add_busy};
 use crate::backend::cuda::CudaBuffer;
@@ -35,6 +39,8 @@ pub(crate) type Squares = Vec<(usize, f64)>;
 enum Job {
     Copy {
         src: Box<CudaBuffer>,
+        /// The bucket's elements.
+        dtype: GradDtype,
         spans: Vec<Span>,
         boundary: bool,
         squares: Option<Squares>,
@@ -66,17 +72,20 @@ impl Copier {
         }
     }
 
-    /// Queues `src`'s `spans` for the partition (their sums of squares taken already when
-    /// `squares` is given; used where the copy goes straight into the partition).
+    /// Queues `src`'s `spans` (elements of `dtype`) for the partition (their sums of squares
+    /// taken already when `squares` is given; used where the copy goes straight into the
+    /// partition).
     pub(crate) fn copy(
         &self,
         src: CudaBuffer,
+        dtype: GradDtype,
         spans: Vec<Span>,
         boundary: bool,
         squares: Option<Squares>,
     ) {
         let job = Job::Copy {
             src: Box::new(src),
+            dtype,
             spans,
             boundary,
             squares,
@@ -138,8 +147,9 @@ impl Staging {
     }
 
     /// Copies `chunks` (device address, partition range) straight into the partition's
-    /// registered memory, claiming each piece before its copy and committing it once there
-    /// (with the `squares` taken on the device, if given, instead of reading it again).
+    /// registered memory (elements of the partition's dtype on both sides), claiming each
+    /// piece before its copy and committing it once there (with the `squares` taken on the
+    /// device, if given, instead of reading it again).
     fn run_direct(
         &self,
         chunks: &[(u64, Range<usize>)],
@@ -152,13 +162,16 @@ impl Staging {
             .map_err(|e| format!("{e:?}"))?;
         let lock = || grads.lock().unwrap_or_else(|e| e.into_inner());
         // Pieces within one chunk of the partition (its chunks are separate buffers).
-        let per = lock().chunk_len();
+        let (per, size) = {
+            let g = lock();
+            (g.chunk_len(), g.dtype().size())
+        };
         let pieces: Vec<(u64, Range<usize>)> = chunks
             .iter()
             .flat_map(|(src, dst)| {
                 let (src, start) = (*src, dst.start);
                 split_at_multiples(dst.clone(), per)
-                    .map(move |r| (src + 4 * (r.start - start) as u64, r))
+                    .map(move |r| (src + (size * (r.start - start)) as u64, r))
             })
             .collect();
         let issue = |k: usize| -> Result<(), String> {
@@ -169,12 +182,12 @@ impl Staging {
                 let c = dst.start / per;
                 let base = g.chunk_ptr(c).ok_or("a reserved chunk is lent")?;
                 // SAFETY: `dst` lies inside chunk `c` (split above), `base` is its buffer.
-                unsafe { base.add(dst.start - c * per) }
+                unsafe { base.add(size * (dst.start - c * per)) }
             };
             // SAFETY: the destination is registered (page-locked) memory of a piece reserved
             // for this copy: nothing reads or writes it before `commit`, nor frees it (the
             // partition lives while this thread does); `src` lies in a live, complete bucket.
-            let buf = unsafe { std::slice::from_raw_parts_mut(ptr, dst.len()) };
+            let buf = unsafe { std::slice::from_raw_parts_mut(ptr, size * dst.len()) };
             unsafe { result::memcpy_dtoh_async(buf, *src, self.streams[k % 2].cu_stream()) }
                 .map_err(|e| format!("{e:?}"))
         };
@@ -227,28 +240,44 @@ impl Staging {
         done
     }
 
-    /// Copies `chunks` (device address, partition range) down and writes each into `grads`.
+    /// Copies `chunks` (device address, partition range; elements of `dtype`) down and
+    /// writes each into `grads`.
     fn run(
         &self,
         chunks: &[(u64, Range<usize>)],
+        dtype: GradDtype,
         grads: &Mutex<HostGrads>,
         boundary: bool,
     ) -> Result<(), String> {
         self.context
             .bind_to_thread()
             .map_err(|e| format!("{e:?}"))?;
+        let size = dtype.size();
         let issue = |k: usize| -> Result<(), String> {
             let (src, dst) = &chunks[k];
             // SAFETY: the staging buffer is not read until its stream is synchronized, and
-            // not written again before it was read; `src` lies in a live, complete bucket.
-            let buf = unsafe { std::slice::from_raw_parts_mut(self.ptrs[k % 2], dst.len()) };
+            // not written again before it was read; `src` lies in a live, complete bucket;
+            // a chunk's bytes fit the buffer (at most STAGING elements of at most 4 bytes).
+            let buf = unsafe {
+                std::slice::from_raw_parts_mut(self.ptrs[k % 2].cast::<u8>(), size * dst.len())
+            };
             unsafe { result::memcpy_dtoh_async(buf, *src, self.streams[k % 2].cu_stream()) }
                 .map_err(|e| format!("{e:?}"))
         };
         self.pipelined(chunks.len(), issue, |k| {
             let dst = &chunks[k].1;
-            // SAFETY: the copy into this buffer is done (synchronized before `landed`).
-            let values = unsafe { std::slice::from_raw_parts(self.ptrs[k % 2], dst.len()) };
+            let at = self.ptrs[k % 2];
+            // SAFETY: the copy into this buffer is done (synchronized before `landed`), and
+            // wrote `dst.len()` elements of `dtype` there.
+            let widened: Vec<f32>;
+            let values = match dtype {
+                GradDtype::F32 => unsafe { std::slice::from_raw_parts(at, dst.len()) },
+                GradDtype::Bf16 => {
+                    let b = unsafe { std::slice::from_raw_parts(at.cast::<bf16>(), dst.len()) };
+                    widened = b.iter().map(|x| x.to_f32()).collect();
+                    &widened
+                }
+            };
             grads
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -286,7 +315,7 @@ impl Registered {
         let mut g = grads.lock().unwrap_or_else(|e| e.into_inner());
         let mut done = Self { ptrs: Vec::new() };
         for c in 0..g.chunk_count() {
-            let bytes = 4 * g.chunk_range(c).len();
+            let bytes = g.dtype().size() * g.chunk_range(c).len();
             let ptr = g.chunk_ptr(c).ok_or("a gradient chunk is lent")?;
             if bytes == 0 {
                 continue;
@@ -336,6 +365,7 @@ fn serve(
             Job::Copy { .. } if failure.is_some() => {}
             Job::Copy {
                 src,
+                dtype,
                 spans,
                 boundary,
                 squares,
@@ -357,7 +387,7 @@ fn serve(
                     .flat_map(|(at, dst)| {
                         (dst.start..dst.end).step_by(STAGING).map(move |s| {
                             let e = (s + STAGING).min(dst.end);
-                            (base + 4 * (at + s - dst.start) as u64, s..e)
+                            (base + (dtype.size() * (at + s - dst.start)) as u64, s..e)
                         })
                     })
                     .collect();
@@ -375,10 +405,13 @@ fn serve(
                     }
                     r
                 });
-                let copies = grads.lock().unwrap_or_else(|e| e.into_inner()).copies();
-                let done = match registered.is_ok() && copies {
+                let (copies, same) = {
+                    let g = grads.lock().unwrap_or_else(|e| e.into_inner());
+                    (g.copies(), g.dtype() == dtype)
+                };
+                let done = match registered.is_ok() && copies && same {
                     true => stage.run_direct(&chunks, grads, boundary, squares),
-                    false => stage.run(&chunks, grads, boundary),
+                    false => stage.run(&chunks, dtype, grads, boundary),
                 };
                 if let Err(e) = done {
                     failure = Some(e);

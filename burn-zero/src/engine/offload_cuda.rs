@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 use burn_offload::{
-    AheadSink, Download, GradScale, HostOptimizer, OutDtype, OutSlot, SharedSink, StepBuffers,
-    StreamTimings, Weights,
+    AheadSink, Download, GradBuf, GradScale, HostOptimizer, OutDtype, OutSlot, SharedSink,
+    StepBuffers, StreamTimings, Weights,
 };
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice, result};
 use half::{bf16, f16};
@@ -189,7 +189,7 @@ impl PinnedRing {
         let grads = self
             .grads
             .iter_mut()
-            .map(|b| b.as_mut_slice().map_err(fail))
+            .map(|b| b.as_mut_slice().map(GradBuf::F32).map_err(fail))
             .collect::<Result<_, _>>()?;
         let outs = self.outs.slots()?;
         Ok(StepBuffers { grads, outs })
@@ -282,7 +282,8 @@ pub(crate) fn step<'a, I: Backend>(
         .zip(src.iter().map(|b| b.buf.ptr))
         .collect();
     let (context, down) = (ring.context.clone(), ring.down.clone());
-    let from_device = |range: Range<usize>, buf: &mut [f32]| {
+    let from_device = |range: Range<usize>, mut buf: GradBuf<'_>| {
+        let buf = buf.f32_mut()?;
         context.bind_to_thread().map_err(|e| format!("{e:?}"))?;
         let ranges = pieces.iter().map(|(r, _)| r.clone());
         for (i, local, at) in overlaps(ranges, &range) {

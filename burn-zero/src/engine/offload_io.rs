@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_offload::{
-    AheadSink, Download, GradScale, HostGrads, HostOptimizer, OutDtype, OutSlot, OwnedBuffers,
-    SharedSink, StepBuffers, StreamTimings, Weights,
+    AheadSink, Download, GradBuf, GradScale, HostGrads, HostOptimizer, OutDtype, OutSlot,
+    OwnedBuffers, SharedSink, StepBuffers, StreamTimings, Weights,
 };
 
 use super::EngineError;
@@ -77,28 +77,24 @@ pub(crate) fn in_place<'b>(
     lent: &mut StepBuffers<'b>,
 ) -> (
     GradScale,
-    Option<impl Fn(Range<usize>, &mut [f32]) -> Result<(), String> + Sync + use<>>,
+    Option<impl Fn(Range<usize>, GradBuf<'_>) -> Result<(), String> + Sync + use<>>,
 ) {
     let Some((grads, scale)) = host else {
         return ([1.0, 1.0], None);
     };
     let sub_group = opt.sub_group_len().max(1);
     let aligned = grads.chunk_len() == sub_group || grads.chunk_len() >= opt.len();
-    let mut chunks: Vec<Option<&mut [f32]>> = grads.chunks_mut().into_iter().map(Some).collect();
+    let mut chunks: Vec<Option<GradBuf<'b>>> = grads.chunks_mut().into_iter().map(Some).collect();
     chunks.truncate(opt.sub_groups().len());
-    let bases: Vec<usize> = chunks
-        .iter()
-        .flatten()
-        .map(|c| c.as_ptr() as usize)
-        .collect();
+    let bases: Vec<usize> = chunks.iter().flatten().map(GradBuf::addr).collect();
     let chunks = opt
         .to_hand_out()
         .into_iter()
         .filter_map(|i| chunks.get_mut(i).and_then(Option::take))
         .collect();
-    let check = move |range: Range<usize>, buf: &mut [f32]| {
+    let check = move |range: Range<usize>, buf: GradBuf<'_>| {
         let at = bases.get(range.start / sub_group);
-        if aligned && at == Some(&(buf.as_ptr() as usize)) {
+        if aligned && at == Some(&buf.addr()) {
             Ok(())
         } else {
             Err("the host gradient's chunks are not the optimizer's sub-groups, in order".into())
@@ -233,7 +229,8 @@ pub(crate) fn step<I: Backend>(
     let (grad, host) = source.split();
     let grad: Vec<_> = grad.into_iter().map(|g| g.cast(FloatDType::F32)).collect();
     let ranges = piece_ranges(&grad);
-    let from_device = |range: Range<usize>, buf: &mut [f32]| {
+    let from_device = |range: Range<usize>, mut buf: GradBuf<'_>| {
+        let buf = buf.f32_mut()?;
         for (i, local, at) in overlaps(ranges.iter().cloned(), &range) {
             let n = local.len();
             let part = grad[i].clone().slice(local).into_data();

@@ -23,7 +23,10 @@
 //! `offload_optimizer`, default none; parameters only at stage 3) and `--sub-group N`
 //! (`sub_group_size`, default the config's 1e9) and `--warmup N` (steps left out of the timing,
 //! default 2: the first two compile kernels and tune matmuls; 0 times every step, for a model
-//! whose steps are too long to spare). Rank 0 prints one JSON line:
+//! whose steps are too long to spare) and `--grad-accum-dtype fp32|bf16`
+//! (`data_types.grad_accum_dtype`, default fp32: gradients accumulated and reduced in bf16,
+//! and an offloaded optimizer's host gradient partition held in bf16). Rank 0 prints one
+//! JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time
@@ -171,7 +174,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
                  [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--sub-group N] [--loss-rows N] \
-                 [--deterministic 0|1] [--warmup N] [--ckpt DIR --save-at N] [--resume DIR] \
+                 [--deterministic 0|1] [--warmup N] [--grad-accum-dtype fp32|bf16] [--ckpt DIR --save-at N] [--resume DIR] \
                  [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none]";
     let (args, options) = split_options(&args, usage);
     let pool = match option(&options, "pool") {
@@ -219,6 +222,11 @@ fn main() {
         Some(other) => panic!("--precision is bf16 or fp32, not `{other}`"),
     };
     let warmup = count_option(&options, "warmup", 2);
+    let data_types = match option(&options, "grad-accum-dtype") {
+        None | Some("fp32") => "",
+        Some("bf16") => r#", "data_types": {"grad_accum_dtype": "bf16"}"#,
+        Some(other) => panic!("--grad-accum-dtype is fp32 or bf16, not `{other}`"),
+    };
     let deterministic = match option(&options, "deterministic") {
         None | Some("0") => false,
         Some("1") => true,
@@ -267,7 +275,7 @@ fn main() {
                 "stage3_prefetch_bucket_size": {prefetch}{offload_param}{offload_optimizer}{sub_group}}},
             "burn_zero": {{"matmul": {{"cublaslt": true}}, "deterministic": {deterministic},
                 "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
-                {ac}{profile}}}"#,
+                {ac}{profile}{data_types}}}"#,
         ac = if checkpointing {
             r#", "activation_checkpointing": {"partition_activations": false}"#
         } else {
@@ -387,6 +395,7 @@ fn main() {
                 "release_cached_memory": release_cached,
                 "memory_pool": format!("{pool:?}").to_lowercase(),
                 "global_batch_tokens": micro * seq * world, "steps": steps, "warmup_steps": warmup,
+                "grad_accum_dtype": if data_types.is_empty() { "fp32" } else { "bf16" },
                 "median_step_s": median, "step_times_s": times,
                 "tokens_per_s_per_gpu": tokens_per_gpu,
                 "flops_per_token": per_token, "peak_flops": peak_flops(),
