@@ -18,7 +18,7 @@ use std::sync::mpsc::Sender;
 
 use half::bf16;
 
-use crate::cpu_adam::{Grad, bf16_bits};
+use crate::cpu_adam::{Grad, GradElem, bf16_bits};
 use crate::stream::GradBuf;
 
 /// Below this many elements a write runs on the calling thread.
@@ -152,7 +152,7 @@ impl GradChunk {
                     true => dst
                         .iter_mut()
                         .zip(src)
-                        .for_each(|(d, s)| *d = bf16::from_bits(bf16_bits(d.widen() + s))),
+                        .for_each(|(d, s)| *d = bf16::from_bits(bf16_bits(d.get() + s))),
                 }
                 if squares { sum_squares(dst) } else { 0.0 }
             }),
@@ -184,26 +184,8 @@ impl GradChunk {
     fn extend_f32(&self, local: Range<usize>, out: &mut Vec<f32>) {
         match self {
             GradChunk::F32(v) => out.extend_from_slice(&v[local]),
-            GradChunk::Bf16(v) => out.extend(v[local].iter().map(|x| x.widen())),
+            GradChunk::Bf16(v) => out.extend(v[local].iter().map(|x| x.get())),
         }
-    }
-}
-
-/// An element whose square the norm sums in f64.
-trait Widen: Copy + Send + Sync {
-    fn widen(self) -> f32;
-}
-impl Widen for f32 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self
-    }
-}
-impl Widen for bf16 {
-    // A shift, written out so the loops vectorize.
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        f32::from_bits(u32::from(self.to_bits()) << 16)
     }
 }
 
@@ -542,12 +524,12 @@ impl HostGrads {
     }
 }
 
-fn sum_squares<T: Widen>(values: &[T]) -> f64 {
+fn sum_squares<T: GradElem>(values: &[T]) -> f64 {
     // Eight f64 lanes: vectorizes, and rounds less than one running sum.
     let mut lanes = [0.0f64; 8];
     let chunks = values.chunks_exact(8);
     let tail = chunks.remainder();
-    let sq = |v: &T| f64::from(v.widen()) * f64::from(v.widen());
+    let sq = |v: &T| f64::from(v.get()) * f64::from(v.get());
     for c in chunks {
         for (l, v) in lanes.iter_mut().zip(c) {
             *l += sq(v);
@@ -558,7 +540,7 @@ fn sum_squares<T: Widen>(values: &[T]) -> f64 {
 }
 
 /// The sum of squares of `values` on up to `threads` threads.
-fn sum_squares_parallel<T: Widen>(values: &[T], threads: usize) -> f64 {
+fn sum_squares_parallel<T: GradElem>(values: &[T], threads: usize) -> f64 {
     let threads = threads.min(values.len() / PARALLEL_FROM).max(1);
     if threads == 1 {
         return sum_squares(values);

@@ -281,6 +281,14 @@ impl HostOptimizer {
         }
     }
 
+    /// Whether the swap files bypass the page cache (O_DIRECT); `None` in host memory.
+    pub fn swap_direct(&self) -> Option<bool> {
+        match &self.storage {
+            Storage::Memory(_) => None,
+            Storage::Nvme(s) => Some(s.direct),
+        }
+    }
+
     /// The fp32 master weights.
     pub fn master(&mut self) -> Result<Vec<f32>, SwapError> {
         match &mut self.storage {

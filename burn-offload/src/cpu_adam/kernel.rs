@@ -6,7 +6,8 @@ use half::{bf16, f16};
 
 use super::{AdamStep, Decay, Grad, Out, SgdStep, SimdLevel};
 
-trait GradElem: Copy + Send + Sync {
+/// A gradient element, widened to f32 (also how the host partition's norm reads it).
+pub(crate) trait GradElem: Copy + Send + Sync {
     fn get(self) -> f32;
 }
 impl GradElem for f32 {

@@ -6,6 +6,7 @@
 //! which is the engine's device optimizer's order (so offloading changes no result).
 
 mod kernel;
+pub(crate) use kernel::GradElem;
 pub use kernel::bf16_bits;
 
 mod adam;

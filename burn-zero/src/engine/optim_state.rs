@@ -76,6 +76,19 @@ pub(crate) struct Exported {
     pub(crate) state: Vec<(&'static str, Vec<f32>)>,
 }
 
+/// Warns when the swap files under `swap.dir` go through the page cache (the file system
+/// refused O_DIRECT, as tmpfs does): host memory then fills with what they hold, and their
+/// speed is not the disk's.
+pub(crate) fn warn_if_cached(direct: bool, swap: &SwapConfig) {
+    if !direct {
+        crate::log::warn(&format!(
+            "swap files under {} go through the page cache (the file system refused O_DIRECT): \
+             host memory fills with what they hold, and their speed is not the disk's",
+            swap.dir.display()
+        ));
+    }
+}
+
 /// The swap files of rank `rank`'s `what` (optimizer state, parameters) under `root`, in a
 /// directory of their own (several engines of one process may swap at once).
 pub(crate) fn swap_config(
@@ -221,7 +234,9 @@ impl<I: Backend> Optim<I> {
             let offload = zero.offload_optimizer.as_ref().expect("validated");
             let root = offload.nvme_path.as_deref().expect("validated");
             let swap = swap_config(config, root, offload.buffer_count.get(), rank, "optimizer");
-            HostOptimizer::on_nvme(values, settings, cpu, sub_group, &swap)?
+            let opt = HostOptimizer::on_nvme(values, settings, cpu, sub_group, &swap)?;
+            warn_if_cached(opt.swap_direct().unwrap_or(true), &swap);
+            opt
         } else {
             let opt = HostOptimizer::new(values, settings, cpu, sub_group);
             match cpu_config.ahead_threads {

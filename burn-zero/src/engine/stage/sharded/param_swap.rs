@@ -59,6 +59,7 @@ impl ParamSwap {
         let sub_group = (config.block_size / 4).max(1024);
         let store = |name: &str| -> Result<_, SwapError> {
             let store = NvmeStore::create(config, &[name], len, sub_group, &|_, _| None)?;
+            crate::engine::optim_state::warn_if_cached(store.direct, config);
             Ok(Arc::new(Mutex::new(store)))
         };
         Ok(Self {
