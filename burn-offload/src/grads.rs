@@ -97,6 +97,14 @@ impl GradChunk {
         }
     }
 
+    /// How it holds its elements.
+    pub fn dtype(&self) -> GradDtype {
+        match self {
+            GradChunk::F32(_) => GradDtype::F32,
+            GradChunk::Bf16(_) => GradDtype::Bf16,
+        }
+    }
+
     /// Whether it holds none.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -486,7 +494,8 @@ impl HostGrads {
     /// Returns chunk `c`, lent by [`Self::lend`].
     ///
     /// # Panics
-    /// If it is not lent, or `values` is not its length.
+    /// If it is not lent, or `values` is not its length or dtype (a writer that copies into
+    /// place relies on both, see [`Self::chunk_ptr`]).
     pub fn give_back(&mut self, c: usize, values: GradChunk) {
         assert!(self.chunks[c].is_none(), "chunk {c} was not lent");
         assert_eq!(
@@ -494,6 +503,7 @@ impl HostGrads {
             self.chunk_range(c).len(),
             "chunk {c}'s length"
         );
+        assert_eq!(values.dtype(), self.dtype, "chunk {c}'s dtype");
         self.chunks[c] = Some(values);
     }
 

@@ -18,8 +18,8 @@ pub fn zeroed_f32(n: usize, huge: bool) -> Vec<f32> {
 /// `n` zeroed bf16s, mapped lazily as a large `vec![0u16; n]` is (a `vec![bf16::ZERO; n]`
 /// would write every element).
 pub fn zeroed_bf16(n: usize) -> Vec<half::bf16> {
-    let v = std::mem::ManuallyDrop::new(vec![0u16; n]);
-    let (ptr, len, cap) = (v.as_ptr().cast_mut(), v.len(), v.capacity());
+    let mut v = std::mem::ManuallyDrop::new(vec![0u16; n]);
+    let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
     // SAFETY: bf16 is a transparent u16 (same size and alignment, every bit pattern valid),
     // and the vector's allocation is handed over whole.
     unsafe { Vec::from_raw_parts(ptr.cast::<half::bf16>(), len, cap) }

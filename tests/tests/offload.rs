@@ -288,6 +288,13 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
             assert!(d.params == h.params, "{what}: parameters");
             assert!(h.host_grads > 0 && h.device_grads == 0, "{what}: {h:?}");
         }
+        // The swap files' step reads the bf16 partition too.
+        if extra == bf16_accum {
+            for (d, n) in device.iter().zip(&run(Place::Nvme)) {
+                assert_eq!(d.losses, n.losses, "{what}, swap files: losses");
+                assert!(d.params == n.params, "{what}, swap files: parameters");
+            }
+        }
         host_grads.insert((stage, extra), host[0].host_grads);
     }
     for stage in [2, 3] {
@@ -497,10 +504,13 @@ fn offloaded_parameters_train_the_same_at_stage_3() {
             "offload_param": {param_place}}}"#
         );
         let on_host = param_place.contains("cpu");
+        let bf16_accum =
+            r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
         for (place, extra) in [
             (Place::Device, ""),
             (Place::Host, ""),
             (Place::Device, bf16),
+            (Place::Host, bf16_accum),
         ] {
             let what = format!("parameters {param_place}, optimizer {place:?}{extra}");
             let plain = train(3, &config(3, place, ADAMW, extra), 0..STEPS, None, None);
@@ -740,7 +750,14 @@ fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters(
 #[test]
 fn sub_groups_stepped_during_backward_give_the_serial_steps_bits() {
     let bf16 = r#", "bf16": {"enabled": true}"#;
-    for (stage, world, extra) in [(3, 3, ""), (2, 3, ""), (3, 2, bf16), (2, 2, bf16)] {
+    let bf16_accum = r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
+    for (stage, world, extra) in [
+        (3, 3, ""),
+        (2, 3, ""),
+        (3, 2, bf16),
+        (2, 2, bf16),
+        (3, 3, bf16_accum),
+    ] {
         let what = format!("stage {stage}, world {world}{extra}");
         let run = |ahead: bool| {
             let mut cfg = config(stage, Place::Host, ADAMW, extra);

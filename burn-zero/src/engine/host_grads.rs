@@ -119,12 +119,15 @@ impl<I: Backend> HostGradStream<I> {
             if let Some(buf) = crate::backend::cuda::cuda_buffer::<I>(&primitive) {
                 // Only a copy straight into the partition (a fresh pass) uses them: an
                 // accumulating one's squares are of the sums, taken on the host.
-                let squares = (boundary && self.layout.squares_on_device && self.grads().copies())
-                    .then(|| {
-                        let wide = received.clone().cast(FloatDType::F32);
-                        device_squares(&wide, &spans, self.layout.chunk)
-                    })
-                    .flatten();
+                // Straight into the partition only when the bucket is in its dtype.
+                let direct = bf16 || self.grads().dtype() == GradDtype::F32;
+                let squares =
+                    (boundary && direct && self.layout.squares_on_device && self.grads().copies())
+                        .then(|| {
+                            let wide = received.clone().cast(FloatDType::F32);
+                            device_squares(&wide, &spans, self.layout.chunk)
+                        })
+                        .flatten();
                 // The bucket (and its squares) complete before the copy stream reads it.
                 if let Err(e) = I::sync(&moved.device()) {
                     self.failure = Some(format!("the compute stream failed: {e:?}"));

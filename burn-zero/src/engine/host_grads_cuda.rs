@@ -153,6 +153,7 @@ impl Staging {
     fn run_direct(
         &self,
         chunks: &[(u64, Range<usize>)],
+        dtype: GradDtype,
         grads: &Mutex<HostGrads>,
         boundary: bool,
         squares: Option<Squares>,
@@ -164,7 +165,13 @@ impl Staging {
         // Pieces within one chunk of the partition (its chunks are separate buffers).
         let (per, size) = {
             let g = lock();
-            (g.chunk_len(), g.dtype().size())
+            if g.dtype() != dtype {
+                return Err(format!(
+                    "a {dtype:?} bucket cannot be copied into a {:?} partition",
+                    g.dtype()
+                ));
+            }
+            (g.chunk_len(), dtype.size())
         };
         let pieces: Vec<(u64, Range<usize>)> = chunks
             .iter()
@@ -410,7 +417,7 @@ fn serve(
                     (g.copies(), g.dtype() == dtype)
                 };
                 let done = match registered.is_ok() && copies && same {
-                    true => stage.run_direct(&chunks, grads, boundary, squares),
+                    true => stage.run_direct(&chunks, dtype, grads, boundary, squares),
                     false => stage.run(&chunks, dtype, grads, boundary),
                 };
                 if let Err(e) = done {
