@@ -1,8 +1,8 @@
 //! A rank's gradient partition in host memory (ZeRO-Offload at stages 2 and 3): reduced
 //! gradient buckets are written into it while backward still runs, so the device never holds
 //! the partition, and the CPU optimizer reads it where it lies at the step. It is fp32, or
-//! bf16 ([`GradDtype`]) where the gradients are reduced and accumulated in bf16: the same
-//! values in half the memory.
+//! bf16 or fp16 ([`GradDtype`]) where the gradients are reduced and accumulated in that dtype:
+//! the same values in half the memory.
 //!
 //! No zeroing pass: after [`HostGrads::clear`], the next backward's writes copy instead of add,
 //! and only the elements it never wrote are zeroed when it ends. The sum of squares the
@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::mpsc::Sender;
 
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::cpu_adam::{Grad, GradElem, bf16_bits};
 use crate::stream::GradBuf;
@@ -60,6 +60,9 @@ pub enum GradDtype {
     /// bf16); a sum of two is rounded to bf16 (nearest even), as accumulating in bf16 on the
     /// device rounds it.
     Bf16,
+    /// IEEE half, as bf16 (rounded to nearest even; past its range a sum is infinite, as an
+    /// fp16 accumulation on the device is, and the step overflows).
+    F16,
 }
 
 impl GradDtype {
@@ -67,7 +70,7 @@ impl GradDtype {
     pub fn size(self) -> usize {
         match self {
             GradDtype::F32 => 4,
-            GradDtype::Bf16 => 2,
+            GradDtype::Bf16 | GradDtype::F16 => 2,
         }
     }
 }
@@ -79,6 +82,8 @@ pub enum GradChunk {
     F32(Vec<f32>),
     /// bf16.
     Bf16(Vec<bf16>),
+    /// f16.
+    F16(Vec<f16>),
 }
 
 impl GradChunk {
@@ -86,6 +91,7 @@ impl GradChunk {
         match dtype {
             GradDtype::F32 => GradChunk::F32(crate::memory::zeroed_f32(n, false)),
             GradDtype::Bf16 => GradChunk::Bf16(crate::memory::zeroed_bf16(n)),
+            GradDtype::F16 => GradChunk::F16(crate::memory::zeroed_f16(n)),
         }
     }
 
@@ -94,6 +100,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(v) => v.len(),
             GradChunk::Bf16(v) => v.len(),
+            GradChunk::F16(v) => v.len(),
         }
     }
 
@@ -102,6 +109,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(_) => GradDtype::F32,
             GradChunk::Bf16(_) => GradDtype::Bf16,
+            GradChunk::F16(_) => GradDtype::F16,
         }
     }
 
@@ -115,6 +123,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(v) => Grad::F32(&v[..n]),
             GradChunk::Bf16(v) => Grad::Bf16(&v[..n]),
+            GradChunk::F16(v) => Grad::F16(&v[..n]),
         }
     }
 
@@ -123,6 +132,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(v) => GradBuf::F32(v),
             GradChunk::Bf16(v) => GradBuf::Bf16(v),
+            GradChunk::F16(v) => GradBuf::F16(v),
         }
     }
 
@@ -130,6 +140,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(v) => v.as_mut_ptr().cast(),
             GradChunk::Bf16(v) => v.as_mut_ptr().cast(),
+            GradChunk::F16(v) => v.as_mut_ptr().cast(),
         }
     }
 
@@ -164,6 +175,19 @@ impl GradChunk {
                 }
                 if squares { sum_squares(dst) } else { 0.0 }
             }),
+            GradChunk::F16(v) => in_parallel(&mut v[local], src, threads, |dst, src| {
+                match add {
+                    false => dst
+                        .iter_mut()
+                        .zip(src)
+                        .for_each(|(d, s)| *d = f16::from_f32(*s)),
+                    true => dst
+                        .iter_mut()
+                        .zip(src)
+                        .for_each(|(d, s)| *d = f16::from_f32(d.get() + s)),
+                }
+                if squares { sum_squares(dst) } else { 0.0 }
+            }),
         }
     }
 
@@ -172,6 +196,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(v) => sum_squares_parallel(&v[local], threads),
             GradChunk::Bf16(v) => sum_squares_parallel(&v[local], threads),
+            GradChunk::F16(v) => sum_squares_parallel(&v[local], threads),
         }
     }
 
@@ -179,6 +204,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(v) => v[local].fill(0.0),
             GradChunk::Bf16(v) => v[local].fill(bf16::ZERO),
+            GradChunk::F16(v) => v[local].fill(f16::ZERO),
         }
     }
 
@@ -193,6 +219,7 @@ impl GradChunk {
         match self {
             GradChunk::F32(v) => out.extend_from_slice(&v[local]),
             GradChunk::Bf16(v) => out.extend(v[local].iter().map(|x| x.get())),
+            GradChunk::F16(v) => out.extend(v[local].iter().map(|x| x.get())),
         }
     }
 }
@@ -610,13 +637,22 @@ mod tests {
             .collect()
     }
 
-    /// A bf16 partition holds bf16 values exactly (a fresh pass equals the fp32 partition's),
-    /// rounds each sum to bf16 as accumulating in bf16 does, and sums the squares of what it
-    /// holds as an fp32 partition of the same values does; in half the bytes.
+    /// A bf16 (or f16) partition holds values of its dtype exactly (a fresh pass equals the
+    /// fp32 partition's), rounds each sum to its dtype as accumulating in it does, and sums the
+    /// squares of what it holds as an fp32 partition of the same values does; in half the bytes.
     #[test]
-    fn a_bf16_partition_holds_bf16_values_and_rounds_each_sum() {
+    fn a_16_bit_partition_holds_its_values_and_rounds_each_sum() {
+        for dtype in [GradDtype::Bf16, GradDtype::F16] {
+            holds_and_rounds(dtype);
+        }
+    }
+
+    fn holds_and_rounds(dtype: GradDtype) {
         let len = PARALLEL_FROM * 2 + 7919;
-        let round = |v: f32| bf16::from_f32(v).to_f32();
+        let round = |v: f32| match dtype {
+            GradDtype::Bf16 => bf16::from_f32(v).to_f32(),
+            _ => f16::from_f32(v).to_f32(),
+        };
         let bf = |seed| {
             values(len, seed)
                 .into_iter()
@@ -626,7 +662,7 @@ mod tests {
         let (a, b) = (bf(1), bf(2));
         for chunk in [len, 4099] {
             let mut wide = HostGrads::in_chunks(len, 3, chunk);
-            let mut narrow = HostGrads::in_chunks_of(len, 3, chunk, GradDtype::Bf16);
+            let mut narrow = HostGrads::in_chunks_of(len, 3, chunk, dtype);
             assert_eq!(2 * narrow.bytes(), wide.bytes());
             for g in [&mut wide, &mut narrow] {
                 g.write(0..len - 3, &a[..len - 3], false).unwrap();
@@ -638,7 +674,7 @@ mod tests {
             let sums: Vec<f32> = (0..len)
                 .map(|i| round(if i < len - 3 { a[i] } else { 0.0 } + b[i]))
                 .collect();
-            assert_eq!(narrow.read(0..len), sums, "each sum rounded to bf16");
+            assert_eq!(narrow.read(0..len), sums, "{dtype:?}: each sum rounded");
             let mut same = HostGrads::in_chunks(len, 3, chunk);
             same.write(0..len, &sums, true).unwrap();
             same.end_pass(true);
@@ -646,7 +682,12 @@ mod tests {
             for c in 0..narrow.chunk_count() {
                 let r = narrow.chunk_range(c);
                 let lent = narrow.lend(c).unwrap();
-                assert!(matches!(lent.grad(r.len()), Grad::Bf16(_)));
+                let lent_dtype = match lent.grad(r.len()) {
+                    Grad::Bf16(_) => GradDtype::Bf16,
+                    Grad::F16(_) => GradDtype::F16,
+                    Grad::F32(_) => GradDtype::F32,
+                };
+                assert_eq!(lent_dtype, dtype);
                 assert_eq!(lent.to_f32(), sums[r]);
                 narrow.give_back(c, lent);
             }

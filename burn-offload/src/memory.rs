@@ -18,11 +18,23 @@ pub fn zeroed_f32(n: usize, huge: bool) -> Vec<f32> {
 /// `n` zeroed bf16s, mapped lazily as a large `vec![0u16; n]` is (a `vec![bf16::ZERO; n]`
 /// would write every element).
 pub fn zeroed_bf16(n: usize) -> Vec<half::bf16> {
+    // SAFETY: bf16 is a transparent u16 whose zero bits are +0.
+    unsafe { zeroed_halfwords(n) }
+}
+
+/// `n` zeroed f16s, as [`zeroed_bf16`].
+pub fn zeroed_f16(n: usize) -> Vec<half::f16> {
+    // SAFETY: f16 is a transparent u16 whose zero bits are +0.
+    unsafe { zeroed_halfwords(n) }
+}
+
+/// # Safety
+/// `T` must be a transparent `u16` (same size and alignment, every bit pattern valid).
+unsafe fn zeroed_halfwords<T>(n: usize) -> Vec<T> {
     let mut v = std::mem::ManuallyDrop::new(vec![0u16; n]);
     let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
-    // SAFETY: bf16 is a transparent u16 (same size and alignment, every bit pattern valid),
-    // and the vector's allocation is handed over whole.
-    unsafe { Vec::from_raw_parts(ptr.cast::<half::bf16>(), len, cap) }
+    // SAFETY: the caller's layout guarantee; the vector's allocation is handed over whole.
+    unsafe { Vec::from_raw_parts(ptr.cast::<T>(), len, cap) }
 }
 
 /// Asks the kernel to back the huge-page-aligned interior of `buf` with transparent huge

@@ -16,13 +16,15 @@ use crate::cpu_adam::{Grad, Out};
 use crate::host::OutDtype;
 
 /// A buffer for one sub-group's gradient: fp32 (filled from the device, or an fp32 host
-/// partition's own chunk) or bf16 (a bf16 host partition's own chunk).
+/// partition's own chunk) or bf16 / f16 (a 16-bit host partition's own chunk).
 #[derive(Debug)]
 pub enum GradBuf<'a> {
     /// fp32.
     F32(&'a mut [f32]),
     /// bf16.
     Bf16(&'a mut [bf16]),
+    /// f16.
+    F16(&'a mut [f16]),
 }
 
 impl GradBuf<'_> {
@@ -31,6 +33,7 @@ impl GradBuf<'_> {
         match self {
             GradBuf::F32(g) => g.len(),
             GradBuf::Bf16(g) => g.len(),
+            GradBuf::F16(g) => g.len(),
         }
     }
 
@@ -44,6 +47,7 @@ impl GradBuf<'_> {
         match self {
             GradBuf::F32(g) => GradBuf::F32(&mut g[..n]),
             GradBuf::Bf16(g) => GradBuf::Bf16(&mut g[..n]),
+            GradBuf::F16(g) => GradBuf::F16(&mut g[..n]),
         }
     }
 
@@ -52,6 +56,7 @@ impl GradBuf<'_> {
         match self {
             GradBuf::F32(g) => Grad::F32(&g[..n]),
             GradBuf::Bf16(g) => Grad::Bf16(&g[..n]),
+            GradBuf::F16(g) => Grad::F16(&g[..n]),
         }
     }
 
@@ -60,6 +65,7 @@ impl GradBuf<'_> {
         match self {
             GradBuf::F32(g) => g.as_ptr() as usize,
             GradBuf::Bf16(g) => g.as_ptr() as usize,
+            GradBuf::F16(g) => g.as_ptr() as usize,
         }
     }
 
@@ -68,6 +74,7 @@ impl GradBuf<'_> {
         match self {
             GradBuf::F32(g) => g.to_vec(),
             GradBuf::Bf16(g) => g.iter().map(|x| x.to_f32()).collect(),
+            GradBuf::F16(g) => g.iter().map(|x| x.to_f32()).collect(),
         }
     }
 
@@ -75,7 +82,9 @@ impl GradBuf<'_> {
     pub fn f32_mut(&mut self) -> Result<&mut [f32], String> {
         match self {
             GradBuf::F32(g) => Ok(g),
-            GradBuf::Bf16(_) => Err("a bf16 gradient buffer cannot be filled with fp32".into()),
+            GradBuf::Bf16(_) | GradBuf::F16(_) => {
+                Err("a 16-bit gradient buffer cannot be filled with fp32".into())
+            }
         }
     }
 }

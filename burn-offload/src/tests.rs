@@ -790,6 +790,7 @@ mod streamed {
                         .iter_mut()
                         .zip(&g[..10])
                         .for_each(|(d, s)| *d = bf16::from_f32(*s)),
+                    GradBuf::F16(_) => unreachable!("not one of this test's dtypes"),
                 }
             }
             let mut opt = opt.lock().unwrap();

@@ -257,13 +257,15 @@ fn gradient_buffers_in_pieces_change_nothing() {
 /// Without clipping, the gradient partition written into host memory bucket by bucket (copied
 /// by the first micro-step, added by the next) is the device's buffer bit for bit, and so is
 /// training, at stages 2 and 3, in fp32, bf16 and fp16 (whose loss scale CPU-Adam divides out
-/// as it reads the gradient). With gradients accumulated in bf16 (`grad_accum_dtype`) the host
-/// partition is bf16, in half the bytes, and each sum is rounded as the device's is.
+/// as it reads the gradient). With gradients accumulated in bf16 or fp16 (`grad_accum_dtype`)
+/// the host partition is of that dtype, in half the bytes, and each sum is rounded as the
+/// device's is.
 #[test]
 fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
     let bf16 = r#", "bf16": {"enabled": true}"#;
     let bf16_accum = r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
     let fp16 = r#", "fp16": {"enabled": true, "initial_scale_power": 12}"#;
+    let fp16_accum = r#", "fp16": {"enabled": true, "initial_scale_power": 12}, "data_types": {"grad_accum_dtype": "fp16"}"#;
     let cases = [
         (2, 3, ""),
         (3, 2, ""),
@@ -273,6 +275,8 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
         (3, 2, fp16),
         (2, 2, bf16_accum),
         (3, 3, bf16_accum),
+        (2, 3, fp16_accum),
+        (3, 2, fp16_accum),
     ];
     let mut host_grads = std::collections::HashMap::new();
     for (stage, world, extra) in cases {
@@ -302,6 +306,11 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
             2 * host_grads[&(stage, bf16_accum)],
             host_grads[&(stage, bf16)],
             "stage {stage}: a bf16 partition holds half the bytes"
+        );
+        assert_eq!(
+            2 * host_grads[&(stage, fp16_accum)],
+            host_grads[&(stage, fp16)],
+            "stage {stage}: an f16 partition holds half the bytes"
         );
     }
 }

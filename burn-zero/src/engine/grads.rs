@@ -98,10 +98,11 @@ impl<I: Backend> GradCore<I> {
     /// Allocates `len` elements of gradients: on the device, or in host memory laid out as
     /// `host` says (smaller buckets then, see [`HOST_BUCKET`]).
     pub(crate) fn allocate(&mut self, len: usize, host: Option<HostGradLayout>) {
-        // Gradients reduced and accumulated in bf16 are bf16 values: held as such, exactly,
-        // in half the host memory.
+        // Gradients reduced and accumulated in bf16 or fp16 are values of that dtype: held as
+        // such, exactly, in half the host memory (and summed with the device's rounding).
         let dtype = match self.accum.dtype {
             FloatDType::BF16 => GradDtype::Bf16,
+            FloatDType::F16 => GradDtype::F16,
             _ => GradDtype::F32,
         };
         self.host = host.map(|layout| HostGradStream::new(len, layout, dtype));

@@ -108,10 +108,14 @@ impl<I: Backend> HostGradStream<I> {
         }
         #[cfg(feature = "cuda")]
         {
-            // A bf16 partition takes bf16 buckets as they are (half the bytes down).
-            let bf16 = self.grads().dtype() == GradDtype::Bf16
-                && received.dtype() == burn::tensor::DType::BF16;
-            let moved = match bf16 {
+            // A 16-bit partition takes buckets of its dtype as they are (half the bytes down).
+            let storage = self.grads().dtype();
+            let native = matches!(
+                (storage, received.dtype()),
+                (GradDtype::Bf16, burn::tensor::DType::BF16)
+                    | (GradDtype::F16, burn::tensor::DType::F16)
+            );
+            let moved = match native {
                 true => received.clone(),
                 false => received.clone().cast(FloatDType::F32),
             };
@@ -120,7 +124,7 @@ impl<I: Backend> HostGradStream<I> {
                 // Only a copy straight into the partition (a fresh pass) uses them: an
                 // accumulating one's squares are of the sums, taken on the host.
                 // Straight into the partition only when the bucket is in its dtype.
-                let direct = bf16 || self.grads().dtype() == GradDtype::F32;
+                let direct = native || storage == GradDtype::F32;
                 let squares =
                     (boundary && direct && self.layout.squares_on_device && self.grads().copies())
                         .then(|| {
@@ -144,11 +148,7 @@ impl<I: Backend> HostGradStream<I> {
                 let copier = self
                     .copier
                     .get_or_insert_with(|| super::host_grads_cuda::Copier::new(grads, busy));
-                let src = if bf16 {
-                    GradDtype::Bf16
-                } else {
-                    GradDtype::F32
-                };
+                let src = if native { storage } else { GradDtype::F32 };
                 copier.copy(buf, src, spans, boundary, squares);
                 return;
             }

@@ -11,8 +11,8 @@
 //! read. Accumulating backwards add, so they go through the staging buffers (and take their
 //! squares on the host: they are of the sums).
 //!
-//! A bucket comes in fp32, or in bf16 for a bf16 partition: straight into it when the copy
-//! goes there, else widened on the host after its staged copy.
+//! A bucket comes in fp32, or in bf16 / f16 for a partition of that dtype: straight into it
+//! when the copy goes there, else widened on the host after its staged copy.
 //!
 //! Ordering: the caller synchronizes burn's stream before handing a bucket over (it is
 //! complete), and the bucket's memory is held until its last chunk has been copied.
@@ -25,7 +25,7 @@ use std::thread::JoinHandle;
 
 use burn_offload::{GradDtype, HostGrads};
 use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice, result};
-use half::bf16;
+use half::{bf16, f16};
 
 use super::host_grads::{Span, add_busy};
 use crate::backend::cuda::CudaBuffer;
@@ -282,6 +282,11 @@ impl Staging {
                 GradDtype::Bf16 => {
                     let b = unsafe { std::slice::from_raw_parts(at.cast::<bf16>(), dst.len()) };
                     widened = b.iter().map(|x| x.to_f32()).collect();
+                    &widened
+                }
+                GradDtype::F16 => {
+                    let h = unsafe { std::slice::from_raw_parts(at.cast::<f16>(), dst.len()) };
+                    widened = h.iter().map(|x| x.to_f32()).collect();
                     &widened
                 }
             };
