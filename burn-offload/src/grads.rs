@@ -18,7 +18,7 @@ use std::sync::mpsc::Sender;
 
 use half::{bf16, f16};
 
-use crate::cpu_adam::{Grad, GradElem, bf16_bits};
+use crate::cpu_adam::{Grad, GradElem, OutElem};
 use crate::stream::GradBuf;
 
 /// Below this many elements a write runs on the calling thread.
@@ -155,39 +155,9 @@ impl GradChunk {
         threads: usize,
     ) -> f64 {
         match self {
-            GradChunk::F32(v) => in_parallel(&mut v[local], src, threads, |dst, src| {
-                match add {
-                    false => dst.copy_from_slice(src),
-                    true => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s),
-                }
-                if squares { sum_squares(dst) } else { 0.0 }
-            }),
-            GradChunk::Bf16(v) => in_parallel(&mut v[local], src, threads, |dst, src| {
-                match add {
-                    false => dst
-                        .iter_mut()
-                        .zip(src)
-                        .for_each(|(d, s)| *d = bf16::from_bits(bf16_bits(*s))),
-                    true => dst
-                        .iter_mut()
-                        .zip(src)
-                        .for_each(|(d, s)| *d = bf16::from_bits(bf16_bits(d.get() + s))),
-                }
-                if squares { sum_squares(dst) } else { 0.0 }
-            }),
-            GradChunk::F16(v) => in_parallel(&mut v[local], src, threads, |dst, src| {
-                match add {
-                    false => dst
-                        .iter_mut()
-                        .zip(src)
-                        .for_each(|(d, s)| *d = f16::from_f32(*s)),
-                    true => dst
-                        .iter_mut()
-                        .zip(src)
-                        .for_each(|(d, s)| *d = f16::from_f32(d.get() + s)),
-                }
-                if squares { sum_squares(dst) } else { 0.0 }
-            }),
+            GradChunk::F32(v) => put_into(&mut v[local], src, add, squares, threads),
+            GradChunk::Bf16(v) => put_into(&mut v[local], src, add, squares, threads),
+            GradChunk::F16(v) => put_into(&mut v[local], src, add, squares, threads),
         }
     }
 
@@ -559,6 +529,27 @@ impl HostGrads {
             .map(|c| c.as_mut().expect("a gradient chunk is lent").as_buf())
             .collect()
     }
+}
+
+/// Copies (or adds, in f32, `add`) `src` into `dst`, each result rounded to `T`; the sum of
+/// squares of the results when `squares`.
+fn put_into<T: GradElem + OutElem>(
+    dst: &mut [T],
+    src: &[f32],
+    add: bool,
+    squares: bool,
+    threads: usize,
+) -> f64 {
+    in_parallel(dst, src, threads, |dst, src| {
+        match add {
+            false => dst.iter_mut().zip(src).for_each(|(d, s)| *d = T::put(*s)),
+            true => dst
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, s)| *d = T::put(d.get() + s)),
+        }
+        if squares { sum_squares(dst) } else { 0.0 }
+    })
 }
 
 fn sum_squares<T: GradElem>(values: &[T]) -> f64 {

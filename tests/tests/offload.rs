@@ -399,6 +399,24 @@ fn a_corrupted_swap_file_stops_every_rank_and_is_named() {
     assert!(rank0.contains("another rank failed"), "{rank0}");
 }
 
+/// Two steps of one micro-batch each on `rank`'s rows; the second step's outcome (the swap
+/// files are read back from the second step on).
+fn two_steps(
+    engine: &mut burn_zero::Engine<NdArray, Mlp<B>>,
+    rank: usize,
+    device: &burn::tensor::Device<B>,
+) -> Result<(), String> {
+    let mut outcome = Ok(());
+    for j in 0..2 {
+        let start = (j * 2 + rank) * 9;
+        let (x, y) = engine_run::batch::<B>(1, start..start + 9, device);
+        let loss = engine_run::loss(engine.model(), x, y);
+        engine.backward(loss).unwrap();
+        outcome = engine.step().map_err(|e| e.to_string());
+    }
+    outcome
+}
+
 /// How a swap goes wrong between two steps (on one rank).
 #[derive(Clone, Copy, Debug)]
 enum Fault {
@@ -450,15 +468,7 @@ fn a_damaged_swap_or_a_full_disk_stops_every_rank_and_the_last_checkpoint_loads(
                     }
                 }
             }
-            let mut outcome = Ok(());
-            for j in 0..2 {
-                let start = (j * 2 + ctx.rank) * 9;
-                let (x, y) = engine_run::batch::<B>(1, start..start + 9, &device);
-                let loss = engine_run::loss(engine.model(), x, y);
-                engine.backward(loss).unwrap();
-                outcome = engine.step().map_err(|e| e.to_string());
-            }
-            outcome
+            two_steps(&mut engine, ctx.rank, &device)
         });
         let rank1 = outcomes[1].as_ref().unwrap_err();
         // A full disk fails the first file the step writes (the master's).
@@ -629,14 +639,7 @@ fn a_load_after_a_failed_step_into_host_parameters_restores_them() {
         bytes[at] ^= 0x01;
         std::fs::write(&victim, &bytes).unwrap();
         // The swap files are read back from the second step on (as in the test above).
-        let mut failed = Ok(());
-        for j in 0..2 {
-            let start = (j * 2 + ctx.rank) * 9;
-            let (x, y) = engine_run::batch::<B>(1, start..start + 9, &device);
-            let loss = engine_run::loss(engine.model(), x, y);
-            engine.backward(loss).unwrap();
-            failed = engine.step().map_err(|e| e.to_string());
-        }
+        let failed = two_steps(&mut engine, ctx.rank, &device);
         assert!(
             failed.is_err(),
             "rank {}: the corrupted step went through",

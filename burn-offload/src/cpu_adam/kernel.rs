@@ -30,8 +30,15 @@ impl GradElem for f16 {
     }
 }
 
-trait OutElem: Copy + Send + Sync {
+/// An f32 value rounded to an element (also how the host gradient partition stores sums).
+pub(crate) trait OutElem: Copy + Send + Sync {
     fn put(v: f32) -> Self;
+}
+impl OutElem for f32 {
+    #[inline(always)]
+    fn put(v: f32) -> Self {
+        v
+    }
 }
 impl OutElem for bf16 {
     #[inline(always)]

@@ -6,8 +6,8 @@
 //! which is the engine's device optimizer's order (so offloading changes no result).
 
 mod kernel;
-pub(crate) use kernel::GradElem;
 pub use kernel::bf16_bits;
+pub(crate) use kernel::{GradElem, OutElem};
 
 mod adam;
 pub use adam::*;
