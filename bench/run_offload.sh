@@ -8,7 +8,8 @@
 # OPTIONS, `+`-separated: `huge` advises the host partitions for transparent huge pages;
 # `bf16init` builds the weights in bf16 (bench-offload's doc says why); `formula` builds weights
 # and inputs from bench-offload's formula (what bench/offload_deepspeed.py does); `serial` turns
-# our overlap off; `atN` steps sub-groups ahead on N threads (`cpu_adam.ahead_threads`).
+# our overlap off; `atN` steps sub-groups ahead on N threads (`cpu_adam.ahead_threads`); `bf16g`
+# accumulates gradients in bf16, so the host gradient partition is bf16.
 # A spec `ds:LAYERS:WIDTH` runs DeepSpeed itself on the same model (bench/offload_deepspeed.py:
 # formula weights and inputs, ZeRO-2, optimizer offloaded to the CPU, DeepSpeedCPUAdam); carry
 # ".whl" too then (../shared/GPU.md). The summary pairs each of our runs with a DeepSpeed run of

@@ -9,7 +9,9 @@
 //! built in bf16), `formula` (weights and inputs from a formula another system can compute:
 //! bench/offload_deepspeed.py does, so losses compare step by step; implies bf16 weights),
 //! `serial` (`cpu_adam.step_ahead` off: CPU-Adam waits for the whole backward), `atN`
-//! (`cpu_adam.ahead_threads` N: sub-groups stepped ahead on N threads).
+//! (`cpu_adam.ahead_threads` N: sub-groups stepped ahead on N threads), `bf16g` (gradients
+//! accumulated and reduced in bf16, `data_types.grad_accum_dtype`: the host gradient partition
+//! is then bf16, half the bytes to copy down and for CPU-Adam to read).
 
 use std::time::Instant;
 
@@ -33,7 +35,7 @@ struct DeepMlp<B: Backend> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let usage =
-        "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init+formula+serial+atN]]";
+        "bench-offload LAYERS WIDTH cpu|nvme|none [STEPS [huge+bf16init+formula+serial+atN+bf16g]]";
     let layers: usize = args.get(1).and_then(|v| v.parse().ok()).expect(usage);
     let width: usize = args.get(2).and_then(|v| v.parse().ok()).expect(usage);
     let place = args.get(3).cloned().expect(usage);
@@ -47,6 +49,11 @@ fn main() {
     let formula = options.split('+').any(|o| o == "formula");
     let bf16_init = formula || options.split('+').any(|o| o == "bf16init");
     let step_ahead = !options.split('+').any(|o| o == "serial");
+    let bf16_grads = options.split('+').any(|o| o == "bf16g");
+    let grads_json = match bf16_grads {
+        true => r#", "data_types": {"grad_accum_dtype": "bf16"}"#,
+        false => "",
+    };
     // `atN`: CPU-Adam of the sub-groups stepped ahead on N threads (`cpu_adam.ahead_threads`).
     let ahead_threads: Option<usize> = options
         .split('+')
@@ -68,7 +75,7 @@ fn main() {
     let json = format!(
         r#"{{"train_micro_batch_size_per_gpu": {BATCH}, "gradient_accumulation_steps": 1,
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "weight_decay": 0.01}}}},
-            "bf16": {{"enabled": true}}, "gradient_clipping": 0,
+            "bf16": {{"enabled": true}}, "gradient_clipping": 0{grads_json},
             "zero_optimization": {{"stage": 2, "overlap_comm": true{offload_json}}},
             "aio": {{"block_size": 4194304, "queue_depth": 32}},
             "burn_zero": {{"matmul": {{"cublaslt": true}},
@@ -77,8 +84,7 @@ fn main() {
     let config = DeepSpeedConfig::from_json(&json).expect("config").config;
     // The config's pools (fitted by default) before the model is built on the device, as a
     // user does (otherwise the device keeps cubecl's and `initialize` warns).
-    burn_zero::backend::configure_memory_pool(0, config.burn_zero.memory_pool)
-        .unwrap_or_else(|e| panic!("{e}"));
+    burn_zero::backend::configure_device(0, &config.burn_zero).unwrap_or_else(|e| panic!("{e}"));
     type B = ZeroAutodiff<Cuda>;
     // Seeded: runs with and without offload start from the same weights and see the same
     // inputs, so their losses can be compared.
@@ -159,6 +165,7 @@ fn main() {
         serde_json::json!({"params": params, "layers": layers, "width": width, "batch": BATCH,
             "offload": place, "huge_pages": huge_pages, "bf16_init": bf16_init, "init_s": init_s,
             "formula": formula, "step_ahead": step_ahead, "ahead_threads": ahead_threads,
+            "bf16_grads": bf16_grads,
             "median_step_s": sorted[sorted.len() / 2], "step_times_s": times,
             "rows_per_s": BATCH as f64 / sorted[sorted.len() / 2], "timed_window_unix_s": window,
             "engine_backward_s": per(timings.backward), "engine_step_s": per(timings.step),

@@ -40,6 +40,8 @@ pub struct CudaStreamBackend {
     mem_config: MemoryConfiguration,
     mem_alignment: usize,
     logger: Arc<ServerLogger>,
+    /// burn-zero patch: launches with staged uploads between the drop queue's host fences.
+    flush_interval: u32,
 }
 
 impl EventStreamBackend for CudaStreamBackend {
@@ -78,7 +80,10 @@ impl EventStreamBackend for CudaStreamBackend {
             memory_management_gpu,
             memory_management_cpu,
             errors: Vec::new(),
-            drop_queue: Default::default(),
+            drop_queue: drop_queue::PendingDropQueue::new(drop_queue::FlushingPolicy {
+                max_bytes_count: self.flush_interval,
+                ..Default::default()
+            }),
         }
     }
 
