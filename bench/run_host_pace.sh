@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Device side of issue 37's first measurement, one call on one GPU: how far the host paces our
+# step, and whether letting it run further ahead of the GPU (`burn_zero.flush_interval`,
+# bench-e2e --flush-interval) closes part of the gap. For each case SIZE:MICRO:SEQ:STAGE, ours
+# at every interval of FLUSH (default "64 1024 8192"; 64 is cubecl's), then PyTorch on the same
+# model, weights and tokens: FSDP2 on one GPU (bench/e2e_fsdp2.py) and eager torch
+# (bench/e2e_eager.py; EAGER_COMPILE=1 adds a torch.compile row). Each run's GPU busy fraction
+# is nvidia-smi's utilization.gpu averaged over its timed steps.
+#   bash bench/run_host_pace.sh KIND ["1b:2:1024:2 125m:32:256:2"]   (carry [".gpu"], staged by
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, RUN_TIMEOUT)
+source bench/prelude.sh "$1"
+cases="${2:-1b:2:1024:2 125m:32:256:2}"
+steps="${STEPS:-12}"
+: > /tmp/pace.jsonl
+port=29950
+measure() { # tag case command...
+  local tag=$1 case=$2; shift 2
+  nvidia-smi -i 0 --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits \
+    -lms 100 > /tmp/smi.log &
+  local smi=$!
+  CUDA_VISIBLE_DEVICES=0 timeout "${RUN_TIMEOUT:-150}" "$@" > "/tmp/$tag.out" 2> "$out/$tag.log"
+  local rc=$?
+  kill $smi
+  cp /tmp/smi.log "$out/$tag-smi.csv"
+  echo "$tag: exit $rc"; tail -n 2 "$out/$tag.log"
+  python3 - "$tag" "$case" "$rc" "$(stat -c %Y "/tmp/$tag.out" 2>/dev/null)" <<'PY' >> /tmp/pace.jsonl
+import json, sys
+from datetime import datetime
+tag, case, rc, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+try:
+    line = [l for l in open(f"/tmp/{tag}.out") if "{" in l][-1]
+    run = json.loads(line[line.index("{"):])
+except Exception as e:
+    run = {"error": f"no result ({e})"}
+samples = []
+for l in open("/tmp/smi.log"):
+    p = [x.strip() for x in l.split(",")]
+    try:
+        samples.append((datetime.strptime(p[0], "%Y/%m/%d %H:%M:%S.%f").timestamp(), int(p[1]), float(p[2])))
+    except (ValueError, IndexError):
+        pass
+# The timed steps end when the JSON line is written (the output file's mtime, whole seconds)
+# and span the sum of their step times before it.
+timed = sum(run.get("step_times_s") or [])
+if end.isdigit() and timed > 0:
+    t1 = int(end) + 1.0
+    busy = [u for t, _, u in samples if t1 - timed - 1.0 <= t <= t1 - 1.0]
+    run["gpu_busy_smi"] = sum(busy) / len(busy) / 100 if busy else None
+    run["gpu_busy_samples"] = len(busy)
+run["peak_gpu_mib"] = max((m for _, m, _ in samples), default=None)
+run.update({"tag": tag, "case": case, "exit": rc})
+print(json.dumps(run))
+PY
+}
+for c in $cases; do
+  IFS=: read -r size micro seq stage <<< "$c"
+  for f in ${FLUSH:-64 1024 8192}; do
+    port=$((port + 1))
+    measure "ours-$size-f$f" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
+      -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" --flush-interval "$f"
+  done
+  port=$((port + 1))
+  measure "fsdp2-$size" "$c" torchrun --nproc-per-node 1 --master-port "$port" \
+    bench/e2e_fsdp2.py "$size" "$stage" "$steps" "$micro" "$seq"
+  measure "eager-$size" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" "$micro" "$seq"
+  if [ -n "${EAGER_COMPILE:-}" ]; then
+    measure "compile-$size" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" "$micro" \
+      "$seq" --compile 1
+  fi
+done
+python3 - "$kind" "$out/host-pace-$kind.json" <<'PY'
+import json, sys
+runs = [json.loads(l) for l in open("/tmp/pace.jsonl")]
+summary = []
+for case in dict.fromkeys(r["case"] for r in runs):
+    rows = [r for r in runs if r["case"] == case]
+    eager = next((r for r in rows if r["tag"].startswith("eager-")), {})
+    base = eager.get("tokens_per_s_per_gpu")
+    for r in rows:
+        tps = r.get("tokens_per_s_per_gpu")
+        summary.append({"case": case, "tag": r["tag"], "tokens_per_s": tps,
+                        "over_eager_torch": tps / base if tps and base else None,
+                        "gpu_busy_smi": r.get("gpu_busy_smi"), "median_step_s": r.get("median_step_s"),
+                        "final_loss": (r.get("losses") or [None])[-1],
+                        "peak_gpu_mib": r.get("peak_gpu_mib")})
+json.dump({"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
+           "summary": summary, "runs": runs}, open(sys.argv[2], "w"), indent=1)
+for s in summary:
+    print(json.dumps(s))
+PY
