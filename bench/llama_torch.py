@@ -15,6 +15,7 @@ import shared_init
 
 PRESETS = {  # vocab, hidden, intermediate, layers, heads, kv heads, tied (bench-e2e's `preset`)
     "125m": (49152, 768, 2048, 12, 12, 4, True),
+    "smollm2": (49152, 576, 1536, 30, 9, 3, True),
     "1b": (128256, 2048, 8192, 16, 32, 8, True),
     "3b": (128256, 3072, 8192, 28, 24, 8, True),
     "8b": (128256, 4096, 14336, 32, 32, 8, False),

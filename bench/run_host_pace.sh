@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Device side of issue 37's first measurement, one call on one GPU: how far the host paces our
-# step, and whether letting it run further ahead of the GPU (`burn_zero.flush_interval`,
-# bench-e2e --flush-interval) closes part of the gap. For each case SIZE:MICRO:SEQ:STAGE, ours
-# at every interval of FLUSH (default "64 1024 8192"; 64 is cubecl's), then PyTorch on the same
-# model, weights and tokens: FSDP2 on one GPU (bench/e2e_fsdp2.py) and eager torch
-# (bench/e2e_eager.py; EAGER_COMPILE=1 adds a torch.compile row). Each run's GPU busy fraction
-# is nvidia-smi's utilization.gpu averaged over its timed steps.
+# Device side of issue 37's measurements, one call on one GPU: our step beside PyTorch's on the
+# same model, weights and tokens. For each case SIZE:MICRO:SEQ:STAGE: ours (bench-e2e, with
+# OURS_ARGS if set; FLUSH="64 1024 ..." runs it once per `--flush-interval`, a binary of 0ae6c26
+# only), FSDP2 on one GPU (bench/e2e_fsdp2.py) and eager torch (bench/e2e_eager.py;
+# EAGER_COMPILE=1 adds a torch.compile row). Each run's GPU busy fraction is nvidia-smi's
+# utilization.gpu averaged over its timed steps (coarse: a sample covers 1/6 to 1 s); with
+# NSYS_CASES (cases of the list) ours and eager torch run again under Nsight Systems, and the busy
+# fraction is the union of their kernels and copies over the timed steps (bench/nsys_busy.py).
 #   bash bench/run_host_pace.sh KIND ["1b:2:1024:2 125m:32:256:2"]   (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, RUN_TIMEOUT)
 source bench/prelude.sh "$1"
@@ -54,10 +55,13 @@ PY
 }
 for c in $cases; do
   IFS=: read -r size micro seq stage <<< "$c"
-  for f in ${FLUSH:-64 1024 8192}; do
+  for f in ${FLUSH:-default}; do
     port=$((port + 1))
-    measure "ours-$size-f$f" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
-      -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" --flush-interval "$f"
+    flush=(); tag="ours-$size"
+    [ "$f" = default ] || { flush=(--flush-interval "$f"); tag="ours-$size-f$f"; }
+    # shellcheck disable=SC2086
+    measure "$tag" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
+      -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" ${OURS_ARGS:-}
   done
   port=$((port + 1))
   measure "fsdp2-$size" "$c" torchrun --nproc-per-node 1 --master-port "$port" \
@@ -68,9 +72,36 @@ for c in $cases; do
       "$seq" --compile 1
   fi
 done
+nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+echo "nsys: ${nsys:-not found}"
+for c in ${NSYS_CASES:-}; do
+  [ -n "$nsys" ] || break
+  IFS=: read -r size micro seq stage <<< "$c"
+  port=$((port + 1))
+  for sys in ours eager; do
+    if [ $sys = ours ]; then
+      cmd=(.gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" -- .gpu/bin/bench-e2e)
+    else
+      cmd=(python3 bench/e2e_eager.py)
+    fi
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=0 timeout "${RUN_TIMEOUT:-150}" "$nsys" profile -t cuda --sample none \
+      --cpuctxsw none -o "/tmp/nsys-$sys-$size" -f true "${cmd[@]}" "$size" "$stage" "$steps" \
+      "$micro" "$seq" $([ $sys = ours ] && echo "${OURS_ARGS:-}") \
+      > "/tmp/nsys-$sys-$size.out" 2> "$out/nsys-$sys-$size.log"
+    echo "nsys $sys $size: exit $?"
+    "$nsys" stats --report cuda_gpu_trace --format csv -o "/tmp/nsys-$sys-$size" \
+      "/tmp/nsys-$sys-$size.nsys-rep" > /dev/null 2>> "$out/nsys-$sys-$size.log"
+    python3 bench/nsys_busy.py "/tmp/nsys-$sys-${size}_cuda_gpu_trace.csv" "/tmp/nsys-$sys-$size.out" \
+      | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2]); print(json.dumps(d))' \
+        "nsys-$sys-$size" "$c" | tee -a /tmp/pace-nsys.jsonl
+  done
+done
+[ -f /tmp/pace-nsys.jsonl ] || : > /tmp/pace-nsys.jsonl
 python3 - "$kind" "$out/host-pace-$kind.json" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open("/tmp/pace.jsonl")]
+nsys_runs = [json.loads(l) for l in open("/tmp/pace-nsys.jsonl") if l.strip()]
 summary = []
 for case in dict.fromkeys(r["case"] for r in runs):
     rows = [r for r in runs if r["case"] == case]
@@ -84,7 +115,7 @@ for case in dict.fromkeys(r["case"] for r in runs):
                         "final_loss": (r.get("losses") or [None])[-1],
                         "peak_gpu_mib": r.get("peak_gpu_mib")})
 json.dump({"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
-           "summary": summary, "runs": runs}, open(sys.argv[2], "w"), indent=1)
-for s in summary:
+           "summary": summary, "nsys_busy": nsys_runs, "runs": runs}, open(sys.argv[2], "w"), indent=1)
+for s in summary + nsys_runs:
     print(json.dumps(s))
 PY

@@ -109,20 +109,6 @@ pub enum MemoryPoolError {
         /// What the device has.
         current: String,
     },
-    /// The device was used before: its streams' flush interval is fixed.
-    #[error(
-        "CUDA device {device} was used before `burn_zero.flush_interval` = {wanted} could be \
-         set: it keeps {current}. Call `burn_zero::backend::configure_device` before the first \
-         tensor on the device (before building the model)"
-    )]
-    FlushIntervalFixed {
-        /// The device index.
-        device: usize,
-        /// The interval asked for.
-        wanted: u32,
-        /// What the device has.
-        current: u32,
-    },
 }
 
 #[cfg(feature = "cuda")]
@@ -132,7 +118,7 @@ mod cuda {
     use cubecl_runtime::memory_management::{MemoryConfiguration, MemoryPoolOptions, PoolType};
 
     use super::{MemoryPoolError, PoolSpec, fitted_pools};
-    use crate::config::{BurnZeroConfig, DEFAULT_FLUSH_INTERVAL, MemoryPoolLayout};
+    use crate::config::MemoryPoolLayout;
 
     /// cubecl-cuda's memory alignment (`mem_alignment` in its runtime).
     const CUDA_ALIGNMENT: u64 = 512;
@@ -140,8 +126,6 @@ mod cuda {
     /// The layout each device index was given: the device's pools are process-wide, like the
     /// device itself, so this records them rather than choosing for any engine.
     static SET: Mutex<Vec<(usize, MemoryPoolLayout)>> = Mutex::new(Vec::new());
-    /// The flush interval each device index was given (cubecl's default otherwise).
-    static FLUSH: Mutex<Vec<(usize, u32)>> = Mutex::new(Vec::new());
 
     fn options(layout: MemoryPoolLayout) -> MemoryConfiguration {
         match layout {
@@ -218,59 +202,20 @@ mod cuda {
         set.push((device, layout));
         Ok(())
     }
-
-    /// The flush interval CUDA device `device` has or will have (`burn_zero.flush_interval`).
-    pub fn flush_interval_of(device: usize) -> u32 {
-        let set = FLUSH.lock().unwrap_or_else(|e| e.into_inner());
-        set.iter()
-            .find(|(d, _)| *d == device)
-            .map_or(DEFAULT_FLUSH_INTERVAL, |(_, n)| *n)
-    }
-
-    /// Sets CUDA device `device`'s flush interval (`burn_zero.flush_interval`); must come
-    /// before the device's first use. Setting the interval it already has is not an error.
-    pub fn configure_flush_interval(device: usize, launches: u32) -> Result<(), MemoryPoolError> {
-        let current = flush_interval_of(device);
-        if current == launches {
-            return Ok(());
-        }
-        if !cubecl::cuda::set_flush_interval(device, launches) {
-            return Err(MemoryPoolError::FlushIntervalFixed {
-                device,
-                wanted: launches,
-                current,
-            });
-        }
-        let mut set = FLUSH.lock().unwrap_or_else(|e| e.into_inner());
-        set.retain(|(d, _)| *d != device);
-        set.push((device, launches));
-        Ok(())
-    }
-
-    /// Everything `config` fixes at CUDA device `device`'s first use (`memory_pool`,
-    /// `flush_interval`): what a program calls before it builds its model on the device.
-    pub fn configure_device(device: usize, config: &BurnZeroConfig) -> Result<(), MemoryPoolError> {
-        configure_memory_pool(device, config.memory_pool)?;
-        configure_flush_interval(device, config.flush_interval)
-    }
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::{
-    configure_device, configure_flush_interval, configure_memory_pool, flush_interval_of,
-    keep_released_memory, memory_pool_of,
-};
+pub use cuda::{configure_memory_pool, keep_released_memory, memory_pool_of};
 
-/// For an engine on `device`: sets what `config` fixes at a CUDA device's first use
-/// ([`configure_device`]) if it is one not yet used; an error when it is one where those are
-/// fixed otherwise. Other devices: nothing.
+/// For an engine on `device`: lays out its pools as `layout` if it is a CUDA device not yet
+/// used; an error when it is one whose pools are fixed otherwise. Other devices: nothing.
 #[cfg(feature = "cuda")]
-pub(crate) fn ensure_device_setup<D: core::any::Any>(
+pub(crate) fn ensure_memory_pool<D: core::any::Any>(
     device: &D,
-    config: &crate::config::BurnZeroConfig,
+    layout: MemoryPoolLayout,
 ) -> Result<(), MemoryPoolError> {
     match cuda_index(device) {
-        Some(index) => configure_device(index, config),
+        Some(index) => configure_memory_pool(index, layout),
         None => Ok(()),
     }
 }

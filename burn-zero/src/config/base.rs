@@ -163,12 +163,6 @@ pub struct BurnZeroConfig {
     /// fixed when the device is first used, so set before the model is built (see
     /// `burn_zero::backend::configure_memory_pool`).
     pub memory_pool: MemoryPoolLayout,
-    /// `flush_interval`: on CUDA, launches that stage an upload (most launches: their shapes
-    /// and strides) between the host fences at which cubecl frees the staging memory (default
-    /// 64, cubecl's). Each fence waits for the one before, so the host runs at most about two
-    /// intervals of launches ahead of the GPU; a larger interval lets it bank more work while
-    /// the GPU is busy (issue 37). Fixed at the device's first use, like `memory_pool`.
-    pub flush_interval: u32,
     /// `release_cached_memory`: between forward, backward and the step the engine hands the
     /// device pools' free pages back (`Backend::memory_cleanup`), so a phase's freed
     /// temporaries do not stay reserved for sizes the next phase does not ask for.
@@ -229,9 +223,6 @@ impl Default for FusedKernelsConfig {
     }
 }
 
-/// cubecl-cuda's own `flush_interval` (its drop queue's default policy).
-pub const DEFAULT_FLUSH_INTERVAL: u32 = 64;
-
 /// `burn_zero.memory_pool`: the pools cubecl's CUDA runtime reserves device memory through.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -256,7 +247,6 @@ impl Default for BurnZeroConfig {
             fused_adam: true,
             flash_attention: None,
             memory_pool: MemoryPoolLayout::default(),
-            flush_interval: DEFAULT_FLUSH_INTERVAL,
             release_cached_memory: false,
             attention_tensor_cores: true,
             attention_register_scores: true,

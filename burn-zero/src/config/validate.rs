@@ -136,12 +136,6 @@ pub(super) fn validate(c: &DeepSpeedConfig, warnings: &mut Vec<String>) -> Resul
         }
     }
     check(
-        c.burn_zero.flush_interval >= 1,
-        "burn_zero.flush_interval",
-        c.burn_zero.flush_interval,
-        "at least 1",
-    )?;
-    check(
         c.burn_zero.max_buffer_elements >= 1,
         "burn_zero.max_buffer_elements",
         c.burn_zero.max_buffer_elements,

@@ -3,8 +3,8 @@
 //! master weights, AdamW (β = 0.9/0.95, weight decay 0.1), clipping at 1.0, seeded random
 //! weights and tokens. One process per GPU:
 //!   burn-zero run --nproc-per-node N -- bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ]
-//! SIZE is `125m`, `1b`, `3b` (Llama-3.2 shapes, tied embeddings) or `8b` (Llama-3.1-8B,
-//! untied). Options after the positional ones: `--pool fitted|sliced|exclusive` (the CUDA
+//! SIZE is `125m`, `smollm2` (SmolLM2-135M's shape), `1b`, `3b` (Llama-3.2 shapes, tied
+//! embeddings) or `8b` (Llama-3.1-8B, untied). Options after the positional ones: `--pool fitted|sliced|exclusive` (the CUDA
 //! memory pools, `burn_zero.memory_pool`; default fitted) and `--init shared|burn` (shared:
 //! the weights `bench/shared_init.py` computes too, so the peers' losses compare step by step;
 //! burn: burn's own initializers, seeded) and `--loss chunked|full` (the output projection
@@ -25,9 +25,7 @@
 //! default 2: the first two compile kernels and tune matmuls; 0 times every step, for a model
 //! whose steps are too long to spare) and `--grad-accum-dtype fp32|bf16`
 //! (`data_types.grad_accum_dtype`, default fp32: gradients accumulated and reduced in bf16,
-//! and an offloaded optimizer's host gradient partition held in bf16) and `--flush-interval N`
-//! (`burn_zero.flush_interval`, default 64: launches between cubecl's host fences, how far
-//! the host may run ahead of the GPU). Rank 0 prints one
+//! and an offloaded optimizer's host gradient partition held in bf16). Rank 0 prints one
 //! JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
@@ -40,7 +38,7 @@ use burn::backend::Cuda;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_zero::DeepSpeedConfig;
-use burn_zero::backend::configure_device;
+use burn_zero::backend::configure_memory_pool;
 use burn_zero::backend::matmul::take_matmul_profile;
 use burn_zero::config::MemoryPoolLayout;
 use burn_zero::dist::init_nccl;
@@ -64,11 +62,16 @@ fn preset(size: &str) -> LlamaConfig {
     };
     let mut config = match base {
         "125m" => LlamaConfig::new(49152, 768, 2048, 12, 12, 4),
+        // SmolLM2-135M's shape, the fine-tuning recipe's model (deep and narrow: the most
+        // launches per FLOP of these).
+        "smollm2" => LlamaConfig::new(49152, 576, 1536, 30, 9, 3),
         "1b" => LlamaConfig::new(128256, 2048, 8192, 16, 32, 8),
         "3b" => LlamaConfig::new(128256, 3072, 8192, 28, 24, 8),
         "8b" => LlamaConfig::new(128256, 4096, 14336, 32, 32, 8).with_tie_embeddings(false),
         "70b" => LlamaConfig::new(128256, 8192, 28672, 80, 64, 8).with_tie_embeddings(false),
-        other => panic!("SIZE is 125m, 1b, 3b, 8b or 70b (optionally :LAYERS), not `{other}`"),
+        other => {
+            panic!("SIZE is 125m, smollm2, 1b, 3b, 8b or 70b (optionally :LAYERS), not `{other}`")
+        }
     };
     if let Some(n) = layers {
         config.num_layers = n;
@@ -177,7 +180,7 @@ fn main() {
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
                  [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--sub-group N] [--loss-rows N] \
                  [--deterministic 0|1] [--warmup N] [--grad-accum-dtype fp32|bf16] [--ckpt DIR --save-at N] [--resume DIR] \
-                 [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none] [--flush-interval N]";
+                 [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none]";
     let (args, options) = split_options(&args, usage);
     let pool = match option(&options, "pool") {
         None | Some("fitted") => MemoryPoolLayout::Fitted,
@@ -229,7 +232,6 @@ fn main() {
         Some("bf16") => r#", "data_types": {"grad_accum_dtype": "bf16"}"#,
         Some(other) => panic!("--grad-accum-dtype is fp32 or bf16, not `{other}`"),
     };
-    let flush_interval = count_option(&options, "flush-interval", 64);
     let deterministic = match option(&options, "deterministic") {
         None | Some("0") => false,
         Some("1") => true,
@@ -257,6 +259,8 @@ fn main() {
     let (env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let (rank, world) = (env.rank, env.world_size);
     let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
+    // The pools are fixed at the device's first use: before the model touches it.
+    configure_memory_pool(env.local_rank, pool).unwrap_or_else(|e| panic!("{e}"));
     let config = preset(&size);
     // E2E_PROFILE=FILE: the FLOPs profiler on step 3, its report written to FILE (rank 0).
     let profile = std::env::var("E2E_PROFILE").map_or(String::new(), |file| {
@@ -275,8 +279,7 @@ fn main() {
                 "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
                 "stage3_prefetch_bucket_size": {prefetch}{offload_param}{offload_optimizer}{sub_group}}},
             "burn_zero": {{"matmul": {{"cublaslt": true}}, "deterministic": {deterministic},
-                "memory_pool": "{pool_name}", "release_cached_memory": {release_cached},
-                "flush_interval": {flush_interval}}}
+                "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
                 {ac}{profile}{data_types}}}"#,
         ac = if checkpointing {
             r#", "activation_checkpointing": {"partition_activations": false}"#
@@ -286,9 +289,6 @@ fn main() {
         pool_name = format!("{pool:?}").to_lowercase()
     );
     let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
-    // The pools and the flush interval are fixed at the device's first use: before the model
-    // touches it.
-    configure_device(env.local_rank, &ds.burn_zero).unwrap_or_else(|e| panic!("{e}"));
     <Cuda as Backend>::seed(&device, 42);
     let model: Llama<B> = match (shared_init, stage) {
         (false, _) => config.init(&device),
@@ -399,7 +399,6 @@ fn main() {
                 "reduce_bucket_size": bucket, "prefetch_bucket_size": prefetch,
                 "release_cached_memory": release_cached,
                 "memory_pool": format!("{pool:?}").to_lowercase(),
-                "flush_interval": flush_interval,
                 "global_batch_tokens": micro * seq * world, "steps": steps, "warmup_steps": warmup,
                 "grad_accum_dtype": if data_types.is_empty() { "fp32" } else { "bf16" },
                 "median_step_s": median, "step_times_s": times,

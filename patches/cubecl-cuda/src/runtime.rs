@@ -64,35 +64,6 @@ pub fn set_memory_configuration(index: usize, config: MemoryConfiguration) -> bo
     true
 }
 
-static FLUSH_INTERVALS: std::sync::Mutex<Vec<(usize, u32)>> = std::sync::Mutex::new(Vec::new());
-
-/// Sets how many launches with staged uploads CUDA device `index`'s streams queue between the
-/// host fences that free their staging memory (burn-zero patch; upstream fixes 64, which keeps
-/// the host at most about two such intervals ahead of the GPU). Returns `false`, changing
-/// nothing, when the device's server already exists.
-pub fn set_flush_interval(index: usize, launches: u32) -> bool {
-    let initialized = INITIALIZED.lock().unwrap_or_else(|e| e.into_inner());
-    if initialized.contains(&index) {
-        return false;
-    }
-    let mut intervals = FLUSH_INTERVALS.lock().unwrap_or_else(|e| e.into_inner());
-    intervals.retain(|(i, _)| *i != index);
-    intervals.push((index, launches.max(1)));
-    true
-}
-
-fn flush_interval(index: usize) -> u32 {
-    let intervals = FLUSH_INTERVALS.lock().unwrap_or_else(|e| e.into_inner());
-    intervals
-        .iter()
-        .find(|(i, _)| *i == index)
-        .map_or(
-            cubecl_runtime::memory_management::drop_queue::FlushingPolicy::default()
-                .max_bytes_count,
-            |(_, launches)| *launches,
-        )
-}
-
 /// Whether CUDA device `index`'s server exists, its memory pools fixed (burn-zero patch).
 pub fn is_initialized(index: usize) -> bool {
     let initialized = INITIALIZED.lock().unwrap_or_else(|e| e.into_inner());
@@ -386,7 +357,6 @@ impl DeviceService for CudaServer {
             mem_alignment,
             device_id,
             utilities,
-            flush_interval(device.index),
         )
     }
 

@@ -220,9 +220,8 @@ fn run_cuda(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(),
     use burn::backend::cuda::CudaDevice;
     let (env, nccl) = burn_zero::dist::init_nccl().map_err(|e| e.to_string())?;
     let device = CudaDevice::new(env.local_rank);
-    // The device's pools and flush interval are fixed at its first use: before the model is
-    // loaded onto it.
-    burn_zero::backend::configure_device(env.local_rank, &config.burn_zero)
+    // The device's pools are fixed at its first use: before the model is loaded onto it.
+    burn_zero::backend::configure_memory_pool(env.local_rank, config.burn_zero.memory_pool)
         .map_err(|e| e.to_string())?;
     let lead = env.rank == 0;
     let Loaded {

@@ -40,8 +40,6 @@ pub struct CudaStreamBackend {
     mem_config: MemoryConfiguration,
     mem_alignment: usize,
     logger: Arc<ServerLogger>,
-    /// burn-zero patch: launches with staged uploads between the drop queue's host fences.
-    flush_interval: u32,
 }
 
 impl EventStreamBackend for CudaStreamBackend {
@@ -80,10 +78,7 @@ impl EventStreamBackend for CudaStreamBackend {
             memory_management_gpu,
             memory_management_cpu,
             errors: Vec::new(),
-            drop_queue: drop_queue::PendingDropQueue::new(drop_queue::FlushingPolicy {
-                max_bytes_count: self.flush_interval,
-                ..Default::default()
-            }),
+            drop_queue: Default::default(),
         }
     }
 

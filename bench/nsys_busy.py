@@ -1,0 +1,45 @@
+"""GPU busy fraction of a run's timed steps from an Nsight Systems trace (issue 37).
+    python3 bench/nsys_busy.py TRACE.csv RUN.json
+TRACE.csv is `nsys stats --report cuda_gpu_trace --format csv` of the run (kernels, copies and
+memsets, each with its start and duration); RUN.json is the JSON line the run printed (its
+`step_times_s`, the timed steps, which are the last ones). The window is the last sum(step
+times) seconds before the last GPU activity, the busy time the union of the activities' intervals
+inside it. Prints one JSON object."""
+import csv
+import json
+import sys
+
+
+def main():
+    trace, run_file = sys.argv[1], sys.argv[2]
+    line = [l for l in open(run_file) if "{" in l][-1]
+    run = json.loads(line[line.index("{"):])
+    timed_ns = sum(run["step_times_s"]) * 1e9
+    spans = []
+    with open(trace) as f:
+        rows = [r for r in f if r.strip() and not r.startswith("Generating")]
+    for r in csv.DictReader(rows):
+        try:
+            start = float(r["Start (ns)"])
+            spans.append((start, start + float(r["Duration (ns)"])))
+        except (KeyError, ValueError):
+            continue
+    if not spans:
+        print(json.dumps({"error": "no GPU activity in the trace"}))
+        return
+    end = max(e for _, e in spans)
+    begin = end - timed_ns
+    busy, cursor = 0.0, begin
+    for s, e in sorted(spans):
+        s, e = max(s, cursor), min(e, end)
+        if e > s:
+            busy += e - s
+            cursor = e
+    inside = sum(1 for s, e in spans if e > begin)
+    print(json.dumps({"gpu_busy_nsys": busy / timed_ns, "window_s": timed_ns / 1e9,
+                      "activities_in_window": inside,
+                      "activities_per_step": inside / max(len(run["step_times_s"]), 1)}))
+
+
+if __name__ == "__main__":
+    main()
