@@ -22,7 +22,9 @@ for bin in "$@"; do
 done
 [ ${#args[@]} -eq 0 ] || cargo build --release -p burn-zero-examples --features "$features" "${args[@]}"
 # The launcher and `burn-zero report` travel too.
-cargo build --release -p burn-zero --features "${GPU_FEATURES:-cuda}" --bin burn-zero
+# (with the features burn-zero has: `host-profile` is the examples' own)
+launcher_features=$(echo "$features" | tr ' ,' '\n\n' | grep -vx 'host-profile' | paste -sd' ')
+cargo build --release -p burn-zero --features "${launcher_features:-cuda}" --bin burn-zero
 mkdir -p .gpu/bin
 rm -f .gpu/bin/*
 for bin in burn-zero "$@"; do

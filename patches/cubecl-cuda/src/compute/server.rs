@@ -542,6 +542,7 @@ impl CudaServer {
         mem_alignment: usize,
         device_id: DeviceId,
         utilities: ServerUtilities<Self>,
+        pinned_config: MemoryConfiguration,
     ) -> Self {
         let config = CubeClRuntimeConfig::get();
         let max_streams = config.streaming.max_streams;
@@ -563,6 +564,7 @@ impl CudaServer {
                     mem_config,
                     mem_alignment,
                     utilities.logger.clone(),
+                    pinned_config,
                 ),
                 max_streams,
             ),

@@ -40,6 +40,8 @@ pub struct CudaStreamBackend {
     mem_config: MemoryConfiguration,
     mem_alignment: usize,
     logger: Arc<ServerLogger>,
+    /// burn-zero patch: the pools of the page-locked staging memory (upstream: `mem_config`).
+    pinned_config: MemoryConfiguration,
 }
 
 impl EventStreamBackend for CudaStreamBackend {
@@ -68,7 +70,7 @@ impl EventStreamBackend for CudaStreamBackend {
                 max_page_size: self.mem_props.max_page_size,
                 alignment: PINNED_MEMORY_ALIGNMENT as u64,
             },
-            self.mem_config.clone(),
+            self.pinned_config.clone(),
             self.logger.clone(),
             MemoryManagementOptions::new("Pinned CPU Memory").mode(MemoryAllocationMode::Auto),
         );
