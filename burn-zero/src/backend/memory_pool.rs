@@ -118,7 +118,7 @@ mod cuda {
     use cubecl_runtime::memory_management::{MemoryConfiguration, MemoryPoolOptions, PoolType};
 
     use super::{MemoryPoolError, PoolSpec, fitted_pools};
-    use crate::config::{BurnZeroConfig, MemoryPoolLayout, PinnedPoolLayout};
+    use crate::config::MemoryPoolLayout;
 
     /// cubecl-cuda's memory alignment (`mem_alignment` in its runtime).
     const CUDA_ALIGNMENT: u64 = 512;
@@ -202,37 +202,20 @@ mod cuda {
         set.push((device, layout));
         Ok(())
     }
-
-    /// Everything `config` fixes at CUDA device `device`'s first use: its pools
-    /// (`memory_pool`) and those of its page-locked staging memory (`pinned_pool`). What a
-    /// program calls before it builds its model on the device.
-    pub fn configure_device(device: usize, config: &BurnZeroConfig) -> Result<(), MemoryPoolError> {
-        let fresh = !cubecl::cuda::is_initialized(device);
-        configure_memory_pool(device, config.memory_pool)?;
-        if fresh {
-            let pinned = match config.pinned_pool {
-                PinnedPoolLayout::Exclusive => MemoryConfiguration::ExclusivePages,
-                PinnedPoolLayout::Device => options(config.memory_pool),
-            };
-            cubecl::cuda::set_pinned_memory_configuration(device, pinned);
-        }
-        Ok(())
-    }
 }
 
 #[cfg(feature = "cuda")]
-pub use cuda::{configure_device, configure_memory_pool, keep_released_memory, memory_pool_of};
+pub use cuda::{configure_memory_pool, keep_released_memory, memory_pool_of};
 
-/// For an engine on `device`: sets what `config` fixes at a CUDA device's first use
-/// ([`configure_device`]) if it is one not yet used; an error when it is one whose pools are
-/// fixed otherwise. Other devices: nothing.
+/// For an engine on `device`: lays out its pools as `layout` if it is a CUDA device not yet
+/// used; an error when it is one whose pools are fixed otherwise. Other devices: nothing.
 #[cfg(feature = "cuda")]
-pub(crate) fn ensure_device_setup<D: core::any::Any>(
+pub(crate) fn ensure_memory_pool<D: core::any::Any>(
     device: &D,
-    config: &crate::config::BurnZeroConfig,
+    layout: MemoryPoolLayout,
 ) -> Result<(), MemoryPoolError> {
     match cuda_index(device) {
-        Some(index) => configure_device(index, config),
+        Some(index) => configure_memory_pool(index, layout),
         None => Ok(()),
     }
 }

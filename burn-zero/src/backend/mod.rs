@@ -32,7 +32,7 @@ pub(crate) mod view;
 
 pub use base::ZeroBackend;
 #[cfg(feature = "cuda")]
-pub use memory_pool::{configure_device, configure_memory_pool, memory_pool_of};
+pub use memory_pool::{configure_memory_pool, memory_pool_of};
 #[cfg(feature = "zero3")]
 pub use sharded::{GathererGuard, ParamGatherer, PartitionSource, ShardedParam, install_gatherer};
 pub use tensor::ZeroTensor;

@@ -163,12 +163,6 @@ pub struct BurnZeroConfig {
     /// fixed when the device is first used, so set before the model is built (see
     /// `burn_zero::backend::configure_memory_pool`).
     pub memory_pool: MemoryPoolLayout,
-    /// `pinned_pool`: how the CUDA device's page-locked staging memory is pooled (default
-    /// `exclusive`). Every launch uploads its shapes and strides through it; in pages sliced
-    /// among many such uploads, reserving and freeing a slice searches the page, which took a
-    /// sixth of cubecl's launch thread on a small model (issue 37). Fixed at the device's
-    /// first use, like `memory_pool`.
-    pub pinned_pool: PinnedPoolLayout,
     /// `release_cached_memory`: between forward, backward and the step the engine hands the
     /// device pools' free pages back (`Backend::memory_cleanup`), so a phase's freed
     /// temporaries do not stay reserved for sizes the next phase does not ask for.
@@ -229,17 +223,6 @@ impl Default for FusedKernelsConfig {
     }
 }
 
-/// `burn_zero.pinned_pool`: the pools of the CUDA device's page-locked staging memory.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PinnedPoolLayout {
-    /// cubecl's `ExclusivePages`: one page per buffer in size classes, no slice search.
-    #[default]
-    Exclusive,
-    /// The device pools' layout (`memory_pool`), as cubecl does.
-    Device,
-}
-
 /// `burn_zero.memory_pool`: the pools cubecl's CUDA runtime reserves device memory through.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -264,7 +247,6 @@ impl Default for BurnZeroConfig {
             fused_adam: true,
             flash_attention: None,
             memory_pool: MemoryPoolLayout::default(),
-            pinned_pool: PinnedPoolLayout::default(),
             release_cached_memory: false,
             attention_tensor_cores: true,
             attention_register_scores: true,

@@ -58,9 +58,10 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         crate::log::info(&format!("{summary}\n  model on {device:?}"));
     }
     #[cfg(feature = "cuda")]
-    if let Err(e) =
-        crate::backend::memory_pool::ensure_device_setup(&device, &resolved.config.burn_zero)
-        && comm.rank() == 0
+    if let Err(e) = crate::backend::memory_pool::ensure_memory_pool(
+        &device,
+        resolved.config.burn_zero.memory_pool,
+    ) && comm.rank() == 0
     {
         crate::log::warn(&e.to_string());
     }

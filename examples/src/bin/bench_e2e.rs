@@ -25,8 +25,7 @@
 //! default 2: the first two compile kernels and tune matmuls; 0 times every step, for a model
 //! whose steps are too long to spare) and `--grad-accum-dtype fp32|bf16`
 //! (`data_types.grad_accum_dtype`, default fp32: gradients accumulated and reduced in bf16,
-//! and an offloaded optimizer's host gradient partition held in bf16) and `--pinned-pool
-//! exclusive|device` (`burn_zero.pinned_pool`, default exclusive). Rank 0 prints one
+//! and an offloaded optimizer's host gradient partition held in bf16). Rank 0 prints one
 //! JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
@@ -39,7 +38,7 @@ use burn::backend::Cuda;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_zero::DeepSpeedConfig;
-use burn_zero::backend::configure_device;
+use burn_zero::backend::configure_memory_pool;
 use burn_zero::backend::matmul::take_matmul_profile;
 use burn_zero::config::MemoryPoolLayout;
 use burn_zero::dist::init_nccl;
@@ -181,7 +180,7 @@ fn main() {
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
                  [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--sub-group N] [--loss-rows N] \
                  [--deterministic 0|1] [--warmup N] [--grad-accum-dtype fp32|bf16] [--ckpt DIR --save-at N] [--resume DIR] \
-                 [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none] [--pinned-pool exclusive|device]";
+                 [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none]";
     let (args, options) = split_options(&args, usage);
     let pool = match option(&options, "pool") {
         None | Some("fitted") => MemoryPoolLayout::Fitted,
@@ -233,11 +232,6 @@ fn main() {
         Some("bf16") => r#", "data_types": {"grad_accum_dtype": "bf16"}"#,
         Some(other) => panic!("--grad-accum-dtype is fp32 or bf16, not `{other}`"),
     };
-    let pinned_pool = match option(&options, "pinned-pool") {
-        None | Some("exclusive") => "exclusive",
-        Some("device") => "device",
-        Some(other) => panic!("--pinned-pool is exclusive or device, not `{other}`"),
-    };
     let deterministic = match option(&options, "deterministic") {
         None | Some("0") => false,
         Some("1") => true,
@@ -265,6 +259,8 @@ fn main() {
     let (env, nccl) = init_nccl().unwrap_or_else(|e| panic!("{e}"));
     let (rank, world) = (env.rank, env.world_size);
     let device = burn::backend::cuda::CudaDevice::new(env.local_rank);
+    // The pools are fixed at the device's first use: before the model touches it.
+    configure_memory_pool(env.local_rank, pool).unwrap_or_else(|e| panic!("{e}"));
     let config = preset(&size);
     // E2E_PROFILE=FILE: the FLOPs profiler on step 3, its report written to FILE (rank 0).
     let profile = std::env::var("E2E_PROFILE").map_or(String::new(), |file| {
@@ -283,8 +279,7 @@ fn main() {
                 "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
                 "stage3_prefetch_bucket_size": {prefetch}{offload_param}{offload_optimizer}{sub_group}}},
             "burn_zero": {{"matmul": {{"cublaslt": true}}, "deterministic": {deterministic},
-                "memory_pool": "{pool_name}", "release_cached_memory": {release_cached},
-                "pinned_pool": "{pinned_pool}"}}
+                "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
                 {ac}{profile}{data_types}}}"#,
         ac = if checkpointing {
             r#", "activation_checkpointing": {"partition_activations": false}"#
@@ -294,8 +289,6 @@ fn main() {
         pool_name = format!("{pool:?}").to_lowercase()
     );
     let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
-    // The pools are fixed at the device's first use: before the model touches it.
-    configure_device(env.local_rank, &ds.burn_zero).unwrap_or_else(|e| panic!("{e}"));
     <Cuda as Backend>::seed(&device, 42);
     let model: Llama<B> = match (shared_init, stage) {
         (false, _) => config.init(&device),
@@ -406,7 +399,6 @@ fn main() {
                 "reduce_bucket_size": bucket, "prefetch_bucket_size": prefetch,
                 "release_cached_memory": release_cached,
                 "memory_pool": format!("{pool:?}").to_lowercase(),
-                "pinned_pool": pinned_pool,
                 "global_batch_tokens": micro * seq * world, "steps": steps, "warmup_steps": warmup,
                 "grad_accum_dtype": if data_types.is_empty() { "fp32" } else { "bf16" },
                 "median_step_s": median, "step_times_s": times,

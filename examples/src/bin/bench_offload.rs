@@ -84,7 +84,8 @@ fn main() {
     let config = DeepSpeedConfig::from_json(&json).expect("config").config;
     // The config's pools (fitted by default) before the model is built on the device, as a
     // user does (otherwise the device keeps cubecl's and `initialize` warns).
-    burn_zero::backend::configure_device(0, &config.burn_zero).unwrap_or_else(|e| panic!("{e}"));
+    burn_zero::backend::configure_memory_pool(0, config.burn_zero.memory_pool)
+        .unwrap_or_else(|e| panic!("{e}"));
     type B = ZeroAutodiff<Cuda>;
     // Seeded: runs with and without offload start from the same weights and see the same
     // inputs, so their losses can be compared.

@@ -64,23 +64,6 @@ pub fn set_memory_configuration(index: usize, config: MemoryConfiguration) -> bo
     true
 }
 
-static PINNED_CONFIGS: std::sync::Mutex<Vec<(usize, MemoryConfiguration)>> =
-    std::sync::Mutex::new(Vec::new());
-
-/// Sets the pools of CUDA device `index`'s page-locked staging memory, through which every
-/// launch uploads its metadata (burn-zero patch; upstream gives them the device's own pools).
-/// Returns `false`, changing nothing, when the device's server already exists.
-pub fn set_pinned_memory_configuration(index: usize, config: MemoryConfiguration) -> bool {
-    let initialized = INITIALIZED.lock().unwrap_or_else(|e| e.into_inner());
-    if initialized.contains(&index) {
-        return false;
-    }
-    let mut configs = PINNED_CONFIGS.lock().unwrap_or_else(|e| e.into_inner());
-    configs.retain(|(i, _)| *i != index);
-    configs.push((index, config));
-    true
-}
-
 /// Whether CUDA device `index`'s server exists, its memory pools fixed (burn-zero patch).
 pub fn is_initialized(index: usize) -> bool {
     let initialized = INITIALIZED.lock().unwrap_or_else(|e| e.into_inner());
@@ -367,12 +350,6 @@ impl DeviceService for CudaServer {
         let policy = PitchedMemoryLayoutPolicy::new(device_props.memory.alignment as usize);
         let utilities = ServerUtilities::new(device_props, logger, (), policy);
 
-        let pinned_config = PINNED_CONFIGS
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .find(|(i, _)| *i == device.index)
-            .map_or_else(|| options.memory_config.clone(), |(_, c)| c.clone());
         CudaServer::new(
             cuda_ctx,
             mem_properties,
@@ -380,7 +357,6 @@ impl DeviceService for CudaServer {
             mem_alignment,
             device_id,
             utilities,
-            pinned_config,
         )
     }
 

@@ -221,7 +221,7 @@ fn run_cuda(args: &Args, config: &DeepSpeedConfig, start: Instant) -> Result<(),
     let (env, nccl) = burn_zero::dist::init_nccl().map_err(|e| e.to_string())?;
     let device = CudaDevice::new(env.local_rank);
     // The device's pools are fixed at its first use: before the model is loaded onto it.
-    burn_zero::backend::configure_device(env.local_rank, &config.burn_zero)
+    burn_zero::backend::configure_memory_pool(env.local_rank, config.burn_zero.memory_pool)
         .map_err(|e| e.to_string())?;
     let lead = env.rank == 0;
     let Loaded {

@@ -542,7 +542,6 @@ impl CudaServer {
         mem_alignment: usize,
         device_id: DeviceId,
         utilities: ServerUtilities<Self>,
-        pinned_config: MemoryConfiguration,
     ) -> Self {
         let config = CubeClRuntimeConfig::get();
         let max_streams = config.streaming.max_streams;
@@ -564,7 +563,6 @@ impl CudaServer {
                     mem_config,
                     mem_alignment,
                     utilities.logger.clone(),
-                    pinned_config,
                 ),
                 max_streams,
             ),

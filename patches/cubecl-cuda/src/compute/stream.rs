@@ -40,8 +40,6 @@ pub struct CudaStreamBackend {
     mem_config: MemoryConfiguration,
     mem_alignment: usize,
     logger: Arc<ServerLogger>,
-    /// burn-zero patch: the pools of the page-locked staging memory (upstream: `mem_config`).
-    pinned_config: MemoryConfiguration,
 }
 
 impl EventStreamBackend for CudaStreamBackend {
@@ -70,7 +68,7 @@ impl EventStreamBackend for CudaStreamBackend {
                 max_page_size: self.mem_props.max_page_size,
                 alignment: PINNED_MEMORY_ALIGNMENT as u64,
             },
-            self.pinned_config.clone(),
+            self.mem_config.clone(),
             self.logger.clone(),
             MemoryManagementOptions::new("Pinned CPU Memory").mode(MemoryAllocationMode::Auto),
         );
