@@ -8,7 +8,7 @@
 # NSYS_CASES (cases of the list) ours and eager torch run again under Nsight Systems, and the busy
 # fraction is the union of their kernels and copies over the timed steps (bench/nsys_busy.py).
 #   bash bench/run_host_pace.sh KIND ["1b:2:1024:2 125m:32:256:2"]   (carry [".gpu"], staged by
-#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, RUN_TIMEOUT)
+#   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, RUN_TIMEOUT, REPEATS)
 source bench/prelude.sh "$1"
 cases="${2:-1b:2:1024:2 125m:32:256:2}"
 steps="${STEPS:-12}"
@@ -53,24 +53,30 @@ run.update({"tag": tag, "case": case, "exit": rc})
 print(json.dumps(run))
 PY
 }
+# REPEATS=N runs every system of a case N times, interleaved (ours, FSDP2, eager, ... then
+# again), so a drift of the machine during the call falls on all of them; the summary gives each
+# system's median over its repeats beside the spread.
+for r in $(seq 1 "${REPEATS:-1}"); do
+rep=$([ "${REPEATS:-1}" -gt 1 ] && echo "-r$r")
 for c in $cases; do
   IFS=: read -r size micro seq stage <<< "$c"
   for f in ${FLUSH:-default}; do
     port=$((port + 1))
-    flush=(); tag="ours-$size"
-    [ "$f" = default ] || { flush=(--flush-interval "$f"); tag="ours-$size-f$f"; }
+    flush=(); tag="ours-$size$rep"
+    [ "$f" = default ] || { flush=(--flush-interval "$f"); tag="ours-$size-f$f$rep"; }
     # shellcheck disable=SC2086
     measure "$tag" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
       -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" ${OURS_ARGS:-}
   done
   port=$((port + 1))
-  measure "fsdp2-$size" "$c" torchrun --nproc-per-node 1 --master-port "$port" \
+  measure "fsdp2-$size$rep" "$c" torchrun --nproc-per-node 1 --master-port "$port" \
     bench/e2e_fsdp2.py "$size" "$stage" "$steps" "$micro" "$seq"
-  measure "eager-$size" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" "$micro" "$seq"
+  measure "eager-$size$rep" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" "$micro" "$seq"
   if [ -n "${EAGER_COMPILE:-}" ]; then
-    measure "compile-$size" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" "$micro" \
-      "$seq" --compile 1
+    measure "compile-$size$rep" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" \
+      "$micro" "$seq" --compile 1
   fi
+done
 done
 nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
 echo "nsys: ${nsys:-not found}"
@@ -114,8 +120,25 @@ for case in dict.fromkeys(r["case"] for r in runs):
                         "gpu_busy_smi": r.get("gpu_busy_smi"), "median_step_s": r.get("median_step_s"),
                         "final_loss": (r.get("losses") or [None])[-1],
                         "peak_gpu_mib": r.get("peak_gpu_mib")})
+# Over the repeats (tags ending in -rN): each system's median tokens/s, its spread, and the
+# ratio of medians to eager torch's.
+import re, statistics
+by_system = {}
+for r in runs:
+    if r.get("tokens_per_s_per_gpu"):
+        system = re.sub(r"-r[0-9]+$", "", r["tag"])
+        by_system.setdefault((r["case"], system), []).append(r["tokens_per_s_per_gpu"])
+repeats = []
+for (case, system), values in by_system.items():
+    eager = by_system.get((case, next((s for c, s in by_system if c == case
+                                        and s.startswith("eager-")), "")), [])
+    median = statistics.median(values)
+    repeats.append({"case": case, "system": system, "runs": len(values),
+                    "median_tokens_per_s": median, "min": min(values), "max": max(values),
+                    "over_eager_torch_median": median / statistics.median(eager) if eager else None})
 json.dump({"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
-           "summary": summary, "nsys_busy": nsys_runs, "runs": runs}, open(sys.argv[2], "w"), indent=1)
-for s in summary + nsys_runs:
+           "summary": summary, "over_repeats": repeats, "nsys_busy": nsys_runs, "runs": runs},
+          open(sys.argv[2], "w"), indent=1)
+for s in summary + repeats + nsys_runs:
     print(json.dumps(s))
 PY
