@@ -77,6 +77,9 @@ const ADAMW: &str =
 const ADAM_L2: &str =
     r#"{"type": "Adam", "params": {"lr": 0.02, "weight_decay": 0.05, "adam_w_mode": false}}"#;
 const SGD: &str = r#"{"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": true}}"#;
+/// bf16 training with gradients accumulated in bf16: the host gradient partition is bf16.
+const BF16_ACCUM: &str =
+    r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
 
 #[derive(Debug, PartialEq)]
 struct Run {
@@ -263,7 +266,6 @@ fn gradient_buffers_in_pieces_change_nothing() {
 #[test]
 fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
     let bf16 = r#", "bf16": {"enabled": true}"#;
-    let bf16_accum = r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
     let fp16 = r#", "fp16": {"enabled": true, "initial_scale_power": 12}"#;
     let fp16_accum = r#", "fp16": {"enabled": true, "initial_scale_power": 12}, "data_types": {"grad_accum_dtype": "fp16"}"#;
     let cases = [
@@ -273,8 +275,8 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
         (3, 3, bf16),
         (2, 3, fp16),
         (3, 2, fp16),
-        (2, 2, bf16_accum),
-        (3, 3, bf16_accum),
+        (2, 2, BF16_ACCUM),
+        (3, 3, BF16_ACCUM),
         (2, 3, fp16_accum),
         (3, 2, fp16_accum),
     ];
@@ -293,7 +295,7 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
             assert!(h.host_grads > 0 && h.device_grads == 0, "{what}: {h:?}");
         }
         // The swap files' step reads the bf16 partition too.
-        if extra == bf16_accum {
+        if extra == BF16_ACCUM {
             for (d, n) in device.iter().zip(&run(Place::Nvme)) {
                 assert_eq!(d.losses, n.losses, "{what}, swap files: losses");
                 assert!(d.params == n.params, "{what}, swap files: parameters");
@@ -303,7 +305,7 @@ fn gradients_in_host_memory_train_bit_for_bit_without_clipping() {
     }
     for stage in [2, 3] {
         assert_eq!(
-            2 * host_grads[&(stage, bf16_accum)],
+            2 * host_grads[&(stage, BF16_ACCUM)],
             host_grads[&(stage, bf16)],
             "stage {stage}: a bf16 partition holds half the bytes"
         );
@@ -523,13 +525,11 @@ fn offloaded_parameters_train_the_same_at_stage_3() {
             "offload_param": {param_place}}}"#
         );
         let on_host = param_place.contains("cpu");
-        let bf16_accum =
-            r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
         for (place, extra) in [
             (Place::Device, ""),
             (Place::Host, ""),
             (Place::Device, bf16),
-            (Place::Host, bf16_accum),
+            (Place::Host, BF16_ACCUM),
         ] {
             let what = format!("parameters {param_place}, optimizer {place:?}{extra}");
             let plain = train(3, &config(3, place, ADAMW, extra), 0..STEPS, None, None);
@@ -762,13 +762,12 @@ fn a_model_kept_from_an_earlier_step_keeps_its_values_with_offloaded_parameters(
 #[test]
 fn sub_groups_stepped_during_backward_give_the_serial_steps_bits() {
     let bf16 = r#", "bf16": {"enabled": true}"#;
-    let bf16_accum = r#", "bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}"#;
     for (stage, world, extra) in [
         (3, 3, ""),
         (2, 3, ""),
         (3, 2, bf16),
         (2, 2, bf16),
-        (3, 3, bf16_accum),
+        (3, 3, BF16_ACCUM),
     ] {
         let what = format!("stage {stage}, world {world}{extra}");
         let run = |ahead: bool| {

@@ -3,30 +3,28 @@
 //! master weights, AdamW (β = 0.9/0.95, weight decay 0.1), clipping at 1.0, seeded random
 //! weights and tokens. One process per GPU:
 //!   burn-zero run --nproc-per-node N -- bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ]
-//! SIZE is `125m`, `smollm2` (SmolLM2-135M's shape), `1b`, `3b` (Llama-3.2 shapes, tied
-//! embeddings) or `8b` (Llama-3.1-8B, untied). Options after the positional ones: `--pool fitted|sliced|exclusive` (the CUDA
-//! memory pools, `burn_zero.memory_pool`; default fitted) and `--init shared|burn` (shared:
-//! the weights `bench/shared_init.py` computes too, so the peers' losses compare step by step;
-//! burn: burn's own initializers, seeded) and `--loss chunked|full` (the output projection
-//! and cross-entropy over chunks of 2,048 tokens, `burn_zero::nn::linear_cross_entropy`, or
-//! the logits materialized) and `--release 1|0` (`burn_zero.release_cached_memory`: the
-//! pools' free pages handed back between the phases) and `--ac 0|1` (an
-//! `activation_checkpointing` section in the config, and the Llama checkpointing every decoder
-//! layer from it: `Llama::with_activation_checkpointing`) and `--bucket N`
-//! (`reduce_bucket_size`, default 5e7 elements) and `--prefetch N`
-//! (`stage3_prefetch_bucket_size`, default 5e7) and `--loss-rows N` (tokens per chunk of the
-//! chunked loss, default 2,048) and `--deterministic 0|1` (`burn_zero.deterministic`) and
-//! `--ckpt DIR --save-at N` (an engine checkpoint into DIR after step N) and `--resume DIR`
-//! (start from DIR's latest checkpoint, at the step it names) and `--precision bf16|fp32`
-//! (default bf16; fp32 drops the config's bf16 section) and `--offload-param cpu|nvme:DIR|none`
-//! and `--offload-optimizer cpu|nvme:DIR|none` (`zero_optimization.offload_param` /
-//! `offload_optimizer`, default none; parameters only at stage 3) and `--sub-group N`
-//! (`sub_group_size`, default the config's 1e9) and `--warmup N` (steps left out of the timing,
-//! default 2: the first two compile kernels and tune matmuls; 0 times every step, for a model
-//! whose steps are too long to spare) and `--grad-accum-dtype fp32|bf16`
-//! (`data_types.grad_accum_dtype`, default fp32: gradients accumulated and reduced in bf16,
-//! and an offloaded optimizer's host gradient partition held in bf16). Rank 0 prints one
-//! JSON line:
+//! SIZE is `125m`, `smollm2` (SmolLM2-135M's shape), `1b`, `3b` (Llama-3.2 shapes, tied embeddings)
+//! or `8b` (Llama-3.1-8B, untied). Options after the positional ones: `--pool
+//! fitted|sliced|exclusive` (the CUDA memory pools, `burn_zero.memory_pool`; default fitted) and
+//! `--init shared|burn` (shared: the weights `bench/shared_init.py` computes too, so the peers'
+//! losses compare step by step; burn: burn's own initializers, seeded) and `--loss chunked|full`
+//! (the output projection and cross-entropy over chunks of 2,048 tokens,
+//! `burn_zero::nn::linear_cross_entropy`, or the logits materialized) and `--release 1|0`
+//! (`burn_zero.release_cached_memory`: the pools' free pages handed back between the phases) and
+//! `--ac 0|1` (an `activation_checkpointing` section in the config, and the Llama checkpointing
+//! every decoder layer from it: `Llama::with_activation_checkpointing`) and `--bucket N`
+//! (`reduce_bucket_size`, default 5e7 elements) and `--prefetch N` (`stage3_prefetch_bucket_size`,
+//! default 5e7) and `--loss-rows N` (tokens per chunk of the chunked loss, default 2,048) and
+//! `--deterministic 0|1` (`burn_zero.deterministic`) and `--ckpt DIR --save-at N` (an engine
+//! checkpoint into DIR after step N) and `--resume DIR` (start from DIR's latest checkpoint, at the
+//! step it names) and `--precision bf16|fp32` (default bf16; fp32 drops the config's bf16 section)
+//! and `--offload-param cpu|nvme:DIR|none` and `--offload-optimizer cpu|nvme:DIR|none`
+//! (`zero_optimization.offload_param` / `offload_optimizer`, default none; parameters only at stage
+//! 3) and `--sub-group N` (`sub_group_size`, default the config's 1e9) and `--warmup N` (steps left
+//! out of the timing, default 2: the first two compile kernels and tune matmuls; 0 times every
+//! step, for a model whose steps are too long to spare) and `--grad-accum-dtype fp32|bf16`
+//! (`data_types.grad_accum_dtype`, default fp32: gradients accumulated and reduced in bf16, and an
+//! offloaded optimizer's host gradient partition held in bf16). Rank 0 prints one JSON line:
 //! tokens/s per GPU, MFU, the step-time breakdown, peak and pool memory, the losses and the
 //! gradient norms.
 //! `E2E_HOST_PROFILE=FILE` (built with feature `host-profile`) samples rank 0's host CPU time

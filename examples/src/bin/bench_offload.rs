@@ -45,11 +45,12 @@ fn main() {
     // `bf16init` builds the layers' weights in bf16 (what a user does for a model whose fp32
     // weights would not fit beside the engine's buffers).
     let options = args.get(5).cloned().unwrap_or_default();
-    let huge_pages = options.split('+').any(|o| o == "huge");
-    let formula = options.split('+').any(|o| o == "formula");
-    let bf16_init = formula || options.split('+').any(|o| o == "bf16init");
-    let step_ahead = !options.split('+').any(|o| o == "serial");
-    let bf16_grads = options.split('+').any(|o| o == "bf16g");
+    let has = |option: &str| options.split('+').any(|o| o == option);
+    let huge_pages = has("huge");
+    let formula = has("formula");
+    let bf16_init = formula || has("bf16init");
+    let step_ahead = !has("serial");
+    let bf16_grads = has("bf16g");
     let grads_json = match bf16_grads {
         true => r#", "data_types": {"grad_accum_dtype": "bf16"}"#,
         false => "",
