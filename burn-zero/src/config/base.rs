@@ -198,6 +198,13 @@ pub struct BurnZeroConfig {
     /// ignored: the tuned one is timed per process), which costs the tuning's gain where the
     /// first algorithm is not the fastest.
     pub deterministic: bool,
+    /// `eager_host_queue`: the runner threads between the training thread and the GPU (burn's
+    /// fusion, cubecl's launches) take each queued operation as soon as they are idle, and the
+    /// next operation wakes a parked one (default true; patched cubecl-common, patches/README.md).
+    /// False keeps cubecl's own policy: a thread waits for 32 queued operations (or a
+    /// synchronization) and, idle, sleeps in steps of 150 µs. One policy per process: the
+    /// threads serve every engine on the device.
+    pub eager_host_queue: bool,
 }
 
 /// `burn_zero.fused_kernels`: each fused op of `burn_zero::nn` runs its kernels on CUDA when
@@ -255,6 +262,7 @@ impl Default for BurnZeroConfig {
             fused_kernels: FusedKernelsConfig::default(),
             comm_timeout_s: None,
             deterministic: false,
+            eager_host_queue: true,
         }
     }
 }

@@ -66,6 +66,8 @@ pub fn initialize<I: Backend, M: Module<ZeroAutodiff<I>>>(
         crate::log::warn(&e.to_string());
     }
     #[cfg(feature = "cuda")]
+    cubecl::device_handle::set_eager_fetch(resolved.config.burn_zero.eager_host_queue);
+    #[cfg(feature = "cuda")]
     if resolved.config.burn_zero.release_cached_memory
         && let Some(index) = crate::backend::memory_pool::cuda_index(&device)
         && let Err(e) = crate::backend::memory_pool::keep_released_memory(index)
