@@ -1,7 +1,8 @@
-"""GPU busy fraction of a run's timed steps from an Nsight Systems trace (issue 37).
+"""GPU busy fraction of a run's timed steps from a trace of its GPU activity (issue 37).
     python3 bench/nsys_busy.py TRACE.csv RUN.json
-TRACE.csv is `nsys stats --report cuda_gpu_trace --format csv` of the run (kernels, copies and
-memsets, each with its start and duration); RUN.json is the JSON line the run printed (its
+TRACE.csv is `nsys stats --report cuda_gpu_trace --format csv` of the run, or the CSV that
+bench/cupti_busy's injection library writes in the same columns (kernels, copies and memsets,
+each with its start and duration); RUN.json is the JSON line the run printed (its
 `step_times_s`, the timed steps, which are the last ones). The window is the last sum(step
 times) seconds before the last GPU activity, the busy time the union of the activities' intervals
 inside it. Prints one JSON object."""
@@ -36,9 +37,10 @@ def main():
             busy += e - s
             cursor = e
     inside = sum(1 for s, e in spans if e > begin)
-    print(json.dumps({"gpu_busy_nsys": busy / timed_ns, "window_s": timed_ns / 1e9,
+    print(json.dumps({"gpu_busy": busy / timed_ns, "window_s": timed_ns / 1e9,
                       "activities_in_window": inside,
-                      "activities_per_step": inside / max(len(run["step_times_s"]), 1)}))
+                      "activities_per_step": inside / max(len(run["step_times_s"]), 1),
+                      "traced_tokens_per_s": run.get("tokens_per_s_per_gpu")}))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,15 @@
 # same model, weights and tokens. For each case SIZE:MICRO:SEQ:STAGE: ours (bench-e2e, with
 # OURS_ARGS if set; FLUSH="64 1024 ..." runs it once per `--flush-interval`, a binary of 0ae6c26
 # only), FSDP2 on one GPU (bench/e2e_fsdp2.py) and eager torch (bench/e2e_eager.py;
-# EAGER_COMPILE=1 adds a torch.compile row). Each run's GPU busy fraction is nvidia-smi's
-# utilization.gpu averaged over its timed steps (coarse: a sample covers 1/6 to 1 s); with
-# NSYS_CASES (cases of the list) ours and eager torch run again under Nsight Systems, and the busy
-# fraction is the union of their kernels and copies over the timed steps (bench/nsys_busy.py).
+# EAGER_COMPILE=1 adds a torch.compile row, on the first repeat only: it compiles for a minute).
+# OURS_VARIANTS="eager:1 batched:0" runs ours once per variant with BURN_ZERO_EAGER_HOST_QUEUE
+# set to the value (the runner threads' queue policy, patches/cubecl-common); SKIP_FSDP2=1 leaves
+# FSDP2 out. Each run's GPU busy fraction is nvidia-smi's utilization.gpu averaged over its timed
+# steps (coarse: a sample covers 1/6 to 1 s). BUSY=1 runs ours (each variant) and eager torch
+# once more per case with CUPTI's activity records (bench/cupti_busy/busy.c, built into
+# .gpu/lib/libbusy.so by bench/cupti_busy/build.sh; CUPTI from the device's torch), and the busy
+# fraction is the union of their kernels, copies and memsets over the timed steps
+# (bench/nsys_busy.py); NSYS_CASES does the same under Nsight Systems where it is installed.
 #   bash bench/run_host_pace.sh KIND ["1b:2:1024:2 125m:32:256:2"]   (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, RUN_TIMEOUT, REPEATS)
 source bench/prelude.sh "$1"
@@ -61,22 +66,56 @@ rep=$([ "${REPEATS:-1}" -gt 1 ] && echo "-r$r")
 for c in $cases; do
   IFS=: read -r size micro seq stage <<< "$c"
   for f in ${FLUSH:-default}; do
+  for v in ${OURS_VARIANTS:-default}; do
     port=$((port + 1))
-    flush=(); tag="ours-$size$rep"
-    [ "$f" = default ] || { flush=(--flush-interval "$f"); tag="ours-$size-f$f$rep"; }
+    flush=(); tag="ours-$size"
+    [ "$f" = default ] || { flush=(--flush-interval "$f"); tag="$tag-f$f"; }
+    [ "$v" = default ] || tag="$tag-${v%%:*}"
     # shellcheck disable=SC2086
-    measure "$tag" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
+    BURN_ZERO_EAGER_HOST_QUEUE=$([ "$v" = default ] && echo 1 || echo "${v#*:}") \
+    measure "$tag$rep" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
       -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" ${OURS_ARGS:-}
   done
+  done
   port=$((port + 1))
-  measure "fsdp2-$size$rep" "$c" torchrun --nproc-per-node 1 --master-port "$port" \
-    bench/e2e_fsdp2.py "$size" "$stage" "$steps" "$micro" "$seq"
+  [ -n "${SKIP_FSDP2:-}" ] || measure "fsdp2-$size$rep" "$c" torchrun --nproc-per-node 1 \
+    --master-port "$port" bench/e2e_fsdp2.py "$size" "$stage" "$steps" "$micro" "$seq"
   measure "eager-$size$rep" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" "$micro" "$seq"
-  if [ -n "${EAGER_COMPILE:-}" ]; then
+  if [ -n "${EAGER_COMPILE:-}" ] && [ "$r" = 1 ]; then
     measure "compile-$size$rep" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" \
       "$micro" "$seq" --compile 1
   fi
 done
+done
+# BUSY=1: each case once more per system with CUPTI's activity records (one CSV per process).
+cupti=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')/nvidia" \
+  /usr/local/cuda*/extras/CUPTI/lib64 -name 'libcupti.so*' 2>/dev/null | sort | head -1)
+echo "cupti: ${cupti:-not found}"
+for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] && echo "$cases"); do
+  IFS=: read -r size micro seq stage <<< "$c"
+  for sys in $(for v in ${OURS_VARIANTS:-default}; do echo "ours:$v"; done) eager; do
+    port=$((port + 1))
+    v=${sys#ours:}; tag="busy-eager-$size"; flag=1
+    if [ "$sys" != eager ]; then
+      tag="busy-ours-$size$([ "$v" = default ] || echo "-${v%%:*}")"
+      [ "$v" = default ] || flag=${v#*:}
+      cmd=(.gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" -- .gpu/bin/bench-e2e)
+    else
+      cmd=(python3 bench/e2e_eager.py)
+    fi
+    rm -rf "/tmp/$tag"; mkdir -p "/tmp/$tag"
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=0 BURN_ZERO_EAGER_HOST_QUEUE=$flag BUSY_OUT_DIR="/tmp/$tag" \
+      BUSY_CUPTI_LIB="$cupti" CUDA_INJECTION64_PATH="$PWD/.gpu/lib/libbusy.so" \
+      timeout "${RUN_TIMEOUT:-150}" "${cmd[@]}" "$size" "$stage" "$steps" "$micro" "$seq" \
+      $([ "$sys" != eager ] && echo "${OURS_ARGS:-}") > "/tmp/$tag.out" 2> "$out/$tag.log"
+    echo "$tag: exit $?"
+    trace=$(ls -S "/tmp/$tag"/busy-*.csv 2>/dev/null | head -1)
+    [ -n "$trace" ] || { echo "$tag: no trace" | tee -a "$out/$tag.log"; continue; }
+    python3 bench/nsys_busy.py "$trace" "/tmp/$tag.out" \
+      | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2], tracer="cupti"); print(json.dumps(d))' \
+        "$tag" "$c" | tee -a /tmp/pace-nsys.jsonl
+  done
 done
 nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
 echo "nsys: ${nsys:-not found}"

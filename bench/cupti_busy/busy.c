@@ -1,0 +1,120 @@
+/* GPU activity of a whole process, for a busy fraction without Nsight Systems (issue 37).
+ *
+ * A CUDA injection library: with CUDA_INJECTION64_PATH=libbusy.so the driver calls
+ * InitializeInjection at cuInit, which turns on CUPTI's activity records for kernels, copies and
+ * memsets. At exit the records go to $BUSY_OUT_DIR/busy-<pid>.csv in the columns of
+ * `nsys stats --report cuda_gpu_trace` that bench/nsys_busy.py reads ("Start (ns)",
+ * "Duration (ns)"), plus the kind (kernel, memcpy, memset) and bytes. CUPTI is loaded with dlopen
+ * from $BUSY_CUPTI_LIB (the device's torch ships one), so this builds with gcc alone:
+ *   gcc -O2 -shared -fPIC -o libbusy.so busy.c -ldl -lpthread
+ * The record layouts are CUPTI's: every kernel (CUpti_ActivityKernel4..9), memcpy (5, 6) and
+ * memset (4) record holds its start and end, in ns, at bytes 16 and 24 (cupti_activity.h of
+ * CUDA 12.9), and a memcpy or memset its byte count at byte 8. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { KIND_MEMCPY = 1, KIND_MEMSET = 2, KIND_CONCURRENT_KERNEL = 10 };
+enum { BUFFER_BYTES = 8 << 20, ALIGN = 8, FLUSH_FORCED = 1 };
+
+typedef struct { uint32_t kind; } Record;
+typedef void (*Requested)(uint8_t **buffer, size_t *size, size_t *max_records);
+typedef void (*Completed)(void *context, uint32_t stream, uint8_t *buffer, size_t size,
+                          size_t valid);
+
+static int (*register_callbacks)(Requested, Completed);
+static int (*enable)(int);
+static int (*flush_all)(uint32_t);
+static int (*next_record)(uint8_t *, size_t, Record **);
+
+typedef struct { uint64_t start, end, bytes; uint32_t kind; } Span;
+static Span *spans;
+static size_t count, capacity;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int dumped;
+
+static void requested(uint8_t **buffer, size_t *size, size_t *max_records) {
+  *buffer = aligned_alloc(ALIGN, BUFFER_BYTES);
+  *size = *buffer ? BUFFER_BYTES : 0;
+  *max_records = 0;
+}
+
+static void completed(void *context, uint32_t stream, uint8_t *buffer, size_t size,
+                      size_t valid) {
+  (void)context; (void)stream; (void)size;
+  Record *record = NULL;
+  pthread_mutex_lock(&lock);
+  while (next_record(buffer, valid, &record) == 0) {
+    uint32_t kind = record->kind;
+    if (kind != KIND_MEMCPY && kind != KIND_MEMSET && kind != KIND_CONCURRENT_KERNEL) continue;
+    if (count == capacity) {
+      capacity = capacity ? 2 * capacity : 1 << 16;
+      spans = realloc(spans, capacity * sizeof(Span));
+      if (!spans) { count = capacity = 0; break; }
+    }
+    const uint8_t *raw = (const uint8_t *)record;
+    Span s = {0};
+    memcpy(&s.start, raw + 16, 8);
+    memcpy(&s.end, raw + 24, 8);
+    if (kind != KIND_CONCURRENT_KERNEL) memcpy(&s.bytes, raw + 8, 8);
+    s.kind = kind;
+    spans[count++] = s;
+  }
+  pthread_mutex_unlock(&lock);
+  free(buffer);
+}
+
+static void dump(void) {
+  if (__sync_lock_test_and_set(&dumped, 1)) return;
+  flush_all(FLUSH_FORCED);
+  pthread_mutex_lock(&lock);
+  if (count > 0) {
+    const char *dir = getenv("BUSY_OUT_DIR");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/busy-%d.csv", dir ? dir : ".", (int)getpid());
+    FILE *f = fopen(path, "w");
+    if (f) {
+      fprintf(f, "Start (ns),Duration (ns),Kind,Bytes\n");
+      for (size_t i = 0; i < count; i++) {
+        const char *name = spans[i].kind == KIND_CONCURRENT_KERNEL ? "kernel"
+                           : spans[i].kind == KIND_MEMCPY          ? "memcpy"
+                                                                   : "memset";
+        fprintf(f, "%llu,%llu,%s,%llu\n", (unsigned long long)spans[i].start,
+                (unsigned long long)(spans[i].end - spans[i].start), name,
+                (unsigned long long)spans[i].bytes);
+      }
+      fclose(f);
+    } else {
+      fprintf(stderr, "libbusy: cannot write %s\n", path);
+    }
+  }
+  pthread_mutex_unlock(&lock);
+}
+
+int InitializeInjection(void) {
+  const char *path = getenv("BUSY_CUPTI_LIB");
+  void *cupti = dlopen(path ? path : "libcupti.so", RTLD_NOW | RTLD_GLOBAL);
+  if (!cupti) {
+    fprintf(stderr, "libbusy: %s\n", dlerror());
+    return 0;
+  }
+  register_callbacks = dlsym(cupti, "cuptiActivityRegisterCallbacks");
+  enable = dlsym(cupti, "cuptiActivityEnable");
+  flush_all = dlsym(cupti, "cuptiActivityFlushAll");
+  next_record = dlsym(cupti, "cuptiActivityGetNextRecord");
+  if (!register_callbacks || !enable || !flush_all || !next_record) {
+    fprintf(stderr, "libbusy: CUPTI lacks the activity API\n");
+    return 0;
+  }
+  int rc = register_callbacks(requested, completed);
+  rc |= enable(KIND_CONCURRENT_KERNEL);
+  rc |= enable(KIND_MEMCPY);
+  rc |= enable(KIND_MEMSET);
+  if (rc != 0) fprintf(stderr, "libbusy: CUPTI refused the activity records (%d)\n", rc);
+  atexit(dump);
+  return 1;
+}
