@@ -11,13 +11,13 @@
 # once more per case with CUPTI's activity records (bench/cupti_busy/busy.c, built into
 # .gpu/lib/libbusy.so by bench/cupti_busy/build.sh; CUPTI from the device's torch), and the busy
 # fraction is the union of their kernels, copies and memsets over the timed steps
-# (bench/nsys_busy.py); NSYS_CASES does the same under Nsight Systems where it is installed.
+# (bench/nsys_busy.py), with their kernels per step by name (bench/busy_kernels.py); NSYS_CASES does the same under Nsight Systems where it is installed.
 #   bash bench/run_host_pace.sh KIND ["1b:2:1024:2 125m:32:256:2"]   (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, RUN_TIMEOUT, REPEATS)
 source bench/prelude.sh "$1"
 cases="${2:-1b:2:1024:2 125m:32:256:2}"
 steps="${STEPS:-12}"
-: > /tmp/pace.jsonl
+: > /tmp/pace.jsonl; : > /tmp/pace-nsys.jsonl; : > /tmp/pace-kernels.jsonl
 port=29950
 measure() { # tag case command...
   local tag=$1 case=$2; shift 2
@@ -115,6 +115,9 @@ for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] &
     python3 bench/nsys_busy.py "$trace" "/tmp/$tag.out" \
       | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2], tracer="cupti"); print(json.dumps(d))' \
         "$tag" "$c" | tee -a /tmp/pace-nsys.jsonl
+    python3 bench/busy_kernels.py "$trace" "/tmp/$tag.out" \
+      | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2]); print(json.dumps(d))' \
+        "$tag" "$c" >> /tmp/pace-kernels.jsonl
   done
 done
 nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
@@ -143,10 +146,12 @@ for c in ${NSYS_CASES:-}; do
   done
 done
 [ -f /tmp/pace-nsys.jsonl ] || : > /tmp/pace-nsys.jsonl
+[ -f /tmp/pace-kernels.jsonl ] || : > /tmp/pace-kernels.jsonl
 python3 - "$kind" "$out/host-pace-$kind.json" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open("/tmp/pace.jsonl")]
 nsys_runs = [json.loads(l) for l in open("/tmp/pace-nsys.jsonl") if l.strip()]
+kernels = [json.loads(l) for l in open("/tmp/pace-kernels.jsonl") if l.strip()]
 summary = []
 for case in dict.fromkeys(r["case"] for r in runs):
     rows = [r for r in runs if r["case"] == case]
@@ -176,7 +181,8 @@ for (case, system), values in by_system.items():
                     "median_tokens_per_s": median, "min": min(values), "max": max(values),
                     "over_eager_torch_median": median / statistics.median(eager) if eager else None})
 json.dump({"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
-           "summary": summary, "over_repeats": repeats, "nsys_busy": nsys_runs, "runs": runs},
+           "summary": summary, "over_repeats": repeats, "gpu_busy": nsys_runs,
+           "kernels": kernels, "runs": runs},
           open(sys.argv[2], "w"), indent=1)
 for s in summary + repeats + nsys_runs:
     print(json.dumps(s))

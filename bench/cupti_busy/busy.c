@@ -4,12 +4,14 @@
  * InitializeInjection at cuInit, which turns on CUPTI's activity records for kernels, copies and
  * memsets. At exit the records go to $BUSY_OUT_DIR/busy-<pid>.csv in the columns of
  * `nsys stats --report cuda_gpu_trace` that bench/nsys_busy.py reads ("Start (ns)",
- * "Duration (ns)"), plus the kind (kernel, memcpy, memset) and bytes. CUPTI is loaded with dlopen
+ * "Duration (ns)"), plus the kind (kernel, memcpy, memset), bytes, stream and kernel name
+ * (bench/busy_kernels.py counts them per step). CUPTI is loaded with dlopen
  * from $BUSY_CUPTI_LIB (the device's torch ships one), so this builds with gcc alone:
  *   gcc -O2 -shared -fPIC -o libbusy.so busy.c -ldl -lpthread
  * The record layouts are CUPTI's: every kernel (CUpti_ActivityKernel4..9), memcpy (5, 6) and
  * memset (4) record holds its start and end, in ns, at bytes 16 and 24 (cupti_activity.h of
- * CUDA 12.9), and a memcpy or memset its byte count at byte 8. */
+ * CUDA 12.9), a memcpy or memset its byte count at byte 8 and its stream at 40, a kernel its
+ * stream at 48 and its name (a string CUPTI owns) at 104. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -31,11 +33,36 @@ static int (*enable)(int);
 static int (*flush_all)(uint32_t);
 static int (*next_record)(uint8_t *, size_t, Record **);
 
-typedef struct { uint64_t start, end, bytes; uint32_t kind; } Span;
+typedef struct { uint64_t start, end, bytes; uint32_t kind, stream, name; } Span;
 static Span *spans;
 static size_t count, capacity;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int dumped;
+
+/* Kernel names, interned by CUPTI's pointer (one string per function): id i + 1 is names[i]. */
+enum { TABLE = 1 << 14 };
+static const char *keys[TABLE];
+static uint32_t ids[TABLE];
+static char **names;
+static uint32_t name_count;
+
+static uint32_t intern(const char *name) {
+  if (!name) return 0;
+  size_t slot = ((uintptr_t)name >> 4) % TABLE;
+  for (size_t probe = 0; probe < TABLE; probe++, slot = (slot + 1) % TABLE) {
+    if (keys[slot] == name) return ids[slot];
+    if (!keys[slot]) {
+      char **grown = realloc(names, (name_count + 1) * sizeof(char *));
+      if (!grown) return 0;
+      names = grown;
+      names[name_count] = strdup(name);
+      keys[slot] = name;
+      ids[slot] = ++name_count;
+      return ids[slot];
+    }
+  }
+  return 0;
+}
 
 static void requested(uint8_t **buffer, size_t *size, size_t *max_records) {
   *buffer = aligned_alloc(ALIGN, BUFFER_BYTES);
@@ -60,7 +87,15 @@ static void completed(void *context, uint32_t stream, uint8_t *buffer, size_t si
     Span s = {0};
     memcpy(&s.start, raw + 16, 8);
     memcpy(&s.end, raw + 24, 8);
-    if (kind != KIND_CONCURRENT_KERNEL) memcpy(&s.bytes, raw + 8, 8);
+    if (kind != KIND_CONCURRENT_KERNEL) {
+      memcpy(&s.bytes, raw + 8, 8);
+      memcpy(&s.stream, raw + 40, 4);
+    } else {
+      const char *name;
+      memcpy(&s.stream, raw + 48, 4);
+      memcpy(&name, raw + 104, sizeof name);
+      s.name = intern(name);
+    }
     s.kind = kind;
     spans[count++] = s;
   }
@@ -78,14 +113,20 @@ static void dump(void) {
     snprintf(path, sizeof path, "%s/busy-%d.csv", dir ? dir : ".", (int)getpid());
     FILE *f = fopen(path, "w");
     if (f) {
-      fprintf(f, "Start (ns),Duration (ns),Kind,Bytes\n");
+      fprintf(f, "Start (ns),Duration (ns),Kind,Bytes,Stream,Name\n");
       for (size_t i = 0; i < count; i++) {
         const char *name = spans[i].kind == KIND_CONCURRENT_KERNEL ? "kernel"
                            : spans[i].kind == KIND_MEMCPY          ? "memcpy"
                                                                    : "memset";
-        fprintf(f, "%llu,%llu,%s,%llu\n", (unsigned long long)spans[i].start,
+        fprintf(f, "%llu,%llu,%s,%llu,%u,\"", (unsigned long long)spans[i].start,
                 (unsigned long long)(spans[i].end - spans[i].start), name,
-                (unsigned long long)spans[i].bytes);
+                (unsigned long long)spans[i].bytes, spans[i].stream);
+        /* The name quoted for CSV (templates hold commas; a quote is doubled). */
+        for (const char *c = spans[i].name ? names[spans[i].name - 1] : ""; *c; c++) {
+          if (*c == '"') fputc('"', f);
+          fputc(*c, f);
+        }
+        fprintf(f, "\"\n");
       }
       fclose(f);
     } else {
