@@ -1,17 +1,19 @@
 //! Strided-batched GEMMs on raw device addresses through cuBLASLt (cudarc, dynamic loading).
 //! Free of burn types: `matmul.rs` maps burn's row-major tensors onto [`Gemm`].
 //!
-//! One cuBLASLt handle, stream and 32 MiB workspace per GPU. A call runs on that stream,
-//! ordered against burn's stream by a [`Handshake`] (no host wait), or, where the flag kernels
-//! could not be loaded, synchronized before returning.
+//! One cuBLASLt handle, stream and 32 MiB workspace per GPU. A call runs where its [`Order`]
+//! says: on burn's own stream, issued by cubecl's thread in order with burn's kernels (a
+//! workspace per such stream); on our stream between the flags of a [`Handshake`] (no host
+//! wait); or on our stream, synchronized before returning.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
+use cudarc::driver::result::{event, stream as raw_stream};
 use cudarc::driver::sys as driver;
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::backend::flag_kernels;
 use crate::backend::stream_order::Handshake;
@@ -54,6 +56,18 @@ pub(crate) struct Gemm {
     pub(crate) profile: bool,
 }
 
+/// Where a call runs and how it is ordered against burn's kernels.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Order {
+    /// On burn's stream (this raw `CUstream`), issued by cubecl's thread between the kernels
+    /// before and after it: ordered by the stream itself.
+    OnStream(driver::CUstream),
+    /// On our stream, after `ready` and before `done` of the handshake.
+    Handshake(Handshake),
+    /// On our stream, to completion before returning.
+    Synchronized,
+}
+
 struct DeviceLt {
     handle: sys::cublasLtHandle_t,
     stream: Arc<CudaStream>,
@@ -61,6 +75,10 @@ struct DeviceLt {
     /// The workspace's address, taken once: only our stream uses it, and asking cudarc per
     /// call records an event each time.
     workspace_ptr: u64,
+    /// A workspace per foreign stream calls run on ([`Order::OnStream`]), by the stream's
+    /// address: two streams of burn's may run GEMMs at once, and calls on one stream follow
+    /// each other.
+    stream_workspaces: HashMap<usize, (CudaSlice<u8>, u64)>,
     /// Descriptors and algorithm per GEMM, keyed by the GEMM with its addresses cleared:
     /// creating them took ~10 µs of host time per call.
     plans: HashMap<Gemm, Plan>,
@@ -69,7 +87,34 @@ struct DeviceLt {
     /// The GPU's SMs.
     sms: i32,
     /// With profiling on: events around each call's GEMM, read by [`take_gpu_ms`].
-    timings: Vec<(CudaEvent, CudaEvent)>,
+    timings: Vec<(RawEvent, RawEvent)>,
+}
+
+/// A CUDA event by its raw handle (recorded on any stream, ours or burn's).
+struct RawEvent(driver::CUevent);
+
+impl RawEvent {
+    /// A new event recorded on `stream` now.
+    fn record(stream: driver::CUstream) -> Result<Self, String> {
+        let ev =
+            event::create(driver::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| format!("{e:?}"))?;
+        // SAFETY: a live event and stream of the current context.
+        unsafe { event::record(ev, stream) }.map_err(|e| format!("{e:?}"))?;
+        Ok(Self(ev))
+    }
+
+    /// Milliseconds from `self` to `end` (both complete).
+    fn elapsed_ms(&self, end: &Self) -> Result<f32, String> {
+        // SAFETY: two live events.
+        unsafe { event::elapsed(self.0, end.0) }.map_err(|e| format!("{e:?}"))
+    }
+}
+
+impl Drop for RawEvent {
+    fn drop(&mut self) {
+        // SAFETY: a live event; CUDA defers the release while work still uses it.
+        let _ = unsafe { event::destroy(self.0) };
+    }
 }
 
 /// The GPU milliseconds of each GEMM on GPU `ordinal` since the last call (waits for them);
@@ -81,7 +126,11 @@ pub(crate) fn take_gpu_ms(ordinal: usize) -> Vec<f32> {
     let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
     std::mem::take(&mut lt_dev.timings)
         .into_iter()
-        .filter_map(|(start, end)| start.elapsed_ms(&end).ok())
+        .filter_map(|(start, end)| {
+            // SAFETY: a live event.
+            unsafe { event::synchronize(end.0) }.ok()?;
+            start.elapsed_ms(&end).ok()
+        })
         .collect()
 }
 
@@ -118,6 +167,7 @@ fn device(ordinal: usize) -> Result<Arc<Mutex<DeviceLt>>, String> {
         stream,
         workspace,
         workspace_ptr,
+        stream_workspaces: HashMap::new(),
         plans: HashMap::new(),
         flags,
         sms,
@@ -140,10 +190,27 @@ impl Gemm {
 }
 
 impl DeviceLt {
+    /// The workspace of calls on the foreign stream `on`, allocated on first use (on our
+    /// stream, which is then synchronized so that the memory is ready for `on`).
+    fn workspace_on(&mut self, on: driver::CUstream) -> Result<u64, String> {
+        if let Some((_, ptr)) = self.stream_workspaces.get(&(on as usize)) {
+            return Ok(*ptr);
+        }
+        let bytes = self.workspace.len();
+        // SAFETY: uninitialized bytes are fine for a workspace.
+        let workspace = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(|e| format!("{e:?}"))?;
+        let (ptr, sync) = workspace.device_ptr(&self.stream);
+        drop(sync);
+        self.stream.synchronize().map_err(|e| format!("{e:?}"))?;
+        self.stream_workspaces.insert(on as usize, (workspace, ptr));
+        Ok(ptr)
+    }
+
     /// The plan of `key` (a GEMM without addresses), made on first use.
     fn plan(&mut self, key: &Gemm) -> Result<&mut Plan, String> {
         let (handle, workspace_bytes) = (self.handle, self.workspace.len());
-        // Only an ordered GEMM shares the GPU with burn's spinning block.
+        // Only a GEMM ordered by a handshake shares the GPU with burn's spinning block (the
+        // others carry a margin of 0).
         let sm_target = self
             .flags
             .then(|| sm_target(self.sms, key.sm_margin))
@@ -179,7 +246,7 @@ pub(crate) unsafe fn run_or_release(
     handshake: Handshake,
 ) -> Result<(), String> {
     // SAFETY: as the caller promised.
-    let Err(e) = (unsafe { run(ordinal, gemm, Some(handshake)) }) else {
+    let Err(e) = (unsafe { run(ordinal, gemm, Order::Handshake(handshake)) }) else {
         return Ok(());
     };
     // SAFETY: as the caller promised.
@@ -397,26 +464,22 @@ fn sm_target(sms: i32, margin: u32) -> Option<i32> {
 /// fastest. Waits for the stream: paid once per GEMM shape. The output is overwritten by every
 /// run, which is harmless (beta = 0, the real run follows).
 fn fastest(
-    stream: &Arc<CudaStream>,
+    stream: driver::CUstream,
     candidates: &[sys::cublasLtMatmulAlgo_t],
     issue: &dyn Fn(&sys::cublasLtMatmulAlgo_t) -> Result<(), String>,
 ) -> Result<sys::cublasLtMatmulAlgo_t, String> {
-    let event = || {
-        stream
-            .record_event(Some(driver::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| format!("{e:?}"))
-    };
     let mut runs = Vec::new();
     for (i, algo) in candidates.iter().enumerate() {
         for _ in 0..3 {
-            let start = event()?;
+            let start = RawEvent::record(stream)?;
             // A candidate that fails to launch is skipped.
             if issue(algo).is_ok() {
-                runs.push((i, start, event()?));
+                runs.push((i, start, RawEvent::record(stream)?));
             }
         }
     }
-    stream.synchronize().map_err(|e| format!("{e:?}"))?;
+    // SAFETY: a live stream of the current context.
+    unsafe { raw_stream::synchronize(stream) }.map_err(|e| format!("{e:?}"))?;
     let mut best = vec![f32::INFINITY; candidates.len()];
     for (i, start, end) in runs {
         if let Ok(ms) = start.elapsed_ms(&end) {
@@ -434,18 +497,16 @@ fn fastest(
     Ok(candidates[i])
 }
 
-/// Runs `gemm` on GPU `ordinal`: after `handshake.ready` and before `handshake.done`, or, with
-/// no handshake, to completion before returning.
+/// Runs `gemm` on GPU `ordinal` where `order` says.
 ///
 /// # Safety
-/// The addresses are valid device memory of that GPU for the extents `gemm` describes; with no
-/// handshake they are complete (nothing still writes them); with one, `supports_handshake`
-/// said yes and burn's stream raises `ready` once they are.
-pub(crate) unsafe fn run(
-    ordinal: usize,
-    gemm: &Gemm,
-    handshake: Option<Handshake>,
-) -> Result<(), String> {
+/// The addresses are valid device memory of that GPU for the extents `gemm` describes.
+/// [`Order::Synchronized`]: they are complete (nothing still writes them).
+/// [`Order::Handshake`]: `supports_handshake` said yes and burn's stream raises `ready` once
+/// they are. [`Order::OnStream`]: the stream is burn's, and the caller is cubecl's thread,
+/// after the launches that write the operands and before any that reads the output or reuses
+/// the operands' memory.
+pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm, order: Order) -> Result<(), String> {
     let device = device(ordinal)?;
     let mut guard = device.lock().unwrap_or_else(|e| e.into_inner());
     // Disjoint borrows of the fields below (the workspace stays borrowed during the call).
@@ -464,8 +525,10 @@ pub(crate) unsafe fn run(
     };
     let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = lt_dev.stream.clone();
-    let workspace = lt_dev.workspace_ptr;
-    let cu_stream = stream.cu_stream();
+    let (cu_stream, workspace) = match order {
+        Order::OnStream(on) => (on, lt_dev.workspace_on(on)?),
+        Order::Handshake(_) | Order::Synchronized => (stream.cu_stream(), lt_dev.workspace_ptr),
+    };
     let issue = |algo: &sys::cublasLtMatmulAlgo_t| {
         // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
         // C (ignored: beta = 0) and D.
@@ -491,44 +554,45 @@ pub(crate) unsafe fn run(
         }
         .map_err(err("cublasLtMatmul"))
     };
-    if handshake.is_some() && !lt_dev.flags {
-        return Err("no flag kernels for the handshake".into());
-    }
-    if let Some(h) = handshake {
+    if let Order::Handshake(h) = order {
+        if !lt_dev.flags {
+            return Err("no flag kernels for the handshake".into());
+        }
         // SAFETY: `ready` is a live u32 of this GPU (the caller's flags).
         unsafe { flag_kernels::wait(&stream, h.ready, h.seq)? };
     }
-    let timed = || {
-        stream
-            .record_event(Some(driver::CUevent_flags::CU_EVENT_DEFAULT))
-            .ok()
-    };
     let algo = match chosen {
         Some(algo) => algo,
         None => {
-            let best = fastest(&stream, &candidates, &issue)?;
+            let best = fastest(cu_stream, &candidates, &issue)?;
             if let Some(plan) = lt_dev.plans.get_mut(&key) {
                 plan.chosen = Some(best);
             }
             best
         }
     };
-    let start = if g.profile { timed() } else { None };
+    let start = if g.profile {
+        RawEvent::record(cu_stream).ok()
+    } else {
+        None
+    };
     issue(&algo)?;
-    let timing = start.zip(timed());
-    if let Some(pair) = timing {
-        lt_dev.timings.push(pair);
+    if let Some(start) = start
+        && let Ok(end) = RawEvent::record(cu_stream)
+    {
+        lt_dev.timings.push((start, end));
     }
-    match handshake {
+    match order {
+        Order::OnStream(_) => Ok(()),
         // SAFETY: `done` is a live u32 of this GPU; the signal runs after the GEMM finished,
         // so its output is visible to whoever sees `done`.
-        Some(h) => match unsafe { flag_kernels::signal(&stream, h.done, h.seq) } {
+        Order::Handshake(h) => match unsafe { flag_kernels::signal(&stream, h.done, h.seq) } {
             Ok(()) => Ok(()),
             // The GEMM is queued: burn's stream must not go on before it, and no `end` would
             // follow an error. Nothing can undo that but a failure here.
             Err(e) => panic!("after a cuBLASLt call: {e}"),
         },
-        None => stream
+        Order::Synchronized => stream
             .synchronize()
             .map_err(|e| format!("cuBLASLt stream: {e:?}")),
     }

@@ -7,16 +7,19 @@
 //! multiply-adds. bf16/f16 accumulate in f32; f32 uses TF32 only with
 //! [`MatmulPolicy::allow_tf32`].
 //!
-//! Ordering: cubecl 0.10 does not expose its compute stream, so cuBLASLt runs on its own and
-//! the two streams wait for each other through flags in device memory (`stream_order.rs`): the
-//! host never waits for the GPU. If the flag kernels cannot be loaded, each call synchronizes.
-//! Behind burn's fusion (burn-cuda's default) a product is an operation of fusion's stream:
+//! Ordering ([`MatmulPolicy::order`]): by default cubecl's thread issues the GEMM on burn's own
+//! CUDA stream (the patched cubecl-cuda names it), between the kernels before and after it.
+//! With `handshake`, cuBLASLt runs on its own stream and the two streams wait for each other
+//! through flags in device memory (`stream_order.rs`); if the flag kernels cannot be loaded,
+//! each call synchronizes. In every order the host never waits for the GPU. Behind burn's fusion (burn-cuda's default) a product is an operation of fusion's stream:
 //! the caller registers it and goes on (`matmul_cuda.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
+
+use crate::config::GemmOrder;
 
 /// How `ZeroBackend` runs matmuls (`burn_zero.matmul`): one engine's choice, read from the
 /// dispatching thread's [`settings`](super::settings) and carried with each product.
@@ -29,7 +32,10 @@ pub struct MatmulPolicy {
     /// Smaller products (batch·m·n·k) stay on the inner backend, except f32 ones without
     /// [`allow_tf32`](Self::allow_tf32): burn-cuda multiplies f32 in TF32.
     pub min_macs: u64,
-    /// Ordered GEMMs are planned for this many SMs fewer than the GPU has (0: all).
+    /// Where GEMMs run and what orders them against burn's kernels.
+    pub order: GemmOrder,
+    /// GEMMs ordered by a handshake are planned for this many SMs fewer than the GPU has (0:
+    /// all).
     pub sm_margin: u32,
     /// A new GEMM shape times cuBLASLt's top choices once and keeps the fastest.
     pub tune: bool,
@@ -45,6 +51,7 @@ impl Default for MatmulPolicy {
             cublaslt: true,
             allow_tf32: false,
             min_macs: 1 << 24,
+            order: GemmOrder::Stream,
             sm_margin: 1,
             tune: true,
             profile: false,

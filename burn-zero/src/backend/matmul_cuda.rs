@@ -5,9 +5,10 @@
 //! ~15 µs on an H200), and every blocking call into burn's fusion or cubecl threads costs a
 //! cross-thread round trip. Behind fusion a product is an operation of fusion's stream
 //! (`fused_op.rs`): the caller only registers it, and fusion's thread, running it in stream
-//! order, makes one visit to cubecl's thread for the rest (output allocation, addresses,
-//! `raise` on burn's stream, the cuBLASLt call, `await_done`), where cubecl runs each request
-//! at once instead of queueing it. Plain cubecl tensors make that visit from the caller.
+//! order, makes one visit to cubecl's thread for the rest (output allocation, addresses, the
+//! cuBLASLt call on burn's stream, or between `raise` and `await_done` under
+//! `order: handshake`), where cubecl runs each request at once instead of queueing it. Plain
+//! cubecl tensors make that visit from the caller.
 
 use core::any::Any;
 
@@ -18,6 +19,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl::device::Device;
 use cubecl::device_handle::DeviceHandle;
+use cubecl::stream_id::StreamId;
 
 use super::matmul::{MatmulPolicy, PROFILE};
 use crate::backend::cublaslt::{self, Gemm, Operand};
@@ -27,6 +29,7 @@ use crate::backend::cuda::{
 };
 use crate::backend::fused_op::{Fused, run_fused};
 use crate::backend::stream_order::{self, Handshake};
+use crate::config::GemmOrder;
 
 /// A matrix `rows × cols` with strides `(rs, cs)` as the column-major operand that yields
 /// its transpose (`cols × rows`) in cuBLASLt, or `None` if neither dim is unit-stride.
@@ -168,7 +171,11 @@ impl Product {
             d_batch_stride: if batch > 1 { d_batch_stride } else { 0 },
             dtype: a.dtype,
             tf32: policy.allow_tf32,
-            sm_margin: policy.sm_margin,
+            // Only a GEMM beside burn's spinning block leaves SMs free.
+            sm_margin: match policy.order {
+                GemmOrder::Stream => 0,
+                GemmOrder::Handshake => policy.sm_margin,
+            },
             tune: policy.tune,
             profile: policy.profile,
         })
@@ -224,9 +231,9 @@ impl Declined {
     }
 }
 
-/// cuBLASLt's `a · b`: queued on cubecl's thread when the stream ordering is available
-/// ([`gemm_queued`]), else one blocking visit there after a device sync
-/// ([`gemm_synchronized`]).
+/// cuBLASLt's `a · b`: queued on cubecl's thread ([`gemm_queued`]) on burn's stream, or
+/// between handshake flags when those are available, else one blocking visit there after a
+/// device sync ([`gemm_synchronized`]).
 fn gemm_on_cube(
     a: CubeTensor<CudaRuntime>,
     b: CubeTensor<CudaRuntime>,
@@ -235,9 +242,12 @@ fn gemm_on_cube(
     clock: &mut PhaseClock,
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
     let ordinal = a.device.index;
-    match cublaslt::supports_handshake(ordinal).unwrap_or(false) {
-        true => gemm_queued(a, b, product, policy, clock),
-        false => gemm_synchronized(a, b, product, policy, clock),
+    match policy.order {
+        GemmOrder::Stream => gemm_queued(a, b, product, policy, clock),
+        GemmOrder::Handshake => match cublaslt::supports_handshake(ordinal).unwrap_or(false) {
+            true => gemm_queued(a, b, product, policy, clock),
+            false => gemm_synchronized(a, b, product, policy, clock),
+        },
     }
 }
 
@@ -253,11 +263,11 @@ fn output_of(a: &CubeTensor<CudaRuntime>, product: &Product) -> CubeTensor<CudaR
 }
 
 /// cuBLASLt's `a · b` without waiting for cubecl's thread. Here: the layout is checked, the
-/// cuBLASLt plan made, the output allocated, and three items queued on cubecl's thread in
-/// burn's stream order: `raise` on burn's stream, a task that takes the addresses from cubecl's
-/// server and issues the GEMM on our stream ([`run_queued`]), `await_done` on burn's stream.
-/// None of them waits for the GPU; the GEMM is issued before anything on burn's stream spins
-/// for it.
+/// cuBLASLt plan made, the output allocated, and a task queued on cubecl's thread in burn's
+/// stream order that takes the addresses from cubecl's server and issues the GEMM
+/// ([`run_queued`]): on burn's stream itself (`order: stream`), or on our stream between
+/// `raise` and `await_done`, two more items on burn's stream (`order: handshake`). None of
+/// them waits for the GPU; the GEMM is issued before anything on burn's stream spins for it.
 ///
 /// Waiting for cubecl's thread stalls the caller behind every launch queued there (and behind
 /// the GPU whenever cubecl waits for it to recycle upload buffers); one step of a 1B model
@@ -288,8 +298,13 @@ fn gemm_queued(
     cublaslt::prepare(ordinal, &shape).map_err(Declined::Failed)?;
     clock.lap(1);
     let client = a.client.clone();
-    let handshake = stream_order::begin(&client, ordinal, stream_order::GEMM_CHANNEL)
-        .ok_or_else(|| Declined::Failed("the ordering flags".into()))?;
+    let handshake = match policy.order {
+        GemmOrder::Stream => None,
+        GemmOrder::Handshake => Some(
+            stream_order::begin(&client, ordinal, stream_order::GEMM_CHANNEL)
+                .ok_or_else(|| Declined::Failed("the ordering flags".into()))?,
+        ),
+    };
     clock.lap(2);
     let (product, result) = (product.clone(), out.clone());
     DeviceHandle::<CudaServer>::new(a.device.to_id()).submit(move |server| {
@@ -298,7 +313,9 @@ fn gemm_queued(
             queued_failure().get_or_insert(e);
         }
     });
-    stream_order::end(&client, ordinal, handshake);
+    if let Some(handshake) = handshake {
+        stream_order::end(&client, ordinal, handshake);
+    }
     clock.lap(3);
     Ok(out)
 }
@@ -312,13 +329,14 @@ fn queued_failure() -> std::sync::MutexGuard<'static, Option<String>> {
 
 /// The queued task of [`gemm_queued`], on cubecl's thread holding its `server` (so cubecl is
 /// reached through the server, never the client): the operands' and output's addresses, then
-/// the GEMM on our stream between `ready` and `done`, or, failing, `done` alone.
+/// the GEMM on burn's stream (no handshake), or on our stream between `ready` and `done`, or,
+/// failing, `done` alone.
 fn run_queued(
     server: &mut CudaServer,
     [a, b, out]: [CubeTensor<CudaRuntime>; 3],
     product: &Product,
     policy: MatmulPolicy,
-    handshake: Handshake,
+    handshake: Option<Handshake>,
 ) -> Result<(), String> {
     let ordinal = a.device.index;
     let views = (
@@ -330,17 +348,31 @@ fn run_queued(
         (Some(va), Some(vb), Some(vd)) => product.gemm(&va, &vb, &vd, &policy),
         _ => None,
     };
-    match gemm {
+    match (gemm, handshake) {
+        (Some(gemm), None) => {
+            // The stream of the thread that queued this task (cubecl runs a task under its
+            // submitter's stream id): the one its operands were written on.
+            let on = server
+                .cuda_stream(StreamId::current())
+                .map_err(|e| format!("burn's stream: {e:?}"))?;
+            // SAFETY: this is cubecl's thread, after the launches that wrote the operands and
+            // before any later one: a kernel that reads the output, or one that reuses the
+            // operands' memory once the views drop, runs after the GEMM on the same stream.
+            unsafe { cublaslt::run(ordinal, &gemm, cublaslt::Order::OnStream(on as _)) }
+        }
         // SAFETY: the views hold their memory until this task ends, by when `await_done` is
         // the next item of burn's stream; the operands are complete once `ready` is raised
         // (their kernels were launched before this task ran); the output has the extents
         // described.
-        Some(gemm) => unsafe { cublaslt::run_or_release(ordinal, &gemm, handshake) },
-        None => {
+        (Some(gemm), Some(handshake)) => unsafe {
+            cublaslt::run_or_release(ordinal, &gemm, handshake)
+        },
+        (None, Some(handshake)) => {
             // SAFETY: no call was issued; `done` belongs to the handshake's live flags.
             unsafe { cublaslt::release(ordinal, handshake) }?;
             Err("no address for an operand, or its layout changed".into())
         }
+        (None, None) => Err("no address for an operand, or its layout changed".into()),
     }
 }
 
@@ -371,7 +403,7 @@ fn gemm_synchronized(
         clock.lap(2);
         // SAFETY: the three views hold their memory until the synchronization inside `run`;
         // the inputs are complete after the sync above; the output has the extents described.
-        let ran = unsafe { cublaslt::run(ordinal, &gemm, None) };
+        let ran = unsafe { cublaslt::run(ordinal, &gemm, cublaslt::Order::Synchronized) };
         clock.lap(3);
         ran.map(|()| out)
             .map_err(|e| Declined::Failed(e.to_string()))

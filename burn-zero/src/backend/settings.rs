@@ -59,6 +59,7 @@ impl OpSettings {
                 cublaslt: m.cublaslt,
                 allow_tf32: m.allow_tf32,
                 min_macs: m.min_macs,
+                order: m.order,
                 sm_margin: m.sm_margin,
                 // A tuned algorithm is the one timed fastest in this process: another process
                 // may pick another, with other rounding.

@@ -311,9 +311,12 @@ pub struct MatmulConfig {
     /// `min_macs`: smaller products (batch·m·n·k) stay on the inner backend; f32 ones only
     /// with `allow_tf32` (burn-cuda multiplies f32 in TF32).
     pub min_macs: u64,
-    /// `sm_margin`: GEMMs ordered against burn's stream are planned for this many SMs fewer
-    /// than the GPU has (default 1: burn's stream holds one spinning block meanwhile, and a
-    /// persistent GEMM with a block waiting for that SM took twice as long); 0 plans for all.
+    /// `order`: how a cuBLASLt GEMM is ordered against burn's kernels (default `stream`).
+    pub order: GemmOrder,
+    /// `sm_margin`: GEMMs ordered by a handshake (`order: "handshake"`) are planned for this
+    /// many SMs fewer than the GPU has (default 1: burn's stream holds one spinning block
+    /// meanwhile, and a persistent GEMM with a block waiting for that SM took twice as long); 0
+    /// plans for all.
     pub sm_margin: u32,
     /// `tune`: a new GEMM shape times cuBLASLt's top 8 heuristic choices on its first call and
     /// keeps the fastest (default true; false takes the first untimed).
@@ -328,11 +331,27 @@ impl Default for MatmulConfig {
             cublaslt: true,
             allow_tf32: false,
             min_macs: 1 << 24,
+            order: GemmOrder::default(),
             sm_margin: 1,
             tune: true,
             profile: false,
         }
     }
+}
+
+/// `burn_zero.matmul.order`: where cuBLASLt's GEMMs run and what orders them against burn's
+/// kernels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GemmOrder {
+    /// On burn's own CUDA stream, issued by cubecl's thread between the kernels before and
+    /// after it: no launch besides the GEMM, nothing spinning, the GEMM planned for every SM.
+    #[default]
+    Stream,
+    /// On a stream of cuBLASLt's own, between two flags in device memory (`raise` and
+    /// `await_done` on burn's stream, `bz_wait` and `bz_signal` on ours): four launches more
+    /// per GEMM, and a block of burn's stream spinning while it runs.
+    Handshake,
 }
 
 impl Default for DeepSpeedConfig {

@@ -15,6 +15,8 @@ enum Kind {
     AutoBool,
     /// A number.
     Number,
+    /// One of these words (an enum key's values).
+    Word(&'static [&'static str]),
 }
 
 /// Each variable, the key it overrides and its kind.
@@ -44,6 +46,11 @@ const OVERRIDES: &[(&str, &str, Kind)] = &[
         Kind::Number,
     ),
     ("BURN_ZERO_CUBLASLT_TUNE", "matmul.tune", Kind::Bool),
+    (
+        "BURN_ZERO_CUBLASLT_ORDER",
+        "matmul.order",
+        Kind::Word(&["stream", "handshake"]),
+    ),
     ("BURN_ZERO_MATMUL_PROFILE", "matmul.profile", Kind::Bool),
     (
         "BURN_ZERO_FUSED_RMS_NORM",
@@ -81,11 +88,11 @@ impl ResolvedConfig {
                 key: format!("{var} (overriding burn_zero.{key})"),
                 value: format!("{raw:?}"),
                 allowed: match kind {
-                    Kind::Bool => "0 or 1",
-                    Kind::AutoBool => "0, 1 or auto",
-                    Kind::Number => "a number",
-                }
-                .into(),
+                    Kind::Bool => "0 or 1".into(),
+                    Kind::AutoBool => "0, 1 or auto".into(),
+                    Kind::Number => "a number".into(),
+                    Kind::Word(words) => words.join(" or "),
+                },
             })?;
             let pointer = format!("/{}", key.replace('.', "/"));
             let slot = tree
@@ -144,6 +151,7 @@ fn parse(kind: &Kind, raw: &str) -> Option<Value> {
                 Ok(i) => Value::from(i),
                 Err(_) => v,
             }),
+        Kind::Word(words) => words.contains(&raw).then(|| Value::String(raw.to_string())),
     }
 }
 
@@ -169,6 +177,8 @@ mod tests {
             "BURN_ZERO_FLASH_ATTENTION" => Some("auto".to_string()),
             "BURN_ZERO_CUBLASLT_SM_MARGIN" => Some("3".to_string()),
             "BURN_ZERO_PEAK_TFLOPS" => Some("989.5".to_string()),
+            "BURN_ZERO_CUBLASLT_ORDER" => Some("handshake".to_string()),
+            "BURN_ZERO_EAGER_HOST_QUEUE" => Some("0".to_string()),
             _ => None,
         };
         let lines = r.apply_env_overrides(env).unwrap();
@@ -177,7 +187,9 @@ mod tests {
         assert_eq!(b.flash_attention, None);
         assert_eq!(b.matmul.sm_margin, 3);
         assert_eq!(b.peak_tflops, Some(989.5));
-        assert_eq!(lines.len(), 4, "{lines:?}");
+        assert_eq!(b.matmul.order, crate::config::GemmOrder::Handshake);
+        assert!(!b.eager_host_queue);
+        assert_eq!(lines.len(), 6, "{lines:?}");
         assert!(
             lines.contains(
                 &"BURN_ZERO_CUBLASLT=0 overrides burn_zero.matmul.cublaslt (true → false)".into()
@@ -201,6 +213,16 @@ mod tests {
             err.contains("BURN_ZERO_FUSED_ADAM (overriding burn_zero.fused_adam)")
                 && err.contains("\"yes\"")
                 && err.contains("0 or 1"),
+            "{err}"
+        );
+        let err = r
+            .apply_env_overrides(|k| (k == "BURN_ZERO_CUBLASLT_ORDER").then(|| "flags".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("BURN_ZERO_CUBLASLT_ORDER (overriding burn_zero.matmul.order)")
+                && err.contains("\"flags\"")
+                && err.contains("stream or handshake"),
             "{err}"
         );
     }
