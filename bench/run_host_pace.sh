@@ -4,8 +4,9 @@
 # OURS_ARGS if set; FLUSH="64 1024 ..." runs it once per `--flush-interval`, a binary of 0ae6c26
 # only), FSDP2 on one GPU (bench/e2e_fsdp2.py) and eager torch (bench/e2e_eager.py;
 # EAGER_COMPILE=1 adds a torch.compile row, on the first repeat only: it compiles for a minute).
-# OURS_VARIANTS="eager:1 batched:0" runs ours once per variant with BURN_ZERO_EAGER_HOST_QUEUE
-# set to the value (the runner threads' queue policy, patches/cubecl-common); SKIP_FSDP2=1 leaves
+# OURS_VARIANTS="NAME:VAR=VALUE[,VAR=VALUE...] ..." runs ours once per variant with those variables
+# set (e.g. "stream:BURN_ZERO_CUBLASLT_ORDER=stream batched:BURN_ZERO_EAGER_HOST_QUEUE=0"), tagged
+# ours-SIZE-NAME; SKIP_FSDP2=1 leaves
 # FSDP2 out. Each run's GPU busy fraction is nvidia-smi's utilization.gpu averaged over its timed
 # steps (coarse: a sample covers 1/6 to 1 s). BUSY=1 runs ours (each variant) and eager torch
 # once more per case with CUPTI's activity records (bench/cupti_busy/busy.c, built into
@@ -68,13 +69,13 @@ for c in $cases; do
   for f in ${FLUSH:-default}; do
   for v in ${OURS_VARIANTS:-default}; do
     port=$((port + 1))
-    flush=(); tag="ours-$size"
+    flush=(); tag="ours-$size"; assigns=()
     [ "$f" = default ] || { flush=(--flush-interval "$f"); tag="$tag-f$f"; }
-    [ "$v" = default ] || tag="$tag-${v%%:*}"
+    [ "$v" = default ] || { tag="$tag-${v%%:*}"; IFS=, read -ra assigns <<< "${v#*:}"; }
     # shellcheck disable=SC2086
-    BURN_ZERO_EAGER_HOST_QUEUE=$([ "$v" = default ] && echo 1 || echo "${v#*:}") \
-    measure "$tag$rep" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
-      -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" ${OURS_ARGS:-}
+    ( [ ${#assigns[@]} -eq 0 ] || export "${assigns[@]}"
+      measure "$tag$rep" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
+        -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" ${OURS_ARGS:-} )
   done
   done
   port=$((port + 1))
@@ -95,17 +96,17 @@ for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] &
   IFS=: read -r size micro seq stage <<< "$c"
   for sys in $(for v in ${OURS_VARIANTS:-default}; do echo "ours:$v"; done) eager; do
     port=$((port + 1))
-    v=${sys#ours:}; tag="busy-eager-$size"; flag=1
+    v=${sys#ours:}; tag="busy-eager-$size"; assigns=()
     if [ "$sys" != eager ]; then
       tag="busy-ours-$size$([ "$v" = default ] || echo "-${v%%:*}")"
-      [ "$v" = default ] || flag=${v#*:}
+      [ "$v" = default ] || IFS=, read -ra assigns <<< "${v#*:}"
       cmd=(.gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" -- .gpu/bin/bench-e2e)
     else
       cmd=(python3 bench/e2e_eager.py)
     fi
     rm -rf "/tmp/$tag"; mkdir -p "/tmp/$tag"
     # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=0 BURN_ZERO_EAGER_HOST_QUEUE=$flag BUSY_OUT_DIR="/tmp/$tag" \
+    env "${assigns[@]}" CUDA_VISIBLE_DEVICES=0 BUSY_OUT_DIR="/tmp/$tag" \
       BUSY_CUPTI_LIB="$cupti" CUDA_INJECTION64_PATH="$PWD/.gpu/lib/libbusy.so" \
       timeout "${RUN_TIMEOUT:-150}" "${cmd[@]}" "$size" "$stage" "$steps" "$micro" "$seq" \
       $([ "$sys" != eager ] && echo "${OURS_ARGS:-}") > "/tmp/$tag.out" 2> "$out/$tag.log"

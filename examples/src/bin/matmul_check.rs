@@ -2,7 +2,7 @@
 //! 1. odd, batched, broadcast and transposed products in f32, bf16 and f16 (tensors created in
 //!    that dtype) against an f64 host reference, through cuBLASLt and through the inner backend;
 //! 2. a chain of dependent matmuls and element-wise ops with no host synchronization between
-//!    them (the stream handshake alone orders them), equal to the inner backend's chain;
+//!    them (the stream order alone orders them), equal to the inner backend's chain;
 //! 3. a training step of a small MLP (3-D input, biases) through `Autodiff<ZeroBackend<Cuda>>`
 //!    with cuBLASLt on and off, against an f64 host reference: the cuBLASLt step must match it
 //!    to 1e-4 (loss and every gradient), the step without cuBLASLt (burn-cuda's products,
