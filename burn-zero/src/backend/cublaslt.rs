@@ -124,6 +124,8 @@ pub(crate) fn take_gpu_ms(ordinal: usize) -> Vec<f32> {
         return Vec::new();
     };
     let mut lt_dev = device.lock().unwrap_or_else(|e| e.into_inner());
+    // The events are read on the caller's thread, which CUDA may not have bound yet.
+    let _ = lt_dev.stream.context().bind_to_thread();
     std::mem::take(&mut lt_dev.timings)
         .into_iter()
         .filter_map(|(start, end)| {

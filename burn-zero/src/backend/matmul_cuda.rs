@@ -358,6 +358,10 @@ fn run_queued(
             // SAFETY: this is cubecl's thread, after the launches that wrote the operands and
             // before any later one: a kernel that reads the output, or one that reuses the
             // operands' memory once the views drop, runs after the GEMM on the same stream.
+            // (An operand written on another cubecl stream is guarded by the event cubecl
+            // records when `view_on`'s command ends, before the GEMM: a reuse of its memory on
+            // that stream is not ordered after the GEMM. The handshake order shares the gap;
+            // closing it needs the resources and the launch in one cubecl command.)
             unsafe { cublaslt::run(ordinal, &gemm, cublaslt::Order::OnStream(on as _)) }
         }
         // SAFETY: the views hold their memory until this task ends, by when `await_done` is

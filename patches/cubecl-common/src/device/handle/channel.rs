@@ -847,8 +847,14 @@ mod custom_channel {
                 // burn-zero patch: an idle server takes the tasks already queued instead of
                 // waiting for the client to fill the buffer. It claims the buffer's remaining
                 // slots as `DeviceClient::flush` does; the buffer is fetched above once the
-                // clients writing into claimed slots are done.
-                if queue_size > 0 && super::eager_fetch() {
+                // clients writing into claimed slots are done. Once claimed (or full), it waits
+                // for them through the backoff below: claiming again would only grow
+                // `available_index`, which a long wait could wrap.
+                if queue_size > 0
+                    && super::eager_fetch()
+                    && (self.state.available_index.load(Ordering::Acquire) as usize)
+                        < CHANNEL_MAX_TASK
+                {
                     self.claim_rest();
                     continue;
                 }
