@@ -6,10 +6,11 @@ seconds before the last GPU activity. Prints one JSON object: per step, the acti
 time in each class (GEMM, attention, copy, memset, other kernels) and the TOP kernel names by
 time, with their launches per step. A name's trailing hexadecimal hash (cubecl's) is dropped so
 one kernel's variants count together."""
-import csv
 import json
 import re
 import sys
+
+from nsys_busy import read_run, read_trace, window
 
 CLASSES = [
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul", re.I)),
@@ -26,17 +27,13 @@ def label(name):
 def main():
     trace, run_file = sys.argv[1], sys.argv[2]
     top = int(sys.argv[3]) if len(sys.argv) > 3 else 25
-    line = [l for l in open(run_file) if "{" in l][-1]
-    run = json.loads(line[line.index("{"):])
+    run = read_run(run_file)
     steps = max(len(run["step_times_s"]), 1)
-    timed_ns = sum(run["step_times_s"]) * 1e9
     rows = []
-    with open(trace) as f:
-        for r in csv.DictReader(f):
-            start, dur = float(r["Start (ns)"]), float(r["Duration (ns)"])
-            rows.append((start, start + dur, r.get("Kind", ""), r.get("Name", "")))
-    end = max(e for _, e, _, _ in rows)
-    begin = end - timed_ns
+    for r in read_trace(trace):
+        start, dur = float(r["Start (ns)"]), float(r["Duration (ns)"])
+        rows.append((start, start + dur, r.get("Kind", ""), r.get("Name", "")))
+    begin, _, _ = window([(s, e) for s, e, _, _ in rows], run)
     classes, names = {}, {}
     for s, e, kind, name in rows:
         if e <= begin:

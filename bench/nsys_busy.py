@@ -11,15 +11,30 @@ import json
 import sys
 
 
+def read_run(run_file):
+    """The JSON line a run printed (its last line holding a `{`)."""
+    line = [l for l in open(run_file) if "{" in l][-1]
+    return json.loads(line[line.index("{"):])
+
+
+def read_trace(trace):
+    """The trace's rows, skipping the lines nsys prints before its header."""
+    with open(trace) as f:
+        return list(csv.DictReader([r for r in f if r.strip() and not r.startswith("Generating")]))
+
+
+def window(spans, run):
+    """The timed steps' window (begin, end, ns) over `spans` of (start, end) in ns."""
+    timed_ns = sum(run["step_times_s"]) * 1e9
+    end = max(e for _, e in spans)
+    return end - timed_ns, end, timed_ns
+
+
 def main():
     trace, run_file = sys.argv[1], sys.argv[2]
-    line = [l for l in open(run_file) if "{" in l][-1]
-    run = json.loads(line[line.index("{"):])
-    timed_ns = sum(run["step_times_s"]) * 1e9
+    run = read_run(run_file)
     spans = []
-    with open(trace) as f:
-        rows = [r for r in f if r.strip() and not r.startswith("Generating")]
-    for r in csv.DictReader(rows):
+    for r in read_trace(trace):
         try:
             start = float(r["Start (ns)"])
             spans.append((start, start + float(r["Duration (ns)"])))
@@ -28,8 +43,7 @@ def main():
     if not spans:
         print(json.dumps({"error": "no GPU activity in the trace"}))
         return
-    end = max(e for _, e in spans)
-    begin = end - timed_ns
+    begin, end, timed_ns = window(spans, run)
     busy, cursor = 0.0, begin
     for s, e in sorted(spans):
         s, e = max(s, cursor), min(e, end)
@@ -41,7 +55,6 @@ def main():
                       "activities_in_window": inside,
                       "activities_per_step": inside / max(len(run["step_times_s"]), 1),
                       "traced_tokens_per_s": run.get("tokens_per_s_per_gpu")}))
-
 
 if __name__ == "__main__":
     main()

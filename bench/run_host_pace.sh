@@ -59,6 +59,10 @@ run.update({"tag": tag, "case": case, "exit": rc})
 print(json.dumps(run))
 PY
 }
+# The JSON object on stdin with its run's tag and case (and tracer, if given) added.
+tagged() { # tag case [tracer]
+  python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2]); d.update({"tracer": sys.argv[3]} if len(sys.argv) > 3 else {}); print(json.dumps(d))' "$@"
+}
 # REPEATS=N runs every system of a case N times, interleaved (ours, FSDP2, eager, ... then
 # again), so a drift of the machine during the call falls on all of them; the summary gives each
 # system's median over its repeats beside the spread.
@@ -114,11 +118,9 @@ for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] &
     trace=$(ls -S "/tmp/$tag"/busy-*.csv 2>/dev/null | head -1)
     [ -n "$trace" ] || { echo "$tag: no trace" | tee -a "$out/$tag.log"; continue; }
     python3 bench/nsys_busy.py "$trace" "/tmp/$tag.out" \
-      | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2], tracer="cupti"); print(json.dumps(d))' \
-        "$tag" "$c" | tee -a /tmp/pace-nsys.jsonl
+      | tagged "$tag" "$c" cupti | tee -a /tmp/pace-nsys.jsonl
     python3 bench/busy_kernels.py "$trace" "/tmp/$tag.out" \
-      | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2]); print(json.dumps(d))' \
-        "$tag" "$c" >> /tmp/pace-kernels.jsonl
+      | tagged "$tag" "$c" >> /tmp/pace-kernels.jsonl
   done
 done
 nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
@@ -142,8 +144,7 @@ for c in ${NSYS_CASES:-}; do
     "$nsys" stats --report cuda_gpu_trace --format csv -o "/tmp/nsys-$sys-$size" \
       "/tmp/nsys-$sys-$size.nsys-rep" > /dev/null 2>> "$out/nsys-$sys-$size.log"
     python3 bench/nsys_busy.py "/tmp/nsys-$sys-${size}_cuda_gpu_trace.csv" "/tmp/nsys-$sys-$size.out" \
-      | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(tag=sys.argv[1], case=sys.argv[2]); print(json.dumps(d))' \
-        "nsys-$sys-$size" "$c" | tee -a /tmp/pace-nsys.jsonl
+      | tagged "nsys-$sys-$size" "$c" | tee -a /tmp/pace-nsys.jsonl
   done
 done
 [ -f /tmp/pace-nsys.jsonl ] || : > /tmp/pace-nsys.jsonl

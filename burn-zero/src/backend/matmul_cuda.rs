@@ -348,8 +348,15 @@ fn run_queued(
         (Some(va), Some(vb), Some(vd)) => product.gemm(&va, &vb, &vd, &policy),
         _ => None,
     };
-    match (gemm, handshake) {
-        (Some(gemm), None) => {
+    let Some(gemm) = gemm else {
+        if let Some(handshake) = handshake {
+            // SAFETY: no call was issued; `done` belongs to the handshake's live flags.
+            unsafe { cublaslt::release(ordinal, handshake) }?;
+        }
+        return Err("no address for an operand, or its layout changed".into());
+    };
+    match handshake {
+        None => {
             // The stream of the thread that queued this task (cubecl runs a task under its
             // submitter's stream id): the one its operands were written on.
             let on = server
@@ -368,15 +375,7 @@ fn run_queued(
         // the next item of burn's stream; the operands are complete once `ready` is raised
         // (their kernels were launched before this task ran); the output has the extents
         // described.
-        (Some(gemm), Some(handshake)) => unsafe {
-            cublaslt::run_or_release(ordinal, &gemm, handshake)
-        },
-        (None, Some(handshake)) => {
-            // SAFETY: no call was issued; `done` belongs to the handshake's live flags.
-            unsafe { cublaslt::release(ordinal, handshake) }?;
-            Err("no address for an operand, or its layout changed".into())
-        }
-        (None, None) => Err("no address for an operand, or its layout changed".into()),
+        Some(handshake) => unsafe { cublaslt::run_or_release(ordinal, &gemm, handshake) },
     }
 }
 

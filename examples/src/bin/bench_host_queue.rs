@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use burn_zero_examples::cli::arg;
 use cubecl::device::{DeviceId, DeviceService, ServerUtilitiesHandle};
 use cubecl::device_handle::{DeviceHandle, set_eager_fetch};
 
@@ -58,21 +59,18 @@ fn run(device: u16, tasks: usize, client: Duration, server: Duration, burst: usi
     start.elapsed().as_secs_f64()
 }
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{name} takes a number, not {v}"))
-        })
-        .unwrap_or(default)
+/// The number after `flag`, or `default`.
+fn count(args: &[String], flag: &str, default: usize) -> usize {
+    arg(args, flag).map_or(default, |v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("{flag} takes a number, not {v}"))
+    })
 }
 
 fn main() {
-    let tasks = arg("--tasks", 20_000);
-    let repeats = arg("--repeats", 5);
+    let args: Vec<String> = std::env::args().collect();
+    let tasks = count(&args, "--tasks", 20_000);
+    let repeats = count(&args, "--repeats", 5);
     // (client µs, server µs, burst): producer-bound, runner-bound, even, and bursts.
     let regimes = [
         (3.0, 1.0, 1),
