@@ -6,9 +6,9 @@
 # EAGER_COMPILE=1 adds a torch.compile row, on the first repeat only: it compiles for a minute).
 # OURS_VARIANTS="NAME:VAR=VALUE[,VAR=VALUE...] ..." runs ours once per variant with those variables
 # set (e.g. "stream:BURN_ZERO_CUBLASLT_ORDER=stream batched:BURN_ZERO_EAGER_HOST_QUEUE=0"), tagged
-# ours-SIZE-NAME; SKIP_FSDP2=1 leaves
-# FSDP2 out. Each run's GPU busy fraction is nvidia-smi's utilization.gpu averaged over its timed
-# steps (coarse: a sample covers 1/6 to 1 s). BUSY=1 runs ours (each variant) and eager torch
+# ours-SIZE-NAME; E2E_BIN=PATH in a variant runs another bench-e2e (an earlier commit's, e.g.
+# .gpu/prev/bench-e2e); SKIP_FSDP2=1 leaves FSDP2 out. Each run's GPU busy fraction is nvidia-smi's utilization.gpu averaged over its timed
+# steps (coarse: a sample covers 1/6 to 1 s). BUSY=1 runs ours (each variant), eager torch and FSDP2
 # once more per case with CUPTI's activity records (bench/cupti_busy/busy.c, built into
 # .gpu/lib/libbusy.so by bench/cupti_busy/build.sh; CUPTI from the device's torch), and the busy
 # fraction is the union of their kernels, copies and memsets over the timed steps
@@ -79,7 +79,8 @@ for c in $cases; do
     # shellcheck disable=SC2086
     ( [ ${#assigns[@]} -eq 0 ] || export "${assigns[@]}"
       measure "$tag$rep" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
-        -- .gpu/bin/bench-e2e "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" ${OURS_ARGS:-} )
+        -- "${E2E_BIN:-.gpu/bin/bench-e2e}" "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" \
+        ${OURS_ARGS:-} )
   done
   done
   port=$((port + 1))
@@ -98,22 +99,26 @@ cupti=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')/nvid
 echo "cupti: ${cupti:-not found}"
 for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] && echo "$cases"); do
   IFS=: read -r size micro seq stage <<< "$c"
-  for sys in $(for v in ${OURS_VARIANTS:-default}; do echo "ours:$v"; done) eager; do
+  for sys in $(for v in ${OURS_VARIANTS:-default}; do echo "ours:$v"; done) eager \
+    $([ -n "${SKIP_FSDP2:-}" ] || echo fsdp2); do
     port=$((port + 1))
-    v=${sys#ours:}; tag="busy-eager-$size"; assigns=()
-    if [ "$sys" != eager ]; then
-      tag="busy-ours-$size$([ "$v" = default ] || echo "-${v%%:*}")"
-      [ "$v" = default ] || IFS=, read -ra assigns <<< "${v#*:}"
-      cmd=(.gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" -- .gpu/bin/bench-e2e)
-    else
-      cmd=(python3 bench/e2e_eager.py)
-    fi
+    v=${sys#ours:}; tag="busy-$sys-$size"; assigns=()
+    case $sys in
+      eager) cmd=(python3 bench/e2e_eager.py) ;;
+      fsdp2) cmd=(torchrun --nproc-per-node 1 --master-port "$port" bench/e2e_fsdp2.py) ;;
+      *)
+        tag="busy-ours-$size$([ "$v" = default ] || echo "-${v%%:*}")"
+        [ "$v" = default ] || IFS=, read -ra assigns <<< "${v#*:}"
+        bin=.gpu/bin/bench-e2e
+        for a in "${assigns[@]}"; do [[ $a == E2E_BIN=* ]] && bin=${a#E2E_BIN=}; done
+        cmd=(.gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" -- "$bin") ;;
+    esac
     rm -rf "/tmp/$tag"; mkdir -p "/tmp/$tag"
     # shellcheck disable=SC2086
     env "${assigns[@]}" CUDA_VISIBLE_DEVICES=0 BUSY_OUT_DIR="/tmp/$tag" \
       BUSY_CUPTI_LIB="$cupti" CUDA_INJECTION64_PATH="$PWD/.gpu/lib/libbusy.so" \
       timeout "${RUN_TIMEOUT:-150}" "${cmd[@]}" "$size" "$stage" "$steps" "$micro" "$seq" \
-      $([ "$sys" != eager ] && echo "${OURS_ARGS:-}") > "/tmp/$tag.out" 2> "$out/$tag.log"
+      $([[ $sys == ours:* ]] && echo "${OURS_ARGS:-}") > "/tmp/$tag.out" 2> "$out/$tag.log"
     echo "$tag: exit $?"
     trace=$(ls -S "/tmp/$tag"/busy-*.csv 2>/dev/null | head -1)
     [ -n "$trace" ] || { echo "$tag: no trace" | tee -a "$out/$tag.log"; continue; }

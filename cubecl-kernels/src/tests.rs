@@ -249,3 +249,55 @@ fn fused_lamb_matches_the_host_update() {
         }
     }
 }
+
+/// The sum of squares over pieces of odd and even lengths (read in vectors of four or one),
+/// one empty, most at an offset into a shared buffer (wgpu binds offsets of 32 bytes): within
+/// f32 summation error of an f64 sum, and the same bits on a second run.
+#[test]
+fn sum_of_squares_matches_f64_in_a_fixed_order() {
+    use crate::norm::{SquaresPiece, sum_of_squares};
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let lens = [1usize, 7, 64, 0, 1_000_003, 1_048_576];
+    let starts: Vec<usize> = lens
+        .iter()
+        .scan(8, |at, n| {
+            let start = *at;
+            *at = (start + n).div_ceil(8) * 8 + 8;
+            Some(start)
+        })
+        .collect();
+    let all = values(starts[5] + lens[5], 11);
+    let buffer = client.create_from_slice(f32::as_bytes(&all));
+    let handles: Vec<_> = starts
+        .iter()
+        .map(|s| buffer.clone().offset_start(4 * *s as u64))
+        .collect();
+    let pieces: Vec<SquaresPiece<'_>> = handles
+        .iter()
+        .zip(lens)
+        .map(|(handle, len)| SquaresPiece { handle, len })
+        .collect();
+    let squares = |range: std::ops::Range<usize>| -> f64 {
+        all[range].iter().map(|a| f64::from(*a).powi(2)).sum()
+    };
+    let want: f64 = starts
+        .iter()
+        .zip(lens)
+        .map(|(s, n)| squares(*s..s + n))
+        .sum();
+    let read = |h| f32::from_bytes(&client.read_one(h).expect("sum")).to_vec()[0];
+    let first = read(sum_of_squares(&client, &pieces));
+    assert!(
+        (f64::from(first) - want).abs() <= 1e-5 * want,
+        "{first} vs {want}"
+    );
+    let second = read(sum_of_squares(&client, &pieces));
+    assert_eq!(first.to_bits(), second.to_bits(), "a fixed order");
+    assert_eq!(read(sum_of_squares(&client, &[])), 0.0);
+    let one = read(sum_of_squares(&client, &pieces[1..2]));
+    let want_one = squares(starts[1]..starts[1] + 7);
+    assert!(
+        (f64::from(one) - want_one).abs() <= 1e-6 * want_one,
+        "{one} vs {want_one}"
+    );
+}

@@ -568,19 +568,8 @@ fn global_norm<I: Backend>(
     grad: &[Tensor<I, 1>],
     deterministic: bool,
 ) -> Result<f64, CommError> {
-    // In pieces: `grad · grad` of a whole partition is a second partition-sized buffer, which
-    // a large model has no room for.
-    const PIECE: usize = 1 << 26;
     let device = strategy.grads().flat.device().clone();
-    let mut squares = Tensor::<I, 1>::zeros([1], (&device, burn::tensor::DType::F32));
-    for g in grad {
-        let n = g.dims()[0];
-        for start in (0..n).step_by(PIECE) {
-            let piece = g.clone().slice(start..(start + PIECE).min(n));
-            squares =
-                squares + crate::backend::reduce::sum(piece.clone().mul(piece), deterministic);
-        }
-    }
+    let squares = super::norm::sum_of_squares(grad, deterministic, &device);
     let total = strategy.total_squares(squares)?;
     Ok(f64::from(total.into_scalar().elem::<f32>()).sqrt())
 }

@@ -2,6 +2,11 @@
 //! elements: cubecl-cuda refuses any single buffer larger than a quarter of the device's memory
 //! (its `max_page_size`), which the fp32 gradient partition of a large model exceeds. The
 //! pieces are contiguous and in order; every update runs piece by piece, in place.
+//!
+//! The buffer knows which elements it has been given since it was last cleared: the first
+//! gradient of an element is copied in, not added to the zeros there (a gradient's first
+//! window, and every step without accumulation, then reads each gradient once and writes it
+//! once, where an add reads the zeros too and launches a second kernel per write).
 
 use core::ops::Range;
 
@@ -38,6 +43,49 @@ pub(crate) fn piece_ranges<I: Backend>(pieces: &[Tensor<I, 1>]) -> Vec<Range<usi
         .collect()
 }
 
+/// `range` cut into consecutive spans, each wholly inside `written` (`true`) or wholly outside
+/// it (`false`); `written` is sorted and disjoint.
+fn split_by(written: &[Range<usize>], range: &Range<usize>) -> Vec<(Range<usize>, bool)> {
+    let mut spans = Vec::new();
+    if range.is_empty() {
+        return spans;
+    }
+    let mut at = range.start;
+    for w in written
+        .iter()
+        .filter(|w| w.start < range.end && range.start < w.end)
+    {
+        if at < w.start {
+            spans.push((at..w.start, false));
+        }
+        let end = w.end.min(range.end);
+        spans.push((at.max(w.start)..end, true));
+        at = end;
+    }
+    if at < range.end {
+        spans.push((at..range.end, false));
+    }
+    spans
+}
+
+/// Adds `range` to the sorted, disjoint ranges `written`, merging it with any it overlaps or
+/// touches.
+fn mark(written: &mut Vec<Range<usize>>, range: Range<usize>) {
+    if range.is_empty() {
+        return;
+    }
+    let first = written.partition_point(|w| w.end < range.start);
+    let last = written.partition_point(|w| w.start <= range.end);
+    let merged = match written[first..last] {
+        [] => range,
+        ref touched => {
+            let start = touched[0].start.min(range.start);
+            start..touched[touched.len() - 1].end.max(range.end)
+        }
+    };
+    written.splice(first..last, [merged]);
+}
+
 /// A flat buffer of `len` elements in pieces of at most `piece` elements.
 pub(crate) struct GradBuffer<I: Backend> {
     pieces: Vec<Tensor<I, 1>>,
@@ -45,6 +93,8 @@ pub(crate) struct GradBuffer<I: Backend> {
     len: usize,
     dtype: DType,
     device: I::Device,
+    /// Elements written since the last clear: sorted, disjoint, neighbours merged.
+    written: Vec<Range<usize>>,
 }
 
 impl<I: Backend> GradBuffer<I> {
@@ -57,6 +107,7 @@ impl<I: Backend> GradBuffer<I> {
             len,
             dtype,
             device: device.clone(),
+            written: Vec::new(),
         };
         buffer.clear();
         buffer
@@ -80,6 +131,7 @@ impl<I: Backend> GradBuffer<I> {
 
     /// Zeroes every piece (the old pieces go first, so the new can take their memory).
     pub(crate) fn clear(&mut self) {
+        self.written.clear();
         self.pieces.clear();
         let lens: Vec<usize> = self.ranges().map(|r| r.len()).collect();
         self.pieces = lens
@@ -89,22 +141,30 @@ impl<I: Backend> GradBuffer<I> {
     }
 
     /// Adds `values` (`range.len()` elements) into `range`, each sum passed through `settle`
-    /// (the accumulation format's rounding). Each piece is updated in place: it is taken out
-    /// of the buffer first, so no other reference makes the update copy it. (Nothing is left in
-    /// its place meanwhile: an empty tensor would be a kernel over no elements, which CUDA
-    /// refuses once a sync makes burn's fusion run it.)
+    /// (the accumulation format's rounding); elements not written since the last clear take
+    /// `settle(value)` instead (`0 + v` is `v`, but for the sign of a zero). Each piece is
+    /// updated in place: it is taken out of the buffer first, so no other reference makes the
+    /// update copy it. (Nothing is left in its place meanwhile: an empty tensor would be a
+    /// kernel over no elements, which CUDA refuses once a sync makes burn's fusion run it.)
     pub(crate) fn add(
         &mut self,
         range: Range<usize>,
         values: Tensor<I, 1>,
         settle: impl Fn(Tensor<I, 1>) -> Tensor<I, 1>,
     ) {
-        for (i, local, at) in self.overlaps(&range) {
-            let part = values.clone().slice(at..at + local.len());
-            let sum = settle(self.pieces[i].clone().slice(local.clone()) + part);
-            let piece = self.pieces.remove(i);
-            self.pieces.insert(i, piece.slice_assign(local, sum));
+        for (span, seen) in split_by(&self.written, &range) {
+            let from = span.start - range.start;
+            for (i, local, at) in self.overlaps(&span) {
+                let part = values.clone().slice(from + at..from + at + local.len());
+                let new = match seen {
+                    true => settle(self.pieces[i].clone().slice(local.clone()) + part),
+                    false => settle(part),
+                };
+                let piece = self.pieces.remove(i);
+                self.pieces.insert(i, piece.slice_assign(local, new));
+            }
         }
+        mark(&mut self.written, range);
     }
 
     /// The pieces covering `range`, cut to it, in order.
@@ -130,10 +190,13 @@ impl<I: Backend> GradBuffer<I> {
     }
 
     /// Replaces every piece with `f(piece)` (same length), in order; stops at the first error.
+    /// Every element counts as written afterwards: `f` may have put values where none were
+    /// added (an all-reduce brings other ranks' gradients).
     pub(crate) fn try_map<E>(
         &mut self,
         mut f: impl FnMut(Tensor<I, 1>) -> Result<Tensor<I, 1>, E>,
     ) -> Result<(), E> {
+        mark(&mut self.written, 0..self.len);
         for i in 0..self.pieces.len() {
             let piece = self.pieces.remove(i);
             let n = piece.dims()[0];
@@ -156,7 +219,7 @@ mod tests {
     use burn::backend::NdArray;
     use burn::tensor::{DType, Tensor, TensorData};
 
-    use super::GradBuffer;
+    use super::{GradBuffer, mark, split_by};
 
     fn values(t: Tensor<NdArray, 1>) -> Vec<f32> {
         t.into_data().to_vec::<f32>().unwrap()
@@ -190,5 +253,73 @@ mod tests {
             assert_eq!(values(buffer.slice(0..10)), vec![0.0; 10]);
             assert_eq!(buffer.len(), 10);
         }
+    }
+
+    /// Spans and marks against a bitmap: random ranges over 40 elements, the spans tile the
+    /// range in order with the right flag, and the marks stay sorted, disjoint and merged.
+    #[test]
+    fn spans_and_marks_follow_a_bitmap() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for _ in 0..200 {
+            let (mut written, mut bits) = (Vec::new(), [false; 40]);
+            for _ in 0..8 {
+                let a = next(41);
+                let range = a..a + next(41 - a + 1).min(40 - a);
+                let spans = split_by(&written, &range);
+                let mut at = range.start;
+                for (span, seen) in &spans {
+                    assert_eq!(span.start, at);
+                    assert!(!span.is_empty(), "{written:?} {range:?} {spans:?}");
+                    assert!(span.clone().all(|i| bits[i] == *seen), "{span:?} {seen}");
+                    at = span.end;
+                }
+                assert_eq!(at, range.end);
+                mark(&mut written, range.clone());
+                range.for_each(|i| bits[i] = true);
+                for w in written.windows(2) {
+                    assert!(w[0].end < w[1].start, "{written:?}");
+                }
+                let marked: Vec<bool> = (0..40)
+                    .map(|i| written.iter().any(|w| w.contains(&i)))
+                    .collect();
+                assert_eq!(marked, bits);
+            }
+        }
+    }
+
+    /// An element's first value is copied in (a negative zero stays one), later ones add;
+    /// after a clear, or for elements never written, the buffer reads zero; after a map every
+    /// element adds.
+    #[test]
+    fn first_writes_copy_and_later_writes_add() {
+        let device = Default::default();
+        let t = |v: Vec<f32>| {
+            Tensor::<NdArray, 1>::from_data(TensorData::new(v.clone(), [v.len()]), &device)
+        };
+        let mut buffer = GradBuffer::<NdArray>::zeros(6, 4, &device, DType::F32);
+        buffer.add(1..4, t(vec![-0.0, 2.0, 3.0]), |t| t);
+        buffer.add(2..6, t(vec![1.0, 1.0, -0.0, 5.0]), |t| t.mul_scalar(1.0));
+        let got = values(buffer.slice(0..6));
+        assert_eq!(got, vec![0.0, -0.0, 3.0, 4.0, -0.0, 5.0]);
+        assert!(got[1].is_sign_negative() && got[4].is_sign_negative());
+        assert!(got[0].is_sign_positive());
+        buffer.clear();
+        buffer.add(0..2, t(vec![7.0, 8.0]), |t| t);
+        assert_eq!(
+            values(buffer.slice(0..6)),
+            vec![7.0, 8.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        buffer.try_map::<()>(|t| Ok(t.add_scalar(1.0))).unwrap();
+        buffer.add(2..3, t(vec![1.0]), |t| t);
+        assert_eq!(
+            values(buffer.slice(0..6)),
+            vec![8.0, 9.0, 2.0, 1.0, 1.0, 1.0]
+        );
     }
 }

@@ -21,17 +21,20 @@ use crate::partition::Piece;
 /// Where a received bucket's elements go: (offset in the bucket, range in the partition).
 pub(crate) type Span = (usize, Range<usize>);
 
-/// The spans of `pieces`, laid end to end in a received bucket.
+/// The spans of `pieces`, laid end to end in a received bucket; pieces that are neighbours in
+/// the partition too make one span.
 pub(crate) fn spans(pieces: &[Piece]) -> Vec<Span> {
+    let mut spans: Vec<Span> = Vec::with_capacity(pieces.len());
     let mut at = 0;
-    pieces
-        .iter()
-        .map(|p| {
-            let len = p.range.len();
-            at += len;
-            (at - len, p.dst..p.dst + len)
-        })
-        .collect()
+    for p in pieces {
+        let len = p.range.len();
+        match spans.last_mut() {
+            Some((_, dst)) if dst.end == p.dst => dst.end += len,
+            _ => spans.push((at, p.dst..p.dst + len)),
+        }
+        at += len;
+    }
+    spans
 }
 
 /// Adds the time since `start` to `busy`.

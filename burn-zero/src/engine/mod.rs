@@ -9,7 +9,8 @@
 //!   `step_ahead`: offloaded sub-groups stepped during backward.
 //! - `collective`, `flat_pieces`, `grad_buffer`: flat buffers and their collectives.
 //! - `checkpoint`, `export`, `load_module`: state in and out; `construct`: models built
-//!   sharded; `memory`, `profile`, `precision`, `params`, `device_failure`: the rest.
+//!   sharded; `norm`, `norm_cuda`: the gradient's sum of squares; `memory`, `profile`,
+//!   `precision`, `params`, `device_failure`: the rest.
 
 mod checkpoint;
 pub(crate) mod collective;
@@ -27,6 +28,9 @@ mod host_grads_cuda;
 mod init;
 mod load_module;
 mod memory;
+mod norm;
+#[cfg(feature = "cuda")]
+mod norm_cuda;
 #[cfg(feature = "cuda")]
 mod offload_cuda;
 mod offload_io;

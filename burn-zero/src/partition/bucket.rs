@@ -27,8 +27,9 @@ pub struct Piece {
     pub dst: usize,
 }
 
-/// The send layout of one bucket's reduce-scatter: for each rank, its pieces in order, padded
-/// to the longest rank's total. The same plan serves host and device buffers.
+/// The send layout of one bucket's reduce-scatter: for each rank, its pieces in the order of
+/// their places in its partition, padded to the longest rank's total. The same plan serves
+/// host and device buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ScatterLayout {
     /// Pieces per rank, in send order.
@@ -61,8 +62,13 @@ impl ScatterLayout {
         Self::from_pieces(per_rank)
     }
 
-    /// The layout of the given pieces per rank.
-    pub(crate) fn from_pieces(per_rank: Vec<Vec<Piece>>) -> Self {
+    /// The layout of the given pieces per rank, each rank's in the order of their place in
+    /// its partition: neighbours there are neighbours in what it receives, so they can be
+    /// written back as one range.
+    pub(crate) fn from_pieces(mut per_rank: Vec<Vec<Piece>>) -> Self {
+        for pieces in &mut per_rank {
+            pieces.sort_by_key(|p| p.dst);
+        }
         let longest = per_rank
             .iter()
             .map(|p| p.iter().map(|piece| piece.range.len()).sum::<usize>())

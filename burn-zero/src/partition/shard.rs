@@ -161,8 +161,9 @@ mod tests {
                 .map(|p| (p.item, p.range.clone(), p.dst))
                 .collect()
         };
-        assert_eq!(spans(0), vec![(0, 0..1, 5), (1, 0..2, 0), (2, 0..3, 2)]);
-        assert_eq!(spans(1), vec![(0, 1..2, 5), (1, 2..4, 0), (2, 3..6, 2)]);
+        // Each rank's pieces in the order of their places in its partition.
+        assert_eq!(spans(0), vec![(1, 0..2, 0), (2, 0..3, 2), (0, 0..1, 5)]);
+        assert_eq!(spans(1), vec![(1, 2..4, 0), (2, 3..6, 2), (0, 1..2, 5)]);
         assert_eq!(spans(2), vec![(1, 4..5, 0), (2, 6..9, 2)]);
         assert_eq!(layout.longest, 6);
     }

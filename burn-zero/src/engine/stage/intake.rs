@@ -178,6 +178,15 @@ impl<I: Backend> Scattered<I> {
         if layout.longest == 0 {
             return;
         }
+        // One rank reduces nothing: each gradient goes straight into the partition, without
+        // the send buffer's copy.
+        if core.flat.comm().world_size() == 1 && core.host.is_none() {
+            for piece in &layout.per_rank[0] {
+                let part = items[piece.item].1.clone().slice(piece.range.clone());
+                core.add(piece.dst..piece.dst + piece.range.len(), part);
+            }
+            return;
+        }
         let device = core.flat.device().clone();
         let mut parts = Vec::new();
         for pieces in &layout.per_rank {
@@ -231,12 +240,9 @@ impl<I: Backend> Scattered<I> {
                 host.push(received, spans(&pieces), core.boundary);
                 continue;
             }
-            let mut at = 0;
-            for piece in pieces {
-                let len = piece.range.len();
-                let part = received.clone().slice(at..at + len);
-                core.add(piece.dst..piece.dst + len, part);
-                at += len;
+            for (at, dst) in spans(&pieces) {
+                let part = received.clone().slice(at..at + dst.len());
+                core.add(dst, part);
             }
         }
     }
