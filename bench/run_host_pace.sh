@@ -126,6 +126,9 @@ for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] &
       | tagged "$tag" "$c" cupti | tee -a /tmp/pace-nsys.jsonl
     python3 bench/busy_kernels.py "$trace" "/tmp/$tag.out" \
       | tagged "$tag" "$c" >> /tmp/pace-kernels.jsonl
+    # NEIGHBOURS=REGEX: the kernels beside each launch matching it (bench/kernel_neighbours.py).
+    [ -z "${NEIGHBOURS:-}" ] || python3 bench/kernel_neighbours.py "$trace" "/tmp/$tag.out" \
+      "$NEIGHBOURS" 30 > "$out/$tag-neighbours.json"
   done
 done
 nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)

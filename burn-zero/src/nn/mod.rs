@@ -2,7 +2,7 @@
 
 mod checkpoint;
 mod cross_entropy;
-mod downcast;
+pub(crate) mod downcast;
 mod fused;
 
 pub use checkpoint::{checkpoint, checkpoint_then};
