@@ -126,9 +126,14 @@ for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] &
       | tagged "$tag" "$c" cupti | tee -a /tmp/pace-nsys.jsonl
     python3 bench/busy_kernels.py "$trace" "/tmp/$tag.out" \
       | tagged "$tag" "$c" >> /tmp/pace-kernels.jsonl
-    # NEIGHBOURS=REGEX: the kernels beside each launch matching it (bench/kernel_neighbours.py).
-    [ -z "${NEIGHBOURS:-}" ] || python3 bench/kernel_neighbours.py "$trace" "/tmp/$tag.out" \
-      "$NEIGHBOURS" 30 > "$out/$tag-neighbours.json"
+    # NEIGHBOURS="REGEX ...": the kernels beside each launch matching each (two either side;
+    # bench/kernel_neighbours.py), one file per pattern.
+    n=0
+    for pattern in ${NEIGHBOURS:-}; do
+      n=$((n + 1))
+      python3 bench/kernel_neighbours.py "$trace" "/tmp/$tag.out" "$pattern" 30 2 \
+        > "$out/$tag-neighbours-$n.json"
+    done
   done
 done
 nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
