@@ -31,11 +31,11 @@ pub(crate) fn slice_pieces<I: Backend>(
 }
 
 /// Every rank's chunk of a partitioned flat buffer (rank `r`'s chunk holds elements
-/// `r·chunk..(r+1)·chunk`), gathered in pieces: row `r` of a piece's table is rank `r`'s
-/// elements `local` of its chunk.
+/// `r·chunk..(r+1)·chunk`), gathered in pieces: a piece's gathered tensor holds, rank after
+/// rank, each rank's elements `local` of its chunk.
 pub(crate) struct Gathered<I: Backend> {
     chunk: usize,
-    tables: Vec<(Range<usize>, Tensor<I, 2>)>,
+    tables: Vec<(Range<usize>, Tensor<I, 1>)>,
 }
 
 impl<I: Backend> Gathered<I> {
@@ -47,7 +47,6 @@ impl<I: Backend> Gathered<I> {
         chunk: usize,
         piece: usize,
     ) -> Result<Self, CommError> {
-        let world = flat.comm().world_size();
         let piece = piece.max(1);
         let mut local: Vec<Tensor<I, 1>> = owned.to_vec();
         let have: usize = local.iter().map(|t| t.dims()[0]).sum();
@@ -61,13 +60,14 @@ impl<I: Backend> Gathered<I> {
         for start in (0..chunk).step_by(piece) {
             let end = (start + piece).min(chunk);
             let gathered = flat.all_gather(slice_pieces(&local, start..end))?;
-            tables.push((start..end, gathered.reshape([world, end - start])));
+            tables.push((start..end, gathered));
         }
         flat.wait()?;
         Ok(Self { chunk, tables })
     }
 
-    /// Elements `range` of the full (rank-major) flat buffer.
+    /// Elements `range` of the full (rank-major) flat buffer: a view of one gathered tensor
+    /// where the range lies in one (a parameter's weights are not copied out of it).
     pub(crate) fn slice(&self, range: Range<usize>) -> Tensor<I, 1> {
         let mut parts = Vec::new();
         let mut at = range.start;
@@ -77,9 +77,9 @@ impl<I: Backend> Gathered<I> {
             let local = at - rank * self.chunk..end - rank * self.chunk;
             let ranges = self.tables.iter().map(|(r, _)| r.clone());
             for (i, within, _) in overlaps(ranges, &local) {
-                let table = &self.tables[i].1;
-                let n = within.len();
-                parts.push(table.clone().slice([rank..rank + 1, within]).reshape([n]));
+                let (width, table) = (self.tables[i].0.len(), &self.tables[i].1);
+                let row = rank * width;
+                parts.push(table.clone().slice(row + within.start..row + within.end));
             }
             at = end;
         }

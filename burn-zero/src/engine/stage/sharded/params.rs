@@ -465,16 +465,21 @@ impl<I: Backend> ShardedParams<I> {
         let world = self.plan.world_size();
         let gathered = flat.all_gather(mine)?;
         flat.wait()?;
-        let table = gathered.reshape([world, len]);
+        let table = gathered.clone().reshape([world, len]);
         let mut column = 0;
         let mut values = HashMap::new();
         for p in slots {
-            let c = self.plan.chunk(p);
-            let full = table
-                .clone()
-                .slice([0..world, column..column + c])
-                .reshape([world * c])
-                .slice(0..self.plan.numel(p));
+            let (c, n) = (self.plan.chunk(p), self.plan.numel(p));
+            // Each parameter's columns of every rank's row: a copy, but for one rank, whose
+            // row is a view (a `[1, c]` slice of a wider table is not contiguous to burn).
+            let full = match world {
+                1 => gathered.clone().slice(column..column + n),
+                _ => table
+                    .clone()
+                    .slice([0..world, column..column + c])
+                    .reshape([world * c])
+                    .slice(0..n),
+            };
             values.insert(p, full);
             column += c;
         }
