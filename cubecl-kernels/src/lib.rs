@@ -5,6 +5,7 @@
 //! environment `scripts/lavapipe.sh` prints).
 //! [`lamb`]: fused LAMB over a partition of many tensors, in two passes around the read-back of
 //! the per-tensor norms (which ZeRO sums across ranks).
+//! [`cast`]: values of any float dtype written into an f32 buffer, converted on the way.
 //! [`norm`]: the sum of squares of a gradient in pieces, in one read and a fixed order.
 //! [`attention`]: flash attention forward and backward for training (no S×S tensor), dense or
 //! block-sparse.
@@ -15,6 +16,7 @@
 
 pub mod adam;
 pub mod attention;
+pub mod cast;
 pub mod fused;
 pub mod lamb;
 pub mod norm;

@@ -301,3 +301,52 @@ fn sum_of_squares_matches_f64_in_a_fixed_order() {
         "{one} vs {want_one}"
     );
 }
+
+/// Values written into an f32 buffer at an offset, converted: f32 and, where the adapter has
+/// it, f16 sources, lengths read in vectors of four and of one; the elements around the
+/// written range keep their values.
+#[test]
+fn cast_into_writes_converted_values_in_place() {
+    use crate::cast::cast_into;
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let f16 = StorageType::Scalar(ElemType::Float(FloatKind::F16));
+    let f32_type = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let mut types = vec![f32_type];
+    match client.properties().supports_type(f16) {
+        true => types.push(f16),
+        false => eprintln!("this adapter has no f16: cast_into is checked from f32 only"),
+    }
+    for dtype in types {
+        for (offset, n) in [(0usize, 1usize), (8, 7), (16, 64), (24, 100_003)] {
+            let before = values(offset + n + 8, 5);
+            let dst = client.create_from_slice(f32::as_bytes(&before));
+            let src_values = values(n, 9);
+            let (src, want): (_, Vec<f32>) = match dtype == f16 {
+                true => {
+                    let h: Vec<half::f16> =
+                        src_values.iter().map(|x| half::f16::from_f32(*x)).collect();
+                    let want = h.iter().map(|x| x.to_f32()).collect();
+                    (client.create_from_slice(half::f16::as_bytes(&h)), want)
+                }
+                false => (
+                    client.create_from_slice(f32::as_bytes(&src_values)),
+                    src_values.clone(),
+                ),
+            };
+            let at = dst.clone().offset_start(4 * offset as u64);
+            cast_into(&client, dtype, n, &src, &at);
+            let got = f32::from_bytes(&client.read_one(dst).expect("dst")).to_vec();
+            assert_eq!(&got[..offset], &before[..offset], "{dtype:?} n {n}: before");
+            assert_eq!(
+                &got[offset..offset + n],
+                &want[..],
+                "{dtype:?} n {n}: written"
+            );
+            assert_eq!(
+                &got[offset + n..],
+                &before[offset + n..],
+                "{dtype:?} n {n}: after"
+            );
+        }
+    }
+}

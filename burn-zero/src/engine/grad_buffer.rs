@@ -13,6 +13,8 @@ use core::ops::Range;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
+use super::precision::Format;
+
 /// Each of the consecutive `pieces` (element ranges) that overlaps `range`: its index, the
 /// overlap within the piece, and where the overlap starts in `range`.
 pub(crate) fn overlaps(
@@ -86,6 +88,25 @@ fn mark(written: &mut Vec<Range<usize>>, range: Range<usize>) {
     written.splice(first..last, [merged]);
 }
 
+/// `piece` with `part` converted to `accum` written into `local`: on burn-cuda one kernel
+/// when the buffer is f32 (the conversion is then a cast), burn ops otherwise.
+fn write_converted<I: Backend>(
+    piece: Tensor<I, 1>,
+    local: Range<usize>,
+    part: Tensor<I, 1>,
+    accum: Format,
+) -> Tensor<I, 1> {
+    #[cfg(feature = "cuda")]
+    let (piece, part) = match accum == Format::F32 {
+        true => match super::grad_cuda::cast_into_piece(piece, local.clone(), part) {
+            Ok(piece) => return piece,
+            Err(back) => back,
+        },
+        false => (piece, part),
+    };
+    piece.slice_assign(local, accum.settle(accum.convert(part)))
+}
+
 /// A flat buffer of `len` elements in pieces of at most `piece` elements.
 pub(crate) struct GradBuffer<I: Backend> {
     pieces: Vec<Tensor<I, 1>>,
@@ -140,28 +161,27 @@ impl<I: Backend> GradBuffer<I> {
             .collect();
     }
 
-    /// Adds `values` (`range.len()` elements) into `range`, each sum passed through `settle`
-    /// (the accumulation format's rounding); elements not written since the last clear take
-    /// `settle(value)` instead (`0 + v` is `v`, but for the sign of a zero). Each piece is
+    /// Adds `values` (`range.len()` elements, in any float format) into `range`, converted to
+    /// `accum` and each sum rounded to it; elements not written since the last clear take the
+    /// converted value instead (`0 + v` is `v`, but for the sign of a zero). Each piece is
     /// updated in place: it is taken out of the buffer first, so no other reference makes the
     /// update copy it. (Nothing is left in its place meanwhile: an empty tensor would be a
     /// kernel over no elements, which CUDA refuses once a sync makes burn's fusion run it.)
-    pub(crate) fn add(
-        &mut self,
-        range: Range<usize>,
-        values: Tensor<I, 1>,
-        settle: impl Fn(Tensor<I, 1>) -> Tensor<I, 1>,
-    ) {
+    pub(crate) fn add(&mut self, range: Range<usize>, values: Tensor<I, 1>, accum: Format) {
         for (span, seen) in split_by(&self.written, &range) {
             let from = span.start - range.start;
             for (i, local, at) in self.overlaps(&span) {
                 let part = values.clone().slice(from + at..from + at + local.len());
-                let new = match seen {
-                    true => settle(self.pieces[i].clone().slice(local.clone()) + part),
-                    false => settle(part),
-                };
                 let piece = self.pieces.remove(i);
-                self.pieces.insert(i, piece.slice_assign(local, new));
+                let piece = match seen {
+                    true => {
+                        let old = piece.clone().slice(local.clone());
+                        let sum = accum.settle(old + accum.convert(part));
+                        piece.slice_assign(local, sum)
+                    }
+                    false => write_converted(piece, local, part, accum),
+                };
+                self.pieces.insert(i, piece);
             }
         }
         mark(&mut self.written, range);
@@ -219,7 +239,7 @@ mod tests {
     use burn::backend::NdArray;
     use burn::tensor::{DType, Tensor, TensorData};
 
-    use super::{GradBuffer, mark, split_by};
+    use super::{Format, GradBuffer, mark, split_by};
 
     fn values(t: Tensor<NdArray, 1>) -> Vec<f32> {
         t.into_data().to_vec::<f32>().unwrap()
@@ -239,7 +259,7 @@ mod tests {
                     flat[i] += v;
                 }
                 let t = Tensor::from_data(TensorData::new(add.clone(), [add.len()]), &device);
-                buffer.add(range, t, |t| t);
+                buffer.add(range, t, Format::F32);
             }
             assert_eq!(values(buffer.slice(0..10)), flat, "piece {piece}");
             assert_eq!(values(buffer.slice(3..8)), flat[3..8], "piece {piece}");
@@ -303,20 +323,20 @@ mod tests {
             Tensor::<NdArray, 1>::from_data(TensorData::new(v.clone(), [v.len()]), &device)
         };
         let mut buffer = GradBuffer::<NdArray>::zeros(6, 4, &device, DType::F32);
-        buffer.add(1..4, t(vec![-0.0, 2.0, 3.0]), |t| t);
-        buffer.add(2..6, t(vec![1.0, 1.0, -0.0, 5.0]), |t| t.mul_scalar(1.0));
+        buffer.add(1..4, t(vec![-0.0, 2.0, 3.0]), Format::F32);
+        buffer.add(2..6, t(vec![1.0, 1.0, -0.0, 5.0]), Format::F32);
         let got = values(buffer.slice(0..6));
         assert_eq!(got, vec![0.0, -0.0, 3.0, 4.0, -0.0, 5.0]);
         assert!(got[1].is_sign_negative() && got[4].is_sign_negative());
         assert!(got[0].is_sign_positive());
         buffer.clear();
-        buffer.add(0..2, t(vec![7.0, 8.0]), |t| t);
+        buffer.add(0..2, t(vec![7.0, 8.0]), Format::F32);
         assert_eq!(
             values(buffer.slice(0..6)),
             vec![7.0, 8.0, 0.0, 0.0, 0.0, 0.0]
         );
         buffer.try_map::<()>(|t| Ok(t.add_scalar(1.0))).unwrap();
-        buffer.add(2..3, t(vec![1.0]), |t| t);
+        buffer.add(2..3, t(vec![1.0]), Format::F32);
         assert_eq!(
             values(buffer.slice(0..6)),
             vec![8.0, 9.0, 2.0, 1.0, 1.0, 1.0]

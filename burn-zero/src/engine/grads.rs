@@ -123,16 +123,17 @@ impl<I: Backend> GradCore<I> {
         self.accum
     }
 
-    /// A final gradient as it arrived, counted and in the accumulation format.
+    /// A final gradient as it arrived, counted and in the compute format (it is converted to
+    /// the accumulation format where it is written or sent: a first write into the buffer
+    /// converts as it copies).
     fn arrive(&mut self, grad: Tensor<I, 1>) -> Tensor<I, 1> {
         self.seen += 1;
-        self.accum.convert(self.compute.settle(grad))
+        self.compute.settle(grad)
     }
 
-    /// Adds `grad` into `range` of the buffer.
+    /// Adds `grad` (in any format) into `range` of the buffer, in the accumulation format.
     pub(crate) fn add(&mut self, range: Range<usize>, grad: Tensor<I, 1>) {
-        let accum = self.accum;
-        self.buffer.add(range, grad, |t| accum.settle::<I>(t));
+        self.buffer.add(range, grad, self.accum);
     }
 
     /// Bytes of gradient storage held on the device.

@@ -7,7 +7,8 @@
 //! - `optim_state`, `offload_io`, `offload_cuda`: this rank's master partition and optimizer
 //!   state, on the device or offloaded; `host_grads*`: gradients streamed to host memory;
 //!   `step_ahead`: offloaded sub-groups stepped during backward.
-//! - `collective`, `flat_pieces`, `grad_buffer`: flat buffers and their collectives.
+//! - `collective`, `flat_pieces`, `grad_buffer`: flat buffers and their collectives;
+//!   `grad_cuda`: a gradient's first write into the buffer as one kernel on CUDA.
 //! - `checkpoint`, `export`, `load_module`: state in and out; `construct`: models built
 //!   sharded; `norm`, `norm_cuda`: the gradient's sum of squares; `memory`, `profile`,
 //!   `precision`, `params`, `device_failure`: the rest.
@@ -21,6 +22,8 @@ mod engine;
 mod export;
 mod flat_pieces;
 mod grad_buffer;
+#[cfg(feature = "cuda")]
+mod grad_cuda;
 mod grads;
 mod host_grads;
 #[cfg(feature = "cuda")]

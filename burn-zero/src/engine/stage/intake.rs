@@ -188,11 +188,16 @@ impl<I: Backend> Scattered<I> {
             return;
         }
         let device = core.flat.device().clone();
+        // Sent in the accumulation format.
+        let items: Vec<Tensor<I, 1>> = items
+            .into_iter()
+            .map(|(_, grad)| core.accum().convert(grad))
+            .collect();
         let mut parts = Vec::new();
         for pieces in &layout.per_rank {
             let mut filled = 0;
             for piece in pieces {
-                parts.push(items[piece.item].1.clone().slice(piece.range.clone()));
+                parts.push(items[piece.item].clone().slice(piece.range.clone()));
                 filled += piece.range.len();
             }
             if filled < layout.longest {
