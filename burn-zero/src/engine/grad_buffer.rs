@@ -88,9 +88,20 @@ fn mark(written: &mut Vec<Range<usize>>, range: Range<usize>) {
     written.splice(first..last, [merged]);
 }
 
-/// `piece` with `part` converted to `accum` written into `local`: on burn-cuda one kernel
-/// when the buffer is f32 (the conversion is then a cast), burn ops otherwise.
-fn write_converted<I: Backend>(
+/// `part` in `dtype`: itself, or an f16/bf16 part widened to an f32 buffer's dtype.
+fn widen<I: Backend>(part: Tensor<I, 1>, dtype: DType) -> Tensor<I, 1> {
+    match part.dtype() == dtype {
+        true => part,
+        false => {
+            debug_assert_eq!(dtype, DType::F32, "only an f32 buffer takes another dtype");
+            part.cast(burn::tensor::FloatDType::F32)
+        }
+    }
+}
+
+/// `piece` with `part` written into `local` (widened to f32 when the buffer is f32), rounded
+/// to `accum`: on burn-cuda one kernel for an f32 buffer, burn ops otherwise.
+fn write_widened<I: Backend>(
     piece: Tensor<I, 1>,
     local: Range<usize>,
     part: Tensor<I, 1>,
@@ -104,7 +115,8 @@ fn write_converted<I: Backend>(
         },
         false => (piece, part),
     };
-    piece.slice_assign(local, accum.settle(accum.convert(part)))
+    let dtype = piece.dtype();
+    piece.slice_assign(local, accum.settle(widen(part, dtype)))
 }
 
 /// A flat buffer of `len` elements in pieces of at most `piece` elements.
@@ -161,12 +173,13 @@ impl<I: Backend> GradBuffer<I> {
             .collect();
     }
 
-    /// Adds `values` (`range.len()` elements, in any float format) into `range`, converted to
-    /// `accum` and each sum rounded to it; elements not written since the last clear take the
-    /// converted value instead (`0 + v` is `v`, but for the sign of a zero). Each piece is
-    /// updated in place: it is taken out of the buffer first, so no other reference makes the
-    /// update copy it. (Nothing is left in its place meanwhile: an empty tensor would be a
-    /// kernel over no elements, which CUDA refuses once a sync makes burn's fusion run it.)
+    /// Adds `values` (`range.len()` elements) into `range`, each sum rounded to `accum`;
+    /// elements not written since the last clear take the value itself (`0 + v` is `v`, but for
+    /// the sign of a zero). `values` are of the buffer's dtype, or, in an f32 buffer, of any
+    /// float dtype (widened exactly). Each piece is updated in place: it is taken out of the
+    /// buffer first, so no other reference makes the update copy it. (Nothing is left in its
+    /// place meanwhile: an empty tensor would be a kernel over no elements, which CUDA refuses
+    /// once a sync makes burn's fusion run it.)
     pub(crate) fn add(&mut self, range: Range<usize>, values: Tensor<I, 1>, accum: Format) {
         for (span, seen) in split_by(&self.written, &range) {
             let from = span.start - range.start;
@@ -176,10 +189,10 @@ impl<I: Backend> GradBuffer<I> {
                 let piece = match seen {
                     true => {
                         let old = piece.clone().slice(local.clone());
-                        let sum = accum.settle(old + accum.convert(part));
+                        let sum = accum.settle(old + widen(part, self.dtype));
                         piece.slice_assign(local, sum)
                     }
-                    false => write_converted(piece, local, part, accum),
+                    false => write_widened(piece, local, part, accum),
                 };
                 self.pieces.insert(i, piece);
             }

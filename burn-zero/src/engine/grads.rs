@@ -123,17 +123,33 @@ impl<I: Backend> GradCore<I> {
         self.accum
     }
 
-    /// A final gradient as it arrived, counted and in the compute format (it is converted to
-    /// the accumulation format where it is written or sent: a first write into the buffer
-    /// converts as it copies).
+    /// A final gradient as it arrived, counted and in the compute format: it is converted to
+    /// the accumulation format where it is sent ([`GradCore::arrived_in_accum`]) or added
+    /// ([`GradCore::add_arrived`]).
     fn arrive(&mut self, grad: Tensor<I, 1>) -> Tensor<I, 1> {
         self.seen += 1;
         self.compute.settle(grad)
     }
 
-    /// Adds `grad` (in any format) into `range` of the buffer, in the accumulation format.
-    pub(crate) fn add(&mut self, range: Range<usize>, grad: Tensor<I, 1>) {
+    /// An arrived gradient in the accumulation format.
+    pub(crate) fn arrived_in_accum(&self, grad: Tensor<I, 1>) -> Tensor<I, 1> {
+        self.accum.convert(grad)
+    }
+
+    /// Adds an arrived gradient into `range` of the buffer. Into f32 it goes as it is (a bf16
+    /// gradient's first write converts as it copies: one kernel on CUDA); otherwise it is
+    /// converted to the accumulation format first.
+    pub(crate) fn add_arrived(&mut self, range: Range<usize>, grad: Tensor<I, 1>) {
+        let grad = match self.accum == Format::F32 {
+            true => grad,
+            false => self.accum.convert(grad),
+        };
         self.buffer.add(range, grad, self.accum);
+    }
+
+    /// Adds `values` (in the accumulation format: a reduced bucket) into `range`.
+    pub(crate) fn add(&mut self, range: Range<usize>, values: Tensor<I, 1>) {
+        self.buffer.add(range, values, self.accum);
     }
 
     /// Bytes of gradient storage held on the device.

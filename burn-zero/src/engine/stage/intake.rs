@@ -26,7 +26,7 @@ impl Accumulated {
     pub(crate) fn accept<I: Backend>(core: &mut GradCore<I>, slot: usize, grad: Tensor<I, 1>) {
         let offset = core.layout().slots()[slot].offset;
         let n = grad.dims()[0];
-        core.add(offset..offset + n, grad);
+        core.add_arrived(offset..offset + n, grad);
     }
 
     /// At the accumulation boundary, all-reduces the buffer (averaged) in buckets.
@@ -183,7 +183,7 @@ impl<I: Backend> Scattered<I> {
         if core.flat.comm().world_size() == 1 && core.host.is_none() {
             for piece in &layout.per_rank[0] {
                 let part = items[piece.item].1.clone().slice(piece.range.clone());
-                core.add(piece.dst..piece.dst + piece.range.len(), part);
+                core.add_arrived(piece.dst..piece.dst + piece.range.len(), part);
             }
             return;
         }
@@ -191,7 +191,7 @@ impl<I: Backend> Scattered<I> {
         // Sent in the accumulation format.
         let items: Vec<Tensor<I, 1>> = items
             .into_iter()
-            .map(|(_, grad)| core.accum().convert(grad))
+            .map(|(_, grad)| core.arrived_in_accum(grad))
             .collect();
         let mut parts = Vec::new();
         for pieces in &layout.per_rank {
