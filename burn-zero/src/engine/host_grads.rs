@@ -269,3 +269,38 @@ fn device_squares<I: Backend>(
     }
     (!sums.is_empty()).then(|| (Tensor::cat(sums, 0), chunks))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::spans;
+    use crate::partition::Piece;
+
+    fn piece(item: usize, len: usize, dst: usize) -> Piece {
+        Piece {
+            item,
+            range: 0..len,
+            dst,
+        }
+    }
+
+    /// Pieces laid end to end in a received bucket make one span where they are neighbours in
+    /// the partition too, and separate spans across a gap (a stage-3 chunk's padding), a jump
+    /// back or a repeated place.
+    #[test]
+    fn spans_merge_only_partition_neighbours() {
+        let pieces = [
+            piece(0, 3, 10),
+            piece(1, 2, 13),
+            piece(2, 4, 15),
+            piece(3, 1, 22),
+            piece(4, 2, 0),
+            piece(5, 2, 2),
+            piece(6, 2, 2),
+        ];
+        assert_eq!(
+            spans(&pieces),
+            vec![(0, 10..19), (9, 22..23), (10, 0..4), (14, 2..4)]
+        );
+        assert!(spans(&[]).is_empty());
+    }
+}
