@@ -40,11 +40,7 @@ pub fn cast_into<R: Runtime>(
     if len == 0 {
         return;
     }
-    let aligned = |h: &cubecl::server::Handle| h.offset_start.unwrap_or(0).is_multiple_of(16);
-    let vector = match aligned(src) && aligned(dst) && len.is_multiple_of(4) {
-        true => 4,
-        false => 1,
-    };
+    let vector = crate::vector_of_four(len, &[src, dst]);
     let cubes = (len / vector).div_ceil(UNITS) as u32;
     // SAFETY: both handles hold `len` elements (of `dtype` and f32); the kernel checks its
     // bound against `src`'s length.

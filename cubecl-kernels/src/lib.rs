@@ -24,3 +24,13 @@ pub mod sparse;
 
 #[cfg(all(test, feature = "wgpu"))]
 mod tests;
+
+/// Lanes per unit over `len` elements of buffers starting at `handles`: four where every start
+/// is 16 bytes aligned and `len` divides by four, one otherwise (any offset is correct).
+fn vector_of_four(len: usize, handles: &[&cubecl::server::Handle]) -> usize {
+    let aligned = |h: &&cubecl::server::Handle| h.offset_start.unwrap_or(0).is_multiple_of(16);
+    match len.is_multiple_of(4) && handles.iter().all(aligned) {
+        true => 4,
+        false => 1,
+    }
+}

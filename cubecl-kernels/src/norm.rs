@@ -7,7 +7,7 @@
 use cubecl::prelude::*;
 
 /// Cubes of the first pass per piece at most (a piece with fewer vectors than units in that
-/// many cubes takes fewer).
+/// many cubes takes fewer, an empty one none).
 pub const CUBES: usize = 1024;
 /// Units per cube.
 const UNITS: usize = 256;
@@ -85,9 +85,9 @@ pub struct SquaresPiece<'a> {
     pub len: usize,
 }
 
-/// The first pass's cubes for `vectors` vectors.
+/// The first pass's cubes for `vectors` vectors: none for an empty piece.
 fn cubes_for(vectors: usize) -> usize {
-    vectors.div_ceil(UNITS).clamp(1, CUBES)
+    vectors.div_ceil(UNITS).min(CUBES)
 }
 
 /// `Σ x²` over every element of `pieces` as a new device buffer of one f32, summed in a
@@ -99,19 +99,17 @@ pub fn sum_of_squares<R: Runtime>(
     let layout: Vec<(usize, usize)> = pieces
         .iter()
         .map(|p| {
-            let aligned = p.handle.offset_start.unwrap_or(0).is_multiple_of(16);
-            let vector = if aligned && p.len.is_multiple_of(4) {
-                4
-            } else {
-                1
-            };
+            let vector = crate::vector_of_four(p.len, &[p.handle]);
             (vector, cubes_for(p.len / vector))
         })
         .collect();
-    let total: usize = layout.iter().map(|(_, c)| c).sum::<usize>().max(1);
-    // Zeros: a piece of no elements still has its cube write a zero, but with no pieces the
-    // sum reads one share.
-    let partials = client.create_from_slice(f32::as_bytes(&vec![0.0f32; total]));
+    // Every cube writes its share; with no cube at all (no elements), the sum reads one zero.
+    let total: usize = layout.iter().map(|(_, c)| c).sum();
+    let partials = match total {
+        0 => client.create_from_slice(f32::as_bytes(&[0.0f32])),
+        _ => client.empty(4 * total),
+    };
+    let total = total.max(1);
     let out = client.empty(4);
     let arg =
         |h: &cubecl::server::Handle, n: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), n) };
@@ -120,7 +118,7 @@ pub fn sum_of_squares<R: Runtime>(
     // cubes]`, within `total`; the sum reads `total` and writes one f32.
     unsafe {
         for (piece, &(vector, cubes)) in pieces.iter().zip(&layout) {
-            if piece.len > 0 {
+            if cubes > 0 {
                 squares_partials_kernel::launch_unchecked::<R>(
                     client,
                     CubeCount::Static(cubes as u32, 1, 1),

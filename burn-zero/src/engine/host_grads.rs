@@ -16,26 +16,8 @@ use burn_offload::{
     AheadError, AheadReport, GradDtype, GradScale, HostGrads, HostOptimizer, SharedSink, StepAhead,
 };
 
-use crate::partition::Piece;
-
 /// Where a received bucket's elements go: (offset in the bucket, range in the partition).
 pub(crate) type Span = (usize, Range<usize>);
-
-/// The spans of `pieces`, laid end to end in a received bucket; pieces that are neighbours in
-/// the partition too make one span.
-pub(crate) fn spans(pieces: &[Piece]) -> Vec<Span> {
-    let mut spans: Vec<Span> = Vec::with_capacity(pieces.len());
-    let mut at = 0;
-    for p in pieces {
-        let len = p.range.len();
-        match spans.last_mut() {
-            Some((_, dst)) if dst.end == p.dst => dst.end += len,
-            _ => spans.push((at, p.dst..p.dst + len)),
-        }
-        at += len;
-    }
-    spans
-}
 
 /// Adds the time since `start` to `busy`.
 pub(crate) fn add_busy(busy: &AtomicU64, start: Instant) {
@@ -268,39 +250,4 @@ fn device_squares<I: Backend>(
         }
     }
     (!sums.is_empty()).then(|| (Tensor::cat(sums, 0), chunks))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::spans;
-    use crate::partition::Piece;
-
-    fn piece(item: usize, len: usize, dst: usize) -> Piece {
-        Piece {
-            item,
-            range: 0..len,
-            dst,
-        }
-    }
-
-    /// Pieces laid end to end in a received bucket make one span where they are neighbours in
-    /// the partition too, and separate spans across a gap (a stage-3 chunk's padding), a jump
-    /// back or a repeated place.
-    #[test]
-    fn spans_merge_only_partition_neighbours() {
-        let pieces = [
-            piece(0, 3, 10),
-            piece(1, 2, 13),
-            piece(2, 4, 15),
-            piece(3, 1, 22),
-            piece(4, 2, 0),
-            piece(5, 2, 2),
-            piece(6, 2, 2),
-        ];
-        assert_eq!(
-            spans(&pieces),
-            vec![(0, 10..19), (9, 22..23), (10, 0..4), (14, 2..4)]
-        );
-        assert!(spans(&[]).is_empty());
-    }
 }

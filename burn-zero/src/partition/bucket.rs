@@ -5,6 +5,8 @@
 //! each rank, the pieces of the bucket that fall in its partition, padded to the longest —
 //! so one equal-chunk reduce-scatter delivers every rank exactly its pieces.
 
+use core::ops::Range;
+
 use super::PartitionPlan;
 use crate::comm::{CommError, Communicator, ReduceOp};
 
@@ -76,6 +78,22 @@ impl ScatterLayout {
             .unwrap_or(0);
         Self { per_rank, longest }
     }
+}
+
+/// Where `pieces`, laid end to end in a received bucket, go: (offset in the bucket, range in
+/// the partition) of each run of pieces that are neighbours in the partition too.
+pub fn spans(pieces: &[Piece]) -> Vec<(usize, Range<usize>)> {
+    let mut spans: Vec<(usize, Range<usize>)> = Vec::with_capacity(pieces.len());
+    let mut at = 0;
+    for p in pieces {
+        let len = p.range.len();
+        match spans.last_mut() {
+            Some((_, dst)) if dst.end == p.dst => dst.end += len,
+            _ => spans.push((at, p.dst..p.dst + len)),
+        }
+        at += len;
+    }
+    spans
 }
 
 /// Reduces `items` across ranks with `op` and adds this rank's pieces into `partition`
@@ -213,5 +231,34 @@ mod tests {
                 );
             }
         });
+    }
+
+    fn piece(item: usize, len: usize, dst: usize) -> Piece {
+        Piece {
+            item,
+            range: 0..len,
+            dst,
+        }
+    }
+
+    /// Pieces laid end to end in a received bucket make one span where they are neighbours in
+    /// the partition too, and separate spans across a gap (a stage-3 chunk's padding), a jump
+    /// back or a repeated place.
+    #[test]
+    fn spans_merge_only_partition_neighbours() {
+        let pieces = [
+            piece(0, 3, 10),
+            piece(1, 2, 13),
+            piece(2, 4, 15),
+            piece(3, 1, 22),
+            piece(4, 2, 0),
+            piece(5, 2, 2),
+            piece(6, 2, 2),
+        ];
+        assert_eq!(
+            spans(&pieces),
+            vec![(0, 10..19), (9, 22..23), (10, 0..4), (14, 2..4)]
+        );
+        assert!(spans(&[]).is_empty());
     }
 }

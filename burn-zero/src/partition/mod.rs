@@ -5,7 +5,9 @@
 
 mod bucket;
 mod shard;
-pub use bucket::{BucketItem, Piece, ScatterLayout, all_gather_in_pieces, reduce_scatter_bucket};
+pub use bucket::{
+    BucketItem, Piece, ScatterLayout, all_gather_in_pieces, reduce_scatter_bucket, spans,
+};
 pub use shard::ShardPlan;
 
 mod plan;

@@ -12,11 +12,9 @@ use burn_backend::Backend;
 #[cfg(feature = "zero2")]
 use super::super::collective::Ticket;
 use super::super::grads::GradCore;
-#[cfg(feature = "zero2")]
-use super::super::host_grads::spans;
 use crate::comm::ReduceOp;
 #[cfg(feature = "zero2")]
-use crate::partition::{PartitionPlan, Piece, ScatterLayout, ShardPlan};
+use crate::partition::{PartitionPlan, Piece, ScatterLayout, ShardPlan, spans};
 
 /// Stages 0 and 1: the full gradient accumulates locally and is all-reduced once per window.
 pub(crate) struct Accumulated;
