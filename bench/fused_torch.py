@@ -84,6 +84,43 @@ def rope_half(x, cos, sin):
     return (x * cos[None, :, None, :]) + (rotate_half(x) * sin[None, :, None, :])
 
 
+def loss_rows(iterations, tokens=8192, hidden=4096, vocab=128256):
+    """The output projection and the mean cross-entropy at the 8B Llama's output layer (tied
+    `[vocab, hidden]` layout, bf16), forward + backward of both inputs, as torch eager computes
+    it: the logits materialized, then `F.cross_entropy` on their f32 copy (what Hugging Face's
+    `ForCausalLMLoss` and torchtitan do) and, second, on the bf16 logits themselves. Peak memory
+    is the allocator's peak over one call above what was allocated before it (the two gradients
+    included, as in bench-fused's pool growth)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(13)
+    x = torch.randn(tokens, hidden, device=dev, dtype=bf16, generator=gen)
+    w = torch.randn(vocab, hidden, device=dev, dtype=bf16, generator=gen) * 0.02
+    t = torch.randint(0, vocab, (tokens,), device=dev, generator=gen)
+    gradient_bytes = (tokens * hidden + vocab * hidden) * 2
+    rows = []
+    for name, upcast in [("f32 logits (F.cross_entropy(logits.float()))", True),
+                         ("bf16 logits (F.cross_entropy(logits))", False)]:
+        def step():
+            xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+            logits = xg @ wg.t()
+            loss = F.cross_entropy(logits.float() if upcast else logits, t)
+            loss.backward()
+            return loss.detach()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        value = step().item()
+        peak = torch.cuda.max_memory_allocated() - before
+        rows.append({"op": "linear_cross_entropy", "peer": name, "tokens": tokens,
+                     "hidden": hidden, "vocab": vocab, "dtype": "bf16", "loss": value,
+                     "ms": median_time(step, min(iterations, 5)) * 1e3,
+                     "peak_growth_bytes": peak,
+                     "beyond_gradients_bytes": peak - gradient_bytes})
+    return rows
+
+
 def main():
     iterations = int(sys.argv[1])
     tokens, bf16 = 8192, torch.bfloat16
@@ -110,7 +147,8 @@ def main():
     rows.append(row("rope HalfSplit (32 heads)",
                     lambda: [torch.randn(1, tokens, 32, 128, device=dev, dtype=bf16)],
                     lambda x: rope_half(x, cos, sin), iterations))
-    print(json.dumps({"torch": torch.__version__, "time": rows, "iterations": iterations}))
+    print(json.dumps({"torch": torch.__version__, "time": rows, "loss": loss_rows(iterations),
+                      "iterations": iterations}))
 
 
 if __name__ == "__main__":

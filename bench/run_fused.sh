@@ -41,9 +41,22 @@ for r in ours.get("time", []):
                    # Per call in queues of ten between syncs (no sync latency per call).
                    "forward_queued_over_torch": r["kernels_forward_queued_ms"] / best["forward_queued_ms"],
                    "forward_backward_queued_over_torch": r["kernels_forward_backward_queued_ms"] / best["forward_backward_queued_ms"]})
+# The loss: each of our runs against torch eager's materialized loss (f32 logits, the peer;
+# bf16 logits beside it), time and memory beyond the two gradients.
+loss_ratios = []
+peers_loss = {r["peer"]: r for r in torch.get("loss", [])}
+for run in (ours.get("loss") or {}).get("runs", []):
+    row = {"chunk_rows": run.get("chunk_rows"), "cross_entropy_kernel": run.get("cross_entropy_kernel")}
+    for key, peer in peers_loss.items():
+        tag = "f32_logits" if key.startswith("f32") else "bf16_logits"
+        row[f"time_over_torch_{tag}"] = run["ms"] / peer["ms"]
+        row[f"beyond_gradients_over_torch_{tag}"] = run["beyond_gradients_bytes"] / max(peer["beyond_gradients_bytes"], 1)
+    loss_ratios.append(row)
 result = {"device": sys.argv[1], "commit": open(".gpu/commit").read().split()[0],
           "checks_ok": ours.get("checks_ok"), "ratios": ratios, "loss": ours.get("loss"),
+          "loss_ratios": loss_ratios,
           "ours": ours, "torch": torch}
 json.dump(result, open(sys.argv[2], "w"), indent=1)
-print(json.dumps({"checks_ok": result["checks_ok"], "ratios": ratios, "loss": result["loss"]}, indent=1))
+print(json.dumps({"checks_ok": result["checks_ok"], "ratios": ratios, "loss": result["loss"],
+                  "torch_loss": torch.get("loss"), "loss_ratios": loss_ratios}, indent=1))
 PY

@@ -36,6 +36,7 @@ fn train(config: &LlamaConfig, fused: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
         rms_norm: fused,
         rope: fused,
         swiglu: fused,
+        cross_entropy: fused,
     };
     let _settings = settings::set(OpSettings {
         fused_kernels: on,

@@ -59,11 +59,22 @@ pub(crate) fn run_fused<const I: usize, const O: usize>(
     outputs: [(Shape, DType); O],
     kernel: impl Fn([CudaCube; I]) -> [CudaCube; O] + Send + Sync + 'static,
 ) -> [Fused; O] {
+    run_fused_taking(name, inputs.map(Fused::clone), outputs, kernel)
+}
+
+/// [`run_fused`] taking the inputs: an input that was its buffer's last reference reaches
+/// `kernel` as a tensor it may write in place (`can_mut`).
+pub(crate) fn run_fused_taking<const I: usize, const O: usize>(
+    name: &'static str,
+    inputs: [Fused; I],
+    outputs: [(Shape, DType); O],
+    kernel: impl Fn([CudaCube; I]) -> [CudaCube; O] + Send + Sync + 'static,
+) -> [Fused; O] {
     let client = inputs[0].client.clone();
-    let streams = OperationStreams::with_inputs(inputs);
+    let streams = OperationStreams::with_inputs(inputs.each_ref());
     let outputs =
         outputs.map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype));
-    let inputs = inputs.map(|t| t.clone().into_ir());
+    let inputs = inputs.map(Fused::into_ir);
     let desc = CustomOpIr::new(name, &inputs, &outputs);
     let op = KernelOp {
         desc: desc.clone(),

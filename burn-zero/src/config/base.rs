@@ -218,6 +218,9 @@ pub struct FusedKernelsConfig {
     pub rope: bool,
     /// `swiglu`: `burn_zero::nn::swiglu`.
     pub swiglu: bool,
+    /// `cross_entropy`: each chunk's loss and logits' gradient in
+    /// `burn_zero::nn::linear_cross_entropy`.
+    pub cross_entropy: bool,
 }
 
 impl Default for FusedKernelsConfig {
@@ -226,6 +229,7 @@ impl Default for FusedKernelsConfig {
             rms_norm: true,
             rope: true,
             swiglu: true,
+            cross_entropy: true,
         }
     }
 }

@@ -59,6 +59,11 @@ const OVERRIDES: &[(&str, &str, Kind)] = &[
     ),
     ("BURN_ZERO_FUSED_ROPE", "fused_kernels.rope", Kind::Bool),
     ("BURN_ZERO_FUSED_SWIGLU", "fused_kernels.swiglu", Kind::Bool),
+    (
+        "BURN_ZERO_FUSED_CROSS_ENTROPY",
+        "fused_kernels.cross_entropy",
+        Kind::Bool,
+    ),
     ("BURN_ZERO_COMM_TIMEOUT_S", "comm_timeout_s", Kind::Number),
     ("BURN_ZERO_DETERMINISTIC", "deterministic", Kind::Bool),
     ("BURN_ZERO_EAGER_HOST_QUEUE", "eager_host_queue", Kind::Bool),

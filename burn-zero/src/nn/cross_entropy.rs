@@ -1,16 +1,20 @@
-//! The output projection and the cross-entropy in one op, in chunks: the `[tokens, vocab]`
-//! logits exist one chunk at a time in forward and again in backward, never whole. At a
-//! 128,256-token vocabulary a step of 8,192 tokens otherwise holds 4.2 GB of fp32 logits, their
-//! bf16 originals and their gradient.
+//! The output projection and the cross-entropy in one op, in chunks of tokens: the
+//! `[tokens, vocab]` logits exist one chunk at a time, in the dtype of the operands, never
+//! whole and never in f32. At a 128,256-token vocabulary a step of 8,192 tokens otherwise holds
+//! 4.2 GB of fp32 logits, their bf16 originals and their gradient.
 //!
-//! Under `Autodiff<ZeroBackend<_>>` (CUDA or NdArray) it is a custom autodiff op whose state is
-//! the hidden states, the weight handle (a ZeRO-3 handle stays sharded between the passes), the
-//! targets and one log-sum-exp per token. Forward walks chunks of tokens (a token's log-sum-exp
-//! needs its whole row of logits); backward walks chunks of the vocabulary, so that each slice
-//! of the weight's gradient is produced once, in the weight's dtype, and written in place: no
-//! f32 accumulator of the weight's size (2.1 GB at 8B) exists. The hidden states' gradient is
-//! summed over the vocabulary chunks in f32 (`[tokens, hidden]`). Other backends get the same
-//! function from burn ops, logits materialized.
+//! Under `Autodiff<ZeroBackend<_>>` (CUDA or NdArray) it is a custom autodiff op that takes its
+//! gradients in the forward, as Liger-Kernel's fused linear cross-entropy does: for each chunk
+//! the logits `x_c · w`, then each token's loss and the logits' gradient written over the logits
+//! (one CubeCL kernel on CUDA, `cubecl_kernels::fused::cross_entropy`; burn ops elsewhere or
+//! with `burn_zero.fused_kernels.cross_entropy` off), then that chunk's share of both
+//! gradients (`d_c · w` and `x_cᵀ · d_c`). Three products in all, as the materialized loss
+//! computes, where recomputing the logits in backward took four; the backward only scales the
+//! kept gradients by `dL/dloss`, and a ZeRO-3 weight is not gathered again for it. The
+//! weight's gradient is summed over the chunks in the weight's dtype (one rounding per chunk
+//! beyond the first; one chunk when the tokens fit in it). Without a tracked input the forward
+//! computes the loss only. Other backends get the same function from burn ops, logits
+//! materialized.
 //!
 //! Targets equal to `ignore_index` (torch's `ignore_index`, commonly −100 for padding) count
 //! neither in the loss nor in the mean, which is over the other tokens as torch defines it (no
@@ -24,7 +28,7 @@ use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorPrimitive};
 
 use super::downcast::{float_as, int_as};
 use crate::backend::ZeroBackend;
@@ -39,10 +43,9 @@ pub enum VocabAxis {
 }
 
 /// Mean cross-entropy of the logits `x · w` (or `x · wᵀ`) against `targets`, computed over
-/// chunks of `chunk_rows` tokens (backward: chunks of the vocabulary of the same size in
-/// logits). `x` is `[tokens, hidden]`, `targets` `[tokens]`; tokens whose target is
-/// `ignore_index` are left out of the loss and of the mean. The log-sum-exp is taken in f32
-/// whatever the dtype of `x` and `w`. Returns `[1]` in f32.
+/// chunks of `chunk_rows` tokens. `x` is `[tokens, hidden]`, `targets` `[tokens]`; tokens whose
+/// target is `ignore_index` are left out of the loss and of the mean. The log-sum-exp is taken
+/// in f32 whatever the dtype of `x` and `w`. Returns `[1]` in f32.
 pub fn linear_cross_entropy<B: Backend>(
     x: Tensor<B, 2>,
     weight: Tensor<B, 2>,
@@ -67,8 +70,7 @@ pub fn linear_cross_entropy<B: Backend>(
         return out;
     }
     let labels = Labels::new(targets, ignore_index);
-    let (sum, _) = chunked_forward(&x, &weight, axis, &labels, chunk_rows);
-    labels.mean(sum)
+    chunked(&x, &weight, axis, &labels, chunk_rows, [false; 2]).loss
 }
 
 /// The same value with every logit materialized at once: the reference of the tests.
@@ -139,6 +141,29 @@ impl<B: Backend> Labels<B> {
             Some((_, count)) => sum / count.clone(),
         }
     }
+
+    /// What [`Labels::mean`] multiplies by, `[1]` f32: 1/tokens, or 1/kept tokens.
+    fn scale(&self) -> Tensor<B, 1> {
+        match &self.keep {
+            None => {
+                let n = self.safe.dims()[0];
+                let device = self.safe.device();
+                Tensor::full([1], 1.0 / n as f64, (&device, DType::F32))
+            }
+            Some((_, count)) => count.clone().recip(),
+        }
+    }
+
+    /// `keep` (`[tokens]` f32), ones when no token is ignored.
+    fn keep_or_ones(&self) -> Tensor<B, 1> {
+        match &self.keep {
+            Some((keep, _)) => keep.clone(),
+            None => {
+                let device = self.safe.device();
+                Tensor::ones([self.safe.dims()[0]], (&device, DType::F32))
+            }
+        }
+    }
 }
 
 fn logits_of<B: Backend>(x: Tensor<B, 2>, weight: Tensor<B, 2>, axis: VocabAxis) -> Tensor<B, 2> {
@@ -153,41 +178,97 @@ fn chunks(n: usize, size: usize) -> impl Iterator<Item = core::ops::Range<usize>
     (0..n.div_ceil(size)).map(move |c| c * size..((c + 1) * size).min(n))
 }
 
-/// The summed loss `[1]` over kept tokens and each token's log-sum-exp `[tokens]`, both f32.
-fn chunked_forward<B: Backend>(
+/// What the chunks produce: the mean loss (`[1]` f32) and, for the inputs asked for, its
+/// gradients with respect to `x` and `w` (dL/dloss = 1), in their dtypes.
+struct Pass<B: Backend> {
+    loss: Tensor<B, 1>,
+    dx: Option<Tensor<B, 2>>,
+    dw: Option<Tensor<B, 2>>,
+}
+
+/// The loss over chunks of `rows` tokens, with the gradients of `x` and `w` where `want` says.
+fn chunked<B: Backend>(
     x: &Tensor<B, 2>,
     weight: &Tensor<B, 2>,
     axis: VocabAxis,
     labels: &Labels<B>,
     rows: usize,
-) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    want: [bool; 2],
+) -> Pass<B> {
     let [n, hidden] = x.dims();
-    let mut sum: Option<Tensor<B, 1>> = None;
-    let mut lses = Vec::new();
+    let grad = want[0] || want[1];
+    let scale = labels.scale();
+    let keep = labels.keep_or_ones();
+    let (mut losses, mut dx_parts, mut dw) = (Vec::new(), Vec::new(), None);
     for range in chunks(n, rows) {
-        let len = range.len();
         let x_c = x.clone().slice([range.clone(), 0..hidden]);
-        let logits = logits_of(x_c, weight.clone(), axis).cast(FloatDType::F32);
-        let max = logits.clone().max_dim(1);
-        let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
-        let targets = labels.safe.clone().slice(range.clone()).reshape([len, 1]);
-        let picked = logits.gather(1, targets);
-        let part = labels.kept(lse.clone() - picked, range).sum();
-        sum = Some(match sum {
-            Some(s) => s + part,
-            None => part,
-        });
-        lses.push(lse.reshape([len]));
+        let logits = logits_of(x_c.clone(), weight.clone(), axis);
+        let targets = labels.safe.clone().slice(range.clone());
+        let keep_c = keep.clone().slice(range);
+        let (loss, d) = rows_loss(logits, targets, keep_c, &scale, grad);
+        losses.push(loss);
+        let Some(d) = d else { continue };
+        if want[0] {
+            dx_parts.push(match axis {
+                VocabAxis::Columns => d.clone().matmul(weight.clone().transpose()),
+                VocabAxis::Rows => d.clone().matmul(weight.clone()),
+            });
+        }
+        if want[1] {
+            let part = match axis {
+                VocabAxis::Columns => x_c.transpose().matmul(d),
+                VocabAxis::Rows => d.transpose().matmul(x_c),
+            };
+            dw = Some(match dw {
+                Some(acc) => acc + part,
+                None => part,
+            });
+        }
     }
-    let sum = sum.expect("at least one token");
-    (sum, Tensor::cat(lses, 0))
+    let loss = Tensor::cat(losses, 0).sum() * scale;
+    let dx = (!dx_parts.is_empty()).then(|| Tensor::cat(dx_parts, 0));
+    Pass { loss, dx, dw }
+}
+
+/// Each row's loss `keep · (lse − logit[target])` (`[len]` f32) and, when `grad`, the gradient
+/// `(softmax − onehot) · keep · scale` of the logits (their dtype): the kernel on CUDA, burn ops
+/// elsewhere.
+fn rows_loss<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    keep: Tensor<B, 1>,
+    scale: &Tensor<B, 1>,
+    grad: bool,
+) -> (Tensor<B, 1>, Option<Tensor<B, 2>>) {
+    #[cfg(feature = "cuda")]
+    let logits = match super::fused::cross_entropy_rows(logits, &targets, &keep, scale, grad) {
+        Ok(out) => return out,
+        Err(logits) => logits,
+    };
+    let [len, _] = logits.dims();
+    let dtype = logits.dtype();
+    let l = logits.cast(FloatDType::F32);
+    let max = l.clone().max_dim(1);
+    let lse = (l.clone() - max.clone()).exp().sum_dim(1).log() + max;
+    let index = targets.reshape([len, 1]);
+    let picked = l.clone().gather(1, index.clone());
+    let keep = keep.reshape([len, 1]);
+    let loss = ((lse.clone() - picked) * keep.clone()).reshape([len]);
+    let d = grad.then(|| {
+        let minus = Tensor::full([len, 1], -1.0, (&l.device(), DType::F32));
+        let d = (l - lse)
+            .exp()
+            .scatter(1, index, minus, IndexingUpdateOp::Add);
+        (d * (keep * scale.clone().reshape([1, 1]))).cast(dtype)
+    });
+    (loss, d)
 }
 
 /// What one loss computes beyond its operands.
 #[derive(Clone, Copy, Debug)]
 struct Loss {
     axis: VocabAxis,
-    /// Tokens per forward chunk (and logits per backward chunk: `rows × vocab`).
+    /// Tokens per chunk.
     rows: usize,
     ignore_index: Option<i64>,
 }
@@ -219,28 +300,29 @@ fn autodiff_op<Z: Backend>(
 ) -> Tensor<Autodiff<Z>, 1> {
     let x = x.into_primitive().tensor();
     let weight = weight.into_primitive().tensor();
+    let want = [&x, &weight].map(|t| !t.node.requirement.is_none());
     let (inner_x, inner_w) = (
         Tensor::<Z, 2>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
         Tensor::<Z, 2>::from_primitive(TensorPrimitive::Float(weight.primitive.clone())),
     );
-    let (sum, lse) = chunked_forward(&inner_x, &inner_w, op.axis, &labels, op.rows);
-    let loss = labels.mean(sum).into_primitive().tensor();
     let prep = ChunkedBackward
         .prepare::<NoCheckpointing>([x.node.clone(), weight.node.clone()])
         .compute_bound()
         .stateful();
     let out = match prep {
-        OpsKind::Tracked(prep) => prep.finish(
-            ChunkedState {
-                x: inner_x,
-                weight: inner_w,
-                labels,
-                lse,
-                op,
-            },
-            loss,
-        ),
-        OpsKind::UnTracked(prep) => prep.finish(loss),
+        OpsKind::Tracked(prep) => {
+            let pass = chunked(&inner_x, &inner_w, op.axis, &labels, op.rows, want);
+            let loss = pass.loss.into_primitive().tensor();
+            let state = Taken {
+                dx: pass.dx,
+                dw: pass.dw,
+            };
+            prep.finish(state, loss)
+        }
+        OpsKind::UnTracked(prep) => {
+            let pass = chunked(&inner_x, &inner_w, op.axis, &labels, op.rows, [false; 2]);
+            prep.finish(pass.loss.into_primitive().tensor())
+        }
     };
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
@@ -248,95 +330,26 @@ fn autodiff_op<Z: Backend>(
 #[derive(Debug)]
 struct ChunkedBackward;
 
+/// The gradients the forward took (dL/dloss = 1).
 #[derive(Clone, Debug)]
-struct ChunkedState<Z: Backend> {
-    x: Tensor<Z, 2>,
-    weight: Tensor<Z, 2>,
-    labels: Labels<Z>,
-    lse: Tensor<Z, 1>,
-    op: Loss,
+struct Taken<Z: Backend> {
+    dx: Option<Tensor<Z, 2>>,
+    dw: Option<Tensor<Z, 2>>,
 }
 
 impl<Z: Backend> Backward<Z, 2> for ChunkedBackward {
-    type State = ChunkedState<Z>;
+    type State = Taken<Z>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let ChunkedState {
-            x,
-            weight,
-            labels,
-            lse,
-            op,
-        } = ops.state;
-        let Loss { axis, rows, .. } = op;
-        let [n, hidden] = x.dims();
-        let vocab = match axis {
-            VocabAxis::Columns => weight.dims()[1],
-            VocabAxis::Rows => weight.dims()[0],
-        };
+        let Taken { dx, dw } = ops.state;
         let d_loss =
             Tensor::<Z, 1>::from_primitive(TensorPrimitive::Float(grads.consume::<Z>(&ops.node)));
-        // dL/dlogit = (softmax − onehot) · dL/dloss / kept, on kept tokens only.
-        let ones = Tensor::<Z, 2>::ones([n, 1], (&x.device(), burn::tensor::DType::F32));
-        let per_token = labels.kept(ones, 0..n);
-        let row_scale = labels.mean(per_token.reshape([n])).reshape([n, 1])
-            * d_loss.cast(FloatDType::F32).reshape([1, 1]);
-        let (dtype, wdtype) = (x.dtype(), weight.dtype());
         let [x_parent, w_parent] = ops.parents.map(|p| p.map(|node| node.id));
-        let device = x.device();
-        let lse = lse.reshape([n, 1]);
-        // Vocabulary chunks of as many logits as the forward's token chunks.
-        let columns = (rows * vocab / n.max(1)).clamp(1, vocab);
-        let mut dx: Option<Tensor<Z, 2>> = None;
-        let mut dw = w_parent.map(|_| Tensor::<Z, 2>::zeros(weight.dims(), (&device, wdtype)));
-        for range in chunks(vocab, columns) {
-            let (start, len) = (range.start, range.len());
-            let w_c = match axis {
-                VocabAxis::Columns => weight.clone().slice([0..hidden, range.clone()]),
-                VocabAxis::Rows => weight.clone().slice([range.clone(), 0..hidden]),
-            };
-            let logits = logits_of(x.clone(), w_c.clone(), axis).cast(FloatDType::F32);
-            let probs = (logits - lse.clone()).exp();
-            // −1 at each kept token's target when it falls in this chunk.
-            let local = labels.safe.clone() - start as i64;
-            let here = local
-                .clone()
-                .greater_equal_elem(0)
-                .bool_and(local.clone().lower_elem(len as i64));
-            let index = local.mask_fill(here.clone().bool_not(), 0).reshape([n, 1]);
-            let minus = here.float().cast(FloatDType::F32).neg().reshape([n, 1]);
-            let d_logits =
-                probs.scatter(1, index, minus, IndexingUpdateOp::Add) * row_scale.clone();
-            let d_logits = d_logits.cast(dtype);
-            if x_parent.is_some() {
-                let part = match axis {
-                    VocabAxis::Columns => d_logits.clone().matmul(w_c.transpose()),
-                    VocabAxis::Rows => d_logits.clone().matmul(w_c),
-                }
-                .cast(FloatDType::F32);
-                dx = Some(match dx {
-                    Some(acc) => acc + part,
-                    None => part,
-                });
+        for (parent, grad) in [(x_parent, dx), (w_parent, dw)] {
+            if let (Some(id), Some(grad)) = (parent, grad) {
+                let factor = d_loss.clone().cast(grad.dtype()).reshape([1, 1]);
+                grads.register::<Z>(id, (grad * factor).into_primitive().tensor());
             }
-            if let Some(acc) = dw.take() {
-                dw = Some(match axis {
-                    VocabAxis::Columns => {
-                        let part = x.clone().transpose().matmul(d_logits).cast(wdtype);
-                        acc.slice_assign([0..hidden, range], part)
-                    }
-                    VocabAxis::Rows => {
-                        let part = d_logits.transpose().matmul(x.clone()).cast(wdtype);
-                        acc.slice_assign([range, 0..hidden], part)
-                    }
-                });
-            }
-        }
-        if let (Some(id), Some(dx)) = (x_parent, dx) {
-            grads.register::<Z>(id, dx.cast(dtype).into_primitive().tensor());
-        }
-        if let (Some(id), Some(dw)) = (w_parent, dw) {
-            grads.register::<Z>(id, dw.into_primitive().tensor());
         }
     }
 }

@@ -359,3 +359,117 @@ fn rope_rotates_both_layouts_and_back() {
         }
     }
 }
+
+/// Cross-entropy of `rows × vocab` logits in f64: each row's `keep · (lse − logit[target])`
+/// and the gradient `(softmax − onehot) · keep · scale`.
+fn cross_entropy_reference(
+    logits: &[f64],
+    targets: &[i32],
+    keep: &[f64],
+    scale: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let rows = targets.len();
+    let vocab = logits.len() / rows;
+    let (mut loss, mut grad) = (vec![0.0; rows], vec![0.0; logits.len()]);
+    for r in 0..rows {
+        let row = &logits[r * vocab..(r + 1) * vocab];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+        let t = targets[r] as usize;
+        loss[r] = keep[r] * (lse - row[t]);
+        for j in 0..vocab {
+            let onehot = if j == t { 1.0 } else { 0.0 };
+            grad[r * vocab + j] = ((row[j] - lse).exp() - onehot) * keep[r] * scale;
+        }
+    }
+    (loss, grad)
+}
+
+/// The loss rows and the in-place gradient against f64, on vocabularies no vector divides
+/// (53) or all do (1,000), wider than the most units a row takes (40,000), a target at each
+/// end of a row and ignored tokens (keep 0); without `grad` the logits stay as they were.
+#[test]
+fn cross_entropy_matches_f64_loss_and_gradient() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let i32s = |v: &[i32]| client.create_from_slice(i32::as_bytes(v));
+    let f32s = |v: &[f32]| client.create_from_slice(f32::as_bytes(v));
+    for dtype in dtypes(&client) {
+        for (rows, vocab) in [(1, 53), (7, 53), (9, 1_000), (3, 40_000)] {
+            let n = rows * vocab;
+            // Logits up to ±8: the softmax is far from uniform.
+            let raw: Vec<f32> = values(n, 6).iter().map(|v| v * 8.0).collect();
+            let (x, hx) = upload(&client, dtype, &raw);
+            let targets: Vec<i32> = (0..rows)
+                .map(|r| match r % 3 {
+                    0 => 0,
+                    1 => vocab as i32 - 1,
+                    _ => (r * 37 % vocab) as i32,
+                })
+                .collect();
+            let keep: Vec<f32> = (0..rows)
+                .map(|r| if r % 4 == 2 { 0.0 } else { 1.0 })
+                .collect();
+            let kept = keep.iter().sum::<f32>().max(1.0);
+            let scale = 1.0 / kept;
+            let (ht, hk, hs) = (i32s(&targets), f32s(&keep), f32s(&[scale]));
+            let want = cross_entropy_reference(&f64s(&x), &targets, &f64s(&keep), scale as f64);
+            let name = |what: &str| format!("cross_entropy {what} {rows}×{vocab} {dtype:?}");
+            for grad in [false, true] {
+                let (_, hx) = match grad {
+                    true => (x.clone(), hx.clone()),
+                    false => upload(&client, dtype, &raw),
+                };
+                let loss = client.empty(4 * rows);
+                cross_entropy(
+                    &client,
+                    dtype,
+                    [rows, vocab],
+                    &hx,
+                    [&ht, &hk, &hs],
+                    &loss,
+                    grad,
+                );
+                let got = f32::from_bytes(&client.read_one(loss).unwrap()).to_vec();
+                assert_close(&name("loss"), &got, &want.0, 2e-5);
+                let after = read(&client, dtype, &hx);
+                match grad {
+                    true => assert_close(&name("grad"), &after, &want.1, tolerance(dtype)),
+                    false => assert_eq!(after, x, "{}", name("logits kept")),
+                }
+            }
+        }
+    }
+}
+
+/// A NaN logit makes its row's loss and gradient NaN and no other's; a target outside the row
+/// gives a NaN loss for that row only.
+#[test]
+fn a_nan_in_cross_entropy_reaches_its_row_only() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let dtype = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let (rows, vocab) = (6, 40);
+    let mut x = values(rows * vocab, 7);
+    x[2 * vocab + 11] = f32::NAN;
+    let (_, hx) = upload(&client, dtype, &x);
+    let targets: Vec<i32> = vec![3, 0, 5, 39, 40, 7];
+    let ht = client.create_from_slice(i32::as_bytes(&targets));
+    let hk = client.create_from_slice(f32::as_bytes(&[1.0; 6]));
+    let hs = client.create_from_slice(f32::as_bytes(&[1.0 / 6.0]));
+    let loss = client.empty(4 * rows);
+    cross_entropy(
+        &client,
+        dtype,
+        [rows, vocab],
+        &hx,
+        [&ht, &hk, &hs],
+        &loss,
+        true,
+    );
+    let loss = f32::from_bytes(&client.read_one(loss).unwrap()).to_vec();
+    for (r, v) in loss.iter().enumerate() {
+        assert_eq!(v.is_nan(), r == 2 || r == 4, "loss[{r}] = {v}");
+    }
+    for (i, v) in read(&client, dtype, &hx).iter().enumerate() {
+        assert_eq!(v.is_nan(), i / vocab == 2, "grad[{i}] = {v}");
+    }
+}

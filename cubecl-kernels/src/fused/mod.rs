@@ -1,12 +1,15 @@
 //! Fused transformer kernels (DeepSpeed's transformer kernels, for burn models): RMSNorm,
 //! RoPE and SwiGLU, each one kernel forward and one backward (RMSNorm's weight gradient a
-//! second, deterministic, pass). Contiguous operands; statistics and arithmetic in f32 for
+//! second, deterministic, pass), and the cross-entropy of a chunk of logits with their
+//! gradient written in place. Contiguous operands; statistics and arithmetic in f32 for
 //! f16/bf16 elements.
 
+mod cross_entropy;
 mod rms_norm;
 mod rope;
 mod swiglu;
 
+pub use cross_entropy::cross_entropy;
 pub use rms_norm::{backward_chunk, backward_scratch_bytes, rms_norm_backward, rms_norm_forward};
 pub use rope::{RopeDims, RopePairs, rope};
 pub use swiglu::{swiglu_backward, swiglu_forward};

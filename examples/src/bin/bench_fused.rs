@@ -10,7 +10,8 @@
 //!    fuses where it can); median of `--iterations` after a warm-up, each call synced, and
 //!    per call in queues of ten between syncs (the device's time when the host keeps ahead).
 //!
-//! 3. loss: `burn_zero::nn::linear_cross_entropy` (chunks of 2,048, 1,024, 512 tokens) against the
+//! 3. loss: `burn_zero::nn::linear_cross_entropy` (chunks of 2,048, 1,024, 512 tokens, and 2,048
+//!    with the cross-entropy kernel off) against the
 //!    materialized loss at 8,192 tokens × 128,256 vocabulary (hidden 4,096, bf16, the tied
 //!    `[vocab, hidden]` layout), forward + backward: time, and how far the device pool's
 //!    reserved bytes grow over the call from a released pool (cubecl keeps what it reserved
@@ -43,6 +44,7 @@ fn with_kernels(on: bool) -> settings::SettingsGuard {
             rms_norm: on,
             rope: on,
             swiglu: on,
+            cross_entropy: on,
         },
         ..settings::current()
     })
@@ -192,7 +194,16 @@ fn loss(device: &Device, iterations: usize) -> Value {
     let t = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tokens]), device);
     let gradient_bytes = ((tokens * hidden + vocab * hidden) * 2) as u64;
     let mut runs = Vec::new();
-    for chunk in [None, Some(2048), Some(1024), Some(512)] {
+    // The last run A/Bs the cross-entropy kernel (burn ops for each chunk's loss and gradient).
+    let cases = [
+        (None, true),
+        (Some(2048), true),
+        (Some(1024), true),
+        (Some(512), true),
+        (Some(2048), false),
+    ];
+    for (chunk, kernel) in cases {
+        let _guard = with_kernels(kernel);
         let step = || {
             let (xg, wg) = (x.clone().require_grad(), w.clone().require_grad());
             let (axis, targets) = (VocabAxis::Rows, t.clone());
@@ -213,11 +224,10 @@ fn loss(device: &Device, iterations: usize) -> Value {
         drop((gx, gw));
         let seconds = median_seconds::<B, _>(device, iterations.min(5), step);
         let growth = after.saturating_sub(before);
-        runs.push(
-            json!({"chunk_rows": chunk, "loss": value, "ms": seconds * 1e3,
+        runs.push(json!({"chunk_rows": chunk, "cross_entropy_kernel": kernel,
+                   "loss": value, "ms": seconds * 1e3,
                          "reserved_growth_bytes": growth,
-                         "beyond_gradients_bytes": growth.saturating_sub(gradient_bytes)}),
-        );
+                         "beyond_gradients_bytes": growth.saturating_sub(gradient_bytes)}));
     }
     let base = runs[0].clone();
     for run in &mut runs[1..] {
@@ -286,6 +296,41 @@ fn main() {
                     &f,
                 ));
             }
+        }
+    }
+    // The loss: each chunk's kernel against the same chunks in burn ops on f32 copies; vocabularies
+    // no vector divides (53) and the recipe's (49,152), both layouts, ignored targets.
+    for dtype in [f32t, bf16, f16] {
+        for (tokens, hidden, vocab, chunk, axis, ignore) in [
+            (37, 20, 53, 8, VocabAxis::Columns, Some(-100)),
+            (67, 64, 1_000, 32, VocabAxis::Rows, None),
+            (130, 96, 49_152, 64, VocabAxis::Rows, Some(-100)),
+        ] {
+            let shape = match axis {
+                VocabAxis::Columns => [hidden, vocab],
+                VocabAxis::Rows => [vocab, hidden],
+            };
+            let inputs = [
+                tensor([tokens, hidden], 14, 2.0, f32t, &device),
+                tensor(shape, 15, 0.5, f32t, &device),
+            ];
+            let ids: Vec<i64> = (0..tokens as i64)
+                .map(|i| match i % 9 {
+                    4 if ignore.is_some() => -100,
+                    _ => (i * 7919 + 3) % vocab as i64,
+                })
+                .collect();
+            let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tokens]), &device);
+            let f = move |[x, w]: &[Tensor<B, 2>; 2]| {
+                linear_cross_entropy(x.clone(), w.clone(), axis, targets.clone(), chunk, ignore)
+                    .reshape([1, 1])
+            };
+            checks.push(check(
+                &format!("linear_cross_entropy {tokens}x{hidden}x{vocab} {axis:?}"),
+                inputs,
+                dtype,
+                &f,
+            ));
         }
     }
     let ok = checks.iter().all(|c| c["ok"] == json!(true));

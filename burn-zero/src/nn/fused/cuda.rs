@@ -3,19 +3,21 @@
 //! not that backend's or not of one dtype the kernels take (f32, bf16, f16): the caller then
 //! runs the same math in burn ops.
 
+use core::any::TypeId;
+
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Int, IntDType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::cuda::CudaRuntime;
 use cubecl_kernels::fused::{
-    RopeDims, RopePairs, backward_scratch_bytes, rms_norm_backward, rms_norm_forward, rope,
-    swiglu_backward, swiglu_forward,
+    RopeDims, RopePairs, backward_scratch_bytes, cross_entropy, rms_norm_backward,
+    rms_norm_forward, rope, swiglu_backward, swiglu_forward,
 };
 
-use crate::backend::fused_op::{CudaCube, Fused, run_fused};
+use crate::backend::fused_op::{CudaCube, Fused, run_fused, run_fused_taking};
 use crate::backend::{ZeroBackend, ZeroTensor};
-use crate::nn::downcast::float_as;
+use crate::nn::downcast::{float_as, int_as};
 
 type Zero = ZeroBackend<burn::backend::Cuda>;
 
@@ -74,8 +76,11 @@ pub(super) fn rms_forward<Z: Backend>(
     eps: f64,
 ) -> Option<(Tensor<Z, 2>, Tensor<Z, 1>)> {
     let [rows, hidden] = x.dims();
-    let x2 = x.clone().reshape([rows * hidden]);
-    let [fx, fw] = fused_all([&x2, w])?;
+    // Each on its own (the two ranks differ): a reshape of `x` would be one more op a call.
+    let ([fx], [fw]) = (fused_all([x])?, fused_all([w])?);
+    if fw.dtype != fx.dtype {
+        return None;
+    }
     let dtype = fx.dtype;
     let outputs = [
         (Shape::from(vec![rows, hidden]), dtype),
@@ -249,4 +254,80 @@ pub(super) fn rope_op<Z: Backend>(
         },
     );
     Some(back(out))
+}
+
+/// Each row's cross-entropy of `logits` (`[rows, vocab]`) against `targets` (`[rows]`, valid
+/// indices), weighted by `keep` (`[rows]` f32): `[rows]` f32, and when `grad` the logits'
+/// gradient `(softmax − onehot) · keep · scale` (`scale` `[1]` f32), written over the logits
+/// when they were their buffer's last reference. The logits back where the kernel does not
+/// take them (another backend or dtype, `burn_zero.fused_kernels.cross_entropy` off).
+#[allow(clippy::type_complexity)]
+pub(in crate::nn) fn cross_entropy_rows<Z: Backend>(
+    logits: Tensor<Z, 2>,
+    targets: &Tensor<Z, 1, Int>,
+    keep: &Tensor<Z, 1>,
+    scale: &Tensor<Z, 1>,
+    grad: bool,
+) -> Result<(Tensor<Z, 1>, Option<Tensor<Z, 2>>), Tensor<Z, 2>> {
+    let takes = TypeId::of::<Z>() == TypeId::of::<Zero>()
+        && matches!(logits.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && super::enabled(|f| f.cross_entropy);
+    let Some([fk, fs]) = takes.then(|| fused_all([keep, scale])).flatten() else {
+        return Err(logits);
+    };
+    if fk.dtype != DType::F32 {
+        return Err(logits);
+    }
+    let [rows, vocab] = logits.dims();
+    let dtype = logits.dtype();
+    let targets = int_as::<Z, Zero, 1>(targets.clone().cast(IntDType::I32))
+        .expect("Z is ZeroBackend<Cuda>")
+        .into_primitive();
+    let fl = float_as::<Z, Zero, 2>(logits)
+        .expect("Z is ZeroBackend<Cuda>")
+        .into_primitive()
+        .tensor()
+        .into_inner();
+    let loss_out = (Shape::from(vec![rows]), DType::F32);
+    let run = move |l: &CudaCube, [t, k, s]: [CudaCube; 3], grad: bool| {
+        let [t, k, s] = [t, k, s].map(contiguous);
+        let loss = empty(l, &[rows], DType::F32);
+        let client = l.client.clone();
+        cross_entropy(
+            &client,
+            dtype.into(),
+            [rows, vocab],
+            &l.handle,
+            [&t.handle, &k.handle, &s.handle],
+            &loss.handle,
+            grad,
+        );
+        loss
+    };
+    if !grad {
+        let [loss] = run_fused(
+            "burn_zero_cross_entropy",
+            [&fl, &targets, &fk, &fs],
+            [loss_out],
+            move |[l, t, k, s]| [run(&contiguous(l), [t, k, s], false)],
+        );
+        return Ok((back(loss), None));
+    }
+    let shape = fl.shape.clone();
+    let [loss, d] = run_fused_taking(
+        "burn_zero_cross_entropy_grad",
+        [fl, targets, fk, fs],
+        [loss_out, (shape, dtype)],
+        move |[l, t, k, s]| {
+            // The gradient goes over the logits: in their buffer when nothing else reads it.
+            let l = match (l.can_mut(), l.is_contiguous()) {
+                (true, true) => l,
+                (false, true) => l.copy(),
+                (_, false) => into_contiguous(l),
+            };
+            let loss = run(&l, [t, k, s], true);
+            [loss, l]
+        },
+    );
+    Ok((back(loss), Some(back(d))))
 }

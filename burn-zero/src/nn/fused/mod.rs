@@ -9,6 +9,8 @@ mod rms_norm;
 mod rope;
 mod swiglu;
 
+#[cfg(feature = "cuda")]
+pub(super) use cuda::cross_entropy_rows;
 pub use rms_norm::rms_norm;
 pub use rope::{RopePairs, RopeTable, rope};
 pub use swiglu::swiglu;

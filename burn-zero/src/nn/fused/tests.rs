@@ -19,6 +19,7 @@ fn off() -> OpSettings {
             rms_norm: false,
             rope: false,
             swiglu: false,
+            cross_entropy: false,
         },
         ..OpSettings::default()
     }
