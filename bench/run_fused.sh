@@ -4,14 +4,16 @@
 # bench-fused (checks of the kernels against burn ops on f32 copies, then times of the kernels
 # and of burn ops at the 8B Llama's shapes) and bench/fused_torch.py (torch eager equivalents)
 # on the same GPU, merged into $OUT/fused-ops-<kind>.json with each op's time ÷ torch's.
-#   bash bench/run_fused.sh KIND       (ITERATIONS, default 20)
+#   bash bench/run_fused.sh KIND       (ITERATIONS, default 20; FUSED_ARGS, e.g. "--checks loss";
+#   FUSED_TIMEOUT seconds for bench-fused, default 420: torch runs first, the merge always)
 source bench/prelude.sh "$1"
 iterations="${ITERATIONS:-20}"
-.gpu/bin/bench-fused --iterations "$iterations" > /tmp/fused-ours.json 2> "$out/fused-ours.log"
-echo "bench-fused: exit $?"; grep -v "^check" "$out/fused-ours.log" | tail -n 20; grep -c " ok$" "$out/fused-ours.log"
-grep "FAILED" "$out/fused-ours.log"
 python3 bench/fused_torch.py "$iterations" > /tmp/fused-torch.json 2> "$out/fused-torch.log"
 echo "torch: exit $?"; tail -n 3 "$out/fused-torch.log"
+timeout "${FUSED_TIMEOUT:-420}" .gpu/bin/bench-fused --iterations "$iterations" ${FUSED_ARGS:-} \
+  > /tmp/fused-ours.json 2> "$out/fused-ours.log"
+echo "bench-fused: exit $?"; grep -v "^check" "$out/fused-ours.log" | tail -n 20; grep -c " ok$" "$out/fused-ours.log"
+grep "FAILED\|started$" "$out/fused-ours.log" | tail -n 12
 python3 - "$kind" "$out/fused-ops-$kind.json" <<'PY'
 import json, sys
 def load(path):

@@ -407,11 +407,7 @@ pub(crate) fn channel_of(comm: &dyn crate::comm::DeviceCollectives) -> u64 {
 /// one GPU (the cause inside burn's or cubecl's ordering of that memory is not isolated).
 pub(crate) fn staged_copy(any: &dyn Any) -> Option<CudaBuffer> {
     let cube = cube_tensor_of(any)?;
-    let copy = move || {
-        let (client, device, dtype) = (cube.client.clone(), cube.device.clone(), cube.dtype);
-        let output = cubecl::std::tensor::into_contiguous(&client, cube.binding(), dtype.into());
-        CubeTensor::new(client, output.handle, *output.metadata, device, dtype)
-    };
+    let copy = move || super::fused_op::contiguous_copy(cube);
     let cube = match fusion_client_of(any) {
         Some(fusion) => fusion.sync(copy),
         None => copy(),

@@ -85,3 +85,11 @@ pub(crate) fn run_fused_taking<const I: usize, const O: usize>(
         .try_into()
         .unwrap_or_else(|v: Vec<Fused>| panic!("{name}: {} outputs, wanted {O}", v.len()))
 }
+
+/// A copy of `cube` in a new buffer, contiguous (burn-cubecl's `copy` allocates with cubecl's
+/// optimized layout, which pads short rows to an aligned pitch).
+pub(crate) fn contiguous_copy(cube: CudaCube) -> CudaCube {
+    let (client, device, dtype) = (cube.client.clone(), cube.device.clone(), cube.dtype);
+    let output = cubecl::std::tensor::into_contiguous(&client, cube.binding(), dtype.into());
+    CudaCube::new(client, output.handle, *output.metadata, device, dtype)
+}

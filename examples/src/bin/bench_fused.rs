@@ -18,7 +18,10 @@
 //!    until released, so the growth bounds the call's peak from above; the `fitted` pool
 //!    reserves near what is live), with and without the two gradients' own bytes.
 //!
-//! `bench-fused [--iterations N]` prints one JSON line; `bench/run_fused.sh` runs it beside
+//! 4. checks of the loss (after the times): `linear_cross_entropy` with its kernel against the
+//!    same chunks in burn ops on f32 copies, as in 1.
+//!
+//! `bench-fused [--iterations N] [--checks all|loss|none]` prints one JSON line; `bench/run_fused.sh` runs it beside
 //! the torch eager equivalents (`bench/fused_torch.py`) on the same GPU.
 
 use burn::backend::{Autodiff, Cuda};
@@ -91,6 +94,9 @@ fn check<const D: usize, const N: usize>(
     dtype: FloatDType,
     f: &dyn Fn(&[Tensor<B, D>; N]) -> Tensor<B, D>,
 ) -> Value {
+    // Started and finished lines with seconds: a check that stalls is named.
+    let start = std::time::Instant::now();
+    eprintln!("check {name} {dtype:?}: started");
     let ours = {
         let _on = with_kernels(true);
         run(&inputs.clone().map(|t| t.cast(dtype)), f)
@@ -107,6 +113,12 @@ fn check<const D: usize, const N: usize>(
     };
     let mut diffs = Vec::new();
     let mut ok = true;
+    // Non-finite values per output, ours and the reference's (a NaN on both sides passes).
+    let non_finite: Vec<[usize; 2]> = ours
+        .iter()
+        .zip(&reference)
+        .map(|(g, w)| [g, w].map(|v| v.iter().filter(|x| !x.is_finite()).count()))
+        .collect();
     for (got, want) in ours.iter().zip(&reference) {
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6);
         let diff = got
@@ -123,11 +135,13 @@ fn check<const D: usize, const N: usize>(
     }
     let shape = ours.len();
     eprintln!(
-        "check {name} {dtype:?}: relative differences {diffs:?} (tolerance {tolerance}) {}",
+        "check {name} {dtype:?}: relative differences {diffs:?} (tolerance {tolerance}, {:.1} s, non-finite {non_finite:?}) {}",
+        start.elapsed().as_secs_f64(),
         if ok { "ok" } else { "FAILED" }
     );
     json!({"op": name, "dtype": format!("{dtype:?}"), "outputs_and_grads": shape,
-           "max_relative_difference": diffs, "tolerance": tolerance, "ok": ok})
+           "max_relative_difference": diffs, "non_finite": non_finite,
+           "tolerance": tolerance, "ok": ok})
 }
 
 /// Calls between syncs in the queued times.
@@ -256,11 +270,20 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let iterations: usize =
         arg(&args, "--iterations").map_or(20, |v| v.parse().expect("--iterations N"));
+    // Which checks run: all (the default), the loss's only (after the times), or none.
+    let which = arg(&args, "--checks").unwrap_or_else(|| "all".into());
+    assert!(
+        ["all", "loss", "none"].contains(&which.as_str()),
+        "--checks is all, loss or none, not `{which}`"
+    );
     let device = Device::default();
     let (f32t, bf16, f16) = (FloatDType::F32, FloatDType::BF16, FloatDType::F16);
 
     let mut checks = Vec::new();
     for dtype in [f32t, bf16, f16] {
+        if which != "all" {
+            break;
+        }
         for (rows, hidden) in [(37, 20), (1_100, 96), (67, 4_096), (5, 2_049)] {
             let inputs = [
                 tensor([rows, hidden], 1, 2.0, f32t, &device),
@@ -298,9 +321,39 @@ fn main() {
             }
         }
     }
+
+    // The 8B Llama's shapes at 8,192 tokens.
+    let tokens = 8_192;
+    let mut times = Vec::new();
+    let x = [
+        tensor([tokens, 4_096], 6, 2.0, bf16, &device),
+        tensor([1, 4_096], 7, 0.5, bf16, &device) + 1.0,
+    ];
+    let f = |[x, w]: &[Tensor<B, 2>; 2]| rms_norm(x.clone(), w.clone().reshape([4_096]), 1e-5);
+    times.push(time("rms_norm", x, iterations, &f));
+    let gu = [
+        tensor([tokens, 14_336], 8, 6.0, bf16, &device),
+        tensor([tokens, 14_336], 9, 1.0, bf16, &device),
+    ];
+    let f = |[g, u]: &[Tensor<B, 2>; 2]| swiglu(g.clone(), u.clone());
+    times.push(time("swiglu", gu, iterations, &f));
+    for (pairs, heads) in [
+        (RopePairs::Interleaved, 32),
+        (RopePairs::Interleaved, 8),
+        (RopePairs::HalfSplit, 32),
+    ] {
+        let table = RopeTable::<B>::new(tokens, 128, 500_000.0, &device);
+        let q = [tensor([1, tokens, heads, 128], 10, 1.0, bf16, &device)];
+        let f = move |[x]: &[Tensor<B, 4>; 1]| rope(x.clone(), &table, pairs);
+        times.push(time(&format!("rope {pairs:?}"), q, iterations, &f));
+    }
+    let loss = loss(&device, iterations);
     // The loss: each chunk's kernel against the same chunks in burn ops on f32 copies; vocabularies
     // no vector divides (53) and the recipe's (49,152), both layouts, ignored targets.
     for dtype in [f32t, bf16, f16] {
+        if which == "none" {
+            break;
+        }
         for (tokens, hidden, vocab, chunk, axis, ignore) in [
             (37, 20, 53, 8, VocabAxis::Columns, Some(-100)),
             (67, 64, 1_000, 32, VocabAxis::Rows, None),
@@ -334,33 +387,6 @@ fn main() {
         }
     }
     let ok = checks.iter().all(|c| c["ok"] == json!(true));
-
-    // The 8B Llama's shapes at 8,192 tokens.
-    let tokens = 8_192;
-    let mut times = Vec::new();
-    let x = [
-        tensor([tokens, 4_096], 6, 2.0, bf16, &device),
-        tensor([1, 4_096], 7, 0.5, bf16, &device) + 1.0,
-    ];
-    let f = |[x, w]: &[Tensor<B, 2>; 2]| rms_norm(x.clone(), w.clone().reshape([4_096]), 1e-5);
-    times.push(time("rms_norm", x, iterations, &f));
-    let gu = [
-        tensor([tokens, 14_336], 8, 6.0, bf16, &device),
-        tensor([tokens, 14_336], 9, 1.0, bf16, &device),
-    ];
-    let f = |[g, u]: &[Tensor<B, 2>; 2]| swiglu(g.clone(), u.clone());
-    times.push(time("swiglu", gu, iterations, &f));
-    for (pairs, heads) in [
-        (RopePairs::Interleaved, 32),
-        (RopePairs::Interleaved, 8),
-        (RopePairs::HalfSplit, 32),
-    ] {
-        let table = RopeTable::<B>::new(tokens, 128, 500_000.0, &device);
-        let q = [tensor([1, tokens, heads, 128], 10, 1.0, bf16, &device)];
-        let f = move |[x]: &[Tensor<B, 4>; 1]| rope(x.clone(), &table, pairs);
-        times.push(time(&format!("rope {pairs:?}"), q, iterations, &f));
-    }
-    let loss = loss(&device, iterations);
     println!(
         "{}",
         json!({"checks_ok": ok, "checks": checks, "time": times, "loss": loss,

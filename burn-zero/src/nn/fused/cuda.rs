@@ -15,7 +15,7 @@ use cubecl_kernels::fused::{
     rms_norm_forward, rope, swiglu_backward, swiglu_forward,
 };
 
-use crate::backend::fused_op::{CudaCube, Fused, run_fused, run_fused_taking};
+use crate::backend::fused_op::{CudaCube, Fused, contiguous_copy, run_fused, run_fused_taking};
 use crate::backend::{ZeroBackend, ZeroTensor};
 use crate::nn::downcast::{float_as, int_as};
 
@@ -322,7 +322,7 @@ pub(in crate::nn) fn cross_entropy_rows<Z: Backend>(
             // The gradient goes over the logits: in their buffer when nothing else reads it.
             let l = match (l.can_mut(), l.is_contiguous()) {
                 (true, true) => l,
-                (false, true) => l.copy(),
+                (false, true) => contiguous_copy(l),
                 (_, false) => into_contiguous(l),
             };
             let loss = run(&l, [t, k, s], true);
