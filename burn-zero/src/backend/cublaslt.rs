@@ -54,6 +54,10 @@ pub(crate) struct Gemm {
     pub(crate) tune: bool,
     /// Record the GEMM's GPU time (see [`take_gpu_ms`]).
     pub(crate) profile: bool,
+    /// Add the product to what the output holds (`beta = 1`, one rounding) instead of
+    /// overwriting it. Such a call is never timed against other candidates (each run would
+    /// add again): it takes the plan a plain GEMM of its shape chose, or the heuristic's first.
+    pub(crate) accumulate: bool,
 }
 
 /// Where a call runs and how it is ordered against burn's kernels.
@@ -186,6 +190,7 @@ impl Gemm {
             a: Operand { ptr: 0, ..self.a },
             b: Operand { ptr: 0, ..self.b },
             d: 0,
+            accumulate: false,
             ..*self
         }
     }
@@ -525,7 +530,7 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm, order: Order) -> Result<()
     } else {
         Vec::new()
     };
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
     let stream = lt_dev.stream.clone();
     let (cu_stream, workspace) = match order {
         Order::OnStream(on) => (on, lt_dev.workspace_on(on)?),
@@ -533,7 +538,7 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm, order: Order) -> Result<()
     };
     let issue = |algo: &sys::cublasLtMatmulAlgo_t| {
         // SAFETY: the caller vouches for the addresses; every descriptor is live; `d` is both
-        // C (ignored: beta = 0) and D.
+        // C (read only when accumulating) and D.
         unsafe {
             lt::matmul(
                 handle,
@@ -565,6 +570,7 @@ pub(crate) unsafe fn run(ordinal: usize, gemm: &Gemm, order: Order) -> Result<()
     }
     let algo = match chosen {
         Some(algo) => algo,
+        None if g.accumulate => candidates[0],
         None => {
             let best = fastest(cu_stream, &candidates, &issue)?;
             if let Some(plan) = lt_dev.plans.get_mut(&key) {

@@ -93,3 +93,13 @@ pub(crate) fn contiguous_copy(cube: CudaCube) -> CudaCube {
     let output = cubecl::std::tensor::into_contiguous(&client, cube.binding(), dtype.into());
     CudaCube::new(client, output.handle, *output.metadata, device, dtype)
 }
+
+/// `cube` as a tensor a kernel may overwrite: itself when it is its buffer's only reference and
+/// contiguous, else a contiguous copy.
+pub(crate) fn writable(cube: CudaCube) -> CudaCube {
+    match (cube.can_mut(), cube.is_contiguous()) {
+        (true, true) => cube,
+        (false, true) => contiguous_copy(cube),
+        (_, false) => burn_cubecl::kernel::into_contiguous(cube),
+    }
+}

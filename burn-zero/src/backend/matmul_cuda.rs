@@ -27,7 +27,7 @@ use crate::backend::cublaslt::{self, Gemm, Operand};
 use crate::backend::cuda::{
     CudaServer, CudaView, cube_tensor, from_cube, layout_of, view_of, view_on,
 };
-use crate::backend::fused_op::{Fused, run_fused};
+use crate::backend::fused_op::{Fused, run_fused, run_fused_taking, writable};
 use crate::backend::stream_order::{self, Handshake};
 use crate::config::GemmOrder;
 
@@ -178,6 +178,7 @@ impl Product {
             },
             tune: policy.tune,
             profile: policy.profile,
+            accumulate: false,
         })
     }
 }
@@ -200,7 +201,7 @@ pub(crate) fn try_cublaslt<B: Backend>(
     let mut clock = PhaseClock::start();
     let (a, b) = (cube_tensor::<B>(lhs)?, cube_tensor::<B>(rhs)?);
     clock.lap(0);
-    match gemm_on_cube(a, b, &product, policy, &mut clock) {
+    match gemm_on_cube(a, b, &product, policy, &mut clock, None) {
         Ok(out) => {
             let out = from_cube::<B>(lhs, out)?;
             clock.finish();
@@ -231,22 +232,24 @@ impl Declined {
     }
 }
 
-/// cuBLASLt's `a · b`: queued on cubecl's thread ([`gemm_queued`]) on burn's stream, or
-/// between handshake flags when those are available, else one blocking visit there after a
-/// device sync ([`gemm_synchronized`]).
+/// cuBLASLt's `a · b` (added into `into` when given, a contiguous tensor of the output's
+/// shape, and returned as the output): queued on cubecl's thread ([`gemm_queued`]) on burn's
+/// stream, or between handshake flags when those are available, else one blocking visit there
+/// after a device sync ([`gemm_synchronized`]).
 fn gemm_on_cube(
     a: CubeTensor<CudaRuntime>,
     b: CubeTensor<CudaRuntime>,
     product: &Product,
     policy: MatmulPolicy,
     clock: &mut PhaseClock,
+    into: Option<CubeTensor<CudaRuntime>>,
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
     let ordinal = a.device.index;
     match policy.order {
-        GemmOrder::Stream => gemm_queued(a, b, product, policy, clock),
+        GemmOrder::Stream => gemm_queued(a, b, product, policy, clock, into),
         GemmOrder::Handshake => match cublaslt::supports_handshake(ordinal).unwrap_or(false) {
-            true => gemm_queued(a, b, product, policy, clock),
-            false => gemm_synchronized(a, b, product, policy, clock),
+            true => gemm_queued(a, b, product, policy, clock, into),
+            false => gemm_synchronized(a, b, product, policy, clock, into),
         },
     }
 }
@@ -278,6 +281,7 @@ fn gemm_queued(
     product: &Product,
     policy: MatmulPolicy,
     clock: &mut PhaseClock,
+    into: Option<CubeTensor<CudaRuntime>>,
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
     if let Some(e) = queued_failure().as_ref() {
         panic!(
@@ -290,7 +294,8 @@ fn gemm_queued(
     let (Some(la), Some(lb)) = (layout_of(&a), layout_of(&b)) else {
         return Err(Declined::Layout);
     };
-    let out = output_of(&a, product);
+    let accumulate = into.is_some();
+    let out = into.unwrap_or_else(|| output_of(&a, product));
     let ld = layout_of(&out).ok_or(Declined::Layout)?;
     let shape = product
         .gemm(&la, &lb, &ld, &policy)
@@ -308,7 +313,15 @@ fn gemm_queued(
     clock.lap(2);
     let (product, result) = (product.clone(), out.clone());
     DeviceHandle::<CudaServer>::new(a.device.to_id()).submit(move |server| {
-        if let Err(e) = run_queued(server, [a, b, result], &product, policy, handshake) {
+        let run = run_queued(
+            server,
+            [a, b, result],
+            &product,
+            policy,
+            handshake,
+            accumulate,
+        );
+        if let Err(e) = run {
             crate::log::warn(&format!("a queued cuBLASLt product failed: {e}"));
             queued_failure().get_or_insert(e);
         }
@@ -337,6 +350,7 @@ fn run_queued(
     product: &Product,
     policy: MatmulPolicy,
     handshake: Option<Handshake>,
+    accumulate: bool,
 ) -> Result<(), String> {
     let ordinal = a.device.index;
     let views = (
@@ -345,7 +359,9 @@ fn run_queued(
         view_on(server, &out),
     );
     let gemm = match views {
-        (Some(va), Some(vb), Some(vd)) => product.gemm(&va, &vb, &vd, &policy),
+        (Some(va), Some(vb), Some(vd)) => product
+            .gemm(&va, &vb, &vd, &policy)
+            .map(|g| Gemm { accumulate, ..g }),
         _ => None,
     };
     let Some(gemm) = gemm else {
@@ -390,18 +406,21 @@ fn gemm_synchronized(
     product: &Product,
     policy: MatmulPolicy,
     clock: &mut PhaseClock,
+    into: Option<CubeTensor<CudaRuntime>>,
 ) -> Result<CubeTensor<CudaRuntime>, Declined> {
     let ordinal = a.device.index;
     let client = a.client.clone();
     cubecl::future::block_on(client.sync()).map_err(|e| Declined::Failed(format!("{e:?}")))?;
     let outcome = client.exclusive(|| {
         // Allocated here, not through fusion: contiguous, and no extra round trip.
-        let out = output_of(&a, product);
+        let accumulate = into.is_some();
+        let out = into.unwrap_or_else(|| output_of(&a, product));
         let views = (view_of(a), view_of(b), view_of(out.clone()));
         let (Some(a), Some(b), Some(d)) = views else {
             return Err(Declined::Layout);
         };
         let gemm = product.gemm(&a, &b, &d, &policy).ok_or(Declined::Layout)?;
+        let gemm = Gemm { accumulate, ..gemm };
         clock.lap(1);
         clock.lap(2);
         // SAFETY: the three views hold their memory until the synchronization inside `run`;
@@ -425,7 +444,7 @@ fn gemm_or_inner(
     policy: MatmulPolicy,
 ) -> CubeTensor<CudaRuntime> {
     let mut clock = PhaseClock::start();
-    match gemm_on_cube(a.clone(), b.clone(), product, policy, &mut clock) {
+    match gemm_on_cube(a.clone(), b.clone(), product, policy, &mut clock, None) {
         Ok(out) => {
             clock.finish();
             out
@@ -458,6 +477,58 @@ fn register_in_stream<B: Backend>(
     );
     let boxed: Box<dyn Any> = Box::new(out);
     boxed.downcast::<FloatTensor<B>>().ok().map(|b| *b)
+}
+
+/// `acc + lhs · rhs` on burn-cuda's fused tensors as one operation of fusion's stream: the
+/// product added by cuBLASLt into `acc`'s buffer (`beta = 1`; into a copy when `acc` is not its
+/// buffer's last reference), so no tensor of the product exists and the sum is rounded once;
+/// burn's matmul and an add where cuBLASLt declines the layout. `acc` back where the
+/// operands are not a product cuBLASLt takes (shapes, dtypes, size, the policy).
+pub(crate) fn try_accumulate(
+    acc: Fused,
+    lhs: &Fused,
+    rhs: &Fused,
+    policy: MatmulPolicy,
+) -> Result<Fused, Fused> {
+    let product = match Product::of::<burn::backend::Cuda>(lhs, rhs, policy) {
+        Some(product) if policy.cublaslt => product,
+        _ => return Err(acc),
+    };
+    let mut shape = product.batch_dims.clone();
+    shape.extend([product.m, product.n]);
+    if acc.shape.iter().ne(shape.iter()) || acc.dtype != lhs.dtype {
+        return Err(acc);
+    }
+    let dtype = acc.dtype;
+    let [out] = run_fused_taking(
+        "burn_zero_cublaslt_matmul_add",
+        [acc, lhs.clone(), rhs.clone()],
+        [(shape.into(), dtype)],
+        move |[acc, a, b]| {
+            let acc = writable(acc);
+            let mut clock = PhaseClock::start();
+            let ran = gemm_on_cube(
+                a.clone(),
+                b.clone(),
+                &product,
+                policy,
+                &mut clock,
+                Some(acc.clone()),
+            );
+            match ran {
+                Ok(out) => {
+                    clock.finish();
+                    [out]
+                }
+                Err(declined) => {
+                    declined.warn();
+                    let p = <Cube as FloatTensorOps<Cube>>::float_matmul(a, b);
+                    [<Cube as FloatTensorOps<Cube>>::float_add(acc, p)]
+                }
+            }
+        },
+    );
+    Ok(out)
 }
 
 /// Host time per phase of one cuBLASLt call, added to [`PROFILE`] when it succeeds.

@@ -16,7 +16,7 @@ pub(crate) mod fused_op;
 pub mod hooks;
 pub mod matmul;
 #[cfg(feature = "cuda")]
-mod matmul_cuda;
+pub(crate) mod matmul_cuda;
 pub mod memory_pool;
 mod ops_list;
 pub(crate) mod reduce;

@@ -11,8 +11,9 @@
 //! gradients (`d_c · w` and `x_cᵀ · d_c`). Three products in all, as the materialized loss
 //! computes, where recomputing the logits in backward took four; the backward only scales the
 //! kept gradients by `dL/dloss`, and a ZeRO-3 weight is not gathered again for it. The
-//! weight's gradient is summed over the chunks in the weight's dtype (one rounding per chunk
-//! beyond the first; one chunk when the tokens fit in it). Without a tracked input the forward
+//! weight's gradient is summed over the chunks in the weight's dtype: on CUDA each chunk's
+//! product is added by cuBLASLt into the sum (`beta = 1`: no product tensor of the weight's
+//! size, one rounding per chunk beyond the first; one chunk when the tokens fit in it). Without a tracked input the forward
 //! computes the loss only. Other backends get the same function from burn ops, logits
 //! materialized.
 //!
@@ -215,19 +216,30 @@ fn chunked<B: Backend>(
             });
         }
         if want[1] {
-            let part = match axis {
-                VocabAxis::Columns => x_c.transpose().matmul(d),
-                VocabAxis::Rows => d.transpose().matmul(x_c),
+            let (a, b) = match axis {
+                VocabAxis::Columns => (x_c.transpose(), d),
+                VocabAxis::Rows => (d.transpose(), x_c),
             };
             dw = Some(match dw {
-                Some(acc) => acc + part,
-                None => part,
+                Some(acc) => matmul_add(acc, a, b),
+                None => a.matmul(b),
             });
         }
     }
     let loss = Tensor::cat(losses, 0).sum() * scale;
     let dx = (!dx_parts.is_empty()).then(|| Tensor::cat(dx_parts, 0));
     Pass { loss, dx, dw }
+}
+
+/// `acc + a · b`: on CUDA the product added into `acc` by cuBLASLt (no tensor of the product,
+/// one rounding), elsewhere burn ops.
+fn matmul_add<B: Backend>(acc: Tensor<B, 2>, a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
+    #[cfg(feature = "cuda")]
+    let acc = match super::fused::matmul_add(acc, &a, &b) {
+        Ok(sum) => return sum,
+        Err(acc) => acc,
+    };
+    acc + a.matmul(b)
 }
 
 /// Each row's loss `keep · (lse − logit[target])` (`[len]` f32) and, when `grad`, the gradient

@@ -15,7 +15,7 @@ use cubecl_kernels::fused::{
     rms_norm_forward, rope, swiglu_backward, swiglu_forward,
 };
 
-use crate::backend::fused_op::{CudaCube, Fused, contiguous_copy, run_fused, run_fused_taking};
+use crate::backend::fused_op::{CudaCube, Fused, run_fused, run_fused_taking, writable};
 use crate::backend::{ZeroBackend, ZeroTensor};
 use crate::nn::downcast::{float_as, int_as};
 
@@ -320,14 +320,36 @@ pub(in crate::nn) fn cross_entropy_rows<Z: Backend>(
         [loss_out, (shape, dtype)],
         move |[l, t, k, s]| {
             // The gradient goes over the logits: in their buffer when nothing else reads it.
-            let l = match (l.can_mut(), l.is_contiguous()) {
-                (true, true) => l,
-                (false, true) => contiguous_copy(l),
-                (_, false) => into_contiguous(l),
-            };
+            let l = writable(l);
             let loss = run(&l, [t, k, s], true);
             [loss, l]
         },
     );
     Ok((back(loss), Some(back(d))))
+}
+
+/// `acc + a · b` (`[m, n]`, `[m, k]`, `[k, n]`, one dtype) with the product added by cuBLASLt
+/// into `acc`'s buffer: no product tensor, one rounding. The operands back where it does not
+/// take them.
+#[allow(clippy::type_complexity)]
+pub(in crate::nn) fn matmul_add<Z: Backend>(
+    acc: Tensor<Z, 2>,
+    a: &Tensor<Z, 2>,
+    b: &Tensor<Z, 2>,
+) -> Result<Tensor<Z, 2>, Tensor<Z, 2>> {
+    if TypeId::of::<Z>() != TypeId::of::<Zero>() {
+        return Err(acc);
+    }
+    let Some([fa, fb]) = fused_all([a, b]) else {
+        return Err(acc);
+    };
+    let inner = |t: Tensor<Z, 2>| -> Fused {
+        let t = float_as::<Z, Zero, 2>(t).expect("Z is ZeroBackend<Cuda>");
+        t.into_primitive().tensor().into_inner()
+    };
+    let policy = crate::backend::matmul::matmul_policy();
+    match crate::backend::matmul_cuda::try_accumulate(inner(acc), &fa, &fb, policy) {
+        Ok(out) => Ok(back(out)),
+        Err(acc) => Err(back(acc)),
+    }
 }
