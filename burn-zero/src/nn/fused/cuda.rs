@@ -69,27 +69,25 @@ fn shape_of(t: &Fused) -> Vec<usize> {
     t.shape.iter().copied().collect()
 }
 
-/// RMSNorm forward of `x` (`[rows, hidden]`) with weight `w`: `(y, rstd)`, `rstd` `[rows]` f32.
+/// RMSNorm forward of `x` (`[rows, hidden]`) with weight `w` (`[1, hidden]`): `(y, rstd)`,
+/// `rstd` `[rows, 1]` f32. The outputs take the shapes the caller keeps (a reshape is one more
+/// op of fusion's stream a call).
 pub(super) fn rms_forward<Z: Backend>(
     x: &Tensor<Z, 2>,
-    w: &Tensor<Z, 1>,
+    w: &Tensor<Z, 2>,
     eps: f64,
-) -> Option<(Tensor<Z, 2>, Tensor<Z, 1>)> {
+) -> Option<(Tensor<Z, 2>, Tensor<Z, 2>)> {
     let [rows, hidden] = x.dims();
-    // Each on its own (the two ranks differ): a reshape of `x` would be one more op a call.
-    let ([fx], [fw]) = (fused_all([x])?, fused_all([w])?);
-    if fw.dtype != fx.dtype {
-        return None;
-    }
+    let [fx, fw] = fused_all([x, w])?;
     let dtype = fx.dtype;
     let outputs = [
         (Shape::from(vec![rows, hidden]), dtype),
-        (Shape::from(vec![rows]), DType::F32),
+        (Shape::from(vec![rows, 1]), DType::F32),
     ];
     let [y, rstd] = run_fused("burn_zero_rms_norm", [&fx, &fw], outputs, move |[x, w]| {
         let (x, w) = (contiguous(x), contiguous(w));
         let y = empty(&x, &[rows, hidden], dtype);
-        let rstd = empty(&x, &[rows], DType::F32);
+        let rstd = empty(&x, &[rows, 1], DType::F32);
         let client = x.client.clone();
         rms_norm_forward(
             &client,
@@ -106,27 +104,24 @@ pub(super) fn rms_forward<Z: Backend>(
     Some((back(y), back(rstd)))
 }
 
-/// RMSNorm backward: `(dx, dw)` from the forward's `x`, `w`, `rstd` and `dy`.
+/// RMSNorm backward: `(dx, dw)` (`[rows, hidden]`, `[1, hidden]`) from the forward's `x`, `w`
+/// (`[1, hidden]`), `rstd` (`[rows, 1]`) and `dy`.
 pub(super) fn rms_backward<Z: Backend>(
     x: &Tensor<Z, 2>,
-    w: &Tensor<Z, 1>,
-    rstd: &Tensor<Z, 1>,
+    w: &Tensor<Z, 2>,
+    rstd: &Tensor<Z, 2>,
     dy: &Tensor<Z, 2>,
-) -> Option<(Tensor<Z, 2>, Tensor<Z, 1>)> {
+) -> Option<(Tensor<Z, 2>, Tensor<Z, 2>)> {
     let [rows, hidden] = x.dims();
-    let [fx, fdy] = fused_all([x, dy])?;
-    let [fw] = fused_all([w])?;
-    let rstd = float_as::<Z, Zero, 1>(rstd.clone())?
-        .into_primitive()
-        .tensor()
-        .into_inner();
-    if fw.dtype != fx.dtype {
+    let [fx, fw, fdy] = fused_all([x, w, dy])?;
+    let [rstd] = fused_all([rstd])?;
+    if rstd.dtype != DType::F32 {
         return None;
     }
     let dtype = fx.dtype;
     let outputs = [
         (Shape::from(vec![rows, hidden]), dtype),
-        (Shape::from(vec![hidden]), dtype),
+        (Shape::from(vec![1, hidden]), dtype),
     ];
     let [dx, dw] = run_fused(
         "burn_zero_rms_norm_backward",
@@ -135,7 +130,7 @@ pub(super) fn rms_backward<Z: Backend>(
         move |[x, w, rstd, dy]| {
             let [x, w, rstd, dy] = [x, w, rstd, dy].map(contiguous);
             let dx = empty(&x, &[rows, hidden], dtype);
-            let dw = empty(&x, &[hidden], dtype);
+            let dw = empty(&x, &[1, hidden], dtype);
             let scratch = x.client.empty(backward_scratch_bytes(rows, hidden));
             let client = x.client.clone();
             rms_norm_backward(

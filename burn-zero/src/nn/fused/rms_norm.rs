@@ -43,12 +43,8 @@ struct RmsNorm {
 impl FusedOp<2, 2> for RmsNorm {
     fn forward<Z: Backend>(&self, [x, w]: &[Tensor<Z, 2>; 2]) -> (Tensor<Z, 2>, Vec<Tensor<Z, 2>>) {
         #[cfg(feature = "cuda")]
-        {
-            let [rows, hidden] = x.dims();
-            let w = w.clone().reshape([hidden]);
-            if let Some((y, rstd)) = super::cuda::rms_forward(x, &w, self.eps) {
-                return (y, vec![rstd.reshape([rows, 1])]);
-            }
+        if let Some((y, rstd)) = super::cuda::rms_forward(x, w, self.eps) {
+            return (y, vec![rstd]);
         }
         // The reference's own operations (the same bits off CUDA), keeping 1/rms.
         let rms = (x.clone().cast(DType::F32).square().mean_dim(1) + self.eps).sqrt();
@@ -65,11 +61,8 @@ impl FusedOp<2, 2> for RmsNorm {
         let hidden = x.dims()[1];
         let rstd = &saved[0];
         #[cfg(feature = "cuda")]
-        {
-            let (w, r) = (w.clone().reshape([hidden]), rstd.clone().flatten::<1>(0, 1));
-            if let Some((dx, dw)) = super::cuda::rms_backward(x, &w, &r, &dy) {
-                return [Some(dx), Some(dw.reshape([1, hidden]))];
-            }
+        if let Some((dx, dw)) = super::cuda::rms_backward(x, w, rstd, &dy) {
+            return [Some(dx), Some(dw)];
         }
         let f32 = FloatDType::F32;
         let (x32, dy32, w32) = (x.clone().cast(f32), dy.cast(f32), w.clone().cast(f32));
