@@ -174,9 +174,15 @@ fn logits_of<B: Backend>(x: Tensor<B, 2>, weight: Tensor<B, 2>, axis: VocabAxis)
     }
 }
 
-/// The index ranges of `n` items in chunks of `size`.
+/// The index ranges of `n` items in as few chunks of at most `size` as there can be, of
+/// sizes that differ by one at most: no thin last chunk (a product of a few rows runs slowly,
+/// and burn 0.21's fused matmul autotune may pick a kernel that is wrong for such a shape,
+/// its issue #5122).
 fn chunks(n: usize, size: usize) -> impl Iterator<Item = core::ops::Range<usize>> {
-    (0..n.div_ceil(size)).map(move |c| c * size..((c + 1) * size).min(n))
+    let count = n.div_ceil(size.max(1));
+    let (base, extra) = (n / count.max(1), n % count.max(1));
+    let start = move |c: usize| c * base + c.min(extra);
+    (0..count).map(move |c| start(c)..start(c + 1))
 }
 
 /// What the chunks produce: the mean loss (`[1]` f32) and, for the inputs asked for, its
@@ -198,6 +204,15 @@ fn chunked<B: Backend>(
 ) -> Pass<B> {
     let [n, hidden] = x.dims();
     let grad = want[0] || want[1];
+    // Every product of the loss through cuBLASLt on CUDA, however small (a chunk of few
+    // tokens, the last one of a short batch): see `chunks`.
+    let settings = crate::backend::settings::current();
+    let matmul = crate::backend::matmul::MatmulPolicy {
+        min_macs: 0,
+        ..settings.matmul
+    };
+    let _products =
+        crate::backend::settings::set(crate::backend::settings::OpSettings { matmul, ..settings });
     let scale = labels.scale();
     let keep = labels.keep_or_ones();
     let (mut losses, mut dx_parts, mut dw) = (Vec::new(), Vec::new(), None);
