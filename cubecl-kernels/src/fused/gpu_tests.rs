@@ -385,6 +385,20 @@ fn cross_entropy_reference(
     (loss, grad)
 }
 
+/// [`cross_entropy`] on `logits`, and each row's loss read back.
+fn row_losses(
+    client: &Client,
+    dtype: StorageType,
+    shape: [usize; 2],
+    logits: &Handle,
+    labels: [&Handle; 3],
+    grad: bool,
+) -> Vec<f32> {
+    let loss = client.empty(4 * shape[0]);
+    cross_entropy(client, dtype, shape, logits, labels, &loss, grad);
+    f32::from_bytes(&client.read_one(loss).unwrap()).to_vec()
+}
+
 /// The loss rows and the in-place gradient against f64, on vocabularies no vector divides
 /// (53) or all do (1,000), wider than the most units a row takes (40,000), a target at each
 /// end of a row and ignored tokens (keep 0); without `grad` the logits stay as they were.
@@ -419,17 +433,7 @@ fn cross_entropy_matches_f64_loss_and_gradient() {
                     true => (x.clone(), hx.clone()),
                     false => upload(&client, dtype, &raw),
                 };
-                let loss = client.empty(4 * rows);
-                cross_entropy(
-                    &client,
-                    dtype,
-                    [rows, vocab],
-                    &hx,
-                    [&ht, &hk, &hs],
-                    &loss,
-                    grad,
-                );
-                let got = f32::from_bytes(&client.read_one(loss).unwrap()).to_vec();
+                let got = row_losses(&client, dtype, [rows, vocab], &hx, [&ht, &hk, &hs], grad);
                 assert_close(&name("loss"), &got, &want.0, 2e-5);
                 let after = read(&client, dtype, &hx);
                 match grad {
@@ -455,17 +459,7 @@ fn a_nan_in_cross_entropy_reaches_its_row_only() {
     let ht = client.create_from_slice(i32::as_bytes(&targets));
     let hk = client.create_from_slice(f32::as_bytes(&[1.0; 6]));
     let hs = client.create_from_slice(f32::as_bytes(&[1.0 / 6.0]));
-    let loss = client.empty(4 * rows);
-    cross_entropy(
-        &client,
-        dtype,
-        [rows, vocab],
-        &hx,
-        [&ht, &hk, &hs],
-        &loss,
-        true,
-    );
-    let loss = f32::from_bytes(&client.read_one(loss).unwrap()).to_vec();
+    let loss = row_losses(&client, dtype, [rows, vocab], &hx, [&ht, &hk, &hs], true);
     for (r, v) in loss.iter().enumerate() {
         assert_eq!(v.is_nan(), r == 2 || r == 4, "loss[{r}] = {v}");
     }
