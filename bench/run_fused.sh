@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device side of issue 35's fused-op benchmark, one call (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-fused ...):
-# bench-fused (checks of the kernels against burn ops on f32 copies, then times of the kernels
-# and of burn ops at the 8B Llama's shapes) and bench/fused_torch.py (torch eager equivalents)
-# on the same GPU, merged into $OUT/fused-ops-<kind>.json with each op's time ÷ torch's.
+# bench/fused_torch.py (torch eager equivalents of each op and of the loss) first, then
+# bench-fused (checks of the kernels against burn ops, times of the kernels and of burn ops at
+# the 8B Llama's shapes, the loss's time and memory, the loss's checks) on the same GPU, merged
+# into $OUT/fused-ops-<kind>.json with each op's time ÷ torch's and the loss's ratios.
 #   bash bench/run_fused.sh KIND       (ITERATIONS, default 20; FUSED_ARGS, e.g. "--checks loss";
 #   FUSED_TIMEOUT seconds for bench-fused, default 420: torch runs first, the merge always)
 source bench/prelude.sh "$1"

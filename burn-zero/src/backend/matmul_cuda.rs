@@ -484,6 +484,8 @@ fn register_in_stream<B: Backend>(
 /// buffer's last reference), so no tensor of the product exists and the sum is rounded once;
 /// burn's matmul and an add where cuBLASLt declines the layout. `acc` back where the
 /// operands are not a product cuBLASLt takes (shapes, dtypes, size, the policy).
+// `acc` goes back by value where cuBLASLt does not take it: boxing it would allocate per call.
+#[allow(clippy::result_large_err)]
 pub(crate) fn try_accumulate(
     acc: Fused,
     lhs: &Fused,

@@ -117,6 +117,20 @@ pub(crate) fn update(f: impl FnOnce(&mut OpSettings)) {
     });
 }
 
+/// `f` with this thread's matmul policy replaced by `policy`, put back after (what was derived
+/// from the other settings, such as the sparse layout, stays: [`set`] would rebuild it).
+pub(crate) fn with_matmul<R>(policy: MatmulPolicy, f: impl FnOnce() -> R) -> R {
+    struct Restore(MatmulPolicy);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = CURRENT.try_with(|c| c.borrow_mut().settings.matmul = self.0);
+        }
+    }
+    let previous = CURRENT.with(|c| std::mem::replace(&mut c.borrow_mut().settings.matmul, policy));
+    let _restore = Restore(previous);
+    f()
+}
+
 /// This thread's op settings.
 pub fn current() -> OpSettings {
     CURRENT.with(|c| c.borrow().settings.clone())

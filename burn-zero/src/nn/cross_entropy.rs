@@ -1,7 +1,7 @@
 //! The output projection and the cross-entropy in one op, in chunks of tokens: the
-//! `[tokens, vocab]` logits exist one chunk at a time, in the dtype of the operands, never
-//! whole and never in f32. At a 128,256-token vocabulary a step of 8,192 tokens otherwise holds
-//! 4.2 GB of fp32 logits, their bf16 originals and their gradient.
+//! `[tokens, vocab]` logits exist one chunk at a time (on CUDA in the dtype of the operands,
+//! never in f32), never whole. At a 128,256-token vocabulary a step of 8,192 tokens otherwise
+//! holds 4.2 GB of fp32 logits, their bf16 originals and their gradient.
 //!
 //! Under `Autodiff<ZeroBackend<_>>` (CUDA or NdArray) it is a custom autodiff op that takes its
 //! gradients in the forward, as Liger-Kernel's fused linear cross-entropy does: for each chunk
@@ -9,8 +9,11 @@
 //! (one CubeCL kernel on CUDA, `cubecl_kernels::fused::cross_entropy`; burn ops elsewhere or
 //! with `burn_zero.fused_kernels.cross_entropy` off), then that chunk's share of both
 //! gradients (`d_c · w` and `x_cᵀ · d_c`). Three products in all, as the materialized loss
-//! computes, where recomputing the logits in backward took four; the backward only scales the
-//! kept gradients by `dL/dloss`, and a ZeRO-3 weight is not gathered again for it. The
+//! computes, where recomputing the logits in backward took four. The gradient the forward
+//! keeps is that of the summed loss (`softmax − onehot`, entries at most 1): the mean's
+//! `1 / tokens` and `dL/dloss` (under fp16, the loss scale) are applied in the backward, in
+//! f32, so no entry is rounded to fp16 at `p / tokens` (1e-9 at a 128k vocabulary, below
+//! fp16's range); a ZeRO-3 weight is not gathered again for the backward. The
 //! weight's gradient is summed over the chunks in the weight's dtype: on CUDA each chunk's
 //! product is added by cuBLASLt into the sum (`beta = 1`: no product tensor of the weight's
 //! size, one rounding per chunk beyond the first; one chunk when the tokens fit in it). Without a tracked input the forward
@@ -44,9 +47,11 @@ pub enum VocabAxis {
 }
 
 /// Mean cross-entropy of the logits `x · w` (or `x · wᵀ`) against `targets`, computed over
-/// chunks of `chunk_rows` tokens. `x` is `[tokens, hidden]`, `targets` `[tokens]`; tokens whose
-/// target is `ignore_index` are left out of the loss and of the mean. The log-sum-exp is taken
-/// in f32 whatever the dtype of `x` and `w`. Returns `[1]` in f32.
+/// chunks of at most `chunk_rows` tokens (of near-equal sizes). `x` is `[tokens, hidden]`
+/// (at least one token), `targets` `[tokens]`; tokens whose target is `ignore_index` are left
+/// out of the loss and of the mean (all of them: a NaN loss, as torch's 0/0, and zero
+/// gradients). The log-sum-exp is taken in f32 whatever the dtype of `x` and `w`. Returns
+/// `[1]` in f32.
 pub fn linear_cross_entropy<B: Backend>(
     x: Tensor<B, 2>,
     weight: Tensor<B, 2>,
@@ -56,6 +61,11 @@ pub fn linear_cross_entropy<B: Backend>(
     ignore_index: Option<i64>,
 ) -> Tensor<B, 1> {
     let chunk_rows = chunk_rows.max(1);
+    assert!(
+        x.dims()[0] > 0,
+        "linear_cross_entropy: x is {:?}: no tokens to take a mean over",
+        x.dims()
+    );
     let op = Loss {
         axis,
         rows: chunk_rows,
@@ -155,6 +165,16 @@ impl<B: Backend> Labels<B> {
         }
     }
 
+    /// What the gradients of the summed loss are multiplied by to be the mean's, `[1]` f32: as
+    /// [`Labels::scale`], but 1 when every token is ignored (their gradients are zero, as
+    /// torch's are, where 0 · ∞ would be NaN).
+    fn grad_scale(&self) -> Tensor<B, 1> {
+        match &self.keep {
+            None => self.scale(),
+            Some((_, count)) => count.clone().clamp_min(1.0).recip(),
+        }
+    }
+
     /// `keep` (`[tokens]` f32), ones when no token is ignored.
     fn keep_or_ones(&self) -> Tensor<B, 1> {
         match &self.keep {
@@ -185,12 +205,14 @@ fn chunks(n: usize, size: usize) -> impl Iterator<Item = core::ops::Range<usize>
     (0..count).map(move |c| start(c)..start(c + 1))
 }
 
-/// What the chunks produce: the mean loss (`[1]` f32) and, for the inputs asked for, its
-/// gradients with respect to `x` and `w` (dL/dloss = 1), in their dtypes.
+/// What the chunks produce: the mean loss (`[1]` f32) and, for the inputs asked for, the
+/// gradients of the *summed* loss with respect to `x` and `w`, in their dtypes, with what turns
+/// them into the mean's (`grad_scale`, `[1]` f32).
 struct Pass<B: Backend> {
     loss: Tensor<B, 1>,
     dx: Option<Tensor<B, 2>>,
     dw: Option<Tensor<B, 2>>,
+    grad_scale: Tensor<B, 1>,
 }
 
 /// The loss over chunks of `rows` tokens, with the gradients of `x` and `w` where `want` says.
@@ -202,18 +224,28 @@ fn chunked<B: Backend>(
     rows: usize,
     want: [bool; 2],
 ) -> Pass<B> {
-    let [n, hidden] = x.dims();
-    let grad = want[0] || want[1];
     // Every product of the loss through cuBLASLt on CUDA, however small (a chunk of few
     // tokens, the last one of a short batch): see `chunks`.
-    let settings = crate::backend::settings::current();
-    let matmul = crate::backend::matmul::MatmulPolicy {
+    let policy = crate::backend::matmul::MatmulPolicy {
         min_macs: 0,
-        ..settings.matmul
+        ..crate::backend::matmul::matmul_policy()
     };
-    let _products =
-        crate::backend::settings::set(crate::backend::settings::OpSettings { matmul, ..settings });
-    let scale = labels.scale();
+    crate::backend::settings::with_matmul(policy, || chunks_of(x, weight, axis, labels, rows, want))
+}
+
+/// [`chunked`]'s loop over the chunks.
+fn chunks_of<B: Backend>(
+    x: &Tensor<B, 2>,
+    weight: &Tensor<B, 2>,
+    axis: VocabAxis,
+    labels: &Labels<B>,
+    rows: usize,
+    want: [bool; 2],
+) -> Pass<B> {
+    let [n, hidden] = x.dims();
+    let grad = want[0] || want[1];
+    // The summed loss's gradient: `softmax − onehot` on kept tokens, the mean's factor later.
+    let one = Tensor::ones([1], (&x.device(), DType::F32));
     let keep = labels.keep_or_ones();
     let (mut losses, mut dx_parts, mut dw) = (Vec::new(), Vec::new(), None);
     for range in chunks(n, rows) {
@@ -221,7 +253,7 @@ fn chunked<B: Backend>(
         let logits = logits_of(x_c.clone(), weight.clone(), axis);
         let targets = labels.safe.clone().slice(range.clone());
         let keep_c = keep.clone().slice(range);
-        let (loss, d) = rows_loss(logits, targets, keep_c, &scale, grad);
+        let (loss, d) = rows_loss(logits, targets, keep_c, &one, grad);
         losses.push(loss);
         let Some(d) = d else { continue };
         if want[0] {
@@ -241,9 +273,15 @@ fn chunked<B: Backend>(
             });
         }
     }
-    let loss = Tensor::cat(losses, 0).sum() * scale;
+    let loss = Tensor::cat(losses, 0).sum() * labels.scale();
     let dx = (!dx_parts.is_empty()).then(|| Tensor::cat(dx_parts, 0));
-    Pass { loss, dx, dw }
+    let grad_scale = labels.grad_scale();
+    Pass {
+        loss,
+        dx,
+        dw,
+        grad_scale,
+    }
 }
 
 /// `acc + a · b`: on CUDA the product added into `acc` by cuBLASLt (no tensor of the product,
@@ -343,6 +381,7 @@ fn autodiff_op<Z: Backend>(
             let state = Taken {
                 dx: pass.dx,
                 dw: pass.dw,
+                grad_scale: pass.grad_scale,
             };
             prep.finish(state, loss)
         }
@@ -357,25 +396,29 @@ fn autodiff_op<Z: Backend>(
 #[derive(Debug)]
 struct ChunkedBackward;
 
-/// The gradients the forward took (dL/dloss = 1).
+/// The summed loss's gradients the forward took, and what makes them the mean's.
 #[derive(Clone, Debug)]
 struct Taken<Z: Backend> {
     dx: Option<Tensor<Z, 2>>,
     dw: Option<Tensor<Z, 2>>,
+    grad_scale: Tensor<Z, 1>,
 }
 
 impl<Z: Backend> Backward<Z, 2> for ChunkedBackward {
     type State = Taken<Z>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let Taken { dx, dw } = ops.state;
+        let Taken { dx, dw, grad_scale } = ops.state;
         let d_loss =
             Tensor::<Z, 1>::from_primitive(TensorPrimitive::Float(grads.consume::<Z>(&ops.node)));
+        // dL/dloss / tokens, in f32 (fusion makes each product one elementwise kernel).
+        let factor = (d_loss.cast(FloatDType::F32) * grad_scale).reshape([1, 1]);
         let [x_parent, w_parent] = ops.parents.map(|p| p.map(|node| node.id));
         for (parent, grad) in [(x_parent, dx), (w_parent, dw)] {
             if let (Some(id), Some(grad)) = (parent, grad) {
-                let factor = d_loss.clone().cast(grad.dtype()).reshape([1, 1]);
-                grads.register::<Z>(id, (grad * factor).into_primitive().tensor());
+                let dtype = grad.dtype();
+                let grad = (grad.cast(FloatDType::F32) * factor.clone()).cast(dtype);
+                grads.register::<Z>(id, grad.into_primitive().tensor());
             }
         }
     }
@@ -521,11 +564,16 @@ mod tests {
                 }
             }
         }
-        // Every target ignored: 0/0.
-        let x = Tensor::<B, 2>::ones([3, 2], &device);
-        let w = Tensor::<B, 2>::ones([2, 5], &device);
+        // Every target ignored: 0/0 for the loss, zero gradients (as torch's).
+        let x = Tensor::<B, 2>::ones([3, 2], &device).require_grad();
+        let w = Tensor::<B, 2>::ones([2, 5], &device).require_grad();
         let t = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![-1i64; 3], [3]), &device);
-        let loss = linear_cross_entropy(x, w, VocabAxis::Columns, t, 2, Some(-1));
+        let loss = linear_cross_entropy(x.clone(), w.clone(), VocabAxis::Columns, t, 2, Some(-1));
+        let grads = loss.clone().backward();
         assert!(loss.into_scalar().is_nan());
+        for g in [x.grad(&grads).unwrap(), w.grad(&grads).unwrap()] {
+            let g = g.into_data().to_vec::<f32>().unwrap();
+            assert!(g.iter().all(|v| *v == 0.0), "all ignored: gradients {g:?}");
+        }
     }
 }
