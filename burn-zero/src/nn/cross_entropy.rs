@@ -230,58 +230,48 @@ fn chunked<B: Backend>(
         min_macs: 0,
         ..crate::backend::matmul::matmul_policy()
     };
-    crate::backend::settings::with_matmul(policy, || chunks_of(x, weight, axis, labels, rows, want))
-}
-
-/// [`chunked`]'s loop over the chunks.
-fn chunks_of<B: Backend>(
-    x: &Tensor<B, 2>,
-    weight: &Tensor<B, 2>,
-    axis: VocabAxis,
-    labels: &Labels<B>,
-    rows: usize,
-    want: [bool; 2],
-) -> Pass<B> {
-    let [n, hidden] = x.dims();
-    let grad = want[0] || want[1];
-    // The summed loss's gradient: `softmax − onehot` on kept tokens, the mean's factor later.
-    let one = Tensor::ones([1], (&x.device(), DType::F32));
-    let keep = labels.keep_or_ones();
-    let (mut losses, mut dx_parts, mut dw) = (Vec::new(), Vec::new(), None);
-    for range in chunks(n, rows) {
-        let x_c = x.clone().slice([range.clone(), 0..hidden]);
-        let logits = logits_of(x_c.clone(), weight.clone(), axis);
-        let targets = labels.safe.clone().slice(range.clone());
-        let keep_c = keep.clone().slice(range);
-        let (loss, d) = rows_loss(logits, targets, keep_c, &one, grad);
-        losses.push(loss);
-        let Some(d) = d else { continue };
-        if want[0] {
-            dx_parts.push(match axis {
-                VocabAxis::Columns => d.clone().matmul(weight.clone().transpose()),
-                VocabAxis::Rows => d.clone().matmul(weight.clone()),
-            });
+    crate::backend::settings::with_matmul(policy, || {
+        let [n, hidden] = x.dims();
+        let grad = want[0] || want[1];
+        // The summed loss's gradient: `softmax − onehot` on kept tokens, the mean's factor later.
+        let one = Tensor::ones([1], (&x.device(), DType::F32));
+        let keep = labels.keep_or_ones();
+        let (mut losses, mut dx_parts, mut dw) = (Vec::new(), Vec::new(), None);
+        for range in chunks(n, rows) {
+            let x_c = x.clone().slice([range.clone(), 0..hidden]);
+            let logits = logits_of(x_c.clone(), weight.clone(), axis);
+            let targets = labels.safe.clone().slice(range.clone());
+            let keep_c = keep.clone().slice(range);
+            let (loss, d) = rows_loss(logits, targets, keep_c, &one, grad);
+            losses.push(loss);
+            let Some(d) = d else { continue };
+            if want[0] {
+                dx_parts.push(match axis {
+                    VocabAxis::Columns => d.clone().matmul(weight.clone().transpose()),
+                    VocabAxis::Rows => d.clone().matmul(weight.clone()),
+                });
+            }
+            if want[1] {
+                let (a, b) = match axis {
+                    VocabAxis::Columns => (x_c.transpose(), d),
+                    VocabAxis::Rows => (d.transpose(), x_c),
+                };
+                dw = Some(match dw {
+                    Some(acc) => matmul_add(acc, a, b),
+                    None => a.matmul(b),
+                });
+            }
         }
-        if want[1] {
-            let (a, b) = match axis {
-                VocabAxis::Columns => (x_c.transpose(), d),
-                VocabAxis::Rows => (d.transpose(), x_c),
-            };
-            dw = Some(match dw {
-                Some(acc) => matmul_add(acc, a, b),
-                None => a.matmul(b),
-            });
+        let loss = Tensor::cat(losses, 0).sum() * labels.scale();
+        let dx = (!dx_parts.is_empty()).then(|| Tensor::cat(dx_parts, 0));
+        let grad_scale = labels.grad_scale();
+        Pass {
+            loss,
+            dx,
+            dw,
+            grad_scale,
         }
-    }
-    let loss = Tensor::cat(losses, 0).sum() * labels.scale();
-    let dx = (!dx_parts.is_empty()).then(|| Tensor::cat(dx_parts, 0));
-    let grad_scale = labels.grad_scale();
-    Pass {
-        loss,
-        dx,
-        dw,
-        grad_scale,
-    }
+    })
 }
 
 /// `acc + a · b`: on CUDA the product added into `acc` by cuBLASLt (no tensor of the product,
