@@ -99,7 +99,7 @@ pub fn materialized_cross_entropy<B: Backend>(
     let shifted = logits - max;
     let log_z = shifted.clone().exp().sum_dim(1).log();
     let picked = shifted.gather(1, labels.safe.clone().reshape([n, 1]));
-    labels.mean(labels.kept(log_z - picked, 0..n).sum())
+    labels.mean(labels.kept(log_z - picked).sum())
 }
 
 /// The targets as the loss reads them: `safe` (an ignored target replaced by 0, a valid
@@ -131,14 +131,11 @@ impl<B: Backend> Labels<B> {
         }
     }
 
-    /// `per_token` (`[len, 1]`, tokens `range`) with ignored tokens zeroed.
-    fn kept(&self, per_token: Tensor<B, 2>, range: core::ops::Range<usize>) -> Tensor<B, 2> {
+    /// `per_token` (`[tokens, 1]`) with ignored tokens zeroed.
+    fn kept(&self, per_token: Tensor<B, 2>) -> Tensor<B, 2> {
         match &self.keep {
             None => per_token,
-            Some((keep, _)) => {
-                let len = range.len();
-                per_token * keep.clone().slice(range).reshape([len, 1])
-            }
+            Some((keep, _)) => per_token * keep.clone().unsqueeze_dim(1),
         }
     }
 
@@ -323,7 +320,7 @@ fn rows_loss<B: Backend>(
 #[derive(Clone, Copy, Debug)]
 struct Loss {
     axis: VocabAxis,
-    /// Tokens per chunk.
+    /// Most tokens per chunk (chunks are of near-equal sizes).
     rows: usize,
     ignore_index: Option<i64>,
 }
