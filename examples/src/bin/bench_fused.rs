@@ -205,31 +205,60 @@ fn check_loss_materialized(
 /// Calls between syncs in the queued times.
 const QUEUE: usize = 10;
 
+/// A timed op's inputs: tensors of one rank, or an RMSNorm's rows and its 1-D weight (as a
+/// model passes them: the weight is not reshaped inside the timed call, as torch's is not).
+trait Inputs: Clone {
+    /// The same inputs as leaves that take gradients.
+    fn leaves(self) -> Self;
+    /// The first input's shape (the row's label).
+    fn shape(&self) -> Vec<usize>;
+}
+
+impl<const D: usize, const N: usize> Inputs for [Tensor<B, D>; N] {
+    fn leaves(self) -> Self {
+        self.map(|t| t.require_grad())
+    }
+    fn shape(&self) -> Vec<usize> {
+        self[0].dims().to_vec()
+    }
+}
+
+impl Inputs for (Tensor<B, 2>, Tensor<B, 1>) {
+    fn leaves(self) -> Self {
+        (self.0.require_grad(), self.1.require_grad())
+    }
+    fn shape(&self) -> Vec<usize> {
+        self.0.dims().to_vec()
+    }
+}
+
 /// Forward and forward + backward milliseconds with the kernels and in burn ops: each call
 /// from a sync to a sync, and per call in queues of [`QUEUE`] calls.
-fn time<const D: usize, const N: usize>(
+fn time<I: Inputs, const D: usize>(
     name: &str,
-    inputs: [Tensor<B, D>; N],
+    inputs: I,
     iterations: usize,
-    f: &dyn Fn(&[Tensor<B, D>; N]) -> Tensor<B, D>,
+    f: &dyn Fn(&I) -> Tensor<B, D>,
 ) -> Value {
-    let device = inputs[0].device();
-    let out_dims = f(&inputs).dims();
-    let probe = tensor(out_dims, 98, 1.0, FloatDType::BF16, &device);
-    let mut row = json!({"op": name, "shape": inputs[0].dims().to_vec(), "dtype": "bf16"});
+    let out = f(&inputs);
+    let device = out.device();
+    let probe = tensor(out.dims(), 98, 1.0, FloatDType::BF16, &device);
+    let mut row = json!({"op": name, "shape": inputs.shape(), "dtype": "bf16"});
     for (label, on) in [("kernels", true), ("burn_ops", false)] {
         let _guard = with_kernels(on);
         let forward = median_seconds::<B, _>(&device, iterations, || f(&inputs));
         let both = median_seconds::<B, _>(&device, iterations, || {
-            let leaves = inputs.clone().map(|t| t.require_grad());
-            (f(&leaves) * probe.clone()).sum().backward()
+            (f(&inputs.clone().leaves()) * probe.clone())
+                .sum()
+                .backward()
         });
         row[format!("{label}_forward_ms")] = json!(forward * 1e3);
         row[format!("{label}_forward_backward_ms")] = json!(both * 1e3);
         let forward = queued_seconds::<B, _>(&device, iterations, QUEUE, || f(&inputs));
         let both = queued_seconds::<B, _>(&device, iterations, QUEUE, || {
-            let leaves = inputs.clone().map(|t| t.require_grad());
-            (f(&leaves) * probe.clone()).sum().backward()
+            (f(&inputs.clone().leaves()) * probe.clone())
+                .sum()
+                .backward()
         });
         row[format!("{label}_forward_queued_ms")] = json!(forward * 1e3);
         row[format!("{label}_forward_backward_queued_ms")] = json!(both * 1e3);
@@ -360,6 +389,14 @@ fn main() {
                 Reference::F32Copies,
             ));
         }
+        // A model's rank (batch, sequence, hidden): the kernels take it without a reshape.
+        let inputs = [
+            tensor([3, 37, 96], 1, 2.0, f32t, &device),
+            tensor([1, 1, 96], 2, 0.5, f32t, &device) + 1.0,
+        ];
+        let f = |[x, w]: &[Tensor<B, 3>; 2]| rms_norm(x.clone(), w.clone().reshape([96]), 1e-5);
+        let name = "rms_norm 3x37x96";
+        checks.push(check(name, inputs, dtype, &f, Reference::F32Copies));
         for len in [7usize, 4_099, 65_536] {
             let inputs = [
                 tensor([len], 3, 6.0, f32t, &device),
@@ -390,11 +427,11 @@ fn main() {
     let mut times = Vec::new();
     let mut loss = Value::Null;
     if timed {
-        let x = [
+        let x = (
             tensor([tokens, 4_096], 6, 2.0, bf16, &device),
-            tensor([1, 4_096], 7, 0.5, bf16, &device) + 1.0,
-        ];
-        let f = |[x, w]: &[Tensor<B, 2>; 2]| rms_norm(x.clone(), w.clone().reshape([4_096]), 1e-5);
+            tensor([4_096], 7, 0.5, bf16, &device) + 1.0,
+        );
+        let f = |(x, w): &(Tensor<B, 2>, Tensor<B, 1>)| rms_norm(x.clone(), w.clone(), 1e-5);
         times.push(time("rms_norm", x, iterations, &f));
         let gu = [
             tensor([tokens, 14_336], 8, 6.0, bf16, &device),

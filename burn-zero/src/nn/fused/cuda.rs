@@ -69,25 +69,45 @@ fn shape_of(t: &Fused) -> Vec<usize> {
     t.shape.iter().copied().collect()
 }
 
-/// RMSNorm forward of `x` (`[rows, hidden]`) with weight `w` (`[1, hidden]`): `(y, rstd)`,
-/// `rstd` `[rows, 1]` f32. The outputs take the shapes the caller keeps (a reshape is one more
-/// op of fusion's stream a call).
-pub(super) fn rms_forward<Z: Backend>(
-    x: &Tensor<Z, 2>,
-    w: &Tensor<Z, 2>,
+/// `x`'s rows (every axis but the last) and its last axis.
+fn rows_hidden(dims: &[usize]) -> [usize; 2] {
+    let (hidden, leading) = dims.split_last().expect("a tensor of rank at least 1");
+    [leading.iter().product(), *hidden]
+}
+
+/// `dims` with its last axis 1 (`rstd`'s shape), or with every other axis 1 (the weight's).
+fn keep_last(dims: &[usize], last: bool) -> Shape {
+    let n = dims.len();
+    let out: Vec<usize> = (0..n)
+        .map(|i| match (i + 1 == n, last) {
+            (true, true) | (false, false) => 1,
+            _ => dims[i],
+        })
+        .collect();
+    Shape::from(out)
+}
+
+/// RMSNorm forward of `x` (any rank, `[rows, hidden]` in memory) with weight `w`
+/// (`[1, …, 1, hidden]`): `(y, rstd)`, `y` of `x`'s shape and `rstd` f32 of `x`'s shape with 1
+/// last. The outputs take the shapes the caller keeps (a reshape is one more op of fusion's
+/// stream a call).
+pub(super) fn rms_forward<Z: Backend, const D: usize>(
+    x: &Tensor<Z, D>,
+    w: &Tensor<Z, D>,
     eps: f64,
-) -> Option<(Tensor<Z, 2>, Tensor<Z, 2>)> {
-    let [rows, hidden] = x.dims();
+) -> Option<(Tensor<Z, D>, Tensor<Z, D>)> {
+    let dims = x.dims();
+    let [rows, hidden] = rows_hidden(&dims);
     let [fx, fw] = fused_all([x, w])?;
     let dtype = fx.dtype;
     let outputs = [
-        (Shape::from(vec![rows, hidden]), dtype),
-        (Shape::from(vec![rows, 1]), DType::F32),
+        (Shape::from(dims.to_vec()), dtype),
+        (keep_last(&dims, true), DType::F32),
     ];
     let [y, rstd] = run_fused("burn_zero_rms_norm", [&fx, &fw], outputs, move |[x, w]| {
         let (x, w) = (contiguous(x), contiguous(w));
-        let y = empty(&x, &[rows, hidden], dtype);
-        let rstd = empty(&x, &[rows, 1], DType::F32);
+        let y = empty(&x, &dims, dtype);
+        let rstd = empty(&x, &keep_last(&dims, true), DType::F32);
         let client = x.client.clone();
         rms_norm_forward(
             &client,
@@ -104,15 +124,16 @@ pub(super) fn rms_forward<Z: Backend>(
     Some((back(y), back(rstd)))
 }
 
-/// RMSNorm backward: `(dx, dw)` (`[rows, hidden]`, `[1, hidden]`) from the forward's `x`, `w`
-/// (`[1, hidden]`), `rstd` (`[rows, 1]`) and `dy`.
-pub(super) fn rms_backward<Z: Backend>(
-    x: &Tensor<Z, 2>,
-    w: &Tensor<Z, 2>,
-    rstd: &Tensor<Z, 2>,
-    dy: &Tensor<Z, 2>,
-) -> Option<(Tensor<Z, 2>, Tensor<Z, 2>)> {
-    let [rows, hidden] = x.dims();
+/// RMSNorm backward: `(dx, dw)` (`x`'s shape, `[1, …, 1, hidden]`) from the forward's `x`, `w`,
+/// `rstd` and `dy`.
+pub(super) fn rms_backward<Z: Backend, const D: usize>(
+    x: &Tensor<Z, D>,
+    w: &Tensor<Z, D>,
+    rstd: &Tensor<Z, D>,
+    dy: &Tensor<Z, D>,
+) -> Option<(Tensor<Z, D>, Tensor<Z, D>)> {
+    let dims = x.dims();
+    let [rows, hidden] = rows_hidden(&dims);
     let [fx, fw, fdy] = fused_all([x, w, dy])?;
     let [rstd] = fused_all([rstd])?;
     if rstd.dtype != DType::F32 {
@@ -120,8 +141,8 @@ pub(super) fn rms_backward<Z: Backend>(
     }
     let dtype = fx.dtype;
     let outputs = [
-        (Shape::from(vec![rows, hidden]), dtype),
-        (Shape::from(vec![1, hidden]), dtype),
+        (Shape::from(dims.to_vec()), dtype),
+        (keep_last(&dims, false), dtype),
     ];
     let [dx, dw] = run_fused(
         "burn_zero_rms_norm_backward",
@@ -129,8 +150,8 @@ pub(super) fn rms_backward<Z: Backend>(
         outputs,
         move |[x, w, rstd, dy]| {
             let [x, w, rstd, dy] = [x, w, rstd, dy].map(contiguous);
-            let dx = empty(&x, &[rows, hidden], dtype);
-            let dw = empty(&x, &[1, hidden], dtype);
+            let dx = empty(&x, &dims, dtype);
+            let dw = empty(&x, &keep_last(&dims, false), dtype);
             let scratch = x.client.empty(backward_scratch_bytes(rows, hidden));
             let client = x.client.clone();
             rms_norm_backward(

@@ -17,10 +17,12 @@ pub fn rms_norm<B: Backend, const D: usize>(
     if !super::enabled(|f| f.rms_norm) {
         return reference(x, weight, eps);
     }
-    let dims = x.dims();
-    let hidden = dims[D - 1];
-    let x = x.reshape([dims[..D - 1].iter().product(), hidden]);
-    apply(RmsNorm { eps }, [x, weight.reshape([1, hidden])]).reshape(dims)
+    // `x` keeps its rank (the kernels read it as `[rows, hidden]`): a reshape there and back
+    // would be two more ops of autodiff and fusion per call, four with the backward's.
+    let hidden = weight.dims()[0];
+    let mut weight_shape = [1; D];
+    weight_shape[D - 1] = hidden;
+    apply(RmsNorm { eps }, [x, weight.reshape(weight_shape)])
 }
 
 /// burn's formula (`RmsNorm::forward`): the path with the kernels switched off.
@@ -34,43 +36,53 @@ fn reference<B: Backend, const D: usize>(
     (x / rms.cast(dtype)) * weight.unsqueeze()
 }
 
-/// The op on `[rows, hidden]` rows and a `[1, hidden]` weight; keeps `rstd` (`[rows, 1]` f32).
+/// The op on `x` of any rank (rows over its leading axes) and a `[1, …, 1, hidden]` weight;
+/// keeps `rstd` (f32, `x`'s shape with 1 last).
 #[derive(Clone, Copy, Debug)]
 struct RmsNorm {
     eps: f64,
 }
 
-impl FusedOp<2, 2> for RmsNorm {
-    fn forward<Z: Backend>(&self, [x, w]: &[Tensor<Z, 2>; 2]) -> (Tensor<Z, 2>, Vec<Tensor<Z, 2>>) {
+impl<const D: usize> FusedOp<2, D> for RmsNorm {
+    fn forward<Z: Backend>(&self, [x, w]: &[Tensor<Z, D>; 2]) -> (Tensor<Z, D>, Vec<Tensor<Z, D>>) {
         #[cfg(feature = "cuda")]
         if let Some((y, rstd)) = super::cuda::rms_forward(x, w, self.eps) {
             return (y, vec![rstd]);
         }
         // The reference's own operations (the same bits off CUDA), keeping 1/rms.
-        let rms = (x.clone().cast(DType::F32).square().mean_dim(1) + self.eps).sqrt();
+        let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + self.eps).sqrt();
         let y = (x.clone() / rms.clone().cast(x.dtype())) * w.clone();
         (y, vec![rms.recip()])
     }
 
     fn backward<Z: Backend>(
         &self,
-        [x, w]: &[Tensor<Z, 2>; 2],
-        saved: &[Tensor<Z, 2>],
-        dy: Tensor<Z, 2>,
-    ) -> [Option<Tensor<Z, 2>>; 2] {
-        let hidden = x.dims()[1];
+        [x, w]: &[Tensor<Z, D>; 2],
+        saved: &[Tensor<Z, D>],
+        dy: Tensor<Z, D>,
+    ) -> [Option<Tensor<Z, D>>; 2] {
+        let dims = x.dims();
+        let hidden = dims[D - 1];
         let rstd = &saved[0];
         #[cfg(feature = "cuda")]
         if let Some((dx, dw)) = super::cuda::rms_backward(x, w, rstd, &dy) {
             return [Some(dx), Some(dw)];
         }
+        // In rows: the weight's gradient is a sum over every leading axis.
+        let rows = dims[..D - 1].iter().product::<usize>();
         let f32 = FloatDType::F32;
-        let (x32, dy32, w32) = (x.clone().cast(f32), dy.cast(f32), w.clone().cast(f32));
+        let x32 = x.clone().cast(f32).reshape([rows, hidden]);
+        let dy32 = dy.cast(f32).reshape([rows, hidden]);
+        let w32 = w.clone().cast(f32).reshape([1, hidden]);
+        let rstd = rstd.clone().reshape([rows, 1]);
         // dx = r·w·dy − r³·x·Σ(dy·w·x)/hidden, dw = Σ_rows dy·x·r
         let dot = (dy32.clone() * w32.clone() * x32.clone()).sum_dim(1);
         let c = rstd.clone().powi_scalar(3) * dot / hidden as f64;
         let dx = dy32.clone() * w32 * rstd.clone() - x32.clone() * c;
-        let dw = (dy32 * x32 * rstd.clone()).sum_dim(0);
-        [Some(dx.cast(x.dtype())), Some(dw.cast(w.dtype()))]
+        let dw = (dy32 * x32 * rstd).sum_dim(0);
+        [
+            Some(dx.cast(x.dtype()).reshape(dims)),
+            Some(dw.cast(w.dtype()).reshape(w.dims())),
+        ]
     }
 }

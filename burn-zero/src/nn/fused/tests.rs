@@ -98,6 +98,22 @@ fn rms_norm_gradients_equal_burns_autodiff_of_the_formula() {
             |[x, w]| rms_norm(x.clone(), w.clone().reshape([hidden]), 1e-5),
         );
     }
+    // The op keeps the caller's rank: rows over every leading axis, the weight's gradient
+    // summed over all of them.
+    let w = Tensor::<B, 2>::random([1, 9], Distribution::Normal(1.0, 0.3), &Default::default());
+    compare("rms_norm [11, 9]", [normal([11, 9]), w], |[x, w]| {
+        rms_norm(x.clone(), w.clone().reshape([9]), 1e-5)
+    });
+    let w = Tensor::<B, 4>::random(
+        [1, 1, 1, 10],
+        Distribution::Normal(1.0, 0.3),
+        &Default::default(),
+    );
+    compare(
+        "rms_norm [2, 3, 5, 10]",
+        [normal([2, 3, 5, 10]), w],
+        |[x, w]| rms_norm(x.clone(), w.clone().reshape([10]), 1e-5),
+    );
 }
 
 #[test]
