@@ -282,6 +282,18 @@ fn matmul_add<B: Backend>(acc: Tensor<B, 2>, a: Tensor<B, 2>, b: Tensor<B, 2>) -
     acc + a.matmul(b)
 }
 
+/// `grad · factor` (`[1]` f32) in f32, rounded once to `grad`'s dtype: on CUDA one kernel in
+/// `grad`'s own buffer, elsewhere burn ops.
+fn scaled<B: Backend>(grad: Tensor<B, 2>, factor: &Tensor<B, 1>) -> Tensor<B, 2> {
+    #[cfg(feature = "cuda")]
+    let grad = match super::fused::scale_gradient(grad, factor) {
+        Ok(out) => return out,
+        Err(grad) => grad,
+    };
+    let dtype = grad.dtype();
+    (grad.cast(FloatDType::F32) * factor.clone().reshape([1, 1])).cast(dtype)
+}
+
 /// Each row's loss `keep · (lse − logit[target])` (`[len]` f32) and, when `grad`, the gradient
 /// `(softmax − onehot) · keep · scale` of the logits (their dtype): the kernel on CUDA, burn ops
 /// elsewhere.
@@ -398,13 +410,13 @@ impl<Z: Backend> Backward<Z, 2> for ChunkedBackward {
         let Taken { dx, dw, grad_scale } = ops.state;
         let d_loss =
             Tensor::<Z, 1>::from_primitive(TensorPrimitive::Float(grads.consume::<Z>(&ops.node)));
-        // dL/dloss / tokens, in f32 (fusion makes each product one elementwise kernel).
-        let factor = (d_loss.cast(FloatDType::F32) * grad_scale).reshape([1, 1]);
+        // dL/dloss / tokens, in f32: on CUDA one kernel scales each gradient in its own buffer
+        // (burn's cast, product and cast made an f32 copy of the weight's gradient).
+        let factor = d_loss.cast(FloatDType::F32) * grad_scale;
         let [x_parent, w_parent] = ops.parents.map(|p| p.map(|node| node.id));
         for (parent, grad) in [(x_parent, dx), (w_parent, dw)] {
             if let (Some(id), Some(grad)) = (parent, grad) {
-                let dtype = grad.dtype();
-                let grad = (grad.cast(FloatDType::F32) * factor.clone()).cast(dtype);
+                let grad = scaled(grad, &factor);
                 grads.register::<Z>(id, grad.into_primitive().tensor());
             }
         }

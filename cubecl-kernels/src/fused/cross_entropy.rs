@@ -132,8 +132,23 @@ mod kernel {
             }
         }
     }
+
+    /// `x[i] = x[i] · factor[0]` in f32, rounded once to `F`: the backward's scaling of the
+    /// gradients the forward kept, in their own buffer.
+    #[cube(launch_unchecked)]
+    pub fn scale_kernel<F: Float, N: Size>(
+        x: &mut Array<Vector<F, N>>,
+        factor: &Array<f32>,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let i = ABSOLUTE_POS;
+        if i < x.len() {
+            let f = Vector::<f32, N>::new(factor[0]);
+            x[i] = Vector::<F, N>::cast_from(Vector::<f32, N>::cast_from(x[i]) * f);
+        }
+    }
 }
-use kernel::cross_entropy_kernel;
+use kernel::{cross_entropy_kernel, scale_kernel};
 
 /// Most units a row takes.
 const MAX_UNITS: usize = 512;
@@ -185,6 +200,41 @@ pub fn cross_entropy<R: Runtime>(
             f32::NAN,
             units,
             grad,
+            dtype,
+        )
+    }
+}
+
+/// Units per cube of [`scale`].
+const SCALE_UNITS: usize = 256;
+
+/// `x · factor` over `len` contiguous elements of `dtype` in `x`'s own buffer, in f32 and
+/// rounded once (`factor`: one f32 on the device, e.g. `dL/dloss / tokens`): the loss's
+/// backward scales the gradients its forward kept without an f32 copy of the weight's.
+pub fn scale<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    len: usize,
+    x: &cubecl::server::Handle,
+    factor: &cubecl::server::Handle,
+) {
+    if len == 0 {
+        return;
+    }
+    let vector = super::vector_of(client, dtype.size(), len);
+    let cubes = (len / vector).div_ceil(SCALE_UNITS);
+    // A grid of at most 65,535 cubes along x (wgpu's limit), the rest along y.
+    let x_cubes = cubes.min(MAX_CUBES_X);
+    // SAFETY: each unit reads and writes its own vector of `x`, bounded by `len`; `factor`
+    // holds one f32.
+    unsafe {
+        scale_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(x_cubes as u32, cubes.div_ceil(x_cubes) as u32, 1),
+            CubeDim::new_1d(SCALE_UNITS as u32),
+            vector,
+            array(x, len),
+            array(factor, 1),
             dtype,
         )
     }

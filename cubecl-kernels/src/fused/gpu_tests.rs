@@ -467,3 +467,28 @@ fn a_nan_in_cross_entropy_reaches_its_row_only() {
         assert_eq!(v.is_nan(), i / vocab == 2, "grad[{i}] = {v}");
     }
 }
+
+/// [`scale`] in place: each element times the device's factor, rounded once from f32 (the
+/// f32 product of the values as uploaded, rounded to the dtype, bit for bit), on lengths no
+/// vector divides, one of several cubes and (f32) one of more cubes than a grid's row holds;
+/// the elements past `len` untouched.
+#[test]
+fn scale_multiplies_in_place_in_f32_and_rounds_once() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    for dtype in dtypes(&client) {
+        let rows_of_cubes = (!is_f16(dtype)).then_some(65_535 * 256 + 5);
+        for len in [1usize, 7, 1_000, 70_001].into_iter().chain(rows_of_cubes) {
+            let raw: Vec<f32> = values(len + 3, 8).iter().map(|v| v * 40.0).collect();
+            let (x, hx) = upload(&client, dtype, &raw);
+            let factor = 0.37f32 / 3.0;
+            let hf = client.create_from_slice(f32::as_bytes(&[factor]));
+            scale(&client, dtype, len, &hx, &hf);
+            let got = read(&client, dtype, &hx);
+            // The expected values, rounded to the dtype by the same upload.
+            let products: Vec<f32> = x[..len].iter().map(|v| v * factor).collect();
+            let (want, _) = upload(&client, dtype, &products);
+            assert_eq!(&got[..len], &want[..], "scale {len} {dtype:?}");
+            assert_eq!(&got[len..], &x[len..], "past the end {len} {dtype:?}");
+        }
+    }
+}

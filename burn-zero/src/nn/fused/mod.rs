@@ -10,7 +10,7 @@ mod rope;
 mod swiglu;
 
 #[cfg(feature = "cuda")]
-pub(super) use cuda::{cross_entropy_rows, matmul_add};
+pub(super) use cuda::{cross_entropy_rows, matmul_add, scale_gradient};
 pub use rms_norm::rms_norm;
 pub use rope::{RopePairs, RopeTable, rope};
 pub use swiglu::swiglu;
