@@ -132,6 +132,12 @@ def main():
     rows.append(row("rms_norm (torch.nn.RMSNorm)", x_w,
                     lambda x, w: F.rms_norm(x, (4096,), w, 1e-5), iterations))
     rows.append(row("rms_norm (HF LlamaRMSNorm)", x_w, hf_rms_norm, iterations))
+    # A block's residual add and the norm after it (ours: one kernel, burn_zero::nn::add_rms_norm).
+    x_r_w = lambda: [torch.randn(tokens, 4096, device=dev, dtype=bf16),
+                     torch.randn(tokens, 4096, device=dev, dtype=bf16),
+                     torch.ones(4096, device=dev, dtype=bf16)]
+    rows.append(row("add_rms_norm (x + r, then torch.nn.RMSNorm)", x_r_w,
+                    lambda x, r, w: F.rms_norm(x + r, (4096,), w, 1e-5), iterations))
     del norm
     rows.append(row("swiglu", lambda: [torch.randn(tokens, 14336, device=dev, dtype=bf16) * 6,
                                        torch.randn(tokens, 14336, device=dev, dtype=bf16)],

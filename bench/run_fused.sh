@@ -24,6 +24,7 @@ def load(path):
         return {"error": f"no result ({e})"}
 ours, torch = load("/tmp/fused-ours.json"), load("/tmp/fused-torch.json")
 peers = {"rms_norm": ["rms_norm (torch.nn.RMSNorm)", "rms_norm (HF LlamaRMSNorm)"],
+         "add_rms_norm": ["add_rms_norm (x + r, then torch.nn.RMSNorm)"],
          "swiglu": ["swiglu"], "rope Interleaved": ["rope Interleaved (32 heads)", "rope Interleaved (8 heads)"],
          "rope HalfSplit": ["rope HalfSplit (32 heads)"]}
 ratios = []

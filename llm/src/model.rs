@@ -9,7 +9,8 @@ use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, FloatDType, Int, Tensor};
 use burn_zero::nn::{
-    RopePairs, RopeTable, VocabAxis, checkpoint, linear_cross_entropy, rms_norm, rope, swiglu,
+    RopePairs, RopeTable, VocabAxis, add_rms_norm, checkpoint, linear_cross_entropy, rms_norm,
+    rope, swiglu,
 };
 use burn_zero::profile::scope;
 
@@ -391,8 +392,9 @@ impl<B: Backend> Block<B> {
         });
         let v = scope("v", || project(p, &self.v, self.adapter(|l| &l.v), h));
         let attn = causal_attention(q, k, v, rope, mask, heads, kv_heads);
-        let x = x + scope("o", || project(p, &self.o, self.adapter(|l| &l.o), attn));
-        let h = scope("mlp_norm", || norm(&self.mlp_norm, x.clone()));
+        let o = scope("o", || project(p, &self.o, self.adapter(|l| &l.o), attn));
+        // The residual add and the norm after it: one kernel on CUDA.
+        let (x, h) = scope("mlp_norm", || add_norm(&self.mlp_norm, x, o));
         let gate = scope("gate", || {
             project(p, &self.gate, self.adapter(|l| &l.gate), h.clone())
         });
@@ -487,6 +489,16 @@ impl<B: Backend> Rope<B> {
 /// on CUDA; the same formula as `RmsNorm::forward` elsewhere).
 pub(crate) fn norm<B: Backend, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -> Tensor<B, D> {
     rms_norm(x, norm.gamma.val(), norm.epsilon)
+}
+
+/// `(x + residual, norm(x + residual))` through `burn_zero::nn::add_rms_norm` (one kernel on
+/// CUDA; the add and then [`norm`] elsewhere).
+pub(crate) fn add_norm<B: Backend, const D: usize>(
+    norm: &RmsNorm<B>,
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    add_rms_norm(x, residual, norm.gamma.val(), norm.epsilon)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use burn_pipeline::tensor_parallel::{
 
 use burn_zero::nn::swiglu;
 
-use crate::model::{Block, Llama, Plain, Projector, Rope, causal_attention, norm};
+use crate::model::{Block, Llama, Plain, Projector, Rope, add_norm, causal_attention, norm};
 
 /// One decoder layer's slice.
 #[derive(Module, Debug)]
@@ -126,8 +126,9 @@ impl<B: ModelParallelBackend> ParallelBlock<B> {
         let (q, k) = (local(&self.q, h.clone()), local(&self.k, h.clone()));
         let v = local(&self.v, h);
         let attn = causal_attention(q, k, v, rope, mask, self.heads, self.kv_heads);
-        let x = x + self.o.finish(p.linear(attn, &self.o.weight, None), group);
-        let h = copy_to_group(norm(&self.mlp_norm, x.clone()), group);
+        let o = self.o.finish(p.linear(attn, &self.o.weight, None), group);
+        let (x, h) = add_norm(&self.mlp_norm, x, o);
+        let h = copy_to_group(h, group);
         let mut local = |l: &ColumnParallelLinear<B>, h: Tensor<B, 3>| p.linear(h, &l.weight, None);
         let act = swiglu(local(&self.gate, h.clone()), local(&self.up, h));
         x + self

@@ -7,4 +7,4 @@ mod fused;
 
 pub use checkpoint::{checkpoint, checkpoint_then};
 pub use cross_entropy::{VocabAxis, linear_cross_entropy, materialized_cross_entropy};
-pub use fused::{RopePairs, RopeTable, rms_norm, rope, swiglu};
+pub use fused::{RopePairs, RopeTable, add_rms_norm, rms_norm, rope, swiglu};

@@ -160,6 +160,48 @@ fn rms_norm_matches_f64_forward_and_backward() {
     }
 }
 
+/// The residual add folded into the forward: the sum is `x + residual` rounded once to the
+/// dtype (bit for bit), and the output and `rstd` are the forward's of that sum (against f64),
+/// on the same shapes as the plain forward's.
+#[test]
+fn rms_norm_of_a_sum_writes_the_sum_and_normalizes_it() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let eps = 1e-5;
+    for dtype in dtypes(&client) {
+        for (rows, hidden) in [(1, 7), (37, 20), (1_100, 96), (5, 4_096), (3, 40_000)] {
+            let n = rows * hidden;
+            let (x, hx) = upload(&client, dtype, &values(n, 1));
+            let (r, hr) = upload(&client, dtype, &values(n, 9));
+            let w: Vec<f32> = values(hidden, 2).iter().map(|v| 1.0 + v / 2.0).collect();
+            let (w, hw) = upload(&client, dtype, &w);
+            let (sum, out) = (empty(&client, dtype, n), empty(&client, dtype, n));
+            let rstd = client.empty(4 * rows);
+            rms_norm_add_forward(
+                &client,
+                dtype,
+                [rows, hidden],
+                eps,
+                [&hx, &hr, &hw],
+                [&sum, &out, &rstd],
+            );
+            let name = |what: &str| format!("rms_norm of a sum: {what} {rows}×{hidden} {dtype:?}");
+            let added: Vec<f32> = x.iter().zip(&r).map(|(a, b)| a + b).collect();
+            let (h, _) = upload(&client, dtype, &added);
+            assert_eq!(read(&client, dtype, &sum), h, "{}", name("sum"));
+            let zeros = vec![0.0; n];
+            let want = rms_reference(&f64s(&h), &f64s(&w), &zeros, hidden, eps as f64);
+            assert_close(
+                &name("y"),
+                &read(&client, dtype, &out),
+                &want.0,
+                tolerance(dtype),
+            );
+            let got_rstd = f32::from_bytes(&client.read_one(rstd).unwrap()).to_vec();
+            assert_close(&name("rstd"), &got_rstd, &want.1, 2e-6);
+        }
+    }
+}
+
 /// A NaN in one row of `x` makes that row's output, `dx` row and every `dw` column NaN and
 /// leaves every other row finite.
 #[test]

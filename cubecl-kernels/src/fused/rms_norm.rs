@@ -46,6 +46,50 @@ mod kernel {
         total
     }
 
+    /// The row this unit helps hold, and whether it is one of the `rows`.
+    #[cube]
+    fn this_row(rows: usize, #[comptime] units: usize, #[comptime] lanes: usize) -> (usize, bool) {
+        let row = CUBE_POS_X as usize * comptime!(units / lanes) + UNIT_POS_Y as usize;
+        (row, row < rows)
+    }
+
+    /// Both forwards' second half, over the row `v` holds (`squares`: this unit's share of
+    /// its sum of squares): `out = v · r · w`, `rstd[row] = r`.
+    #[allow(clippy::too_many_arguments)]
+    #[cube]
+    fn normalize<F: Float, N: Size>(
+        v: &Array<Vector<F, N>>,
+        squares: f32,
+        w: &Array<Vector<F, N>>,
+        out: &mut Array<Vector<F, N>>,
+        rstd: &mut Array<f32>,
+        scratch: &mut SharedMemory<f32>,
+        row: usize,
+        live: bool,
+        width: usize,
+        hidden: f32,
+        eps: f32,
+        #[comptime] lanes: usize,
+        #[comptime] per_lane: usize,
+    ) {
+        let lane = UNIT_POS_X as usize;
+        let at = row * width;
+        let total = row_sum(squares, scratch, lanes);
+        let r = 1.0f32 / f32::sqrt(total / hidden + eps);
+        #[unroll]
+        for k in 0..per_lane {
+            let i = lane + k * lanes;
+            if live && i < width {
+                let f = Vector::<f32, N>::cast_from(v[k]);
+                let g = Vector::<f32, N>::cast_from(w[i]);
+                out[at + i] = Vector::<F, N>::cast_from(f * Vector::new(r) * g);
+            }
+        }
+        if live && lane == 0 {
+            rstd[row] = r;
+        }
+    }
+
     /// Rows of `x` (`rows × width` vectors), `units / lanes` per cube, `lanes` units each
     /// holding `per_lane` vectors: `out = x · r · w`, `rstd[row] = r`.
     #[allow(clippy::too_many_arguments)]
@@ -66,8 +110,7 @@ mod kernel {
     ) {
         let mut scratch = SharedMemory::<f32>::new(units);
         let lane = UNIT_POS_X as usize;
-        let row = CUBE_POS_X as usize * comptime!(units / lanes) + UNIT_POS_Y as usize;
-        let live = row < rows;
+        let (row, live) = this_row(rows, units, lanes);
         let at = row * width;
         let zero = Vector::<F, N>::cast_from(Vector::<f32, N>::new(0.0));
         let mut v = Array::<Vector<F, N>>::new(per_lane);
@@ -83,20 +126,80 @@ mod kernel {
             let f = Vector::<f32, N>::cast_from(e);
             squares += f32::cast_from((f * f).vector_sum());
         }
-        let total = row_sum(squares, &mut scratch, lanes);
-        let r = 1.0f32 / f32::sqrt(total / hidden + eps);
+        normalize::<F, N>(
+            &v,
+            squares,
+            w,
+            out,
+            rstd,
+            &mut scratch,
+            row,
+            live,
+            width,
+            hidden,
+            eps,
+            lanes,
+            per_lane,
+        );
+    }
+
+    /// [`rms_forward_kernel`] of `h = x + residual` (the sum in f32, rounded once to `F`, as an
+    /// add of two tensors of `F` rounds it), writing `h` to `sum` as well: a transformer
+    /// block's residual add and the norm after it in one pass.
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch_unchecked)]
+    pub fn rms_add_forward_kernel<F: Float, N: Size>(
+        x: &Array<Vector<F, N>>,
+        residual: &Array<Vector<F, N>>,
+        w: &Array<Vector<F, N>>,
+        sum: &mut Array<Vector<F, N>>,
+        out: &mut Array<Vector<F, N>>,
+        rstd: &mut Array<f32>,
+        rows: usize,
+        width: usize,
+        hidden: f32,
+        eps: f32,
+        #[comptime] units: usize,
+        #[comptime] lanes: usize,
+        #[comptime] per_lane: usize,
+        #[define(F)] _dtype: StorageType,
+    ) {
+        let mut scratch = SharedMemory::<f32>::new(units);
+        let lane = UNIT_POS_X as usize;
+        let (row, live) = this_row(rows, units, lanes);
+        let at = row * width;
+        let zero = Vector::<F, N>::cast_from(Vector::<f32, N>::new(0.0));
+        let mut v = Array::<Vector<F, N>>::new(per_lane);
+        let mut squares = 0.0f32;
         #[unroll]
         for k in 0..per_lane {
             let i = lane + k * lanes;
+            let mut e = zero;
             if live && i < width {
-                let f = Vector::<f32, N>::cast_from(v[k]);
-                let g = Vector::<f32, N>::cast_from(w[i]);
-                out[at + i] = Vector::<F, N>::cast_from(f * Vector::new(r) * g);
+                let added = Vector::<f32, N>::cast_from(x[at + i])
+                    + Vector::<f32, N>::cast_from(residual[at + i]);
+                e = Vector::<F, N>::cast_from(added);
+                sum[at + i] = e;
             }
+            v[k] = e;
+            let f = Vector::<f32, N>::cast_from(e);
+            squares += f32::cast_from((f * f).vector_sum());
         }
-        if live && lane == 0 {
-            rstd[row] = r;
-        }
+        normalize::<F, N>(
+            &v,
+            squares,
+            w,
+            out,
+            rstd,
+            &mut scratch,
+            row,
+            live,
+            width,
+            hidden,
+            eps,
+            lanes,
+            per_lane,
+        );
     }
 
     /// One cube (`lanes` units, `per_lane` vectors each) per `chunk` rows: `dx` of each row,
@@ -226,7 +329,7 @@ mod kernel {
         }
     }
 }
-use kernel::{column_sum_kernel, rms_backward_kernel, rms_forward_kernel};
+use kernel::{column_sum_kernel, rms_add_forward_kernel, rms_backward_kernel, rms_forward_kernel};
 
 /// Units per cube of the forward (`units / lanes` rows each).
 const FORWARD_UNITS: usize = 256;
@@ -283,35 +386,109 @@ pub fn rms_norm_forward<R: Runtime>(
     out: &cubecl::server::Handle,
     rstd: &cubecl::server::Handle,
 ) {
-    if rows == 0 || hidden == 0 {
+    let Some(grid) = ForwardGrid::of(client, dtype, rows, hidden) else {
         return;
-    }
+    };
     let n = rows * hidden;
-    let vector = super::vector_of(client, dtype.size(), hidden);
-    let width = hidden / vector;
-    let (lanes, per_lane) = row_layout(client, width, FORWARD_PER_LANE);
-    let units = FORWARD_UNITS.max(lanes);
-    let rows_per_cube = units / lanes;
     // SAFETY: every access is bounded by `rows` rows × `width` vectors per row.
     unsafe {
         rms_forward_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(rows.div_ceil(rows_per_cube) as u32, 1, 1),
-            CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
-            vector,
+            grid.cubes,
+            grid.dim,
+            grid.vector,
             array(x, n),
             array(w, hidden),
             array(out, n),
             array(rstd, rows),
             rows,
-            width,
+            grid.width,
             hidden as f32,
             eps,
+            grid.units,
+            grid.lanes,
+            grid.per_lane,
+            dtype,
+        )
+    }
+}
+
+/// [`rms_norm_forward`] of `x + residual` (both `rows × hidden` of `dtype`), the sum written
+/// to `sum` too: a block's residual add and the norm after it, one launch.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_add_forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    [rows, hidden]: [usize; 2],
+    eps: f32,
+    [x, residual, w]: [&cubecl::server::Handle; 3],
+    [sum, out, rstd]: [&cubecl::server::Handle; 3],
+) {
+    let Some(grid) = ForwardGrid::of(client, dtype, rows, hidden) else {
+        return;
+    };
+    let n = rows * hidden;
+    // SAFETY: every access is bounded by `rows` rows × `width` vectors per row.
+    unsafe {
+        rms_add_forward_kernel::launch_unchecked::<R>(
+            client,
+            grid.cubes,
+            grid.dim,
+            grid.vector,
+            array(x, n),
+            array(residual, n),
+            array(w, hidden),
+            array(sum, n),
+            array(out, n),
+            array(rstd, rows),
+            rows,
+            grid.width,
+            hidden as f32,
+            eps,
+            grid.units,
+            grid.lanes,
+            grid.per_lane,
+            dtype,
+        )
+    }
+}
+
+/// How a forward lays rows over cubes: `lanes` units a row, `units / lanes` rows a cube.
+struct ForwardGrid {
+    cubes: CubeCount,
+    dim: CubeDim,
+    vector: usize,
+    width: usize,
+    units: usize,
+    lanes: usize,
+    per_lane: usize,
+}
+
+impl ForwardGrid {
+    /// None for an empty tensor (nothing to launch).
+    fn of<R: Runtime>(
+        client: &ComputeClient<R>,
+        dtype: StorageType,
+        rows: usize,
+        hidden: usize,
+    ) -> Option<Self> {
+        if rows == 0 || hidden == 0 {
+            return None;
+        }
+        let vector = super::vector_of(client, dtype.size(), hidden);
+        let width = hidden / vector;
+        let (lanes, per_lane) = row_layout(client, width, FORWARD_PER_LANE);
+        let units = FORWARD_UNITS.max(lanes);
+        let rows_per_cube = units / lanes;
+        Some(Self {
+            cubes: CubeCount::Static(rows.div_ceil(rows_per_cube) as u32, 1, 1),
+            dim: CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
+            vector,
+            width,
             units,
             lanes,
             per_lane,
-            dtype,
-        )
+        })
     }
 }
 

@@ -34,8 +34,8 @@ use burn_zero::backend::settings::{self, OpSettings};
 use burn_zero::config::FusedKernelsConfig;
 use burn_zero::config::MemoryPoolLayout;
 use burn_zero::nn::{
-    RopePairs, RopeTable, VocabAxis, linear_cross_entropy, materialized_cross_entropy, rms_norm,
-    rope, swiglu,
+    RopePairs, RopeTable, VocabAxis, add_rms_norm, linear_cross_entropy,
+    materialized_cross_entropy, rms_norm, rope, swiglu,
 };
 use burn_zero_examples::cli::{arg, median_seconds, queued_seconds, values};
 use serde_json::{Value, json};
@@ -232,6 +232,19 @@ impl Inputs for (Tensor<B, 2>, Tensor<B, 1>) {
     }
 }
 
+impl Inputs for (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 1>) {
+    fn leaves(self) -> Self {
+        (
+            self.0.require_grad(),
+            self.1.require_grad(),
+            self.2.require_grad(),
+        )
+    }
+    fn shape(&self) -> Vec<usize> {
+        self.0.dims().to_vec()
+    }
+}
+
 /// Forward and forward + backward milliseconds with the kernels and in burn ops: each call
 /// from a sync to a sync, and per call in queues of [`QUEUE`] calls.
 fn time<I: Inputs, const D: usize>(
@@ -389,6 +402,21 @@ fn main() {
                 Reference::F32Copies,
             ));
         }
+        // The residual add folded into the norm: both outputs reach the probe.
+        for (rows, hidden) in [(37, 20), (67, 4_096)] {
+            let inputs = [
+                tensor([rows, hidden], 1, 2.0, f32t, &device),
+                tensor([rows, hidden], 12, 2.0, f32t, &device),
+                tensor([1, hidden], 2, 0.5, f32t, &device) + 1.0,
+            ];
+            let f = move |[x, r, w]: &[Tensor<B, 2>; 3]| {
+                let (sum, y) =
+                    add_rms_norm(x.clone(), r.clone(), w.clone().reshape([hidden]), 1e-5);
+                y + sum * 0.25
+            };
+            let name = format!("add_rms_norm {rows}x{hidden}");
+            checks.push(check(&name, inputs, dtype, &f, Reference::F32Copies));
+        }
         // A model's rank (batch, sequence, hidden): the kernels take it without a reshape.
         let inputs = [
             tensor([3, 37, 96], 1, 2.0, f32t, &device),
@@ -433,6 +461,15 @@ fn main() {
         );
         let f = |(x, w): &(Tensor<B, 2>, Tensor<B, 1>)| rms_norm(x.clone(), w.clone(), 1e-5);
         times.push(time("rms_norm", x, iterations, &f));
+        let xrw = (
+            tensor([tokens, 4_096], 6, 2.0, bf16, &device),
+            tensor([tokens, 4_096], 11, 2.0, bf16, &device),
+            tensor([4_096], 7, 0.5, bf16, &device) + 1.0,
+        );
+        let f = |(x, r, w): &(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 1>)| {
+            add_rms_norm(x.clone(), r.clone(), w.clone(), 1e-5).1
+        };
+        times.push(time("add_rms_norm", xrw, iterations, &f));
         let gu = [
             tensor([tokens, 14_336], 8, 6.0, bf16, &device),
             tensor([tokens, 14_336], 9, 1.0, bf16, &device),

@@ -11,8 +11,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::cuda::CudaRuntime;
 use cubecl_kernels::fused::{
-    RopeDims, RopePairs, backward_scratch_bytes, cross_entropy, rms_norm_backward,
-    rms_norm_forward, rope, scale, swiglu_backward, swiglu_forward,
+    RopeDims, RopePairs, backward_scratch_bytes, cross_entropy, rms_norm_add_forward,
+    rms_norm_backward, rms_norm_forward, rope, scale, swiglu_backward, swiglu_forward,
 };
 
 use crate::backend::fused_op::{CudaCube, Fused, run_fused, run_fused_taking, writable};
@@ -122,6 +122,49 @@ pub(super) fn rms_forward<Z: Backend, const D: usize>(
         [y, rstd]
     });
     Some((back(y), back(rstd)))
+}
+
+/// [`rms_forward`] of `x + residual` (one shape), the sum written too: `(sum, y, rstd)`.
+pub(super) fn rms_add_forward<Z: Backend, const D: usize>(
+    x: &Tensor<Z, D>,
+    residual: &Tensor<Z, D>,
+    w: &Tensor<Z, D>,
+    eps: f64,
+) -> Option<(Tensor<Z, D>, Tensor<Z, D>, Tensor<Z, D>)> {
+    let dims = x.dims();
+    let [rows, hidden] = rows_hidden(&dims);
+    let [fx, fr, fw] = fused_all([x, residual, w])?;
+    if fr.shape != fx.shape {
+        return None;
+    }
+    let dtype = fx.dtype;
+    let outputs = [
+        (Shape::from(dims.to_vec()), dtype),
+        (Shape::from(dims.to_vec()), dtype),
+        (keep_last(&dims, true), DType::F32),
+    ];
+    let [sum, y, rstd] = run_fused(
+        "burn_zero_add_rms_norm",
+        [&fx, &fr, &fw],
+        outputs,
+        move |[x, r, w]| {
+            let [x, r, w] = [x, r, w].map(contiguous);
+            let sum = empty(&x, &dims, dtype);
+            let y = empty(&x, &dims, dtype);
+            let rstd = empty(&x, &keep_last(&dims, true), DType::F32);
+            let client = x.client.clone();
+            rms_norm_add_forward(
+                &client,
+                dtype.into(),
+                [rows, hidden],
+                eps as f32,
+                [&x.handle, &r.handle, &w.handle],
+                [&sum.handle, &y.handle, &rstd.handle],
+            );
+            [sum, y, rstd]
+        },
+    );
+    Some((back(sum), back(y), back(rstd)))
 }
 
 /// RMSNorm backward: `(dx, dw)` (`x`'s shape, `[1, …, 1, hidden]`) from the forward's `x`, `w`,

@@ -96,6 +96,143 @@ fn on<B: Backend, Z: Backend, O: FusedOp<N, D>, const N: usize, const D: usize>(
     Ok(float_as::<Autodiff<Z>, B, D>(out).expect("B is Autodiff<Z>"))
 }
 
+/// An op of two inputs whose first is a sum `x + residual` that its forward can make itself
+/// (one kernel writing the sum and the op's output: a block's residual add folded into the
+/// norm after it).
+pub(super) trait AfterAdd<const D: usize>: FusedOp<2, D> {
+    /// `(x + residual, op(x + residual, other), saved)`: here the sum in burn ops and then
+    /// the op's forward.
+    fn forward_after_add<Z: Backend>(
+        &self,
+        x: &Tensor<Z, D>,
+        residual: &Tensor<Z, D>,
+        other: &Tensor<Z, D>,
+    ) -> (Tensor<Z, D>, Tensor<Z, D>, Vec<Tensor<Z, D>>) {
+        let sum = x.clone() + residual.clone();
+        let (out, saved) = self.forward(&[sum.clone(), other.clone()]);
+        (sum, out, saved)
+    }
+}
+
+/// `(x + residual, op(x + residual, other))` with the sum made by the op's forward: under
+/// `Autodiff<ZeroBackend<_>>` two autodiff ops from one forward, the sum's (its gradient goes
+/// to both addends as it is) and the op's (its custom backward, the sum its parent).
+/// `x` and `residual` have one shape (no broadcast).
+pub(super) fn apply_after_add<B: Backend, O: AfterAdd<D>, const D: usize>(
+    op: O,
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    other: Tensor<B, D>,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    assert_eq!(
+        x.dims(),
+        residual.dims(),
+        "a sum folded into the op after it takes addends of one shape"
+    );
+    #[cfg(feature = "cuda")]
+    let (x, residual, other) =
+        match after_add_on::<B, crate::backend::ZeroBackend<burn::backend::Cuda>, O, D>(
+            &op, x, residual, other,
+        ) {
+            Ok(out) => return out,
+            Err(inputs) => inputs,
+        };
+    #[cfg(feature = "ndarray")]
+    let (x, residual, other) =
+        match after_add_on::<B, crate::backend::ZeroBackend<burn::backend::NdArray>, O, D>(
+            &op, x, residual, other,
+        ) {
+            Ok(out) => return out,
+            Err(inputs) => inputs,
+        };
+    let (sum, out, _) = op.forward_after_add(&x, &residual, &other);
+    (sum, out)
+}
+
+/// The three inputs of [`apply_after_add`].
+type Three<B, const D: usize> = (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>);
+
+/// [`apply_after_add`] on `Autodiff<Z>` or `Z` when `B` is one of them; the inputs back
+/// otherwise.
+#[allow(clippy::type_complexity)]
+fn after_add_on<B: Backend, Z: Backend, O: AfterAdd<D>, const D: usize>(
+    op: &O,
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    other: Tensor<B, D>,
+) -> Result<(Tensor<B, D>, Tensor<B, D>), Three<B, D>> {
+    if TypeId::of::<B>() == TypeId::of::<Z>() {
+        let [x, residual, other] =
+            [x, residual, other].map(|t| float_as::<B, Z, D>(t).expect("B is Z"));
+        let (sum, out, _) = op.forward_after_add(&x, &residual, &other);
+        let back = |t| float_as::<Z, B, D>(t).expect("B is Z");
+        return Ok((back(sum), back(out)));
+    }
+    if TypeId::of::<B>() != TypeId::of::<Autodiff<Z>>() {
+        return Err((x, residual, other));
+    }
+    let [px, pr, po] = [x, residual, other].map(|t| {
+        float_as::<B, Autodiff<Z>, D>(t)
+            .expect("B is Autodiff<Z>")
+            .into_primitive()
+            .tensor()
+    });
+    let inner = |p: &AutodiffPrimitive<Z>| {
+        Tensor::<Z, D>::from_primitive(TensorPrimitive::Float(p.primitive.clone()))
+    };
+    let (w, ix, ir) = (inner(&po), inner(&px), inner(&pr));
+    let (sum, out, saved) = op.forward_after_add(&ix, &ir, &w);
+    let sum_ad = SumBackward
+        .prepare::<NoCheckpointing>([px.node.clone(), pr.node.clone()])
+        .compute_bound()
+        .stateless(sum.clone().into_primitive().tensor());
+    let nodes = [sum_ad.node.clone(), po.node.clone()];
+    let out = out.into_primitive().tensor();
+    let out = match FusedBackward::<O, D>(core::marker::PhantomData)
+        .prepare::<NoCheckpointing>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            FusedState {
+                op: op.clone(),
+                inputs: [sum, w],
+                saved,
+            },
+            out,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    let back = |p| {
+        let t = Tensor::<Autodiff<Z>, D>::from_primitive(TensorPrimitive::Float(p));
+        float_as::<Autodiff<Z>, B, D>(t).expect("B is Autodiff<Z>")
+    };
+    Ok((back(sum_ad), back(out)))
+}
+
+/// An autodiff tensor of `Autodiff<Z>`.
+type AutodiffPrimitive<Z> = burn::tensor::ops::FloatTensor<Autodiff<Z>>;
+
+/// The sum's backward: the gradient goes to both addends unchanged.
+#[derive(Debug)]
+struct SumBackward;
+
+impl<Z: Backend> Backward<Z, 2> for SumBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<Z>(&ops.node);
+        match ops.parents {
+            [Some(a), Some(b)] => {
+                grads.register::<Z>(a.id, grad.clone());
+                grads.register::<Z>(b.id, grad);
+            }
+            [Some(only), None] | [None, Some(only)] => grads.register::<Z>(only.id, grad),
+            [None, None] => {}
+        }
+    }
+}
+
 #[derive(Debug)]
 struct FusedBackward<O, const D: usize>(core::marker::PhantomData<O>);
 

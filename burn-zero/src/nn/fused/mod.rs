@@ -1,6 +1,7 @@
-//! Fused transformer ops any burn model can call ([`rms_norm`], [`rope`], [`swiglu`]): the
-//! CubeCL kernels of `cubecl_kernels::fused` on `ZeroBackend<Cuda>`, one launch each way with
-//! a custom backward under `Autodiff`; the same math in burn ops on every other backend.
+//! Fused transformer ops any burn model can call ([`rms_norm`], [`add_rms_norm`], [`rope`],
+//! [`swiglu`]): the CubeCL kernels of `cubecl_kernels::fused` on `ZeroBackend<Cuda>`, one
+//! launch each way with a custom backward under `Autodiff`; the same math in burn ops on every
+//! other backend.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -11,7 +12,7 @@ mod swiglu;
 
 #[cfg(feature = "cuda")]
 pub(super) use cuda::{cross_entropy_rows, matmul_add, scale_gradient};
-pub use rms_norm::rms_norm;
+pub use rms_norm::{add_rms_norm, rms_norm};
 pub use rope::{RopePairs, RopeTable, rope};
 pub use swiglu::swiglu;
 

@@ -3,7 +3,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
 
-use super::dispatch::{FusedOp, apply};
+use super::dispatch::{AfterAdd, FusedOp, apply, apply_after_add};
 
 /// `x / √(mean(x²) + eps) · weight` over the last axis of `x`, the mean in f32 whatever the
 /// dtype of `x` (what burn's `RmsNorm::forward` computes). On `ZeroBackend<Cuda>` (with or
@@ -23,6 +23,27 @@ pub fn rms_norm<B: Backend, const D: usize>(
     let mut weight_shape = [1; D];
     weight_shape[D - 1] = hidden;
     apply(RmsNorm { eps }, [x, weight.reshape(weight_shape)])
+}
+
+/// `(x + residual, rms_norm(x + residual, weight, eps))`: a transformer block's residual add and
+/// the norm after it. On `ZeroBackend<Cuda>` one kernel reads both addends and writes the sum
+/// and the norm (the sum rounded once to the dtype, as the add rounds it); elsewhere, or with
+/// `burn_zero.fused_kernels.rms_norm` off, the add and then [`rms_norm`]. `x` and `residual`
+/// have one shape.
+pub fn add_rms_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    if !super::enabled(|f| f.rms_norm) {
+        let sum = x + residual;
+        return (sum.clone(), reference(sum, weight, eps));
+    }
+    let hidden = weight.dims()[0];
+    let mut weight_shape = [1; D];
+    weight_shape[D - 1] = hidden;
+    apply_after_add(RmsNorm { eps }, x, residual, weight.reshape(weight_shape))
 }
 
 /// burn's formula (`RmsNorm::forward`): the path with the kernels switched off.
@@ -84,5 +105,22 @@ impl<const D: usize> FusedOp<2, D> for RmsNorm {
             Some(dx.cast(x.dtype()).reshape(dims)),
             Some(dw.cast(w.dtype()).reshape(w.dims())),
         ]
+    }
+}
+
+impl<const D: usize> AfterAdd<D> for RmsNorm {
+    fn forward_after_add<Z: Backend>(
+        &self,
+        x: &Tensor<Z, D>,
+        residual: &Tensor<Z, D>,
+        w: &Tensor<Z, D>,
+    ) -> (Tensor<Z, D>, Tensor<Z, D>, Vec<Tensor<Z, D>>) {
+        #[cfg(feature = "cuda")]
+        if let Some((sum, y, rstd)) = super::cuda::rms_add_forward(x, residual, w, self.eps) {
+            return (sum, y, vec![rstd]);
+        }
+        let sum = x.clone() + residual.clone();
+        let (y, saved) = self.forward(&[sum.clone(), w.clone()]);
+        (sum, y, saved)
     }
 }

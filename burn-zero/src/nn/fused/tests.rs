@@ -116,6 +116,30 @@ fn rms_norm_gradients_equal_burns_autodiff_of_the_formula() {
     );
 }
 
+/// The residual add folded into the norm: the sum and the norm equal `x + r` and then
+/// `rms_norm`, and so do the gradients of both addends and the weight, with the sum read
+/// downstream as well (as a block's residual stream reads it).
+#[test]
+fn add_rms_norm_equals_the_add_and_then_the_norm() {
+    for (shape, hidden) in [([3, 7, 13], 13), ([1, 1, 3], 3), ([2, 5, 64], 64)] {
+        let w = Tensor::<B, 3>::random(
+            [1, 1, hidden],
+            Distribution::Normal(1.0, 0.3),
+            &Default::default(),
+        );
+        compare(
+            &format!("add_rms_norm {shape:?}"),
+            [normal(shape), normal(shape), w],
+            |[x, r, w]| {
+                let (sum, y) =
+                    add_rms_norm(x.clone(), r.clone(), w.clone().reshape([hidden]), 1e-5);
+                // Both outputs reach the loss, the sum through a product of its own.
+                y + sum.clone() * sum
+            },
+        );
+    }
+}
+
 #[test]
 fn swiglu_gradients_equal_burns_autodiff_of_the_formula() {
     let g = normal([4, 9, 11]) * 4.0;
