@@ -137,14 +137,24 @@ fn rms_norm_matches_f64_forward_and_backward() {
             let (w, hw) = upload(&client, dtype, &w);
             let (dy, hdy) = upload(&client, dtype, &values(n, 3));
             let (out, rstd) = (empty(&client, dtype, n), client.empty(4 * rows));
-            rms_norm_forward(&client, dtype, [rows, hidden], eps, &hx, &hw, &out, &rstd);
+            rms_norm_forward(
+                &client,
+                dtype,
+                [rows, hidden],
+                eps,
+                (&hx, hidden),
+                &hw,
+                &out,
+                &rstd,
+            );
             let (dx, dw) = (empty(&client, dtype, n), empty(&client, dtype, hidden));
             let scratch = client.empty(backward_scratch_bytes(rows, hidden));
             rms_norm_backward(
                 &client,
                 dtype,
                 [rows, hidden],
-                [&hx, &hw, &rstd, &hdy],
+                [(&hx, hidden), (&hdy, hidden)],
+                [&hw, &rstd],
                 [&dx, &dw],
                 &scratch,
             );
@@ -181,7 +191,8 @@ fn rms_norm_of_a_sum_writes_the_sum_and_normalizes_it() {
                 dtype,
                 [rows, hidden],
                 eps,
-                [&hx, &hr, &hw],
+                [(&hx, hidden), (&hr, hidden)],
+                &hw,
                 [&sum, &out, &rstd],
             );
             let name = |what: &str| format!("rms_norm of a sum: {what} {rows}×{hidden} {dtype:?}");
@@ -202,6 +213,95 @@ fn rms_norm_of_a_sum_writes_the_sum_and_normalizes_it() {
     }
 }
 
+/// `rows × hidden` values laid out with rows `pitch` apart, the gaps NaN (a kernel that read
+/// them would make its row NaN), rounded to `dtype`: the values and the buffer.
+fn upload_pitched(
+    client: &Client,
+    dtype: StorageType,
+    values: &[f32],
+    hidden: usize,
+    pitch: usize,
+) -> (Vec<f32>, Handle) {
+    let rows = values.len() / hidden;
+    let mut laid = vec![f32::NAN; (rows - 1) * pitch + hidden];
+    for r in 0..rows {
+        laid[r * pitch..r * pitch + hidden].copy_from_slice(&values[r * hidden..(r + 1) * hidden]);
+    }
+    let (_, handle) = upload(client, dtype, &laid);
+    let (rounded, _) = upload(client, dtype, values);
+    (rounded, handle)
+}
+
+/// Inputs in cubecl's pitched layout (rows padded to an aligned pitch, as CUDA's elementwise
+/// outputs of 576-wide rows are) give the same bits as contiguous ones, and the padding is
+/// never read: the forward, the forward of a sum and the backward, on pitches that change the
+/// vector width and one that does not.
+#[test]
+fn rms_norm_reads_pitched_rows_as_contiguous_ones() {
+    let client = WgpuRuntime::client(&WgpuDevice::default());
+    let eps = 1e-5;
+    for dtype in dtypes(&client) {
+        for (rows, hidden, pitch) in [(37, 20, 24), (9, 576, 768), (5, 96, 101)] {
+            let n = rows * hidden;
+            let (x, hx) = upload(&client, dtype, &values(n, 1));
+            let (_, px) = upload_pitched(&client, dtype, &x, hidden, pitch);
+            let (r, hr) = upload(&client, dtype, &values(n, 9));
+            let (_, pr) = upload_pitched(&client, dtype, &r, hidden, pitch + 8);
+            let (dy, hdy) = upload(&client, dtype, &values(n, 3));
+            let (_, pdy) = upload_pitched(&client, dtype, &dy, hidden, pitch);
+            let w: Vec<f32> = values(hidden, 2).iter().map(|v| 1.0 + v / 2.0).collect();
+            let (_, hw) = upload(&client, dtype, &w);
+            let name =
+                |what: &str| format!("pitched {what} {rows}×{hidden} (pitch {pitch}) {dtype:?}");
+            let run = |[x, r, dy]: [(&Handle, usize); 3]| {
+                let (out, rstd) = (empty(&client, dtype, n), client.empty(4 * rows));
+                rms_norm_forward(&client, dtype, [rows, hidden], eps, x, &hw, &out, &rstd);
+                let (sum, out2, rstd2) = (
+                    empty(&client, dtype, n),
+                    empty(&client, dtype, n),
+                    client.empty(4 * rows),
+                );
+                rms_norm_add_forward(
+                    &client,
+                    dtype,
+                    [rows, hidden],
+                    eps,
+                    [x, r],
+                    &hw,
+                    [&sum, &out2, &rstd2],
+                );
+                let (dx, dw) = (empty(&client, dtype, n), empty(&client, dtype, hidden));
+                let scratch = client.empty(backward_scratch_bytes(rows, hidden));
+                rms_norm_backward(
+                    &client,
+                    dtype,
+                    [rows, hidden],
+                    [x, dy],
+                    [&hw, &rstd],
+                    [&dx, &dw],
+                    &scratch,
+                );
+                [&out, &sum, &out2, &dx, &dw].map(|h| read(&client, dtype, h))
+            };
+            let want = run([(&hx, hidden), (&hr, hidden), (&hdy, hidden)]);
+            let got = run([(&px, pitch), (&pr, pitch + 8), (&pdy, pitch)]);
+            // The same bits where the vector width is the same (the sum always: it is
+            // elementwise); within rounding where the pitch narrows it (101: one element), the
+            // sums of squares then taken in another order.
+            let same_vector = pitch % 4 == 0;
+            let outputs = ["y", "sum", "y of the sum", "dx", "dw"];
+            for (what, (g, w)) in outputs.iter().zip(got.iter().zip(&want)) {
+                assert!(g.iter().all(|v| v.is_finite()), "{}", name(what));
+                if same_vector || *what == "sum" {
+                    assert_eq!(g, w, "{}", name(what));
+                } else {
+                    assert_close(&name(what), g, &f64s(w), tolerance(dtype));
+                }
+            }
+        }
+    }
+}
+
 /// A NaN in one row of `x` makes that row's output, `dx` row and every `dw` column NaN and
 /// leaves every other row finite.
 #[test]
@@ -215,7 +315,16 @@ fn a_nan_in_rms_norm_reaches_its_row_and_the_weight_gradient_only() {
     let (_, hw) = upload(&client, dtype, &vec![1.0; hidden]);
     let (_, hdy) = upload(&client, dtype, &values(rows * hidden, 5));
     let (out, rstd) = (empty(&client, dtype, x.len()), client.empty(4 * rows));
-    rms_norm_forward(&client, dtype, [rows, hidden], 1e-5, &hx, &hw, &out, &rstd);
+    rms_norm_forward(
+        &client,
+        dtype,
+        [rows, hidden],
+        1e-5,
+        (&hx, hidden),
+        &hw,
+        &out,
+        &rstd,
+    );
     let (dx, dw) = (
         empty(&client, dtype, x.len()),
         empty(&client, dtype, hidden),
@@ -225,7 +334,8 @@ fn a_nan_in_rms_norm_reaches_its_row_and_the_weight_gradient_only() {
         &client,
         dtype,
         [rows, hidden],
-        [&hx, &hw, &rstd, &hdy],
+        [(&hx, hidden), (&hdy, hidden)],
+        [&hw, &rstd],
         [&dx, &dw],
         &scratch,
     );

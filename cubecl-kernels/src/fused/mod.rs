@@ -12,7 +12,7 @@ mod swiglu;
 pub use cross_entropy::{cross_entropy, scale};
 pub use rms_norm::{
     backward_chunk, backward_scratch_bytes, rms_norm_add_forward, rms_norm_backward,
-    rms_norm_forward,
+    rms_norm_forward, row_pitch,
 };
 pub use rope::{RopeDims, RopePairs, rope};
 pub use swiglu::{swiglu_backward, swiglu_forward};

@@ -101,6 +101,7 @@ mod kernel {
         rstd: &mut Array<f32>,
         rows: usize,
         width: usize,
+        x_pitch: usize,
         hidden: f32,
         eps: f32,
         #[comptime] units: usize,
@@ -111,7 +112,7 @@ mod kernel {
         let mut scratch = SharedMemory::<f32>::new(units);
         let lane = UNIT_POS_X as usize;
         let (row, live) = this_row(rows, units, lanes);
-        let at = row * width;
+        let at = row * x_pitch;
         let zero = Vector::<F, N>::cast_from(Vector::<f32, N>::new(0.0));
         let mut v = Array::<Vector<F, N>>::new(per_lane);
         let mut squares = 0.0f32;
@@ -157,6 +158,8 @@ mod kernel {
         rstd: &mut Array<f32>,
         rows: usize,
         width: usize,
+        x_pitch: usize,
+        r_pitch: usize,
         hidden: f32,
         eps: f32,
         #[comptime] units: usize,
@@ -176,8 +179,8 @@ mod kernel {
             let i = lane + k * lanes;
             let mut e = zero;
             if live && i < width {
-                let added = Vector::<f32, N>::cast_from(x[at + i])
-                    + Vector::<f32, N>::cast_from(residual[at + i]);
+                let added = Vector::<f32, N>::cast_from(x[row * x_pitch + i])
+                    + Vector::<f32, N>::cast_from(residual[row * r_pitch + i]);
                 e = Vector::<F, N>::cast_from(added);
                 sum[at + i] = e;
             }
@@ -216,6 +219,8 @@ mod kernel {
         partial: &mut Array<Vector<f32, N>>,
         rows: usize,
         width: usize,
+        x_pitch: usize,
+        dy_pitch: usize,
         hidden: f32,
         chunk: usize,
         #[comptime] lanes: usize,
@@ -257,8 +262,8 @@ mod kernel {
                 let mut a = zero;
                 let mut b = zero;
                 if i < width {
-                    a = x[at + i];
-                    b = dy[at + i];
+                    a = x[row * x_pitch + i];
+                    b = dy[row * dy_pitch + i];
                 }
                 xs[k] = a;
                 ds[k] = b;
@@ -373,36 +378,79 @@ pub fn backward_scratch_bytes(rows: usize, hidden: usize) -> usize {
     rows.div_ceil(backward_chunk(rows)) * hidden * 4
 }
 
-/// The forward of `rows × hidden` contiguous elements of `dtype`: `out` (same shape and dtype)
-/// and `rstd` (`rows` f32) from `x` and the weight `w` (`hidden` elements of `dtype`).
+/// The pitch of rows laid out one after another (the last axis unit-strided, every other axis
+/// compact over rows `pitch ≥ hidden` apart; axes of one element ignored); None for any
+/// other layout.
+pub fn row_pitch(shape: &[usize], strides: &[usize]) -> Option<usize> {
+    let (&hidden, leading) = shape.split_last()?;
+    if hidden > 1 && strides[shape.len() - 1] != 1 {
+        return None;
+    }
+    let rows: usize = leading.iter().product();
+    if rows <= 1 {
+        return Some(hidden);
+    }
+    // The innermost leading axis of more than one element sets the pitch.
+    let inner = (0..leading.len()).rev().find(|&i| shape[i] > 1)?;
+    let pitch = strides[inner];
+    if pitch < hidden {
+        return None;
+    }
+    let mut expect = pitch;
+    for i in (0..leading.len()).rev() {
+        if shape[i] == 1 {
+            continue;
+        }
+        if strides[i] != expect {
+            return None;
+        }
+        expect *= shape[i];
+    }
+    Some(pitch)
+}
+
+/// Elements from the first row's start to the last row's end, rows `pitch` elements apart.
+fn span(rows: usize, hidden: usize, pitch: usize) -> usize {
+    (rows - 1) * pitch + hidden
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// The forward of `rows × hidden` elements of `dtype`: `out` (contiguous, same dtype) and
+/// `rstd` (`rows` f32) from `x` (its rows `x_pitch ≥ hidden` elements apart: contiguous, or
+/// cubecl's pitched layout) and the weight `w` (`hidden` elements of `dtype`).
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_forward<R: Runtime>(
     client: &ComputeClient<R>,
     dtype: StorageType,
     [rows, hidden]: [usize; 2],
     eps: f32,
-    x: &cubecl::server::Handle,
+    (x, x_pitch): (&cubecl::server::Handle, usize),
     w: &cubecl::server::Handle,
     out: &cubecl::server::Handle,
     rstd: &cubecl::server::Handle,
 ) {
-    let Some(grid) = ForwardGrid::of(client, dtype, rows, hidden) else {
+    let Some(grid) = ForwardGrid::of(client, dtype, rows, hidden, &[x_pitch]) else {
         return;
     };
-    let n = rows * hidden;
-    // SAFETY: every access is bounded by `rows` rows × `width` vectors per row.
+    let (n, v) = (rows * hidden, grid.vector);
+    // SAFETY: every access is bounded by `rows` rows × `width` vectors per row, each input row
+    // starting a pitch after the one before.
     unsafe {
         rms_forward_kernel::launch_unchecked::<R>(
             client,
             grid.cubes,
             grid.dim,
-            grid.vector,
-            array(x, n),
+            v,
+            array(x, span(rows, hidden, x_pitch)),
             array(w, hidden),
             array(out, n),
             array(rstd, rows),
             rows,
             grid.width,
+            x_pitch / v,
             hidden as f32,
             eps,
             grid.units,
@@ -413,36 +461,40 @@ pub fn rms_norm_forward<R: Runtime>(
     }
 }
 
-/// [`rms_norm_forward`] of `x + residual` (both `rows × hidden` of `dtype`), the sum written
-/// to `sum` too: a block's residual add and the norm after it, one launch.
+/// [`rms_norm_forward`] of `x + residual` (both `rows × hidden` of `dtype`, each with its row
+/// pitch), the sum written (contiguous) to `sum` too: a block's residual add and the norm
+/// after it, one launch.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_add_forward<R: Runtime>(
     client: &ComputeClient<R>,
     dtype: StorageType,
     [rows, hidden]: [usize; 2],
     eps: f32,
-    [x, residual, w]: [&cubecl::server::Handle; 3],
+    [(x, x_pitch), (residual, r_pitch)]: [(&cubecl::server::Handle, usize); 2],
+    w: &cubecl::server::Handle,
     [sum, out, rstd]: [&cubecl::server::Handle; 3],
 ) {
-    let Some(grid) = ForwardGrid::of(client, dtype, rows, hidden) else {
+    let Some(grid) = ForwardGrid::of(client, dtype, rows, hidden, &[x_pitch, r_pitch]) else {
         return;
     };
-    let n = rows * hidden;
-    // SAFETY: every access is bounded by `rows` rows × `width` vectors per row.
+    let (n, v) = (rows * hidden, grid.vector);
+    // SAFETY: as for `rms_norm_forward`.
     unsafe {
         rms_add_forward_kernel::launch_unchecked::<R>(
             client,
             grid.cubes,
             grid.dim,
-            grid.vector,
-            array(x, n),
-            array(residual, n),
+            v,
+            array(x, span(rows, hidden, x_pitch)),
+            array(residual, span(rows, hidden, r_pitch)),
             array(w, hidden),
             array(sum, n),
             array(out, n),
             array(rstd, rows),
             rows,
             grid.width,
+            x_pitch / v,
+            r_pitch / v,
             hidden as f32,
             eps,
             grid.units,
@@ -451,6 +503,18 @@ pub fn rms_norm_add_forward<R: Runtime>(
             dtype,
         )
     }
+}
+
+/// The widest vector of `dtype` that divides `hidden` and every row pitch (so each row starts
+/// on a vector).
+fn vector_over<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    hidden: usize,
+    pitches: &[usize],
+) -> usize {
+    let common = pitches.iter().fold(hidden, |g, p| gcd(g, *p));
+    super::vector_of(client, dtype.size(), common)
 }
 
 /// How a forward lays rows over cubes: `lanes` units a row, `units / lanes` rows a cube.
@@ -471,11 +535,16 @@ impl ForwardGrid {
         dtype: StorageType,
         rows: usize,
         hidden: usize,
+        pitches: &[usize],
     ) -> Option<Self> {
         if rows == 0 || hidden == 0 {
             return None;
         }
-        let vector = super::vector_of(client, dtype.size(), hidden);
+        assert!(
+            pitches.iter().all(|p| *p >= hidden),
+            "row pitches {pitches:?} shorter than the rows ({hidden})"
+        );
+        let vector = vector_over(client, dtype, hidden, pitches);
         let width = hidden / vector;
         let (lanes, per_lane) = row_layout(client, width, FORWARD_PER_LANE);
         let units = FORWARD_UNITS.max(lanes);
@@ -492,23 +561,28 @@ impl ForwardGrid {
     }
 }
 
-/// The backward: `dx` (`rows × hidden` of `dtype`) and `dw` (`hidden` of `dtype`) from the
-/// forward's `x`, `w`, `rstd` and the output's gradient `dy`; `scratch` holds
-/// [`backward_scratch_bytes`].
+/// The backward: `dx` (`rows × hidden` of `dtype`, contiguous) and `dw` (`hidden` of `dtype`)
+/// from the forward's `x`, `w`, `rstd` and the output's gradient `dy` (`x` and `dy` each with
+/// its row pitch); `scratch` holds [`backward_scratch_bytes`].
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dtype: StorageType,
     [rows, hidden]: [usize; 2],
-    [x, w, rstd, dy]: [&cubecl::server::Handle; 4],
+    [(x, x_pitch), (dy, dy_pitch)]: [(&cubecl::server::Handle, usize); 2],
+    [w, rstd]: [&cubecl::server::Handle; 2],
     [dx, dw]: [&cubecl::server::Handle; 2],
     scratch: &cubecl::server::Handle,
 ) {
     if rows == 0 || hidden == 0 {
         return;
     }
+    assert!(
+        x_pitch >= hidden && dy_pitch >= hidden,
+        "row pitches {x_pitch}, {dy_pitch} shorter than the rows ({hidden})"
+    );
     let n = rows * hidden;
-    let vector = super::vector_of(client, dtype.size(), hidden);
+    let vector = vector_over(client, dtype, hidden, &[x_pitch, dy_pitch]);
     let width = hidden / vector;
     let (lanes, per_lane) = row_layout(client, width, BACKWARD_PER_LANE);
     let chunk = backward_chunk(rows);
@@ -521,14 +595,16 @@ pub fn rms_norm_backward<R: Runtime>(
             CubeCount::Static(cubes as u32, 1, 1),
             CubeDim::new_2d(lanes as u32, 1),
             vector,
-            array(x, n),
+            array(x, span(rows, hidden, x_pitch)),
             array(w, hidden),
             array(rstd, rows),
-            array(dy, n),
+            array(dy, span(rows, hidden, dy_pitch)),
             array(dx, n),
             array(scratch, cubes * hidden),
             rows,
             width,
+            x_pitch / vector,
+            dy_pitch / vector,
             hidden as f32,
             chunk,
             lanes,
@@ -547,5 +623,31 @@ pub fn rms_norm_backward<R: Runtime>(
             SUM_SLICES,
             dtype,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_pitch;
+
+    #[test]
+    fn rows_are_found_contiguous_pitched_or_not_at_all() {
+        // Contiguous, of any rank.
+        assert_eq!(row_pitch(&[4, 576], &[576, 1]), Some(576));
+        assert_eq!(row_pitch(&[2, 3, 576], &[1728, 576, 1]), Some(576));
+        // cubecl's pitched layout: rows 768 apart, the leading axes compact over them.
+        assert_eq!(row_pitch(&[2, 3, 576], &[2304, 768, 1]), Some(768));
+        // Axes of one element are ignored, whatever their strides.
+        assert_eq!(row_pitch(&[1, 3, 576], &[7, 768, 1]), Some(768));
+        assert_eq!(row_pitch(&[2, 1, 576], &[768, 5, 1]), Some(768));
+        // One row: its pitch does not matter.
+        assert_eq!(row_pitch(&[1, 576], &[9999, 1]), Some(576));
+        assert_eq!(row_pitch(&[576], &[1]), Some(576));
+        // Not rows one after another: a transposed last axis, overlapping rows, leading axes
+        // out of order or with a gap between them.
+        assert_eq!(row_pitch(&[4, 576], &[1, 4]), None);
+        assert_eq!(row_pitch(&[4, 576], &[100, 1]), None);
+        assert_eq!(row_pitch(&[2, 3, 576], &[768, 1536, 1]), None);
+        assert_eq!(row_pitch(&[2, 3, 576], &[3000, 768, 1]), None);
     }
 }

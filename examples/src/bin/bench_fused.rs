@@ -386,7 +386,9 @@ fn main() {
         if which != "all" {
             break;
         }
-        for (rows, hidden) in [(37, 20), (1_100, 96), (67, 4_096), (5, 2_049)] {
+        // 576 (SmolLM2's width): CUDA allocates such rows pitched (768 bf16 apart), and the
+        // kernels read them in place.
+        for (rows, hidden) in [(37, 20), (1_100, 96), (67, 4_096), (5, 2_049), (37, 576)] {
             let inputs = [
                 tensor([rows, hidden], 1, 2.0, f32t, &device),
                 tensor([1, hidden], 2, 0.5, f32t, &device) + 1.0,
@@ -403,7 +405,7 @@ fn main() {
             ));
         }
         // The residual add folded into the norm: both outputs reach the probe.
-        for (rows, hidden) in [(37, 20), (67, 4_096)] {
+        for (rows, hidden) in [(37, 20), (67, 4_096), (37, 576)] {
             let inputs = [
                 tensor([rows, hidden], 1, 2.0, f32t, &device),
                 tensor([rows, hidden], 12, 2.0, f32t, &device),

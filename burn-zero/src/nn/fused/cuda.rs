@@ -12,7 +12,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::cuda::CudaRuntime;
 use cubecl_kernels::fused::{
     RopeDims, RopePairs, backward_scratch_bytes, cross_entropy, rms_norm_add_forward,
-    rms_norm_backward, rms_norm_forward, rope, scale, swiglu_backward, swiglu_forward,
+    rms_norm_backward, rms_norm_forward, rope, row_pitch, scale, swiglu_backward, swiglu_forward,
 };
 
 use crate::backend::fused_op::{CudaCube, Fused, run_fused, run_fused_taking, writable};
@@ -65,6 +65,22 @@ fn contiguous(t: CudaCube) -> CudaCube {
     }
 }
 
+/// `t` as rows (every axis but the last) and the elements between their starts: `t` itself
+/// when it is contiguous or in cubecl's pitched layout (rows padded to an aligned pitch, as
+/// CUDA allocates elementwise outputs of short rows: 576 bf16 become 768 apart), which the
+/// RMSNorm kernels read as they are; a contiguous copy otherwise.
+fn rows_of(t: CudaCube) -> (CudaCube, usize) {
+    let shape: Vec<usize> = t.meta.shape().iter().copied().collect();
+    let strides: Vec<usize> = t.meta.strides().iter().copied().collect();
+    match row_pitch(&shape, &strides) {
+        Some(pitch) => (t, pitch),
+        None => {
+            let hidden = shape.last().copied().unwrap_or(1);
+            (into_contiguous(t), hidden)
+        }
+    }
+}
+
 fn shape_of(t: &Fused) -> Vec<usize> {
     t.shape.iter().copied().collect()
 }
@@ -105,7 +121,7 @@ pub(super) fn rms_forward<Z: Backend, const D: usize>(
         (keep_last(&dims, true), DType::F32),
     ];
     let [y, rstd] = run_fused("burn_zero_rms_norm", [&fx, &fw], outputs, move |[x, w]| {
-        let (x, w) = (contiguous(x), contiguous(w));
+        let ((x, x_pitch), w) = (rows_of(x), contiguous(w));
         let y = empty(&x, &dims, dtype);
         let rstd = empty(&x, &keep_last(&dims, true), DType::F32);
         let client = x.client.clone();
@@ -114,7 +130,7 @@ pub(super) fn rms_forward<Z: Backend, const D: usize>(
             dtype.into(),
             [rows, hidden],
             eps as f32,
-            &x.handle,
+            (&x.handle, x_pitch),
             &w.handle,
             &y.handle,
             &rstd.handle,
@@ -148,7 +164,7 @@ pub(super) fn rms_add_forward<Z: Backend, const D: usize>(
         [&fx, &fr, &fw],
         outputs,
         move |[x, r, w]| {
-            let [x, r, w] = [x, r, w].map(contiguous);
+            let ((x, x_pitch), (r, r_pitch), w) = (rows_of(x), rows_of(r), contiguous(w));
             let sum = empty(&x, &dims, dtype);
             let y = empty(&x, &dims, dtype);
             let rstd = empty(&x, &keep_last(&dims, true), DType::F32);
@@ -158,7 +174,8 @@ pub(super) fn rms_add_forward<Z: Backend, const D: usize>(
                 dtype.into(),
                 [rows, hidden],
                 eps as f32,
-                [&x.handle, &r.handle, &w.handle],
+                [(&x.handle, x_pitch), (&r.handle, r_pitch)],
+                &w.handle,
                 [&sum.handle, &y.handle, &rstd.handle],
             );
             [sum, y, rstd]
@@ -192,7 +209,8 @@ pub(super) fn rms_backward<Z: Backend, const D: usize>(
         [&fx, &fw, &rstd, &fdy],
         outputs,
         move |[x, w, rstd, dy]| {
-            let [x, w, rstd, dy] = [x, w, rstd, dy].map(contiguous);
+            let ((x, x_pitch), (dy, dy_pitch)) = (rows_of(x), rows_of(dy));
+            let [w, rstd] = [w, rstd].map(contiguous);
             let dx = empty(&x, &dims, dtype);
             let dw = empty(&x, &keep_last(&dims, false), dtype);
             let scratch = x.client.empty(backward_scratch_bytes(rows, hidden));
@@ -201,7 +219,8 @@ pub(super) fn rms_backward<Z: Backend, const D: usize>(
                 &client,
                 dtype.into(),
                 [rows, hidden],
-                [&x.handle, &w.handle, &rstd.handle, &dy.handle],
+                [(&x.handle, x_pitch), (&dy.handle, dy_pitch)],
+                [&w.handle, &rstd.handle],
                 [&dx.handle, &dw.handle],
                 &scratch,
             );
