@@ -53,13 +53,12 @@ mod kernel {
         (row, row < rows)
     }
 
-    /// Both forwards' second half, over the row `v` holds (`squares`: this unit's share of
-    /// its sum of squares): `out = v · r · w`, `rstd[row] = r`.
+    /// Both forwards' second half, over the row `v` holds (zeros past the row's end): its sum
+    /// of squares, then `out = v · r · w`, `rstd[row] = r`.
     #[allow(clippy::too_many_arguments)]
     #[cube]
     fn normalize<F: Float, N: Size>(
         v: &Array<Vector<F, N>>,
-        squares: f32,
         w: &Array<Vector<F, N>>,
         out: &mut Array<Vector<F, N>>,
         rstd: &mut Array<f32>,
@@ -74,6 +73,12 @@ mod kernel {
     ) {
         let lane = UNIT_POS_X as usize;
         let at = row * width;
+        let mut squares = 0.0f32;
+        #[unroll]
+        for k in 0..per_lane {
+            let f = Vector::<f32, N>::cast_from(v[k]);
+            squares += f32::cast_from((f * f).vector_sum());
+        }
         let total = row_sum(squares, scratch, lanes);
         let r = 1.0f32 / f32::sqrt(total / hidden + eps);
         #[unroll]
@@ -115,7 +120,6 @@ mod kernel {
         let at = row * x_pitch;
         let zero = Vector::<F, N>::cast_from(Vector::<f32, N>::new(0.0));
         let mut v = Array::<Vector<F, N>>::new(per_lane);
-        let mut squares = 0.0f32;
         #[unroll]
         for k in 0..per_lane {
             let i = lane + k * lanes;
@@ -124,12 +128,9 @@ mod kernel {
                 e = x[at + i];
             }
             v[k] = e;
-            let f = Vector::<f32, N>::cast_from(e);
-            squares += f32::cast_from((f * f).vector_sum());
         }
         normalize::<F, N>(
             &v,
-            squares,
             w,
             out,
             rstd,
@@ -173,7 +174,6 @@ mod kernel {
         let at = row * width;
         let zero = Vector::<F, N>::cast_from(Vector::<f32, N>::new(0.0));
         let mut v = Array::<Vector<F, N>>::new(per_lane);
-        let mut squares = 0.0f32;
         #[unroll]
         for k in 0..per_lane {
             let i = lane + k * lanes;
@@ -185,12 +185,9 @@ mod kernel {
                 sum[at + i] = e;
             }
             v[k] = e;
-            let f = Vector::<f32, N>::cast_from(e);
-            squares += f32::cast_from((f * f).vector_sum());
         }
         normalize::<F, N>(
             &v,
-            squares,
             w,
             out,
             rstd,

@@ -70,12 +70,10 @@ fn contiguous(t: CudaCube) -> CudaCube {
 /// CUDA allocates elementwise outputs of short rows: 576 bf16 become 768 apart), which the
 /// RMSNorm kernels read as they are; a contiguous copy otherwise.
 fn rows_of(t: CudaCube) -> (CudaCube, usize) {
-    let shape: Vec<usize> = t.meta.shape().iter().copied().collect();
-    let strides: Vec<usize> = t.meta.strides().iter().copied().collect();
-    match row_pitch(&shape, &strides) {
+    match row_pitch(t.meta.shape(), t.meta.strides()) {
         Some(pitch) => (t, pitch),
         None => {
-            let hidden = shape.last().copied().unwrap_or(1);
+            let hidden = t.meta.shape().last().copied().unwrap_or(1);
             (into_contiguous(t), hidden)
         }
     }

@@ -76,42 +76,79 @@ fn on<B: Backend, Z: Backend, O: FusedOp<N, D>, const N: usize, const D: usize>(
         .each_ref()
         .map(|p| Tensor::from_primitive(TensorPrimitive::Float(p.primitive.clone())));
     let (out, saved) = op.forward(&inner);
+    Ok(back_from::<B, Z, D>(tracked(
+        op,
+        prims.each_ref(),
+        inner,
+        saved,
+        out,
+    )))
+}
+
+/// `out` of `op` as an autodiff tensor: a node of `op`'s custom backward whose parents are
+/// those of `parents` (the inputs as autodiff tensors, where they are tracked), keeping `inputs`
+/// and `saved` for it.
+fn tracked<Z: Backend, O: FusedOp<N, D>, const N: usize, const D: usize>(
+    op: &O,
+    parents: [&AutodiffPrimitive<Z>; N],
+    inputs: [Tensor<Z, D>; N],
+    saved: Vec<Tensor<Z, D>>,
+    out: Tensor<Z, D>,
+) -> AutodiffPrimitive<Z> {
     let out = out.into_primitive().tensor();
-    let out = match FusedBackward::<O, D>(core::marker::PhantomData)
-        .prepare::<NoCheckpointing>(prims.each_ref().map(|p| p.node.clone()))
+    match FusedBackward::<O, D>(core::marker::PhantomData)
+        .prepare::<NoCheckpointing>(parents.map(|p| p.node.clone()))
         .compute_bound()
         .stateful()
     {
         OpsKind::Tracked(prep) => prep.finish(
             FusedState {
                 op: op.clone(),
-                inputs: inner,
+                inputs,
                 saved,
             },
             out,
         ),
         OpsKind::UnTracked(prep) => prep.finish(out),
-    };
-    let out = Tensor::<Autodiff<Z>, D>::from_primitive(TensorPrimitive::Float(out));
-    Ok(float_as::<Autodiff<Z>, B, D>(out).expect("B is Autodiff<Z>"))
+    }
+}
+
+/// An autodiff primitive of `Autodiff<Z>` as a tensor of `B` (which is `Autodiff<Z>`).
+fn back_from<B: Backend, Z: Backend, const D: usize>(p: AutodiffPrimitive<Z>) -> Tensor<B, D> {
+    let t = Tensor::<Autodiff<Z>, D>::from_primitive(TensorPrimitive::Float(p));
+    float_as::<Autodiff<Z>, B, D>(t).expect("B is Autodiff<Z>")
 }
 
 /// An op of two inputs whose first is a sum `x + residual` that its forward can make itself
 /// (one kernel writing the sum and the op's output: a block's residual add folded into the
 /// norm after it).
+/// `(x + residual, op(x + residual, other), saved)`.
+pub(super) type AfterAddOut<Z, const D: usize> = (Tensor<Z, D>, Tensor<Z, D>, Vec<Tensor<Z, D>>);
+
 pub(super) trait AfterAdd<const D: usize>: FusedOp<2, D> {
-    /// `(x + residual, op(x + residual, other), saved)`: here the sum in burn ops and then
-    /// the op's forward.
-    fn forward_after_add<Z: Backend>(
+    /// `(x + residual, op(x + residual, other), saved)` from one kernel where the op has one
+    /// for these tensors; None sends the caller to the add and then [`FusedOp::forward`].
+    fn fused_after_add<Z: Backend>(
         &self,
         x: &Tensor<Z, D>,
         residual: &Tensor<Z, D>,
         other: &Tensor<Z, D>,
-    ) -> (Tensor<Z, D>, Tensor<Z, D>, Vec<Tensor<Z, D>>) {
+    ) -> Option<AfterAddOut<Z, D>>;
+}
+
+/// `(x + residual, op(x + residual, other), saved)`: the op's one kernel, or else the add in
+/// burn ops and then the op's forward.
+fn forward_after_add<Z: Backend, O: AfterAdd<D>, const D: usize>(
+    op: &O,
+    x: &Tensor<Z, D>,
+    residual: &Tensor<Z, D>,
+    other: &Tensor<Z, D>,
+) -> AfterAddOut<Z, D> {
+    op.fused_after_add(x, residual, other).unwrap_or_else(|| {
         let sum = x.clone() + residual.clone();
-        let (out, saved) = self.forward(&[sum.clone(), other.clone()]);
+        let (out, saved) = op.forward(&[sum.clone(), other.clone()]);
         (sum, out, saved)
-    }
+    })
 }
 
 /// `(x + residual, op(x + residual, other))` with the sum made by the op's forward: under
@@ -145,7 +182,7 @@ pub(super) fn apply_after_add<B: Backend, O: AfterAdd<D>, const D: usize>(
             Ok(out) => return out,
             Err(inputs) => inputs,
         };
-    let (sum, out, _) = op.forward_after_add(&x, &residual, &other);
+    let (sum, out, _) = forward_after_add(&op, &x, &residual, &other);
     (sum, out)
 }
 
@@ -164,7 +201,7 @@ fn after_add_on<B: Backend, Z: Backend, O: AfterAdd<D>, const D: usize>(
     if TypeId::of::<B>() == TypeId::of::<Z>() {
         let [x, residual, other] =
             [x, residual, other].map(|t| float_as::<B, Z, D>(t).expect("B is Z"));
-        let (sum, out, _) = op.forward_after_add(&x, &residual, &other);
+        let (sum, out, _) = forward_after_add(op, &x, &residual, &other);
         let back = |t| float_as::<Z, B, D>(t).expect("B is Z");
         return Ok((back(sum), back(out)));
     }
@@ -181,33 +218,13 @@ fn after_add_on<B: Backend, Z: Backend, O: AfterAdd<D>, const D: usize>(
         Tensor::<Z, D>::from_primitive(TensorPrimitive::Float(p.primitive.clone()))
     };
     let (w, ix, ir) = (inner(&po), inner(&px), inner(&pr));
-    let (sum, out, saved) = op.forward_after_add(&ix, &ir, &w);
+    let (sum, out, saved) = forward_after_add(op, &ix, &ir, &w);
     let sum_ad = SumBackward
         .prepare::<NoCheckpointing>([px.node.clone(), pr.node.clone()])
         .compute_bound()
         .stateless(sum.clone().into_primitive().tensor());
-    let nodes = [sum_ad.node.clone(), po.node.clone()];
-    let out = out.into_primitive().tensor();
-    let out = match FusedBackward::<O, D>(core::marker::PhantomData)
-        .prepare::<NoCheckpointing>(nodes)
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish(
-            FusedState {
-                op: op.clone(),
-                inputs: [sum, w],
-                saved,
-            },
-            out,
-        ),
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    };
-    let back = |p| {
-        let t = Tensor::<Autodiff<Z>, D>::from_primitive(TensorPrimitive::Float(p));
-        float_as::<Autodiff<Z>, B, D>(t).expect("B is Autodiff<Z>")
-    };
-    Ok((back(sum_ad), back(out)))
+    let out = tracked(op, [&sum_ad, &po], [sum, w], saved, out);
+    Ok((back_from::<B, Z, D>(sum_ad), back_from::<B, Z, D>(out)))
 }
 
 /// An autodiff tensor of `Autodiff<Z>`.

@@ -3,7 +3,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
 
-use super::dispatch::{AfterAdd, FusedOp, apply, apply_after_add};
+use super::dispatch::{AfterAdd, AfterAddOut, FusedOp, apply, apply_after_add};
 
 /// `x / √(mean(x²) + eps) · weight` over the last axis of `x`, the mean in f32 whatever the
 /// dtype of `x` (what burn's `RmsNorm::forward` computes). On `ZeroBackend<Cuda>` (with or
@@ -19,10 +19,7 @@ pub fn rms_norm<B: Backend, const D: usize>(
     }
     // `x` keeps its rank (the kernels read it as `[rows, hidden]`): a reshape there and back
     // would be two more ops of autodiff and fusion per call, four with the backward's.
-    let hidden = weight.dims()[0];
-    let mut weight_shape = [1; D];
-    weight_shape[D - 1] = hidden;
-    apply(RmsNorm { eps }, [x, weight.reshape(weight_shape)])
+    apply(RmsNorm { eps }, [x, weight_of_rank(weight)])
 }
 
 /// `(x + residual, rms_norm(x + residual, weight, eps))`: a transformer block's residual add and
@@ -40,10 +37,14 @@ pub fn add_rms_norm<B: Backend, const D: usize>(
         let sum = x + residual;
         return (sum.clone(), reference(sum, weight, eps));
     }
-    let hidden = weight.dims()[0];
-    let mut weight_shape = [1; D];
-    weight_shape[D - 1] = hidden;
-    apply_after_add(RmsNorm { eps }, x, residual, weight.reshape(weight_shape))
+    apply_after_add(RmsNorm { eps }, x, residual, weight_of_rank(weight))
+}
+
+/// The `[hidden]` weight as `[1, …, 1, hidden]`, of the input's rank (the op's inputs share one).
+fn weight_of_rank<B: Backend, const D: usize>(weight: Tensor<B, 1>) -> Tensor<B, D> {
+    let mut shape = [1; D];
+    shape[D - 1] = weight.dims()[0];
+    weight.reshape(shape)
 }
 
 /// burn's formula (`RmsNorm::forward`): the path with the kernels switched off.
@@ -109,18 +110,17 @@ impl<const D: usize> FusedOp<2, D> for RmsNorm {
 }
 
 impl<const D: usize> AfterAdd<D> for RmsNorm {
-    fn forward_after_add<Z: Backend>(
+    #[allow(unused_variables)] // all read on CUDA only
+    fn fused_after_add<Z: Backend>(
         &self,
         x: &Tensor<Z, D>,
         residual: &Tensor<Z, D>,
         w: &Tensor<Z, D>,
-    ) -> (Tensor<Z, D>, Tensor<Z, D>, Vec<Tensor<Z, D>>) {
+    ) -> Option<AfterAddOut<Z, D>> {
         #[cfg(feature = "cuda")]
         if let Some((sum, y, rstd)) = super::cuda::rms_add_forward(x, residual, w, self.eps) {
-            return (sum, y, vec![rstd]);
+            return Some((sum, y, vec![rstd]));
         }
-        let sum = x.clone() + residual.clone();
-        let (y, saved) = self.forward(&[sum.clone(), w.clone()]);
-        (sum, y, saved)
+        None
     }
 }
