@@ -490,16 +490,18 @@ fn main() {
         }
         loss = loss_memory_and_time(&device, iterations);
     }
-    // The loss: each chunk's kernel against the same chunks in burn ops on f32 copies; vocabularies
-    // no vector divides (53), 1,000 and the recipe's (49,152), both layouts, ignored targets.
-    // Every shape in f32; bf16 and f16 share the kernel's code and take up to two minutes a
-    // shape (compiling), so they take two shapes and one.
+    // The loss: each chunk's kernel against the same chunks in burn ops in the same dtype (and
+    // in f32 against the materialized loss); vocabularies no vector divides (53), 1,000, the
+    // recipe's (49,152) and Llama 3's (128,256), both layouts, ignored targets. Every shape in
+    // f32; bf16 takes three and f16 one (they share the kernel's code).
     let small = (37, 20, 53, 8, VocabAxis::Columns, Some(-100));
     let middle = (67, 64, 1_000, 32, VocabAxis::Rows, None);
     let large = (130, 96, 49_152, 64, VocabAxis::Rows, Some(-100));
+    // Llama 3's vocabulary, the width of the timed loss.
+    let llama = (37, 64, 128_256, 16, VocabAxis::Rows, Some(-100));
     let loss_cases = [
-        (f32t, vec![small, middle, large]),
-        (bf16, vec![small, large]),
+        (f32t, vec![small, middle, large, llama]),
+        (bf16, vec![small, large, llama]),
         (f16, vec![small]),
     ];
     for (dtype, shapes) in loss_cases {
