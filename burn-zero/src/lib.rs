@@ -20,6 +20,7 @@ pub mod comm;
 pub mod config;
 pub mod dist;
 pub mod engine;
+pub mod graph;
 #[cfg(feature = "cuda")]
 pub mod kernel_cache;
 #[cfg(unix)]

@@ -205,6 +205,33 @@ pub struct BurnZeroConfig {
     /// synchronization) and, idle, sleeps in steps of 150 µs. One policy per process: the
     /// threads serve every engine on the device.
     pub eager_host_queue: bool,
+    /// `cuda_graphs`: `Engine::forward_backward` captures a step's forward and backward as a
+    /// CUDA graph and replays it (issue 37; `burn_zero::graph`).
+    pub cuda_graphs: CudaGraphsConfig,
+}
+
+/// `burn_zero.cuda_graphs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CudaGraphsConfig {
+    /// `enabled` (default false): on CUDA, steps given to `Engine::forward_backward` are
+    /// captured after `warmup` eager runs and replayed; elsewhere they run eagerly.
+    pub enabled: bool,
+    /// `warmup`: eager runs of a step shape before it is captured (at least 1).
+    pub warmup: usize,
+    /// `max_graphs`: graphs kept (one per input shape and micro-step of an accumulation
+    /// window); the least recently used is dropped beyond it.
+    pub max_graphs: usize,
+}
+
+impl Default for CudaGraphsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            warmup: 1,
+            max_graphs: 8,
+        }
+    }
 }
 
 /// `burn_zero.fused_kernels`: each fused op of `burn_zero::nn` runs its kernels on CUDA when
@@ -267,6 +294,7 @@ impl Default for BurnZeroConfig {
             comm_timeout_s: None,
             deterministic: false,
             eager_host_queue: true,
+            cuda_graphs: CudaGraphsConfig::default(),
         }
     }
 }

@@ -67,6 +67,7 @@ const OVERRIDES: &[(&str, &str, Kind)] = &[
     ("BURN_ZERO_COMM_TIMEOUT_S", "comm_timeout_s", Kind::Number),
     ("BURN_ZERO_DETERMINISTIC", "deterministic", Kind::Bool),
     ("BURN_ZERO_EAGER_HOST_QUEUE", "eager_host_queue", Kind::Bool),
+    ("BURN_ZERO_CUDA_GRAPHS", "cuda_graphs.enabled", Kind::Bool),
 ];
 
 /// The variables that may override a key, with the key they override.

@@ -120,6 +120,8 @@ pub struct Engine<I: Backend, M: Module<ZeroAutodiff<I>>> {
     pub(super) device: I::Device,
     /// Whether offloaded sub-groups step during backward (`step_ahead`).
     pub(super) step_ahead: StepAheadPlan,
+    /// The steps captured as CUDA graphs (`burn_zero.cuda_graphs`), once a step asked.
+    pub(super) graphs: Option<super::graphs::EngineGraphs<I, M>>,
 }
 
 impl<I: Backend, M: Module<ZeroAutodiff<I>>> Drop for Engine<I, M> {
@@ -518,6 +520,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let mut params = strategy.publish(source)?;
         let model = self.model.take().expect("model");
         let model = rebuild_from(model, &self.layout, &mut *params);
+        drop(params);
+        let model = self.pin_params(model)?;
         self.model = Some(hooks::mark_distributed(model));
         Ok(())
     }

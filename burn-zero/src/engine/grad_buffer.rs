@@ -120,6 +120,13 @@ fn write_widened<I: Backend>(
 }
 
 /// A flat buffer of `len` elements in pieces of at most `piece` elements.
+/// A [`GradBuffer`]'s pieces and written elements at one moment.
+#[derive(Clone)]
+pub(crate) struct BufferState<I: Backend> {
+    pieces: Vec<Tensor<I, 1>>,
+    written: Vec<Range<usize>>,
+}
+
 pub(crate) struct GradBuffer<I: Backend> {
     pieces: Vec<Tensor<I, 1>>,
     piece: usize,
@@ -160,6 +167,22 @@ impl<I: Backend> GradBuffer<I> {
 
     fn overlaps(&self, range: &Range<usize>) -> Vec<(usize, Range<usize>, usize)> {
         overlaps(self.ranges(), range)
+    }
+
+    /// What the buffer holds now (its pieces, shared, and which elements were written), for
+    /// [`GradBuffer::restore`].
+    pub(crate) fn state(&self) -> BufferState<I> {
+        BufferState {
+            pieces: self.pieces.clone(),
+            written: self.written.clone(),
+        }
+    }
+
+    /// Makes the buffer hold `state` again: after a replayed backward, whose kernels wrote the
+    /// pieces the captured one left (`crate::graph`).
+    pub(crate) fn restore(&mut self, state: &BufferState<I>) {
+        self.pieces = state.pieces.clone();
+        self.written = state.written.clone();
     }
 
     /// Zeroes every piece (the old pieces go first, so the new can take their memory).

@@ -27,6 +27,13 @@ use crate::comm::CommError;
 /// host only after backward, with nothing left to overlap its copy.
 const HOST_BUCKET: usize = 1 << 27;
 
+/// The host side of a finished backward pass ([`GradCore::backward_state`]).
+#[derive(Clone)]
+pub(crate) struct BackwardState<I: Backend> {
+    buffer: super::grad_buffer::BufferState<I>,
+    seen: usize,
+}
+
 /// The gradient state every strategy holds; the strategy decides what goes where.
 pub(crate) struct GradCore<I: Backend> {
     layout: Arc<FlatLayout>,
@@ -168,6 +175,21 @@ impl<I: Backend> GradCore<I> {
             Some(host) => host.upload(0..host.grads().len(), self.flat.device()),
             None => self.buffer.slice(0..self.buffer.len()),
         }
+    }
+
+    /// What a backward pass left here that a replay of its kernels must find again: the
+    /// buffer's pieces and written elements, and the parameters seen.
+    pub(crate) fn backward_state(&self) -> BackwardState<I> {
+        BackwardState {
+            buffer: self.buffer.state(),
+            seen: self.seen,
+        }
+    }
+
+    /// Puts back what [`GradCore::backward_state`] took, after its backward was replayed.
+    pub(crate) fn restore_backward(&mut self, state: &BackwardState<I>) {
+        self.buffer.restore(&state.buffer);
+        self.seen = state.seen;
     }
 
     /// Zeroes the gradients after an optimizer step.

@@ -243,6 +243,7 @@ fn build<I: Backend, M: Module<ZeroAutodiff<I>>, S: Strategy<I> + 'static>(
         last_step_end: std::time::Instant::now(),
         device,
         step_ahead,
+        graphs: None,
     };
     engine.profile_maybe_start();
     Ok(engine)

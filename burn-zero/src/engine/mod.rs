@@ -25,6 +25,7 @@ mod grad_buffer;
 #[cfg(feature = "cuda")]
 mod grad_cuda;
 mod grads;
+mod graphs;
 mod host_grads;
 #[cfg(feature = "cuda")]
 mod host_grads_cuda;

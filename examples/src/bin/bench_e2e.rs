@@ -178,7 +178,8 @@ fn main() {
     let usage = "bench-e2e SIZE STAGE [STEPS] [MICRO_BATCH] [SEQ] [--pool fitted|sliced|exclusive] \
                  [--init shared|burn] [--loss chunked|full] [--release 1|0] [--ac 0|1] [--bucket N] [--sub-group N] [--loss-rows N] \
                  [--deterministic 0|1] [--warmup N] [--grad-accum-dtype fp32|bf16] [--ckpt DIR --save-at N] [--resume DIR] \
-                 [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none]";
+                 [--offload-param cpu|nvme:DIR|none] [--offload-optimizer cpu|nvme:DIR|none] \
+                 [--graphs 0|1] [--gas N] [--seq-switch STEP:SEQ]";
     let (args, options) = split_options(&args, usage);
     let pool = match option(&options, "pool") {
         None | Some("fitted") => MemoryPoolLayout::Fitted,
@@ -225,6 +226,26 @@ fn main() {
         Some(other) => panic!("--precision is bf16 or fp32, not `{other}`"),
     };
     let warmup = count_option(&options, "warmup", 2);
+    // `--graphs 0|1`: each micro-step through `Engine::forward_backward` (no host sync between
+    // forward and backward), with `burn_zero.cuda_graphs` off or on (issue 37).
+    // E2E_GRAPHS=0|1 stands for the option when it is not given (run_host_pace.sh's variants
+    // set variables).
+    let graphs_env = std::env::var("E2E_GRAPHS").ok();
+    let graphs = match option(&options, "graphs").or(graphs_env.as_deref()) {
+        None => None,
+        Some("0") => Some(false),
+        Some("1") => Some(true),
+        Some(other) => panic!("--graphs is 0 or 1, not `{other}`"),
+    };
+    // `--gas N`: micro-steps per optimizer step (`gradient_accumulation_steps`).
+    let gas = count_option(&options, "gas", 1).max(1);
+    // `--seq-switch STEP:SEQ`: from step STEP on, sequences of SEQ tokens (a new graph).
+    let seq_switch = option(&options, "seq-switch").map(|v| {
+        let parsed = v
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse::<usize>().ok()?, b.parse::<usize>().ok()?)));
+        parsed.unwrap_or_else(|| panic!("--seq-switch is STEP:SEQ, not `{v}`"))
+    });
     let data_types = match option(&options, "grad-accum-dtype") {
         None | Some("fp32") => "",
         Some("bf16") => r#", "data_types": {"grad_accum_dtype": "bf16"}"#,
@@ -268,7 +289,7 @@ fn main() {
         )
     });
     let json = format!(
-        r#"{{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": 1,
+        r#"{{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": {gas},
             "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4, "betas": [0.9, 0.95],
                 "weight_decay": 0.1}}}},
             "gradient_clipping": 1.0,
@@ -277,14 +298,16 @@ fn main() {
                 "reduce_bucket_size": {bucket}, "allgather_bucket_size": 200000000,
                 "stage3_prefetch_bucket_size": {prefetch}{offload_param}{offload_optimizer}{sub_group}}},
             "burn_zero": {{"matmul": {{"cublaslt": true}}, "deterministic": {deterministic},
-                "memory_pool": "{pool_name}", "release_cached_memory": {release_cached}}}
+                "memory_pool": "{pool_name}", "release_cached_memory": {release_cached},
+                "cuda_graphs": {{"enabled": {cuda_graphs}}}}}
                 {ac}{profile}{data_types}}}"#,
         ac = if checkpointing {
             r#", "activation_checkpointing": {"partition_activations": false}"#
         } else {
             ""
         },
-        pool_name = format!("{pool:?}").to_lowercase()
+        pool_name = format!("{pool:?}").to_lowercase(),
+        cuda_graphs = graphs == Some(true),
     );
     let ds = DeepSpeedConfig::from_json(&json).expect("config").config;
     <Cuda as Backend>::seed(&device, 42);
@@ -322,21 +345,63 @@ fn main() {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
     for step in first..steps {
-        let batch = tokens(step, rank, shape, &device);
+        let shape = match seq_switch {
+            Some((at, seq)) if step >= at => (shape.0, seq, shape.2),
+            _ => shape,
+        };
+        let batches: Vec<_> = (0..gas)
+            .map(|m| tokens(step * gas + m, rank, shape, &device))
+            .collect();
         <Cuda as Backend>::sync(&device).expect("sync");
         let start = Instant::now();
-        let loss = engine.model().loss(batch);
-        // When each call returns, before any sync: how long the host takes to issue the work.
-        // Near the synced time, the host is what the GPU waits for.
-        let forward_call = start.elapsed().as_secs_f64();
-        <Cuda as Backend>::sync(&device).expect("sync");
-        let forward_s = start.elapsed().as_secs_f64();
-        if step == 0 {
-            pools.push(pool_usage(&device, "the first forward", rank));
-        }
-        let issued = Instant::now();
-        engine.backward(loss.clone()).expect("backward");
-        let backward_call = issued.elapsed().as_secs_f64();
+        let (loss, forward_call, forward_s, backward_call) = match graphs {
+            // One call per micro-step, no sync inside: forward and backward are timed as one.
+            Some(_) => {
+                let mut loss = None;
+                for batch in batches {
+                    let l = engine
+                        .forward_backward(vec![batch], |model, mut inputs| {
+                            model.loss(inputs.remove(0))
+                        })
+                        .unwrap_or_else(|e| panic!("forward_backward: {e}"));
+                    loss = Some(l);
+                    if gas > 1 && !engine.is_gradient_accumulation_boundary() {
+                        engine.step().expect("micro-step");
+                    }
+                }
+                let call = start.elapsed().as_secs_f64();
+                (loss.expect("a micro-step"), call, call, 0.0)
+            }
+            None => {
+                let mut loss = None;
+                let (mut forward_call, mut forward_s, mut backward_call) = (0.0, 0.0, 0.0);
+                for batch in batches {
+                    let at = Instant::now();
+                    let l = engine.model().loss(batch);
+                    // When each call returns, before any sync: how long the host takes to issue
+                    // the work. Near the synced time, the host is what the GPU waits for.
+                    forward_call += at.elapsed().as_secs_f64();
+                    <Cuda as Backend>::sync(&device).expect("sync");
+                    forward_s += at.elapsed().as_secs_f64();
+                    if step == 0 && loss.is_none() {
+                        pools.push(pool_usage(&device, "the first forward", rank));
+                    }
+                    let issued = Instant::now();
+                    engine.backward(l.clone()).expect("backward");
+                    backward_call += issued.elapsed().as_secs_f64();
+                    loss = Some(l);
+                    if gas > 1 && !engine.is_gradient_accumulation_boundary() {
+                        engine.step().expect("micro-step");
+                    }
+                }
+                (
+                    loss.expect("a micro-step"),
+                    forward_call,
+                    forward_s,
+                    backward_call,
+                )
+            }
+        };
         if step == 0 {
             pools.push(pool_usage(&device, "the first backward", rank));
         }
@@ -385,7 +450,8 @@ fn main() {
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
-    let tokens_per_gpu = (micro * seq) as f64 / median;
+    let seq = seq_switch.map_or(seq, |(_, seq)| seq);
+    let tokens_per_gpu = (gas * micro * seq) as f64 / median;
     let per_token = flops_per_token(params, &config, seq);
     if rank == 0 {
         println!(
@@ -413,6 +479,8 @@ fn main() {
                     "gemm_gpu_ms": products.gemm_gpu_us / timed / 1e3},
                 "offload_breakdown": offload,
                 "deterministic": deterministic, "first_step": first,
+                "cuda_graphs": graphs, "gradient_accumulation_steps": gas,
+                "seq_switch": seq_switch,
                 "losses": losses, "grad_norms": norms, "train_start_unix": train_start,
                 "memory_report": report.to_string(), "pool_memory": pools})
         );

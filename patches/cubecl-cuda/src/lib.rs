@@ -7,6 +7,8 @@ mod device;
 mod runtime;
 
 pub use device::*;
+/// burn-zero's patch: a CUDA graph captured from a cubecl stream (`CudaServer::end_capture`).
+pub use compute::CapturedGraph;
 pub use runtime::*;
 
 #[cfg(feature = "ptx-wmma")]

@@ -76,7 +76,12 @@ impl<'a> Command<'a> {
 
     /// Explicitly cleanup gpu memory on the current stream.
     pub fn memory_cleanup(&mut self) {
-        self.streams.current().memory_management_gpu.cleanup(true)
+        let current = self.streams.current();
+        // burn-zero's patch: a captured graph's scratch may lie in any free page.
+        if !current.may_release_pages() {
+            return;
+        }
+        current.memory_management_gpu.cleanup(true)
     }
 
     /// Set the [`MemoryAllocationMode`] for the current stream.
@@ -192,10 +197,23 @@ impl<'a> Command<'a> {
             .map(|b| b.handle.clone())
             .collect::<Vec<_>>();
 
+        // burn-zero's patch: a read inside a capture would return bytes no copy ever wrote (the
+        // graph runs only when replayed): refuse it.
+        let captured = self.streams.current().capture.is_some();
         let result = self.copies_to_bytes(descriptors, true);
         let fence = Fence::new(self.streams.current().sys);
 
         async move {
+            if captured {
+                let _ = fence.wait_sync();
+                return Err(ServerError::Generic {
+                    reason: "a value was read back to the host while the stream was captured \
+                             into a CUDA graph (burn_zero.cuda_graphs): a captured step must \
+                             not read device values"
+                        .into(),
+                    backtrace: BackTrace::capture(),
+                });
+            }
             let sync = fence.wait_sync();
             // Release memory handle.
             core::mem::drop(descriptors_moved);
@@ -384,7 +402,10 @@ impl<'a> Command<'a> {
             )
         }?;
 
-        current.drop_queue.push(data);
+        match current.capture.as_mut() {
+            Some(kept) => kept.push(data),
+            None => current.drop_queue.push(data),
+        }
 
         Ok(())
     }
@@ -478,7 +499,8 @@ impl<'a> Command<'a> {
             const_info,
         );
 
-        if stream.drop_queue.should_flush() {
+        // burn-zero's patch: no flush while captured (it waits on an event of the capture).
+        if stream.capture.is_none() && stream.drop_queue.should_flush() {
             stream.drop_queue.flush(|| Fence::new(stream.sys));
         }
 

@@ -26,6 +26,20 @@ pub struct Stream {
     pub memory_management_cpu: MemoryManagement<PinnedMemoryStorage>,
     pub errors: Vec<ServerError>,
     pub drop_queue: drop_queue::PendingDropQueue<Fence>,
+    /// burn-zero's patch: while the stream is captured into a CUDA graph, the staging bytes of
+    /// its uploads, kept for the graph (its copy nodes read them again on every replay).
+    pub capture: Option<Vec<cubecl_common::bytes::Bytes>>,
+    /// burn-zero's patch: graphs captured on this stream and still alive. Their scratch memory
+    /// lies in this stream's pool pages, so no page may go back to the driver meanwhile.
+    pub graphs_alive: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Stream {
+    /// burn-zero's patch: whether pages of this stream's pool may be given back to the driver
+    /// (not while capturing, nor while a captured graph that may use them lives).
+    pub fn may_release_pages(&self) -> bool {
+        self.capture.is_none() && self.graphs_alive.load(std::sync::atomic::Ordering::SeqCst) == 0
+    }
 }
 
 impl drop_queue::Fence for Fence {
@@ -79,6 +93,8 @@ impl EventStreamBackend for CudaStreamBackend {
             memory_management_cpu,
             errors: Vec::new(),
             drop_queue: Default::default(),
+            capture: None,
+            graphs_alive: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         }
     }
 

@@ -21,6 +21,9 @@ pub struct GpuStorage {
     ptr_bindings: PtrBindings,
     stream: cudarc::driver::sys::CUstream,
     mem_alignment: usize,
+    /// burn-zero's patch: while the stream is captured, pages come from `cuMemAlloc` (a
+    /// stream-ordered allocation would become a node of the graph) and none is freed.
+    capturing: bool,
 }
 
 /// A GPU memory resource allocated for CUDA using [`GpuStorage`].
@@ -54,7 +57,13 @@ impl GpuStorage {
             ptr_bindings: PtrBindings::new(),
             stream,
             mem_alignment,
+            capturing: false,
         }
+    }
+
+    /// burn-zero's patch: marks the storage's stream as captured into a CUDA graph, or not.
+    pub fn set_capturing(&mut self, capturing: bool) {
+        self.capturing = capturing;
     }
 
     /// Deallocates buffers marked for deallocation.
@@ -171,7 +180,12 @@ impl ComputeStorage for GpuStorage {
         // SAFETY: Calling CUDA driver FFI to allocate device memory. First tries async
         // allocation on the stream; falls back to synchronous allocation if that fails.
         // The returned pointer is stored in `self.memory` and freed on deallocation.
-        let ptr = unsafe { cudarc::driver::result::malloc_async(self.stream, size as usize) };
+        let ptr = match self.capturing {
+            true => Err(DriverError(
+                cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            )),
+            false => unsafe { cudarc::driver::result::malloc_async(self.stream, size as usize) },
+        };
         let (ptr, kind) = match ptr {
             Ok(ptr) => (ptr, AllocationKind::Async),
             Err(_) => unsafe {
@@ -207,6 +221,9 @@ impl ComputeStorage for GpuStorage {
 
     #[cfg_attr(feature = "tracing", tracing::instrument(level = "trace", skip(self)))]
     fn flush(&mut self) {
+        if self.capturing {
+            return;
+        }
         self.perform_deallocations();
     }
 }

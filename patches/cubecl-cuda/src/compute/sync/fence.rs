@@ -10,6 +10,18 @@ use cudarc::driver::sys::{CUevent_flags, CUevent_st, CUevent_wait_flags, CUstrea
 #[derive(Debug)]
 pub struct Fence {
     event: *mut CUevent_st,
+    /// burn-zero's patch: recorded on a stream being captured into a CUDA graph. Such an event
+    /// cannot be waited on from the host or from a stream outside the capture.
+    captured: bool,
+}
+
+/// burn-zero's patch: whether `stream` is being captured into a CUDA graph.
+pub fn is_capturing(stream: *mut CUstream_st) -> bool {
+    // SAFETY: `stream` is a valid, initialized CUDA stream (the callers' contract).
+    matches!(
+        unsafe { cudarc::driver::result::stream::is_capturing(stream) },
+        Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    )
 }
 
 // If we don't close the stream or destroy the event, it is safe.
@@ -35,7 +47,10 @@ impl Fence {
                 cudarc::driver::result::event::create(CUevent_flags::CU_EVENT_DEFAULT).unwrap();
             cudarc::driver::result::event::record(event, stream).unwrap();
 
-            Self { event }
+            Self {
+                event,
+                captured: is_capturing(stream),
+            }
         }
     }
 
@@ -46,6 +61,12 @@ impl Fence {
         // (block) until the event completes, then destroy it. `self` is consumed so the
         // event cannot be double-freed.
         unsafe {
+            // burn-zero's patch: a captured event marks no work the host could wait for (the
+            // graph runs when replayed; its owner orders replays).
+            if self.captured {
+                let _ = cudarc::driver::result::event::destroy(self.event);
+                return Ok(());
+            }
             cudarc::driver::result::event::synchronize(self.event).map_err(|err| {
                 ServerError::Generic {
                     reason: format!("{err:?}"),
@@ -75,12 +96,22 @@ impl Fence {
         // a valid CUDA stream. The event is destroyed after the wait, and `self` is consumed
         // so the event cannot be used again.
         unsafe {
-            cudarc::driver::result::stream::wait_event(
-                stream,
-                self.event,
-                CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-            .unwrap();
+            // burn-zero's patch: across the border of a capture a stream cannot wait for an
+            // event. A captured stream waiting for earlier work elsewhere has the host wait for
+            // it instead (the graph's owner orders each replay after that work); a stream
+            // outside waiting for captured work waits for nothing (the work runs at replay).
+            match (self.captured, is_capturing(stream)) {
+                (false, true) => {
+                    cudarc::driver::result::event::synchronize(self.event).unwrap();
+                }
+                (true, false) => {}
+                _ => cudarc::driver::result::stream::wait_event(
+                    stream,
+                    self.event,
+                    CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .unwrap(),
+            }
             cudarc::driver::result::event::destroy(self.event).unwrap();
         }
     }
