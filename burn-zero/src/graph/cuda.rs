@@ -14,7 +14,10 @@ use cubecl::device_handle::DeviceHandle;
 use cubecl::server::ComputeServer;
 use cubecl::stream_id::StreamId;
 use cudarc::driver::result::{event, memcpy_dtod_async, stream};
-use cudarc::driver::sys::{CUevent, CUevent_flags, CUevent_wait_flags, CUstream};
+use cudarc::driver::sys::{
+    CUDA_MEMCPY2D, CUevent, CUevent_flags, CUevent_wait_flags, CUmemorytype, CUstream,
+    cuMemcpy2DAsync_v2,
+};
 
 use crate::backend::ZeroTensor;
 use crate::backend::cuda::{CudaServer, FusionClient};
@@ -80,17 +83,9 @@ pub(crate) fn replay(
         let theirs = raw_stream(server, graph)?;
         wait_for(theirs, ours)?;
         for (from, into) in &copies {
-            let (src, bytes) = address(server, from, caller)?;
-            let (dst, room) = address(server, into, graph)?;
-            if bytes != room {
-                return Err(format!(
-                    "an input of {bytes} bytes replaces one of {room}: the shapes differ"
-                ));
-            }
-            // SAFETY: both buffers are live for the call (the copies hold them) and hold
-            // `bytes`; the graph's stream runs the copy after the caller's queued work.
-            unsafe { memcpy_dtod_async(dst, src, bytes, theirs) }
-                .map_err(|e| format!("copying an input: {e:?}"))?;
+            // The graph's stream runs the copy after the caller's queued work.
+            copy_elements(server, (from, caller), (into, graph), theirs)
+                .map_err(|e| format!("copying an input: {e}"))?;
         }
         if let Some(captured) = &captured {
             server
@@ -114,15 +109,7 @@ pub(crate) fn copy(
     in_order(device, caller, move |server| {
         let ours = raw_stream(server, caller)?;
         for (from, into) in &copies {
-            let (src, bytes) = address(server, from, caller)?;
-            let (dst, room) = address(server, into, caller)?;
-            if bytes != room {
-                return Err(format!("{bytes} bytes copied into {room}"));
-            }
-            // SAFETY: both live (held by `copies` until the copy is queued; their memory is
-            // reused only by later work on this stream) and `bytes` long.
-            unsafe { memcpy_dtod_async(dst, src, bytes, ours) }
-                .map_err(|e| format!("copying: {e:?}"))?;
+            copy_elements(server, (from, caller), (into, caller), ours)?;
         }
         Ok(())
     })
@@ -148,21 +135,100 @@ fn raw_stream(server: &mut CudaServer, id: StreamId) -> Result<CUstream, String>
         .map_err(|e| format!("cubecl's stream: {e:?}"))
 }
 
-/// The device address and byte length of a contiguous tensor's elements.
-fn address(
+/// A tensor's elements as rows: `(rows, row elements, pitch in elements)`, when its strides are
+/// row-major with rows perhaps pitched (cubecl pads the rows of tensors it allocates).
+fn rows(tensor: &CubeTensor<CudaRuntime>) -> Option<(usize, usize, usize)> {
+    let shape = tensor.meta.shape();
+    let strides = tensor.meta.strides();
+    let n = shape.len();
+    if n == 0 {
+        return Some((1, 1, 1));
+    }
+    if strides[n - 1] != 1 && shape[n - 1] > 1 {
+        return None;
+    }
+    let (row, pitch) = match n {
+        1 => (shape[0], shape[0].max(1)),
+        _ => (shape[n - 1], strides[n - 2].max(shape[n - 1]).max(1)),
+    };
+    // Above the rows, each stride spans the dimensions below it.
+    for k in 0..n.saturating_sub(2) {
+        if shape[k] > 1 && strides[k] != shape[k + 1] * strides[k + 1] {
+            return None;
+        }
+    }
+    let count: usize = shape[..n.saturating_sub(1)].iter().product();
+    Some((count, row, pitch))
+}
+
+/// Queues on `stream` the copy of `from`'s elements into `into`'s (same shape and dtype; rows
+/// pitched alike or not).
+fn copy_elements(
+    server: &mut CudaServer,
+    (from, from_stream): (&CubeTensor<CudaRuntime>, StreamId),
+    (into, into_stream): (&CubeTensor<CudaRuntime>, StreamId),
+    stream: CUstream,
+) -> Result<(), String> {
+    if from.meta.shape() != into.meta.shape() || from.dtype != into.dtype {
+        return Err(format!(
+            "a tensor of shape {:?} ({:?}) cannot be copied into one of shape {:?} ({:?})",
+            from.meta.shape(),
+            from.dtype,
+            into.meta.shape(),
+            into.dtype
+        ));
+    }
+    let layout = |t: &CubeTensor<CudaRuntime>| {
+        rows(t).ok_or_else(|| format!("strides {:?} are not row-major", t.meta.strides()))
+    };
+    let ((count, row, src_pitch), (_, _, dst_pitch)) = (layout(from)?, layout(into)?);
+    if count * row == 0 {
+        return Ok(());
+    }
+    let size = from.dtype.size();
+    let src = resource(server, from, from_stream)?;
+    let dst = resource(server, into, into_stream)?;
+    if src_pitch == row && dst_pitch == row {
+        // SAFETY: both live (their handles are held by the caller until the copy is queued)
+        // and hold `count * row` elements from their addresses.
+        return unsafe { memcpy_dtod_async(dst, src, count * row * size, stream) }
+            .map_err(|e| format!("copying: {e:?}"));
+    }
+    let copy = CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: core::ptr::null(),
+        srcDevice: src,
+        srcArray: core::ptr::null_mut(),
+        srcPitch: src_pitch * size,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: core::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: core::ptr::null_mut(),
+        dstPitch: dst_pitch * size,
+        WidthInBytes: row * size,
+        Height: count,
+    };
+    // SAFETY: as above, rows of `row` elements at the given pitches.
+    unsafe { cuMemcpy2DAsync_v2(&copy, stream) }
+        .result()
+        .map_err(|e| format!("copying rows: {e:?}"))
+}
+
+/// The device address of a tensor's first element.
+fn resource(
     server: &mut CudaServer,
     tensor: &CubeTensor<CudaRuntime>,
     on: StreamId,
-) -> Result<(u64, usize), String> {
-    if !tensor.is_contiguous() {
-        return Err("a graph's input must be contiguous".into());
-    }
-    let bytes = tensor.meta.shape().num_elements() * tensor.dtype.size();
+) -> Result<u64, String> {
     let binding = tensor.handle.clone().binding();
     let resource = server
         .get_resource(binding, on)
-        .map_err(|e| format!("an input's memory: {e:?}"))?;
-    Ok((resource.resource().ptr, bytes))
+        .map_err(|e| format!("a tensor's memory: {e:?}"))?;
+    Ok(resource.resource().ptr)
 }
 
 /// burn-cuda's tensor behind `any`: a float or int primitive of `CubeBackend<CudaRuntime>`,

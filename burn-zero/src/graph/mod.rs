@@ -127,7 +127,7 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
 
 /// Copies each pair's first tensor into the second's memory, in order on the calling
 /// thread's stream (float primitives of burn-cuda, as `ZeroTensor`, fusion's or cubecl's;
-/// equal sizes, contiguous). An error for other backends.
+/// same shapes, rows pitched alike or not). An error for other backends.
 pub(crate) fn copy_values(
     pairs: &[(&dyn core::any::Any, &dyn core::any::Any)],
 ) -> Result<(), String> {
