@@ -179,8 +179,12 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// After the optimizer's step: the new parameters' values copied into the memory the
     /// graphs read, and the model that holds it back in place. `model` is returned unchanged
     /// when no graph was captured.
-    pub(super) fn pin_params(&self, model: M) -> Result<M, EngineError> {
-        let Some(pinned) = self.graphs.as_ref().and_then(|g| g.pinned.as_ref()) else {
+    pub(super) fn pin_params(&mut self, model: M) -> Result<M, EngineError> {
+        let start = std::time::Instant::now();
+        let Some(graphs) = self.graphs.as_mut() else {
+            return Ok(model);
+        };
+        let Some(pinned) = graphs.pinned.as_ref() else {
             return Ok(model);
         };
         let from = primitives(&model);
@@ -194,7 +198,15 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         crate::graph::copy_values(&pairs).map_err(|e| {
             EngineError::Device(format!("copying the new parameters for the graphs: {e}"))
         })?;
-        Ok(pinned.clone())
+        let pinned = pinned.clone();
+        graphs.steps.add_pin_time(start.elapsed());
+        Ok(pinned)
+    }
+
+    /// The graphs' host time since the last call (`None` until a step went through
+    /// [`Engine::forward_backward`]).
+    pub fn take_graph_timings(&mut self) -> Option<crate::graph::GraphTimings> {
+        self.graphs.as_mut().map(|g| g.steps.take_timings())
     }
 }
 

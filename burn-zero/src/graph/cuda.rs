@@ -70,15 +70,16 @@ pub(crate) fn end(device: &CudaDevice, graph: StreamId) -> Result<Arc<CapturedGr
 
 /// On stream `graph`, after the calling thread's stream's queued work: each `(from, into)`
 /// copied, then `captured` replayed if given; the calling thread's later work is ordered after
-/// it all (CUDA events both ways, no host wait).
+/// it all (CUDA events both ways, no host wait). Returns the time inside `cuGraphLaunch`.
 pub(crate) fn replay(
     device: &CudaDevice,
     graph: StreamId,
     captured: Option<Arc<CapturedGraph>>,
     copies: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
-) -> Result<(), String> {
+) -> Result<std::time::Duration, String> {
     let caller = StreamId::current();
     in_order(device, caller, move |server| {
+        let mut launch = std::time::Duration::ZERO;
         let ours = raw_stream(server, caller)?;
         let theirs = raw_stream(server, graph)?;
         wait_for(theirs, ours)?;
@@ -88,15 +89,17 @@ pub(crate) fn replay(
                 .map_err(|e| format!("copying an input: {e}"))?;
         }
         if let Some(captured) = &captured {
+            let start = std::time::Instant::now();
             server
                 .launch_graph(graph, captured)
                 .map_err(|e| format!("replaying: {e}"))?;
+            launch = start.elapsed();
         }
         // The caller's stream waits for the graph's: memory the copies read may be reused by
         // the caller's later work once they are dropped here.
         wait_for(ours, theirs)?;
         drop(copies);
-        Ok(())
+        Ok(launch)
     })
 }
 
@@ -108,10 +111,42 @@ pub(crate) fn copy(
     let caller = StreamId::current();
     in_order(device, caller, move |server| {
         let ours = raw_stream(server, caller)?;
+        // Unpitched neighbours in both memories (parameters laid end to end) go as one copy.
+        let mut run: Option<(u64, u64, usize)> = None;
+        let flush = |run: Option<(u64, u64, usize)>| match run {
+            // SAFETY: every tensor of the run is live (held by `copies`) and the run spans
+            // consecutive elements of both memories.
+            Some((src, dst, bytes)) => unsafe { memcpy_dtod_async(dst, src, bytes, ours) }
+                .map_err(|e| format!("copying: {e:?}")),
+            None => Ok(()),
+        };
         for (from, into) in &copies {
-            copy_elements(server, (from, caller), (into, caller), ours)?;
+            let plain =
+                |t: &CubeTensor<CudaRuntime>| rows(t).is_some_and(|(_, row, pitch)| row == pitch);
+            if !(plain(from) && plain(into)) || from.meta.shape() != into.meta.shape() {
+                flush(run.take())?;
+                copy_elements(server, (from, caller), (into, caller), ours)?;
+                continue;
+            }
+            if from.dtype != into.dtype {
+                return Err(format!("{:?} copied into {:?}", from.dtype, into.dtype));
+            }
+            let bytes = from.meta.shape().num_elements() * from.dtype.size();
+            let (src, dst) = (
+                resource(server, from, caller)?,
+                resource(server, into, caller)?,
+            );
+            run = match run {
+                Some((s, d, b)) if s + b as u64 == src && d + b as u64 == dst => {
+                    Some((s, d, b + bytes))
+                }
+                other => {
+                    flush(other)?;
+                    Some((src, dst, bytes))
+                }
+            };
         }
-        Ok(())
+        flush(run)
     })
 }
 

@@ -29,6 +29,7 @@ mod policy;
 mod cuda;
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
@@ -45,6 +46,21 @@ struct Captured<B: Backend, T> {
     graph: std::sync::Arc<cubecl::cuda::CapturedGraph>,
 }
 
+/// Host time of replays since the owner last took it ([`StepGraphs::take_timings`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GraphTimings {
+    /// Replays.
+    pub replays: usize,
+    /// Resolving the inputs' memory (burn's fusion hands over their buffers).
+    pub prepare: Duration,
+    /// Ordering, copying the inputs and launching, through cubecl's device thread.
+    pub launch: Duration,
+    /// Of `launch`, inside `cuGraphLaunch`.
+    pub graph_launch: Duration,
+    /// Copying new parameter values into the memory the graphs read (the engine's).
+    pub pin: Duration,
+}
+
 /// A step's graphs on one device, keyed by its inputs' shapes and a variant.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub struct StepGraphs<B: Backend, T> {
@@ -53,6 +69,7 @@ pub struct StepGraphs<B: Backend, T> {
     enabled: bool,
     policy: GraphPolicy,
     graphs: HashMap<GraphKey, Captured<B, T>>,
+    timings: GraphTimings,
 }
 
 impl<B: Backend, T: Clone> StepGraphs<B, T> {
@@ -72,6 +89,7 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
             enabled,
             policy: GraphPolicy::new(warmup, max_graphs),
             graphs: HashMap::new(),
+            timings: GraphTimings::default(),
         }
     }
 
@@ -112,6 +130,16 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
     pub fn reset(&mut self) {
         self.graphs.clear();
         self.policy.reset();
+    }
+
+    /// The replays' host time since the last call.
+    pub fn take_timings(&mut self) -> GraphTimings {
+        core::mem::take(&mut self.timings)
+    }
+
+    /// Adds `time` to the parameter copies' host time.
+    pub fn add_pin_time(&mut self, time: Duration) {
+        self.timings.pin += time;
     }
 
     /// Graphs held now.
@@ -253,6 +281,7 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
     ) -> Result<T, String> {
         let device = self.cuda_device().expect("checked by supported");
         let stream = self.stream();
+        let start = Instant::now();
         let captured = self.graphs.get(key).ok_or("no graph for a replayed key")?;
         let copies = inputs
             .into_iter()
@@ -264,8 +293,15 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
                 ))
             })
             .collect::<Result<Vec<_>, String>>()?;
-        cuda::replay(&device, stream, Some(captured.graph.clone()), copies)?;
-        Ok(captured.out.clone())
+        let prepared = Instant::now();
+        let graph_launch = cuda::replay(&device, stream, Some(captured.graph.clone()), copies)?;
+        let out = captured.out.clone();
+        let t = &mut self.timings;
+        t.replays += 1;
+        t.prepare += prepared - start;
+        t.launch += prepared.elapsed();
+        t.graph_launch += graph_launch;
+        Ok(out)
     }
 }
 

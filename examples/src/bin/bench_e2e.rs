@@ -431,6 +431,7 @@ fn main() {
             host_calls.push([forward_call, backward_call, step_call]);
         }
         if step + 1 == warmup {
+            engine.take_graph_timings();
             engine.take_timings();
             engine.take_offload_timings();
             let _ = take_matmul_profile(env.local_rank);
@@ -439,6 +440,13 @@ fn main() {
     }
     host_profile.finish();
     let timings = engine.take_timings();
+    // Host time of the graphs' replays per timed step, in ms.
+    let graph_ms = engine.take_graph_timings().map(|g| {
+        let per = |d: std::time::Duration| d.as_secs_f64() * 1e3 / times.len().max(1) as f64;
+        serde_json::json!({"replays": g.replays, "prepare_ms": per(g.prepare),
+            "launch_ms": per(g.launch), "graph_launch_ms": per(g.graph_launch),
+            "pin_ms": per(g.pin)})
+    });
     let offload = engine
         .take_offload_timings()
         .map(|t| burn_zero_examples::offload_breakdown(&t, times.len()));
@@ -479,7 +487,8 @@ fn main() {
                     "gemm_gpu_ms": products.gemm_gpu_us / timed / 1e3},
                 "offload_breakdown": offload,
                 "deterministic": deterministic, "first_step": first,
-                "cuda_graphs": graphs, "gradient_accumulation_steps": gas,
+                "cuda_graphs": graphs, "graph_host_ms_per_step": graph_ms,
+                "gradient_accumulation_steps": gas,
                 "seq_switch": seq_switch,
                 "losses": losses, "grad_norms": norms, "train_start_unix": train_start,
                 "memory_report": report.to_string(), "pool_memory": pools})
