@@ -7,7 +7,9 @@ use std::sync::Arc;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
-use burn_fusion::FusionTensor;
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{FusionRuntime, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use cubecl::cuda::{CapturedGraph, CudaDevice, CudaRuntime};
 use cubecl::device::Device;
 use cubecl::device_handle::DeviceHandle;
@@ -103,6 +105,81 @@ pub(crate) fn replay(
     })
 }
 
+/// Copies each pair's first tensor into the second's memory as one operation of burn's fusion
+/// stream (no host round trip per tensor: the handles are looked up where fusion runs it).
+/// `false`, queuing nothing, when the tensors are not all fusion's CUDA tensors.
+pub(crate) fn copy_in_stream(pairs: &[(&dyn core::any::Any, &dyn core::any::Any)]) -> bool {
+    let fused = |any: &dyn core::any::Any| -> Option<Fused> {
+        if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+            return zero
+                .is_local()
+                .then(|| zero.inner().clone())
+                .and_then(|t| (&t as &dyn core::any::Any).downcast_ref::<Fused>().cloned());
+        }
+        any.downcast_ref::<Fused>().cloned()
+    };
+    let mut from = Vec::with_capacity(pairs.len());
+    let mut into = Vec::with_capacity(pairs.len());
+    for (f, i) in pairs {
+        match (fused(*f), fused(*i)) {
+            (Some(f), Some(i)) => {
+                from.push(f);
+                into.push(i);
+            }
+            _ => return false,
+        }
+    }
+    let Some(client) = from.first().map(|t| t.client.clone()) else {
+        return true;
+    };
+    let streams = OperationStreams::with_inputs(from.iter().chain(&into));
+    let inputs: Vec<TensorIr> = from.into_iter().chain(into).map(|t| t.into_ir()).collect();
+    let desc = CustomOpIr::new("burn_zero_graph_copy", &inputs, &[]);
+    let op = CopyOp {
+        desc: desc.clone(),
+        pairs: pairs.len(),
+    };
+    client.register(streams, OperationIr::Custom(desc), op);
+    true
+}
+
+type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
+
+/// [`copy_in_stream`]'s operation: inputs are the sources, then the destinations.
+#[derive(Debug)]
+struct CopyOp {
+    desc: CustomOpIr,
+    pairs: usize,
+}
+
+impl Operation<FusionCubeRuntime<CudaRuntime>> for CopyOp {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<
+            <FusionCubeRuntime<CudaRuntime> as FusionRuntime>::FusionHandle,
+        >,
+    ) {
+        let cubes: Vec<CubeTensor<CudaRuntime>> = self
+            .desc
+            .inputs
+            .iter()
+            .map(|ir| handles.get_float_tensor::<Cube>(ir))
+            .collect();
+        let Some(device) = cubes.first().map(|t| t.device.clone()) else {
+            return;
+        };
+        let into = cubes[self.pairs..].to_vec();
+        let copies: Vec<_> = cubes[..self.pairs].iter().cloned().zip(into).collect();
+        // Fusion runs this on its thread under the stream the copies were queued on; cubecl's
+        // thread takes them after the kernels queued before.
+        // A panic on fusion's thread is what the engine's device-failure check reports at the
+        // next backward or step.
+        if let Err(e) = copy_here(&device, copies) {
+            panic!("copying parameters into the memory CUDA graphs read: {e}");
+        }
+    }
+}
+
 /// Copies each `(from, into)` on the calling thread's stream, after its queued work.
 pub(crate) fn copy(
     device: &CudaDevice,
@@ -110,6 +187,28 @@ pub(crate) fn copy(
 ) -> Result<(), String> {
     let caller = StreamId::current();
     in_order(device, caller, move |server| {
+        copy_on(server, caller, copies)
+    })
+}
+
+/// [`copy`] from a thread that holds no fusion queue to drain (fusion's own).
+fn copy_here(
+    device: &CudaDevice,
+    copies: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
+) -> Result<(), String> {
+    let caller = StreamId::current();
+    DeviceHandle::<CudaServer>::new(device.to_id())
+        .submit_blocking(move |server| copy_on(server, caller, copies))
+        .map_err(|e| format!("cubecl's device thread: {e:?}"))?
+}
+
+/// The copies on `caller`'s stream, on cubecl's thread.
+fn copy_on(
+    server: &mut CudaServer,
+    caller: StreamId,
+    copies: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
+) -> Result<(), String> {
+    {
         let ours = raw_stream(server, caller)?;
         // Unpitched neighbours in both memories (parameters laid end to end) go as one copy.
         let mut run: Option<(u64, u64, usize)> = None;
@@ -147,7 +246,7 @@ pub(crate) fn copy(
             };
         }
         flush(run)
-    })
+    }
 }
 
 /// Makes `waiter` wait for the work queued on `on` so far.

@@ -161,6 +161,9 @@ pub(crate) fn copy_values(
 ) -> Result<(), String> {
     #[cfg(feature = "cuda")]
     {
+        if cuda::copy_in_stream(pairs) {
+            return Ok(());
+        }
         let cubes = pairs
             .iter()
             .map(
