@@ -29,7 +29,7 @@ mod policy;
 mod cuda;
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
@@ -284,7 +284,7 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
     ) -> Result<T, String> {
         let device = self.cuda_device().expect("checked by supported");
         let stream = self.stream();
-        let start = Instant::now();
+        let start = std::time::Instant::now();
         let captured = self.graphs.get(key).ok_or("no graph for a replayed key")?;
         let copies = inputs
             .into_iter()
@@ -296,7 +296,7 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
                 ))
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let prepared = Instant::now();
+        let prepared = std::time::Instant::now();
         let graph_launch = cuda::replay(&device, stream, Some(captured.graph.clone()), copies)?;
         let out = captured.out.clone();
         let t = &mut self.timings;

@@ -403,11 +403,33 @@ impl<'a> Command<'a> {
         }?;
 
         match current.capture.as_mut() {
-            Some(kept) => kept.push(data),
+            Some(kept) => kept.staging.push(data),
             None => current.drop_queue.push(data),
         }
 
         Ok(())
+    }
+
+    /// burn-zero's patch: while the stream is captured, `data` (a launch's metadata) written
+    /// once into memory the graph keeps, as a resource; `None` when the stream is not captured.
+    pub fn capture_constant(&mut self, data: &[u8]) -> Option<Result<GpuResource, IoError>> {
+        let current = self.streams.current();
+        let state = current.capture.as_mut()?;
+        Some(
+            state
+                .constants
+                .constant(data)
+                .map(|ptr| {
+                    current
+                        .memory_management_gpu
+                        .storage()
+                        .raw_resource(ptr, data.len() as u64)
+                })
+                .map_err(|description| IoError::Unknown {
+                    description,
+                    backtrace: BackTrace::capture(),
+                }),
+        )
     }
 
     /// Allocates a new GPU memory buffer and immediately copies contiguous host data into it.

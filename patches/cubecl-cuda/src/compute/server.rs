@@ -680,20 +680,30 @@ impl CudaServer {
             }
         };
 
+        // burn-zero's patch: while captured, the metadata goes to memory the graph keeps
+        // (`capture_constant`), written once, instead of a copy node per launch.
+        let mut info_constant = None;
         let (info_const, info_binding) = if grid_constants {
             let info = &bindings.info;
 
             let mut handle = Option::None;
             if info.dynamic_metadata_offset < info.data.len() {
                 let dyn_meta = &bytemuck::cast_slice(&info.data[info.dynamic_metadata_offset..]);
-                handle = Some(command.create_with_data(dyn_meta)?);
+                match command.capture_constant(dyn_meta) {
+                    Some(resource) => info_constant = Some(resource?),
+                    None => handle = Some(command.create_with_data(dyn_meta)?),
+                }
             }
 
             (Some(info.data.as_ptr() as *mut c_void), handle)
         } else {
             let mut handle = Option::None;
             if !bindings.info.data.is_empty() {
-                handle = Some(command.create_with_data(bytemuck::cast_slice(&bindings.info.data))?);
+                let data = bytemuck::cast_slice(&bindings.info.data);
+                match command.capture_constant(data) {
+                    Some(resource) => info_constant = Some(resource?),
+                    None => handle = Some(command.create_with_data(data)?),
+                }
             }
             (None, handle)
         };
@@ -869,7 +879,8 @@ impl CudaServer {
         resources.extend(
             info_binding
                 .into_iter()
-                .map(|s| command.resource(s.binding()).expect("Resource to exist")),
+                .map(|s| command.resource(s.binding()).expect("Resource to exist"))
+                .chain(info_constant),
         );
 
         command.kernel(
@@ -930,7 +941,7 @@ impl CudaServer {
             )
         }
         .map_err(|e| capture_error(format!("cuStreamBeginCapture: {e:?}")))?;
-        current.capture = Some(Vec::new());
+        current.capture = Some(Default::default());
         current.memory_management_gpu.storage().set_capturing(true);
         Ok(())
     }
@@ -947,13 +958,18 @@ impl CudaServer {
             },
         )?;
         let current = command.streams.current();
-        let Some(staging) = current.capture.take() else {
+        let Some(kept) = current.capture.take() else {
             return Err(capture_error("the stream is not being captured".into()));
         };
         current.memory_management_gpu.storage().set_capturing(false);
         // SAFETY: the stream whose capture began above.
-        let graph = unsafe { cudarc::driver::result::stream::end_capture(current.sys) }
-            .map_err(|e| capture_error(format!("cuStreamEndCapture: {e:?}")))?;
+        let graph = match unsafe { cudarc::driver::result::stream::end_capture(current.sys) } {
+            Ok(graph) => graph,
+            Err(e) => {
+                kept.constants.free();
+                return Err(capture_error(format!("cuStreamEndCapture: {e:?}")));
+            }
+        };
         // SAFETY: a graph just captured.
         let exec = unsafe {
             cudarc::driver::result::graph::instantiate(
@@ -966,6 +982,7 @@ impl CudaServer {
             Err(e) => {
                 // SAFETY: the graph above, not instantiated.
                 let _ = unsafe { cudarc::driver::result::graph::destroy(graph) };
+                kept.constants.free();
                 return Err(capture_error(format!("cuGraphInstantiate: {e:?}")));
             }
         };
@@ -976,7 +993,8 @@ impl CudaServer {
             exec,
             stream: current.sys,
             nodes: graph_nodes(graph),
-            _staging: staging,
+            _staging: kept.staging,
+            constants: Some(kept.constants),
             alive,
         })
     }
@@ -1277,6 +1295,7 @@ pub struct CapturedGraph {
     stream: cudarc::driver::sys::CUstream,
     nodes: usize,
     _staging: Vec<cubecl_common::bytes::Bytes>,
+    constants: Option<super::stream::ConstantArena>,
     alive: alloc::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
@@ -1308,6 +1327,9 @@ impl Drop for CapturedGraph {
             let _ = cudarc::driver::result::stream::synchronize(self.stream);
             let _ = cudarc::driver::result::graph::exec_destroy(self.exec);
             let _ = cudarc::driver::result::graph::destroy(self.graph);
+        }
+        if let Some(constants) = self.constants.take() {
+            constants.free();
         }
         self.alive
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);

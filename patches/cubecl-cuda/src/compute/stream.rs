@@ -26,12 +26,71 @@ pub struct Stream {
     pub memory_management_cpu: MemoryManagement<PinnedMemoryStorage>,
     pub errors: Vec<ServerError>,
     pub drop_queue: drop_queue::PendingDropQueue<Fence>,
-    /// burn-zero's patch: while the stream is captured into a CUDA graph, the staging bytes of
-    /// its uploads, kept for the graph (its copy nodes read them again on every replay).
-    pub capture: Option<Vec<cubecl_common::bytes::Bytes>>,
+    /// burn-zero's patch: while the stream is captured into a CUDA graph, what the graph keeps.
+    pub capture: Option<CaptureState>,
     /// burn-zero's patch: graphs captured on this stream and still alive. Their scratch memory
     /// lies in this stream's pool pages, so no page may go back to the driver meanwhile.
     pub graphs_alive: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// burn-zero's patch: what a stream being captured keeps for its graph.
+#[derive(Debug, Default)]
+pub struct CaptureState {
+    /// The staging bytes of its uploads (the graph's copy nodes read them on every replay).
+    pub staging: Vec<cubecl_common::bytes::Bytes>,
+    /// Launch metadata, written once at capture into memory nothing else uses.
+    pub constants: ConstantArena,
+}
+
+/// burn-zero's patch: device memory for the launch metadata of a captured graph. Uploaded as
+/// the capture runs (a synchronous copy, outside the graph) into chunks only this arena hands
+/// out, so no replay needs a copy node for it: the graph's kernels read the same values on
+/// every replay, and no other buffer of the step can overwrite them (a pool slice could be
+/// reused by a later tensor of the step).
+#[derive(Debug, Default)]
+pub struct ConstantArena {
+    chunks: Vec<(cudarc::driver::sys::CUdeviceptr, usize)>,
+    used: usize,
+}
+
+impl ConstantArena {
+    const CHUNK: usize = 1 << 20;
+    const ALIGN: usize = 256;
+
+    /// `data` at a fresh device address.
+    pub fn constant(&mut self, data: &[u8]) -> Result<cudarc::driver::sys::CUdeviceptr, String> {
+        let len = data.len().max(1).next_multiple_of(Self::ALIGN);
+        let fits = self
+            .chunks
+            .last()
+            .is_some_and(|(_, size)| self.used + len <= *size);
+        if !fits {
+            let size = len.max(Self::CHUNK);
+            // SAFETY: a plain device allocation, freed by `free`.
+            let ptr = unsafe { cudarc::driver::result::malloc_sync(size) }
+                .map_err(|e| format!("allocating launch metadata: {e:?}"))?;
+            self.chunks.push((ptr, size));
+            self.used = 0;
+        }
+        let ptr = self.chunks.last().expect("a chunk").0 + self.used as u64;
+        self.used += len;
+        // SAFETY: `len >= data.len()` bytes at `ptr` belong to this arena; a synchronous copy
+        // from pageable host memory, on the legacy stream (cubecl's streams do not block on it).
+        unsafe {
+            cudarc::driver::sys::cuMemcpyHtoD_v2(ptr, data.as_ptr() as *const _, data.len())
+        }
+        .result()
+        .map_err(|e| format!("writing launch metadata: {e:?}"))?;
+        Ok(ptr)
+    }
+
+    /// Gives the memory back (no graph reads it any more).
+    pub fn free(self) {
+        for (ptr, _) in self.chunks {
+            // SAFETY: allocated by `constant`, freed once.
+            let _ = unsafe { cudarc::driver::result::free_sync(ptr) };
+        }
+    }
 }
 
 impl Stream {

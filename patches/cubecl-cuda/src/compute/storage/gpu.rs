@@ -61,6 +61,17 @@ impl GpuStorage {
         }
     }
 
+    /// burn-zero's patch: a resource for `size` bytes at `ptr`, device memory this storage
+    /// does not manage (a captured graph's launch metadata).
+    pub fn raw_resource(&mut self, ptr: u64, size: u64) -> GpuResource {
+        let slot = self.ptr_bindings.register(ptr);
+        GpuResource::new(
+            *slot,
+            slot as *const cudarc::driver::sys::CUdeviceptr as *mut std::ffi::c_void,
+            size,
+        )
+    }
+
     /// burn-zero's patch: marks the storage's stream as captured into a CUDA graph, or not.
     pub fn set_capturing(&mut self, capturing: bool) {
         self.capturing = capturing;
