@@ -456,7 +456,10 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             true => self.agree("step its offloaded optimizer", working)?,
             false => working?,
         };
-        strategy.grads_mut().clear();
+        let zeroed = self.graphs_hold_grads() && strategy.grads_mut().zero_in_place();
+        if !zeroed {
+            strategy.grads_mut().clear();
+        }
         self.publish(&mut *strategy, working)?;
         drop(strategy);
 
@@ -521,7 +524,15 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let model = self.model.take().expect("model");
         let model = rebuild_from(model, &self.layout, &mut *params);
         drop(params);
-        let model = self.pin_params(model)?;
+        let model = match self.pin_params(&model) {
+            Ok(pinned) => pinned.unwrap_or(model),
+            Err(e) => {
+                // The new model stands; the graphs, which read the old memory, go.
+                self.drop_graphs();
+                self.model = Some(hooks::mark_distributed(model));
+                return Err(e);
+            }
+        };
         self.model = Some(hooks::mark_distributed(model));
         Ok(())
     }

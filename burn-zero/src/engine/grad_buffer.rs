@@ -119,7 +119,6 @@ fn write_widened<I: Backend>(
     piece.slice_assign(local, accum.settle(widen(part, dtype)))
 }
 
-/// A flat buffer of `len` elements in pieces of at most `piece` elements.
 /// A [`GradBuffer`]'s pieces and written elements at one moment.
 #[derive(Clone)]
 pub(crate) struct BufferState<I: Backend> {
@@ -127,6 +126,41 @@ pub(crate) struct BufferState<I: Backend> {
     written: Vec<Range<usize>>,
 }
 
+impl<I: Backend> BufferState<I> {
+    /// The state without its pieces when nothing was written ([`BackwardState::reads`]).
+    ///
+    /// [`BackwardState::reads`]: super::grads::BackwardState::reads
+    pub(crate) fn reads(mut self) -> Self {
+        if self.written.is_empty() {
+            self.pieces.clear();
+        }
+        self
+    }
+
+    /// Nothing written in either, or the same elements written into the same pieces (the same
+    /// tensors: `crate::graph::same_tensors`).
+    pub(crate) fn matches(&self, other: &BufferState<I>) -> bool {
+        if self.written != other.written {
+            return false;
+        }
+        if self.written.is_empty() {
+            return true;
+        }
+        let primitives = |s: &BufferState<I>| -> Vec<_> {
+            s.pieces
+                .iter()
+                .map(|p| p.clone().into_primitive().tensor())
+                .collect()
+        };
+        let (a, b) = (primitives(self), primitives(other));
+        let any = |v: &[I::FloatTensorPrimitive]| -> Vec<&dyn core::any::Any> {
+            v.iter().map(|p| p as &dyn core::any::Any).collect()
+        };
+        crate::graph::same_tensors(&any(&a), &any(&b))
+    }
+}
+
+/// A flat buffer of `len` elements in pieces of at most `piece` elements.
 pub(crate) struct GradBuffer<I: Backend> {
     pieces: Vec<Tensor<I, 1>>,
     piece: usize,
@@ -183,6 +217,26 @@ impl<I: Backend> GradBuffer<I> {
     pub(crate) fn restore(&mut self, state: &BufferState<I>) {
         self.pieces = state.pieces.clone();
         self.written = state.written.clone();
+    }
+
+    /// Zeroes every piece where it lies, no new buffer made: CUDA graphs write into these
+    /// pieces, and new ones would be a second gradient buffer until a replay put the captured
+    /// ones back. `false`, changing nothing, where the backend cannot (`crate::graph`).
+    pub(crate) fn zero_in_place(&mut self) -> bool {
+        let primitives: Vec<_> = self
+            .pieces
+            .iter()
+            .map(|p| p.clone().into_primitive().tensor())
+            .collect();
+        let tensors: Vec<&dyn core::any::Any> = primitives
+            .iter()
+            .map(|p| p as &dyn core::any::Any)
+            .collect();
+        let zeroed = crate::graph::zero_values(&tensors);
+        if zeroed {
+            self.written.clear();
+        }
+        zeroed
     }
 
     /// Zeroes every piece (the old pieces go first, so the new can take their memory).

@@ -34,6 +34,22 @@ pub(crate) struct BackwardState<I: Backend> {
     seen: usize,
 }
 
+impl<I: Backend> BackwardState<I> {
+    /// Whether a backward captured from `captured` would read the same here: nothing written
+    /// in either, or the same pieces with the same elements written.
+    pub(crate) fn matches(&self, captured: &BackwardState<I>) -> bool {
+        self.buffer.matches(&captured.buffer)
+    }
+
+    /// What a backward from this state reads of it: the pieces only where elements were
+    /// written (a first micro-step copies its gradients in and reads nothing, and holding its
+    /// zeroed pieces would keep a second gradient buffer alive).
+    pub(crate) fn reads(mut self) -> Self {
+        self.buffer = self.buffer.reads();
+        self
+    }
+}
+
 /// The gradient state every strategy holds; the strategy decides what goes where.
 pub(crate) struct GradCore<I: Backend> {
     layout: Arc<FlatLayout>,
@@ -190,6 +206,12 @@ impl<I: Backend> GradCore<I> {
     pub(crate) fn restore_backward(&mut self, state: &BackwardState<I>) {
         self.buffer.restore(&state.buffer);
         self.seen = state.seen;
+    }
+
+    /// Zeroes the device gradients where they lie ([`GradBuffer::zero_in_place`]); `false`,
+    /// changing nothing, where they stream to the host or the backend cannot.
+    pub(crate) fn zero_in_place(&mut self) -> bool {
+        self.host.is_none() && self.buffer.zero_in_place()
     }
 
     /// Zeroes the gradients after an optimizer step.

@@ -12,12 +12,12 @@
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use super::engine::{Engine, EngineError, ZeroAutodiff};
 use super::grads::BackwardState;
-use crate::config::ZeroStage;
-use crate::graph::{GraphAction, StepGraphs};
+use crate::config::{GemmOrder, ZeroStage};
+use crate::graph::{GraphAction, GraphKey, StepError, StepGraphs};
 
 /// The graph stream slot of engines' steps (`crate::graph`).
 const ENGINE_SLOT: u8 = 0;
@@ -26,12 +26,16 @@ const ENGINE_SLOT: u8 = 0;
 #[derive(Clone)]
 pub(super) struct Replayed<I: Backend> {
     loss: Tensor<ZeroAutodiff<I>, 1>,
-    grads: BackwardState<I>,
+    /// The gradient buffer's host side before the backward (its pieces are what a replay
+    /// reads when it adds into them) and after it (what a replay leaves).
+    before: BackwardState<I>,
+    after: BackwardState<I>,
 }
 
-/// An engine's graphs and the model whose parameters they read.
+/// An engine's graphs and the model whose parameters they read; `None` in `steps` when graphs
+/// are off for the engine (the reason was logged once).
 pub(super) struct EngineGraphs<I: Backend, M> {
-    steps: StepGraphs<ZeroAutodiff<I>, Replayed<I>>,
+    steps: Option<StepGraphs<ZeroAutodiff<I>, Replayed<I>>>,
     pinned: Option<M>,
 }
 
@@ -40,8 +44,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// [`Engine::backward`] after the caller's forward would; returns the loss (detached, as
     /// `loss_of` computed it). With `burn_zero.cuda_graphs.enabled` on CUDA the two are
     /// captured as a CUDA graph after a warm-up and replayed: `loss_of` then runs only while a
-    /// step of a new input shape is captured, and must compute the loss from `inputs` and the
-    /// model alone (no host reads, no random numbers; see [`crate::graph`]).
+    /// step of a new key is warmed up or captured, and must compute the loss from `inputs` and
+    /// the model alone (no host reads, no random numbers; what it captures from its
+    /// environment is frozen into the graph; see [`crate::graph`]).
     pub fn forward_backward<const D: usize, F>(
         &mut self,
         inputs: Vec<Tensor<ZeroAutodiff<I>, D, Int>>,
@@ -50,71 +55,100 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     where
         F: FnOnce(&M, Vec<Tensor<ZeroAutodiff<I>, D, Int>>) -> Tensor<ZeroAutodiff<I>, 1>,
     {
-        if let Some(why) = self.graphs_refused() {
-            if self.graphs.is_none() {
-                if self.resolved.config.burn_zero.cuda_graphs.enabled {
-                    crate::log::warn(&format!("burn_zero.cuda_graphs: steps run eagerly: {why}"));
-                }
-                self.graphs = Some(EngineGraphs {
-                    steps: StepGraphs::new(self.device.clone(), ENGINE_SLOT, 1, 1, false),
-                    pinned: None,
-                });
-            }
+        super::device_failure::check()?;
+        let mut graphs = match self.graphs.take() {
+            Some(graphs) => graphs,
+            None => self.start_graphs(),
+        };
+        let Some(steps) = graphs.steps.as_mut() else {
+            self.graphs = Some(graphs);
             let loss = loss_of(self.model(), inputs);
             let out = loss.clone().detach();
             self.backward(loss)?;
             return Ok(out);
+        };
+        let key =
+            StepGraphs::<ZeroAutodiff<I>, Replayed<I>>::key::<D, F>(&self.graph_variant(), &inputs);
+        // A graph that adds into the gradient buffer read the pieces the micro-step before it
+        // left at its capture: replayed only where they are the buffer's pieces now.
+        if steps.would_replay(&key) && !self.grads_as_captured(steps, &key) {
+            steps.forget(&key);
         }
-        let settings = self.resolved.config.burn_zero.cuda_graphs;
-        let mut graphs = self.graphs.take().unwrap_or_else(|| EngineGraphs {
-            steps: StepGraphs::new(
-                self.device.clone(),
-                ENGINE_SLOT,
-                settings.warmup,
-                settings.max_graphs,
-                true,
-            ),
-            pinned: None,
-        });
-        let variant = self.graph_variant();
-        let mut failure = None;
-        let ran = graphs.steps.run(variant, inputs, |inputs| {
+        let start = std::time::Instant::now();
+        let ran = steps.run(key, inputs, |inputs| {
+            let before = self.strategy().grads().backward_state().reads();
             let loss = loss_of(self.model(), inputs);
             let out = loss.clone().detach();
-            if let Err(e) = self.backward(loss) {
-                failure = Some(e);
-            }
-            Replayed {
+            self.backward(loss)?;
+            let after = self.strategy().grads().backward_state();
+            Ok(Replayed {
                 loss: out,
-                grads: self.strategy().grads().backward_state(),
-            }
+                before,
+                after,
+            })
         });
         let result = match ran {
-            Err(e) => {
-                // The step's work did not run; its key runs eagerly from now on.
+            Ok((out, action)) => {
+                self.after_graph_action(&mut graphs, action, &out, start);
+                Ok(match action {
+                    // Eager runs return the caller's own tensor.
+                    GraphAction::Eager => out.loss,
+                    // Others live in the graphs' memory, which a replay rewrites.
+                    _ => out.loss.mul_scalar(1.0),
+                })
+            }
+            Err(StepError::Step(e)) => Err(e),
+            Err(StepError::Graph(e)) => {
+                // The micro-step's work did not run: the accumulation window's gradients are
+                // incomplete, so they go (the caller may redo the window or stop).
                 self.strategy().grads_mut().clear();
                 Err(EngineError::Device(format!(
-                    "capturing the step as a CUDA graph failed ({e}); this micro-step's \
-                     gradients are dropped, and steps of its shape run eagerly from now on \
+                    "{e}; the accumulation window's gradients were dropped \
                      (burn_zero.cuda_graphs.enabled false turns graphs off)"
                 )))
-            }
-            Ok((out, action)) => {
-                if let Some(e) = failure {
-                    Err(e)
-                } else {
-                    self.after_graph_action(&mut graphs, action, &out);
-                    Ok(match action {
-                        // Eager runs return the caller's own tensor.
-                        GraphAction::Eager => out.loss,
-                        // Others live in the graphs' memory, which a replay rewrites.
-                        _ => out.loss.mul_scalar(1.0),
-                    })
-                }
             }
         };
         self.graphs = Some(graphs);
         result
+    }
+
+    /// The engine's graphs, or the reason they are off, logged once.
+    fn start_graphs(&self) -> EngineGraphs<I, M> {
+        let settings = self.resolved.config.burn_zero.cuda_graphs;
+        let steps = match self.graphs_refused() {
+            None => Some(StepGraphs::new(
+                self.device.clone(),
+                ENGINE_SLOT,
+                settings.warmup,
+                settings.max_graphs,
+            )),
+            Some(why) => {
+                if settings.enabled {
+                    crate::log::warn(&format!("burn_zero.cuda_graphs: steps run eagerly: {why}"));
+                }
+                None
+            }
+        };
+        EngineGraphs {
+            steps,
+            pinned: None,
+        }
+    }
+
+    /// Whether the gradient buffer holds what `key`'s graph found at its capture: nothing
+    /// written (a first micro-step, whose gradients are copied in), or the same pieces with the
+    /// same elements written.
+    fn grads_as_captured(
+        &self,
+        steps: &StepGraphs<ZeroAutodiff<I>, Replayed<I>>,
+        key: &GraphKey,
+    ) -> bool {
+        let Some(captured) = steps.captured_out(key) else {
+            return false;
+        };
+        let strategy = self.strategy();
+        let now = strategy.grads().backward_state();
+        now.matches(&captured.before)
     }
 
     /// The host side of what `action` did.
@@ -123,20 +157,29 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         graphs: &mut EngineGraphs<I, M>,
         action: GraphAction,
         out: &Replayed<I>,
+        start: std::time::Instant,
     ) {
         match action {
             GraphAction::Capture if graphs.pinned.is_none() => {
                 graphs.pinned = Some(self.model().clone());
             }
             GraphAction::Replay => {
+                self.timings.forward += start - self.last_step_end;
+                self.timings.backward += start.elapsed();
                 let boundary = self.is_gradient_accumulation_boundary();
                 let mut strategy = self.strategy();
                 let grads = strategy.grads_mut();
                 grads.boundary = boundary;
-                grads.restore_backward(&out.grads);
+                grads.restore_backward(&out.after);
             }
             _ => {}
         }
+    }
+
+    /// Whether captured graphs write into the gradient buffer's pieces: they are then zeroed
+    /// where they lie after a step, not replaced.
+    pub(super) fn graphs_hold_grads(&self) -> bool {
+        self.graphs.as_ref().is_some_and(|g| g.pinned.is_some())
     }
 
     /// Why this engine's steps cannot be captured, if they cannot.
@@ -158,6 +201,8 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             "progressive layer drop (its layers differ from step to step)"
         } else if settings.flops_profiler.enabled {
             "the FLOPs profiler (it synchronizes inside the step)"
+        } else if settings.burn_zero.matmul.order == GemmOrder::Handshake {
+            "matmul.order \"handshake\" (cuBLASLt's stream is not captured)"
         } else {
             return None;
         };
@@ -165,48 +210,66 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     }
 
     /// What besides the inputs' shapes a step's kernels depend on: its place in the
-    /// accumulation window and the loss scale (both folded into the graph as constants).
-    fn graph_variant(&self) -> u64 {
+    /// accumulation window and the loss scale's bits (both folded into the graph).
+    fn graph_variant(&self) -> [u64; 2] {
         let gas = self.resolved.batch.gradient_accumulation_steps.max(1);
         let place = (self.micro_steps % gas) as u64;
         let scale = match self.precision.scales() {
             true => self.precision.scaler.scale().to_bits(),
             false => 0,
         };
-        place ^ scale.rotate_left(20)
+        [place, scale]
     }
 
     /// After the optimizer's step: the new parameters' values copied into the memory the
-    /// graphs read, and the model that holds it back in place. `model` is returned unchanged
-    /// when no graph was captured.
-    pub(super) fn pin_params(&mut self, model: M) -> Result<M, EngineError> {
+    /// graphs read. Returns the model that holds that memory, or `None` when no graph was
+    /// captured (the new model stands).
+    pub(super) fn pin_params(&mut self, model: &M) -> Result<Option<M>, EngineError> {
         let start = std::time::Instant::now();
         let Some(graphs) = self.graphs.as_mut() else {
-            return Ok(model);
+            return Ok(None);
         };
         let Some(pinned) = graphs.pinned.as_ref() else {
-            return Ok(model);
+            return Ok(None);
         };
-        let from = primitives(&model);
+        let from = primitives(model);
         let into = primitives(pinned);
         if from.len() != into.len() {
-            return Err(EngineError::Usage(
-                "the model's parameters changed since its step was captured".into(),
-            ));
+            return Err(EngineError::Usage(format!(
+                "the model has {} parameters, its captured step {}: the model changed since \
+                 its step was captured",
+                from.len(),
+                into.len()
+            )));
         }
         let pairs: Vec<_> = from.iter().zip(&into).map(|(f, i)| (&**f, &**i)).collect();
         crate::graph::copy_values(&pairs).map_err(|e| {
             EngineError::Device(format!("copying the new parameters for the graphs: {e}"))
         })?;
         let pinned = pinned.clone();
-        graphs.steps.add_pin_time(start.elapsed());
-        Ok(pinned)
+        if let Some(steps) = graphs.steps.as_mut() {
+            steps.add_pin_time(start.elapsed());
+        }
+        Ok(Some(pinned))
+    }
+
+    /// Drops every graph and the model they read (after a failure that left them unusable).
+    pub(super) fn drop_graphs(&mut self) {
+        if let Some(graphs) = self.graphs.as_mut() {
+            if let Some(steps) = graphs.steps.as_mut() {
+                steps.reset();
+            }
+            graphs.pinned = None;
+        }
     }
 
     /// The graphs' host time since the last call (`None` until a step went through
-    /// [`Engine::forward_backward`]).
+    /// [`Engine::forward_backward`] with graphs on).
     pub fn take_graph_timings(&mut self) -> Option<crate::graph::GraphTimings> {
-        self.graphs.as_mut().map(|g| g.steps.take_timings())
+        self.graphs
+            .as_mut()
+            .and_then(|g| g.steps.as_mut())
+            .map(|s| s.take_timings())
     }
 }
 

@@ -31,53 +31,145 @@ fn fusion(device: &CudaDevice) -> FusionClient {
     burn_fusion::get_client::<Cube>(device)
 }
 
-/// Runs `task` on cubecl's thread of `device` after everything queued before on the calling
-/// thread's stream `on` (fusion's queue of `on` drained first), and returns its answer.
+/// Runs `task` on cubecl's device thread of `device` (after the tasks queued there before),
+/// and returns its answer.
+fn on_device_thread<T: Send + 'static>(
+    device: &CudaDevice,
+    task: impl FnOnce(&mut CudaServer) -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    DeviceHandle::<CudaServer>::new(device.to_id())
+        .submit_blocking(task)
+        .map_err(|e| format!("cubecl's device thread: {e:?}"))?
+}
+
+/// Runs `task` on cubecl's thread of `device` after everything queued before on stream `on`
+/// (fusion's queue of `on` drained first), and returns its answer.
 fn in_order<T: Send + 'static>(
     device: &CudaDevice,
     on: StreamId,
     task: impl FnOnce(&mut CudaServer) -> Result<T, String> + Send + 'static,
 ) -> Result<T, String> {
     let client = fusion(device);
-    let id = device.to_id();
-    on.executes(|| {
-        client.sync(move || {
-            DeviceHandle::<CudaServer>::new(id)
-                .submit_blocking(task)
-                .map_err(|e| format!("cubecl's device thread: {e:?}"))?
+    let device = device.clone();
+    on.executes(|| client.sync(move || on_device_thread(&device, task)))
+}
+
+/// Makes stream `graph` wait for the work queued so far on the calling thread's stream.
+pub(crate) fn order_after_caller(device: &CudaDevice, graph: StreamId) -> Result<(), String> {
+    replay(device, graph, None, Vec::new()).map(|_| ())
+}
+
+/// Makes the calling thread's stream wait for the work queued so far on stream `graph`
+/// (fusion's queue of `graph` drained first).
+pub(crate) fn order_caller_after(device: &CudaDevice, graph: StreamId) -> Result<(), String> {
+    let caller = StreamId::current();
+    in_order(device, graph, |_| Ok(()))?;
+    in_order(device, caller, move |server| {
+        let (ours, theirs) = (raw_stream(server, caller)?, raw_stream(server, graph)?);
+        wait_for(ours, theirs)
+    })
+}
+
+/// A capture of stream `graph` in progress: [`Capture::end`] returns its graph; dropped before
+/// that (the closure failed or panicked), it ends the capture and discards what it held, so
+/// the stream is usable again.
+pub(crate) struct Capture {
+    device: CudaDevice,
+    stream: StreamId,
+    open: bool,
+}
+
+impl Capture {
+    /// Starts capturing the work queued on stream `graph` of `device`, after the calling
+    /// thread's queued work (which stays outside the graph).
+    pub(crate) fn begin(device: &CudaDevice, graph: StreamId) -> Result<Self, String> {
+        in_order(device, StreamId::current(), |_| Ok(()))?;
+        in_order(device, graph, move |server| {
+            server
+                .begin_capture(graph)
+                .map_err(|e| format!("beginning the capture: {e}"))
+        })?;
+        Ok(Self {
+            device: device.clone(),
+            stream: graph,
+            open: true,
         })
-    })
+    }
+
+    /// Ends the capture: everything queued on the stream since [`Capture::begin`] is in the
+    /// graph.
+    pub(crate) fn end(mut self) -> Result<Graph, String> {
+        self.open = false;
+        let stream = self.stream;
+        let captured = in_order(&self.device, stream, move |server| {
+            server
+                .end_capture(stream)
+                .map(Arc::new)
+                .map_err(|e| format!("ending the capture: {e}"))
+        })?;
+        Ok(Graph {
+            captured: Some(captured),
+            device: self.device.clone(),
+            stream,
+        })
+    }
 }
 
-/// Starts capturing the work queued on stream `graph` of `device`.
-pub(crate) fn begin(device: &CudaDevice, graph: StreamId) -> Result<(), String> {
-    // The caller's queued work goes first, outside the capture.
-    in_order(device, StreamId::current(), |_| Ok(()))?;
-    in_order(device, graph, move |server| {
-        server
-            .begin_capture(graph)
-            .map_err(|e| format!("beginning the capture: {e}"))
-    })
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if self.open {
+            let stream = self.stream;
+            // Whatever was captured is discarded (the graph drops on cubecl's thread).
+            let _ = in_order(&self.device, stream, move |server| {
+                server
+                    .end_capture(stream)
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            });
+        }
+    }
 }
 
-/// Ends the capture begun by [`begin`]: everything queued on `graph` since is in the graph.
-pub(crate) fn end(device: &CudaDevice, graph: StreamId) -> Result<Arc<CapturedGraph>, String> {
-    in_order(device, graph, move |server| {
-        server
-            .end_capture(graph)
-            .map(Arc::new)
-            .map_err(|e| format!("ending the capture: {e}"))
-    })
+/// A captured graph of stream `stream`, replayed by [`Graph::launch`]; dropped on cubecl's
+/// device thread, where the CUDA context is current.
+pub(crate) struct Graph {
+    captured: Option<Arc<CapturedGraph>>,
+    device: CudaDevice,
+    stream: StreamId,
 }
+
+impl Graph {
+    /// On the graph's stream, after the calling thread's stream's queued work: each
+    /// `(from, into)` copied, then the graph replayed; the calling thread's later work is
+    /// ordered after it (CUDA events both ways, no host wait). Returns the time inside
+    /// `cuGraphLaunch`.
+    pub(crate) fn launch(&self, copies: Vec<CopyPair>) -> Result<std::time::Duration, String> {
+        replay(&self.device, self.stream, self.captured.clone(), copies)
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if let Some(captured) = self.captured.take() {
+            let _ = on_device_thread(&self.device, move |_| {
+                drop(captured);
+                Ok(())
+            });
+        }
+    }
+}
+
+/// A tensor to copy from and one to copy into.
+pub(crate) type CopyPair = (CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>);
 
 /// On stream `graph`, after the calling thread's stream's queued work: each `(from, into)`
 /// copied, then `captured` replayed if given; the calling thread's later work is ordered after
 /// it all (CUDA events both ways, no host wait). Returns the time inside `cuGraphLaunch`.
-pub(crate) fn replay(
+fn replay(
     device: &CudaDevice,
     graph: StreamId,
     captured: Option<Arc<CapturedGraph>>,
-    copies: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
+    copies: Vec<CopyPair>,
 ) -> Result<std::time::Duration, String> {
     let caller = StreamId::current();
     in_order(device, caller, move |server| {
@@ -85,59 +177,108 @@ pub(crate) fn replay(
         let ours = raw_stream(server, caller)?;
         let theirs = raw_stream(server, graph)?;
         wait_for(theirs, ours)?;
-        for (from, into) in &copies {
+        for (i, (from, into)) in copies.iter().enumerate() {
             // The graph's stream runs the copy after the caller's queued work.
             copy_elements(server, (from, caller), (into, graph), theirs)
-                .map_err(|e| format!("copying an input: {e}"))?;
+                .map_err(|e| format!("copying input {i}: {e}"))?;
         }
         if let Some(captured) = &captured {
             let start = std::time::Instant::now();
             server
                 .launch_graph(graph, captured)
-                .map_err(|e| format!("replaying: {e}"))?;
+                .map_err(|e| format!("launching: {e}"))?;
             launch = start.elapsed();
         }
         // The caller's stream waits for the graph's: memory the copies read may be reused by
         // the caller's later work once they are dropped here.
         wait_for(ours, theirs)?;
         drop(copies);
+        // The last reference to a graph may be this task's: it then drops here, on this thread.
+        drop(captured);
         Ok(launch)
     })
+}
+
+/// [`crate::graph::copy_values`] on CUDA: one operation of fusion's stream where every tensor
+/// is fusion's, else copies queued from the host after resolving each tensor.
+pub(crate) fn copy_values(
+    pairs: &[(&dyn core::any::Any, &dyn core::any::Any)],
+) -> Result<(), String> {
+    if copy_in_stream(pairs) {
+        return Ok(());
+    }
+    let cubes = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, (from, into))| match (cube_of(*from), cube_of(*into)) {
+            (Some(f), Some(t)) => Ok((f, t)),
+            _ => Err(format!("tensor pair {i} is not of burn-cuda")),
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let Some(device) = cubes.first().map(|(f, _)| f.device.clone()) else {
+        return Ok(());
+    };
+    copy(&device, cubes)
+}
+
+/// Whether `a` and `b` are the same fusion tensor (`None` unless both are fusion's CUDA
+/// tensors).
+pub(crate) fn same_tensor(a: &dyn core::any::Any, b: &dyn core::any::Any) -> Option<bool> {
+    Some(fused_of(a)?.id == fused_of(b)?.id)
+}
+
+/// Whether `any` is burn-cuda's tensor (cubecl's, fusion's, or either in a local `ZeroTensor`),
+/// by type alone.
+pub(crate) fn is_cuda(any: &dyn core::any::Any) -> bool {
+    if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+        return zero.is_local();
+    }
+    any.is::<CubeTensor<CudaRuntime>>() || any.is::<Fused>()
+}
+
+/// Fusion's CUDA tensor behind `any` (itself, or inside a local `ZeroTensor`).
+fn fused_of(any: &dyn core::any::Any) -> Option<Fused> {
+    if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
+        let inner = zero.is_local().then(|| zero.inner())?;
+        return (inner as &dyn core::any::Any)
+            .downcast_ref::<Fused>()
+            .cloned();
+    }
+    any.downcast_ref::<Fused>().cloned()
 }
 
 /// Copies each pair's first tensor into the second's memory as one operation of burn's fusion
 /// stream (no host round trip per tensor: the handles are looked up where fusion runs it).
 /// `false`, queuing nothing, when the tensors are not all fusion's CUDA tensors.
 pub(crate) fn copy_in_stream(pairs: &[(&dyn core::any::Any, &dyn core::any::Any)]) -> bool {
-    let fused = |any: &dyn core::any::Any| -> Option<Fused> {
-        if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
-            return zero
-                .is_local()
-                .then(|| zero.inner().clone())
-                .and_then(|t| (&t as &dyn core::any::Any).downcast_ref::<Fused>().cloned());
-        }
-        any.downcast_ref::<Fused>().cloned()
+    let (from, into): (Vec<_>, Vec<_>) = pairs.iter().copied().unzip();
+    in_stream(&[from, into].concat(), RawWork::Copy { pairs: pairs.len() })
+}
+
+/// Zeroes each tensor's memory in place as one operation of burn's fusion stream; `false`,
+/// queuing nothing, when they are not all fusion's CUDA tensors.
+pub(crate) fn zero_in_stream(tensors: &[&dyn core::any::Any]) -> bool {
+    in_stream(tensors, RawWork::Zero)
+}
+
+/// Registers `work` on `tensors` as one operation of burn's fusion stream.
+fn in_stream(tensors: &[&dyn core::any::Any], work: RawWork) -> bool {
+    let Some(fused) = tensors
+        .iter()
+        .map(|t| fused_of(*t))
+        .collect::<Option<Vec<_>>>()
+    else {
+        return false;
     };
-    let mut from = Vec::with_capacity(pairs.len());
-    let mut into = Vec::with_capacity(pairs.len());
-    for (f, i) in pairs {
-        match (fused(*f), fused(*i)) {
-            (Some(f), Some(i)) => {
-                from.push(f);
-                into.push(i);
-            }
-            _ => return false,
-        }
-    }
-    let Some(client) = from.first().map(|t| t.client.clone()) else {
+    let Some(client) = fused.first().map(|t| t.client.clone()) else {
         return true;
     };
-    let streams = OperationStreams::with_inputs(from.iter().chain(&into));
-    let inputs: Vec<TensorIr> = from.into_iter().chain(into).map(|t| t.into_ir()).collect();
-    let desc = CustomOpIr::new("burn_zero_graph_copy", &inputs, &[]);
-    let op = CopyOp {
+    let streams = OperationStreams::with_inputs(fused.iter());
+    let inputs: Vec<TensorIr> = fused.into_iter().map(|t| t.into_ir()).collect();
+    let desc = CustomOpIr::new(work.name(), &inputs, &[]);
+    let op = RawOp {
         desc: desc.clone(),
-        pairs: pairs.len(),
+        work,
     };
     client.register(streams, OperationIr::Custom(desc), op);
     true
@@ -145,14 +286,32 @@ pub(crate) fn copy_in_stream(pairs: &[(&dyn core::any::Any, &dyn core::any::Any)
 
 type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
 
-/// [`copy_in_stream`]'s operation: inputs are the sources, then the destinations.
-#[derive(Debug)]
-struct CopyOp {
-    desc: CustomOpIr,
-    pairs: usize,
+/// What a [`RawOp`] does to its inputs' memory.
+#[derive(Debug, Clone, Copy)]
+enum RawWork {
+    /// The first `pairs` inputs copied into the next `pairs`.
+    Copy { pairs: usize },
+    /// Every input set to zero bytes.
+    Zero,
 }
 
-impl Operation<FusionCubeRuntime<CudaRuntime>> for CopyOp {
+impl RawWork {
+    fn name(self) -> &'static str {
+        match self {
+            RawWork::Copy { .. } => "burn_zero_graph_copy",
+            RawWork::Zero => "burn_zero_graph_zero",
+        }
+    }
+}
+
+/// Copies or zeroes written into its inputs' memory, in the order of burn's fusion stream.
+#[derive(Debug)]
+struct RawOp {
+    desc: CustomOpIr,
+    work: RawWork,
+}
+
+impl Operation<FusionCubeRuntime<CudaRuntime>> for RawOp {
     fn execute(
         &self,
         handles: &mut HandleContainer<
@@ -168,16 +327,43 @@ impl Operation<FusionCubeRuntime<CudaRuntime>> for CopyOp {
         let Some(device) = cubes.first().map(|t| t.device.clone()) else {
             return;
         };
-        let into = cubes[self.pairs..].to_vec();
-        let copies: Vec<_> = cubes[..self.pairs].iter().cloned().zip(into).collect();
-        // Fusion runs this on its thread under the stream the copies were queued on; cubecl's
-        // thread takes them after the kernels queued before.
-        // A panic on fusion's thread is what the engine's device-failure check reports at the
-        // next backward or step.
-        if let Err(e) = copy_here(&device, copies) {
-            panic!("copying parameters into the memory CUDA graphs read: {e}");
+        // Fusion runs this on its thread under the stream the work was queued on; cubecl's
+        // thread takes it after the kernels queued before. A panic on fusion's thread is what
+        // the engine's device-failure check reports at the next backward or step.
+        let done = match self.work {
+            RawWork::Copy { pairs } => {
+                let copies = cubes[..pairs].iter().cloned().zip(cubes[pairs..].to_vec());
+                copy_here(&device, copies.collect())
+            }
+            RawWork::Zero => zero_here(&device, cubes),
+        };
+        if let Err(e) = done {
+            panic!("{} for CUDA graphs: {e}", self.work.name());
         }
     }
+}
+
+/// Zeroes each tensor's elements (their span, rows' padding included) on the calling thread's
+/// stream, from a thread with no fusion queue to drain (fusion's own).
+fn zero_here(device: &CudaDevice, tensors: Vec<CubeTensor<CudaRuntime>>) -> Result<(), String> {
+    let caller = StreamId::current();
+    on_device_thread(device, move |server| {
+        let ours = raw_stream(server, caller)?;
+        for t in &tensors {
+            let (count, row, pitch) =
+                rows(t).ok_or_else(|| format!("strides {:?}", t.meta.strides()))?;
+            if count * row == 0 {
+                continue;
+            }
+            let bytes = ((count - 1) * pitch + row) * t.dtype.size();
+            let ptr = resource(server, t, caller)?;
+            // SAFETY: the tensor is live (held by `tensors` until the memset is queued) and
+            // spans `bytes` from its address (its rows at their pitch).
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, ours) }
+                .map_err(|e| format!("zeroing: {e:?}"))?;
+        }
+        Ok(())
+    })
 }
 
 /// Copies each `(from, into)` on the calling thread's stream, after its queued work.
@@ -197,9 +383,7 @@ fn copy_here(
     copies: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
 ) -> Result<(), String> {
     let caller = StreamId::current();
-    DeviceHandle::<CudaServer>::new(device.to_id())
-        .submit_blocking(move |server| copy_on(server, caller, copies))
-        .map_err(|e| format!("cubecl's device thread: {e:?}"))?
+    on_device_thread(device, move |server| copy_on(server, caller, copies))
 }
 
 /// The copies on `caller`'s stream, on cubecl's thread.
@@ -279,6 +463,10 @@ fn rows(tensor: &CubeTensor<CudaRuntime>) -> Option<(usize, usize, usize)> {
         return Some((1, 1, 1));
     }
     if strides[n - 1] != 1 && shape[n - 1] > 1 {
+        return None;
+    }
+    // Rows must not overlap: a broadcast (stride 0) or overlapping row is no buffer to copy.
+    if n >= 2 && shape[n - 2] > 1 && strides[n - 2] < shape[n - 1] {
         return None;
     }
     let (row, pitch) = match n {

@@ -36,14 +36,37 @@ use burn::tensor::{Int, Tensor};
 
 pub use policy::{GraphAction, GraphKey, GraphPolicy};
 
+/// Why a step did not run.
+#[derive(Debug)]
+pub enum StepError<E> {
+    /// The step's own work failed (returned by the closure).
+    Step(E),
+    /// The graph machinery failed in the phase named.
+    Graph(GraphError),
+}
+
+/// A failure of the graphs themselves, by phase.
+#[derive(Debug, thiserror::Error)]
+pub enum GraphError {
+    /// Ordering the graphs' stream around an eager warm-up run failed.
+    #[error("the warm-up run on the graphs' stream: {0}")]
+    Warm(String),
+    /// The capture failed: its key runs eagerly from now on; the step's work did not run.
+    #[error("capturing the step as a CUDA graph: {0}")]
+    Capture(String),
+    /// A replay could not be launched: the step's work did not run.
+    #[error("replaying the step's CUDA graph: {0}")]
+    Replay(String),
+}
+
 /// One captured step: the graph, the buffers its inputs are copied into, and what the closure
 /// returned when it was captured.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Captured<B: Backend, T> {
+    #[cfg(feature = "cuda")]
+    graph: cuda::Graph,
     inputs: Vec<B::IntTensorPrimitive>,
     out: T,
-    #[cfg(feature = "cuda")]
-    graph: std::sync::Arc<cubecl::cuda::CapturedGraph>,
 }
 
 /// Host time of replays since the owner last took it ([`StepGraphs::take_timings`]).
@@ -61,12 +84,11 @@ pub struct GraphTimings {
     pub pin: Duration,
 }
 
-/// A step's graphs on one device, keyed by its inputs' shapes and a variant.
+/// A step's graphs on one device, keyed by [`GraphKey`].
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub struct StepGraphs<B: Backend, T> {
     device: B::Device,
     slot: u8,
-    enabled: bool,
     policy: GraphPolicy,
     graphs: HashMap<GraphKey, Captured<B, T>>,
     timings: GraphTimings,
@@ -74,53 +96,66 @@ pub struct StepGraphs<B: Backend, T> {
 
 impl<B: Backend, T: Clone> StepGraphs<B, T> {
     /// Graphs of steps on `device`, on graph stream `slot` (each owner of graphs on a device
-    /// takes its own), captured after `warmup` eager runs, at most `max_graphs` kept. With
-    /// `enabled` false every step runs eagerly.
-    pub fn new(
-        device: B::Device,
-        slot: u8,
-        warmup: usize,
-        max_graphs: usize,
-        enabled: bool,
-    ) -> Self {
+    /// takes its own), captured after `warmup` eager runs, at most `max_graphs` kept.
+    pub fn new(device: B::Device, slot: u8, warmup: usize, max_graphs: usize) -> Self {
         Self {
             device,
             slot,
-            enabled,
             policy: GraphPolicy::new(warmup, max_graphs),
             graphs: HashMap::new(),
             timings: GraphTimings::default(),
         }
     }
 
-    /// Runs `f` on `inputs` as the policy decides (eagerly, captured, or replayed) and returns
-    /// its outputs and what was done. A capture that fails is an error, and its key runs eagerly
-    /// from then on: the failed step's work did not run.
-    pub fn run<const D: usize>(
-        &mut self,
-        variant: u64,
-        inputs: Vec<Tensor<B, D, Int>>,
-        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> T,
-    ) -> Result<(T, GraphAction), String> {
-        if !self.enabled || !self.supported(&inputs) {
-            return Ok((f(inputs), GraphAction::Eager));
-        }
-        let key = GraphKey {
+    /// The key of a step of `f` on `inputs`: their shapes, `variant` (whatever else its
+    /// kernels depend on, in the caller's terms) and `F`'s type, so that another closure with
+    /// inputs of the same shapes is not given this one's graph. (A closure's captured values
+    /// are frozen into the graph: what changes from step to step must come in `inputs`.)
+    pub fn key<const D: usize, F>(variant: &[u64], inputs: &[Tensor<B, D, Int>]) -> GraphKey {
+        GraphKey {
             shapes: inputs.iter().map(|t| t.dims().to_vec()).collect(),
-            variant,
-        };
+            variant: variant.to_vec(),
+            closure: std::any::type_name::<F>(),
+        }
+    }
+
+    /// Whether a step of `key` would be replayed now.
+    pub fn would_replay(&self, key: &GraphKey) -> bool {
+        self.policy.peek(key) == GraphAction::Replay
+    }
+
+    /// Drops `key`'s graph: its next step warms up and is captured anew.
+    pub fn forget(&mut self, key: &GraphKey) {
+        self.graphs.remove(key);
+        self.policy.forget(key);
+    }
+
+    /// Runs `f` on `inputs` under `key` as the policy decides (eagerly on the graphs' stream,
+    /// captured, or replayed) and returns its outputs and what was done. Inputs of a backend
+    /// other than burn-cuda run eagerly on the caller's stream.
+    pub fn run<const D: usize, E>(
+        &mut self,
+        key: GraphKey,
+        inputs: Vec<Tensor<B, D, Int>>,
+        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> Result<T, E>,
+    ) -> Result<(T, GraphAction), StepError<E>> {
+        if !self.supported(&inputs) {
+            return f(inputs)
+                .map(|t| (t, GraphAction::Eager))
+                .map_err(StepError::Step);
+        }
         let action = self.policy.decide(&key);
         let out = match action {
-            GraphAction::Eager => f(inputs),
+            GraphAction::Eager => f(inputs).map_err(StepError::Step)?,
             GraphAction::Warm => self.warm(inputs, f)?,
-            GraphAction::Capture => match self.capture(&key, inputs, f) {
-                Ok(out) => out,
-                Err(e) => {
+            GraphAction::Capture => {
+                let captured = self.capture(&key, inputs, f);
+                if captured.is_err() {
                     self.policy.refuse(&key);
-                    return Err(e);
                 }
-            },
-            GraphAction::Replay => self.replay(&key, inputs)?,
+                captured?
+            }
+            GraphAction::Replay => self.replay(&key, inputs).map_err(StepError::Graph)?,
         };
         Ok((out, action))
     }
@@ -151,6 +186,11 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
     pub fn is_empty(&self) -> bool {
         self.graphs.is_empty()
     }
+
+    /// The captured step's output of `key`, if it has a graph.
+    pub fn captured_out(&self, key: &GraphKey) -> Option<&T> {
+        self.graphs.get(key).map(|c| &c.out)
+    }
 }
 
 /// Copies each pair's first tensor into the second's memory, in order on the calling
@@ -161,27 +201,43 @@ pub(crate) fn copy_values(
 ) -> Result<(), String> {
     #[cfg(feature = "cuda")]
     {
-        if cuda::copy_in_stream(pairs) {
-            return Ok(());
-        }
-        let cubes = pairs
-            .iter()
-            .map(
-                |(from, into)| match (cuda::cube_of(*from), cuda::cube_of(*into)) {
-                    (Some(f), Some(i)) => Ok((f, i)),
-                    _ => Err("not a CUDA tensor".to_string()),
-                },
-            )
-            .collect::<Result<Vec<_>, String>>()?;
-        let Some(device) = cubes.first().map(|(f, _)| f.device.clone()) else {
-            return Ok(());
-        };
-        cuda::copy(&device, cubes)
+        cuda::copy_values(pairs)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = pairs;
         Err("CUDA graphs need the `cuda` feature".into())
+    }
+}
+
+/// Zeroes each tensor's memory in place, in order on the calling thread's stream (burn-cuda's
+/// fusion tensors, or the same inside `ZeroTensor`); `false`, doing nothing, for others.
+pub(crate) fn zero_values(tensors: &[&dyn core::any::Any]) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::zero_in_stream(tensors)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = tensors;
+        false
+    }
+}
+
+/// Whether the tensors of `a` and `b` are the same tensors, pairwise (burn-cuda's fusion
+/// tensors: the same tensor ids). `false` for other backends.
+pub(crate) fn same_tensors(a: &[&dyn core::any::Any], b: &[&dyn core::any::Any]) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| cuda::same_tensor(*x, *y) == Some(true))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (a, b);
+        false
     }
 }
 
@@ -199,46 +255,62 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
             .cloned()
     }
 
+    /// Whether the inputs are burn-cuda tensors (checked by type, without resolving them).
     fn supported<const D: usize>(&self, inputs: &[Tensor<B, D, Int>]) -> bool {
         self.cuda_device().is_some()
             && inputs.iter().all(|t| {
                 let p = t.clone().into_primitive();
-                cuda::cube_of(&p as &dyn core::any::Any).is_some()
+                cuda::is_cuda(&p as &dyn core::any::Any)
             })
     }
 
-    fn cube(
-        p: &B::IntTensorPrimitive,
-    ) -> Result<burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>, String> {
-        cuda::cube_of(p as &dyn core::any::Any).ok_or_else(|| "not a CUDA tensor".to_string())
+    /// Each `(from, into)` as cubecl tensors: `from` the caller's, `into` the graph's.
+    fn copies<'a, const D: usize>(
+        &self,
+        from: Vec<Tensor<B, D, Int>>,
+        into: impl IntoIterator<Item = &'a B::IntTensorPrimitive>,
+    ) -> Result<Vec<cuda::CopyPair>, String> {
+        let stream = self.stream();
+        from.into_iter()
+            .zip(into)
+            .enumerate()
+            .map(|(i, (from, into))| {
+                let cube = |p: &dyn core::any::Any| {
+                    cuda::cube_of(p).ok_or_else(|| format!("input {i} is not a CUDA tensor"))
+                };
+                let from = cube(&from.into_primitive() as &dyn core::any::Any)?;
+                let into = stream.executes(|| cube(into as &dyn core::any::Any))?;
+                Ok((from, into))
+            })
+            .collect()
     }
 
     /// `f` eagerly on the graphs' stream, ordered after the caller's queued work and before
     /// its later work (cubecl orders a stream after another's writes only into memory that
     /// stream allocated; gradients are written in place).
-    fn warm<const D: usize>(
+    fn warm<const D: usize, E>(
         &mut self,
         inputs: Vec<Tensor<B, D, Int>>,
-        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> T,
-    ) -> Result<T, String> {
+        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> Result<T, E>,
+    ) -> Result<T, StepError<E>> {
         let device = self.cuda_device().expect("checked by supported");
         let stream = self.stream();
-        cuda::replay(&device, stream, None, Vec::new())?;
-        let out = stream.executes(|| f(inputs));
-        // Fusion's queue of the graphs' stream is drained by the fence's visit.
-        stream.executes(|| cuda::replay(&device, stream, None, Vec::new()))?;
-        cuda::replay(&device, stream, None, Vec::new())?;
-        Ok(out)
+        let warm = |e| StepError::Graph(GraphError::Warm(e));
+        cuda::order_after_caller(&device, stream).map_err(warm)?;
+        let out = stream.executes(|| f(inputs)).map_err(StepError::Step);
+        cuda::order_caller_after(&device, stream).map_err(warm)?;
+        out
     }
 
-    fn capture<const D: usize>(
+    fn capture<const D: usize, E>(
         &mut self,
         key: &GraphKey,
         inputs: Vec<Tensor<B, D, Int>>,
-        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> T,
-    ) -> Result<T, String> {
+        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> Result<T, E>,
+    ) -> Result<T, StepError<E>> {
         let device = self.cuda_device().expect("checked by supported");
         let stream = self.stream();
+        let failed = |e| StepError::Graph(GraphError::Capture(e));
         // The graph's own input buffers, in its stream's pool, filled with this step's inputs.
         let owned: Vec<Tensor<B, D, Int>> = stream.executes(|| {
             inputs
@@ -246,32 +318,32 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
                 .map(|t| Tensor::<B, D, Int>::empty(t.shape(), &self.device))
                 .collect()
         });
-        let copies = inputs
-            .into_iter()
-            .zip(&owned)
-            .map(|(from, into)| {
-                Ok((
-                    Self::cube(&from.into_primitive())?,
-                    stream.executes(|| Self::cube(&into.clone().into_primitive()))?,
-                ))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        cuda::replay(&device, stream, None, copies)?;
-        cuda::begin(&device, stream)?;
-        let out = stream.executes(|| f(owned.clone()));
-        let graph = cuda::end(&device, stream)?;
+        let primitives: Vec<_> = owned.iter().map(|t| t.clone().into_primitive()).collect();
+        let copies = self.copies(inputs, &primitives).map_err(failed)?;
+        cuda::replay(&device, stream, None, copies).map_err(failed)?;
+        // Ends the capture (dropping the graph) unless disarmed: on the closure's error or a
+        // panic inside it the stream must not stay captured.
+        let capture = cuda::Capture::begin(&device, stream).map_err(failed)?;
+        let out = stream.executes(|| f(owned));
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                drop(capture);
+                return Err(StepError::Step(e));
+            }
+        };
+        let graph = capture.end().map_err(failed)?;
         // Capturing ran nothing: this step's work is the first replay.
-        cuda::replay(&device, stream, Some(graph.clone()), Vec::new())?;
-        let inputs = owned.into_iter().map(|t| t.into_primitive()).collect();
+        graph.launch(Vec::new()).map_err(failed)?;
         for dropped in self.policy.captured(key) {
             self.graphs.remove(&dropped);
         }
         self.graphs.insert(
             key.clone(),
             Captured {
-                inputs,
-                out: out.clone(),
                 graph,
+                inputs: primitives,
+                out: out.clone(),
             },
         );
         Ok(out)
@@ -281,23 +353,17 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
         &mut self,
         key: &GraphKey,
         inputs: Vec<Tensor<B, D, Int>>,
-    ) -> Result<T, String> {
-        let device = self.cuda_device().expect("checked by supported");
-        let stream = self.stream();
+    ) -> Result<T, GraphError> {
         let start = std::time::Instant::now();
-        let captured = self.graphs.get(key).ok_or("no graph for a replayed key")?;
-        let copies = inputs
-            .into_iter()
-            .zip(&captured.inputs)
-            .map(|(from, into)| {
-                Ok((
-                    Self::cube(&from.into_primitive())?,
-                    stream.executes(|| Self::cube(into))?,
-                ))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
+        let captured = self
+            .graphs
+            .get(key)
+            .ok_or_else(|| GraphError::Replay(format!("no graph for {key:?}")))?;
+        let copies = self
+            .copies(inputs, &captured.inputs)
+            .map_err(GraphError::Replay)?;
         let prepared = std::time::Instant::now();
-        let graph_launch = cuda::replay(&device, stream, Some(captured.graph.clone()), copies)?;
+        let graph_launch = captured.graph.launch(copies).map_err(GraphError::Replay)?;
         let out = captured.out.clone();
         let t = &mut self.timings;
         t.replays += 1;
@@ -314,28 +380,32 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
         false
     }
 
-    fn warm<const D: usize>(
+    fn warm<const D: usize, E>(
         &mut self,
         inputs: Vec<Tensor<B, D, Int>>,
-        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> T,
-    ) -> Result<T, String> {
-        Ok(f(inputs))
+        f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> Result<T, E>,
+    ) -> Result<T, StepError<E>> {
+        f(inputs).map_err(StepError::Step)
     }
 
-    fn capture<const D: usize>(
+    fn capture<const D: usize, E>(
         &mut self,
         _key: &GraphKey,
         _inputs: Vec<Tensor<B, D, Int>>,
-        _f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> T,
-    ) -> Result<T, String> {
-        Err("CUDA graphs need the `cuda` feature".into())
+        _f: impl FnOnce(Vec<Tensor<B, D, Int>>) -> Result<T, E>,
+    ) -> Result<T, StepError<E>> {
+        Err(StepError::Graph(GraphError::Capture(
+            "CUDA graphs need the `cuda` feature".into(),
+        )))
     }
 
     fn replay<const D: usize>(
         &mut self,
         _key: &GraphKey,
         _inputs: Vec<Tensor<B, D, Int>>,
-    ) -> Result<T, String> {
-        Err("CUDA graphs need the `cuda` feature".into())
+    ) -> Result<T, GraphError> {
+        Err(GraphError::Replay(
+            "CUDA graphs need the `cuda` feature".into(),
+        ))
     }
 }

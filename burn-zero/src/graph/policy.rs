@@ -9,9 +9,11 @@ use std::collections::HashMap;
 pub struct GraphKey {
     /// Each input's shape.
     pub shapes: Vec<Vec<usize>>,
-    /// Anything else the step's work depends on (the micro-step's place in gradient
-    /// accumulation, for the engine).
-    pub variant: u64,
+    /// Anything else the step's work depends on, in the caller's terms (the engine's: the
+    /// micro-step's place in gradient accumulation and the loss scale's bits).
+    pub variant: Vec<u64>,
+    /// The closure's type name: another closure on inputs of the same shapes is another step.
+    pub closure: &'static str,
 }
 
 /// What to do with one step.
@@ -81,6 +83,24 @@ impl GraphPolicy {
         }
     }
 
+    /// What [`GraphPolicy::decide`] would answer for `key` now, deciding nothing.
+    pub fn peek(&self, key: &GraphKey) -> GraphAction {
+        match self.entries.get(key) {
+            Some(e) if e.refused => GraphAction::Eager,
+            Some(e) if e.captured => GraphAction::Replay,
+            Some(e) if e.warm_runs >= self.warmup => GraphAction::Capture,
+            _ => GraphAction::Warm,
+        }
+    }
+
+    /// Forgets `key`'s graph (not a refusal): its next step warms up and is captured anew.
+    pub fn forget(&mut self, key: &GraphKey) {
+        if let Some(entry) = self.entries.get_mut(key) {
+            entry.captured = false;
+            entry.warm_runs = 0;
+        }
+    }
+
     /// Records that `key`'s step was captured; returns the keys whose graphs to drop now to
     /// keep at most `max_graphs`.
     pub fn captured(&mut self, key: &GraphKey) -> Vec<GraphKey> {
@@ -132,7 +152,8 @@ mod tests {
     fn key(seq: usize, variant: u64) -> GraphKey {
         GraphKey {
             shapes: vec![vec![4, seq]],
-            variant,
+            variant: vec![variant],
+            closure: "step",
         }
     }
 
@@ -161,8 +182,28 @@ mod tests {
         p.captured(&b);
         assert_eq!(p.decide(&a), GraphAction::Replay);
         assert_eq!(p.decide(&b), GraphAction::Replay);
-        // The micro-step's place is part of the key too.
+        // The micro-step's place is part of the key too, and so is the closure.
         assert_eq!(p.decide(&key(256, 1)), GraphAction::Warm);
+        let other = GraphKey {
+            closure: "another step",
+            ..key(256, 0)
+        };
+        assert_eq!(p.decide(&other), GraphAction::Warm);
+    }
+
+    #[test]
+    fn peek_agrees_with_decide_and_forget_recaptures() {
+        let mut p = GraphPolicy::new(2, 4);
+        let k = key(64, 0);
+        for _ in 0..3 {
+            let peeked = p.peek(&k);
+            assert_eq!(p.decide(&k), peeked);
+        }
+        p.captured(&k);
+        assert_eq!(p.peek(&k), GraphAction::Replay);
+        p.forget(&k);
+        assert_eq!(p.peek(&k), GraphAction::Warm);
+        assert_eq!(p.decide(&k), GraphAction::Warm);
     }
 
     #[test]

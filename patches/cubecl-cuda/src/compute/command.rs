@@ -198,31 +198,23 @@ impl<'a> Command<'a> {
             .collect::<Vec<_>>();
 
         // burn-zero's patch: a read inside a capture would return bytes no copy ever wrote (the
-        // graph runs only when replayed): refuse it.
-        let captured = self.streams.current().capture.is_some();
+        // graph runs only when replayed): refuse it before queuing any copy, and the capture
+        // ends in an error.
+        if let Some(state) = self.streams.current().capture.as_mut() {
+            let reason = "a value was read back to the host while the stream was captured into \
+                          a CUDA graph (burn_zero.cuda_graphs): a captured step must not read \
+                          device values";
+            state.poisoned = Some(reason.into());
+            let err = ServerError::Generic {
+                reason: reason.into(),
+                backtrace: BackTrace::capture(),
+            };
+            return futures_either(Err(err));
+        }
         let result = self.copies_to_bytes(descriptors, true);
         let fence = Fence::new(self.streams.current().sys);
 
-        async move {
-            if captured {
-                let _ = fence.wait_sync();
-                return Err(ServerError::Generic {
-                    reason: "a value was read back to the host while the stream was captured \
-                             into a CUDA graph (burn_zero.cuda_graphs): a captured step must \
-                             not read device values"
-                        .into(),
-                    backtrace: BackTrace::capture(),
-                });
-            }
-            let sync = fence.wait_sync();
-            // Release memory handle.
-            core::mem::drop(descriptors_moved);
-
-            sync?;
-            let bytes = result?;
-
-            Ok(bytes)
-        }
+        futures_either(Ok((result, fence, descriptors_moved)))
     }
 
     #[allow(unused)]
@@ -702,6 +694,32 @@ pub(crate) unsafe fn write_to_cpu(
                     description: format!("CUDA 2D memcpy failed: {e}"),
                     backtrace: BackTrace::capture(),
                 })
+        }
+    }
+}
+
+/// burn-zero's patch: the read's future, or its refusal.
+fn futures_either(
+    ready: Result<
+        (
+            Result<Vec<Bytes>, IoError>,
+            Fence,
+            Vec<cubecl_core::server::Binding>,
+        ),
+        ServerError,
+    >,
+) -> impl Future<Output = Result<Vec<Bytes>, ServerError>> + Send {
+    async move {
+        let (result, fence, descriptors_moved) = ready?;
+        {
+            let sync = fence.wait_sync();
+            // Release memory handle.
+            core::mem::drop(descriptors_moved);
+
+            sync?;
+            let bytes = result?;
+
+            Ok(bytes)
         }
     }
 }

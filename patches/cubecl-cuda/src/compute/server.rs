@@ -627,7 +627,10 @@ impl CudaServer {
                 reason: alloc::format!("{errors:?}"),
                 backtrace: BackTrace::capture(),
             });
-            stream.current().memory_management_gpu.cleanup(false);
+            // burn-zero's patch: no page goes back while a captured graph may use it.
+            if stream.current().may_release_pages() {
+                stream.current().memory_management_gpu.cleanup(false);
+            }
         }
 
         core::mem::drop(stream);
@@ -970,6 +973,18 @@ impl CudaServer {
                 return Err(capture_error(format!("cuStreamEndCapture: {e:?}")));
             }
         };
+        // The launch metadata was copied from pageable memory, which `cuMemcpyHtoD` may
+        // return from before the transfer ends: the first replay must not start before it.
+        // And a capture that read a value back (refused, see `read_async`) is no graph.
+        let ready = cudarc::driver::result::ctx::synchronize()
+            .map_err(|e| format!("waiting for the launch metadata: {e:?}"))
+            .and_then(|()| kept.poisoned.clone().map_or(Ok(()), Err));
+        if let Err(reason) = ready {
+            // SAFETY: the graph above, not instantiated.
+            let _ = unsafe { cudarc::driver::result::graph::destroy(graph) };
+            kept.constants.free();
+            return Err(capture_error(reason));
+        }
         // SAFETY: a graph just captured.
         let exec = unsafe {
             cudarc::driver::result::graph::instantiate(
@@ -1302,7 +1317,8 @@ pub struct CapturedGraph {
 // SAFETY: CUDA graphs and executable graphs may be used and destroyed from any thread; the
 // staging bytes are owned host memory.
 unsafe impl Send for CapturedGraph {}
-// SAFETY: shared references only read the handles (to launch or count).
+// SAFETY: shared references only read the handles (to launch or count). burn-zero launches a
+// graph only on cubecl's device thread, one launch at a time, and drops it there.
 unsafe impl Sync for CapturedGraph {}
 
 impl CapturedGraph {

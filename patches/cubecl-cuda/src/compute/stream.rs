@@ -40,6 +40,8 @@ pub struct CaptureState {
     pub staging: Vec<cubecl_common::bytes::Bytes>,
     /// Launch metadata, written once at capture into memory nothing else uses.
     pub constants: ConstantArena,
+    /// Why the capture cannot give a graph (a value was read back inside it).
+    pub poisoned: Option<String>,
 }
 
 /// burn-zero's patch: device memory for the launch metadata of a captured graph. Uploaded as
