@@ -153,9 +153,9 @@ impl<I: Backend> BufferState<I> {
                 .collect()
         };
         let (a, b) = (primitives(self), primitives(other));
-        let any = |v: &[I::FloatTensorPrimitive]| -> Vec<&dyn core::any::Any> {
+        fn any<T: 'static>(v: &[T]) -> Vec<&dyn core::any::Any> {
             v.iter().map(|p| p as &dyn core::any::Any).collect()
-        };
+        }
         crate::graph::same_tensors(&any(&a), &any(&b))
     }
 }

@@ -12,7 +12,7 @@
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorPrimitive};
+use burn::tensor::{Int, Tensor};
 
 use super::engine::{Engine, EngineError, ZeroAutodiff};
 use super::grads::BackwardState;

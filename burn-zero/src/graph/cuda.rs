@@ -56,7 +56,7 @@ fn in_order<T: Send + 'static>(
 
 /// Makes stream `graph` wait for the work queued so far on the calling thread's stream.
 pub(crate) fn order_after_caller(device: &CudaDevice, graph: StreamId) -> Result<(), String> {
-    replay(device, graph, None, Vec::new()).map(|_| ())
+    copy_inputs(device, graph, Vec::new())
 }
 
 /// Makes the calling thread's stream wait for the work queued so far on stream `graph`
@@ -68,6 +68,16 @@ pub(crate) fn order_caller_after(device: &CudaDevice, graph: StreamId) -> Result
         let (ours, theirs) = (raw_stream(server, caller)?, raw_stream(server, graph)?);
         wait_for(ours, theirs)
     })
+}
+
+/// Copies each `(from, into)` on stream `graph` after the calling thread's queued work, and
+/// orders the caller's later work after the copies.
+pub(crate) fn copy_inputs(
+    device: &CudaDevice,
+    graph: StreamId,
+    copies: Vec<CopyPair>,
+) -> Result<(), String> {
+    replay(device, graph, None, copies).map(|_| ())
 }
 
 /// A capture of stream `graph` in progress: [`Capture::end`] returns its graph; dropped before

@@ -320,7 +320,7 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
         });
         let primitives: Vec<_> = owned.iter().map(|t| t.clone().into_primitive()).collect();
         let copies = self.copies(inputs, &primitives).map_err(failed)?;
-        cuda::replay(&device, stream, None, copies).map_err(failed)?;
+        cuda::copy_inputs(&device, stream, copies).map_err(failed)?;
         // Ends the capture (dropping the graph) unless disarmed: on the closure's error or a
         // panic inside it the stream must not stay captured.
         let capture = cuda::Capture::begin(&device, stream).map_err(failed)?;
