@@ -28,47 +28,17 @@ for c in $cases; do
       > "/tmp/$tag.out" 2> "$out/parity-$tag.log"
     rc=$?
     echo "$tag: exit $rc"; tail -n 1 "$out/parity-$tag.log"
-    python3 - "$tag" "$c" "$mode" "$rc" <<'PY' >> /tmp/parity.jsonl
-import json, sys
-tag, case, mode, rc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-try:
-    line = [l for l in open(f"/tmp/{tag}.out") if "{" in l][-1]
-    run = json.loads(line[line.index("{"):])
-except Exception as e:
-    run = {"error": f"no result ({e})"}
-print(json.dumps({"case": case, "mode": mode, "exit": rc, "losses": run.get("losses"),
-                  "grad_norms": run.get("grad_norms"), "error": run.get("error"),
-                  "tokens_per_s_per_gpu": run.get("tokens_per_s_per_gpu")}))
-PY
+    python3 bench/parity_runs.py record "$tag" "$c" "$mode" "$rc" >> /tmp/parity.jsonl
   done
 done
 python3 - "$kind" "$out/fused-parity-$kind.json" <<'PY'
 import json, sys
+sys.path.insert(0, "bench")
+from parity_runs import compare
 runs = [json.loads(l) for l in open("/tmp/parity.jsonl")]
 tolerance = {"fp32": (1e-4, 1e-3), "bf16": (1e-2, 3e-2)}
-def worst(a, b):
-    if not a or not b or len(a) != len(b):
-        return None
-    return max(abs(x - y) / max(abs(y), 1e-6) for x, y in zip(a, b))
-cases, ok = [], True
-for case in dict.fromkeys(r["case"] for r in runs):
-    by = {r["mode"]: r for r in runs if r["case"] == case}
-    f, u = by.get("fused", {}), by.get("unfused", {})
-    loss_tol, norm_tol = tolerance[case.split(":")[3]]
-    dl, dn = worst(f.get("losses"), u.get("losses")), worst(f.get("grad_norms"), u.get("grad_norms"))
-    # The weights must also move: runs whose losses never change would pass without any op
-    # running. (Not "the loss fell": at 1B from random weights it rises and falls in 10 steps.)
-    moved = bool(u.get("losses")) and max(u["losses"]) - min(u["losses"]) > 1e-3 * abs(u["losses"][0])
-    passed = dl is not None and dn is not None and dl <= loss_tol and dn <= norm_tol and moved
-    ok &= passed
-    cases.append({"case": case, "steps": len(u.get("losses") or []),
-                  "max_relative_loss_difference": dl, "max_relative_grad_norm_difference": dn,
-                  "tolerance_loss": loss_tol, "tolerance_grad_norm": norm_tol,
-                  "losses_moved": moved, "ok": passed,
-                  "losses_fused": f.get("losses"), "losses_unfused": u.get("losses"),
-                  "grad_norms_fused": f.get("grad_norms"), "grad_norms_unfused": u.get("grad_norms"),
-                  "tokens_per_s_fused": f.get("tokens_per_s_per_gpu"),
-                  "tokens_per_s_unfused": u.get("tokens_per_s_per_gpu")})
+cases, ok = compare(runs, "fused", "unfused", lambda c: tolerance[c.split(":")[3]][0],
+                    lambda c: tolerance[c.split(":")[3]][1])
 doc = {"benchmark": "fused-parity", "device": sys.argv[1],
        "commit": open(".gpu/commit").read().split(),
        "method": "bench-e2e at ZeRO-2 on one GPU, shared weights and tokens, fused kernels on and "
@@ -78,5 +48,4 @@ json.dump(doc, open(sys.argv[2], "w"), indent=1)
 for c in cases:
     print(c["case"], "loss", c["max_relative_loss_difference"], "norm",
           c["max_relative_grad_norm_difference"], "ok" if c["ok"] else "FAILED")
-print("parity", "ok" if ok else "FAILED")
 PY
