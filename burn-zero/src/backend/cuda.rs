@@ -83,8 +83,8 @@ pub(crate) fn cube_tensor<I: Backend>(
     cube_tensor_of(tensor as &dyn Any)
 }
 
-/// [`cube_tensor`] of any backend's float primitive: a cubecl CUDA tensor, one behind burn's
-/// fusion, or either held whole by `ZeroBackend` (a ZeRO-3 shard is not: `None`).
+/// [`cube_tensor`] of any backend's float (or int) primitive: a cubecl CUDA tensor, one behind
+/// burn's fusion, or either held whole by `ZeroBackend` (a ZeRO-3 shard is not: `None`).
 pub(crate) fn cube_tensor_of(any: &dyn Any) -> Option<CubeTensor<CudaRuntime>> {
     type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
     if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
@@ -104,11 +104,10 @@ pub(crate) fn cube_tensor_of(any: &dyn Any) -> Option<CubeTensor<CudaRuntime>> {
         None => {
             let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
             // Any CubeBackend over CUDA resolves a fused CUDA tensor: same primitives.
-            Some(
-                fused
-                    .client
-                    .resolve_tensor_float::<CubeBackend<CudaRuntime, f32, i32, u8>>(fused.clone()),
-            )
+            Some(match fused.dtype.is_float() {
+                true => fused.client.resolve_tensor_float::<Cube>(fused.clone()),
+                false => fused.client.resolve_tensor_int::<Cube>(fused.clone()),
+            })
         }
     }
 }
@@ -417,13 +416,19 @@ pub(crate) fn staged_copy(any: &dyn Any) -> Option<CudaBuffer> {
 
 /// The fusion client of a burn-cuda tensor behind fusion (also held whole by `ZeroBackend`).
 pub(crate) fn fusion_client_of(any: &dyn Any) -> Option<FusionClient> {
+    fused_tensor_of(any).map(|fused| fused.client.clone())
+}
+
+/// The burn-cuda tensor behind fusion that `any` is (also held whole by `ZeroBackend`).
+pub(crate) fn fused_tensor_of(
+    any: &dyn Any,
+) -> Option<&FusionTensor<FusionCubeRuntime<CudaRuntime>>> {
     type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
     if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
         return zero
             .is_local()
-            .then(|| fusion_client_of(zero.inner()))
+            .then(|| fused_tensor_of(zero.inner()))
             .flatten();
     }
     any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()
-        .map(|fused| fused.client.clone())
 }

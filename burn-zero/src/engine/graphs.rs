@@ -62,10 +62,7 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         };
         let Some(steps) = graphs.steps.as_mut() else {
             self.graphs = Some(graphs);
-            let loss = loss_of(self.model(), inputs);
-            let out = loss.clone().detach();
-            self.backward(loss)?;
-            return Ok(out);
+            return self.loss_then_backward(loss_of, inputs);
         };
         let key =
             StepGraphs::<ZeroAutodiff<I>, Replayed<I>>::key::<D, F>(&self.graph_variant(), &inputs);
@@ -77,12 +74,10 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         let start = std::time::Instant::now();
         let ran = steps.run(key, inputs, |inputs| {
             let before = self.strategy().grads().backward_state().reads();
-            let loss = loss_of(self.model(), inputs);
-            let out = loss.clone().detach();
-            self.backward(loss)?;
+            let loss = self.loss_then_backward(loss_of, inputs)?;
             let after = self.strategy().grads().backward_state();
             Ok(Replayed {
-                loss: out,
+                loss,
                 before,
                 after,
             })
@@ -112,22 +107,37 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         result
     }
 
-    /// The engine's graphs, or the reason they are off, logged once.
+    /// `loss_of`'s forward and [`Engine::backward`], returning the detached loss.
+    fn loss_then_backward<const D: usize, F>(
+        &mut self,
+        loss_of: F,
+        inputs: Vec<Tensor<ZeroAutodiff<I>, D, Int>>,
+    ) -> Result<Tensor<ZeroAutodiff<I>, 1>, EngineError>
+    where
+        F: FnOnce(&M, Vec<Tensor<ZeroAutodiff<I>, D, Int>>) -> Tensor<ZeroAutodiff<I>, 1>,
+    {
+        let loss = loss_of(self.model(), inputs);
+        let out = loss.clone().detach();
+        self.backward(loss)?;
+        Ok(out)
+    }
+
+    /// The engine's graphs: none when they are off, or (saying why, once) when its steps
+    /// cannot be captured.
     fn start_graphs(&self) -> EngineGraphs<I, M> {
         let settings = self.resolved.config.burn_zero.cuda_graphs;
-        let steps = match self.graphs_refused() {
-            None => Some(StepGraphs::new(
+        let steps = match (settings.enabled, self.graphs_refused()) {
+            (true, None) => Some(StepGraphs::new(
                 self.device.clone(),
                 ENGINE_SLOT,
                 settings.warmup,
                 settings.max_graphs,
             )),
-            Some(why) => {
-                if settings.enabled {
-                    crate::log::warn(&format!("burn_zero.cuda_graphs: steps run eagerly: {why}"));
-                }
+            (true, Some(why)) => {
+                crate::log::warn(&format!("burn_zero.cuda_graphs: steps run eagerly: {why}"));
                 None
             }
+            (false, _) => None,
         };
         EngineGraphs {
             steps,
@@ -185,9 +195,6 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     /// Why this engine's steps cannot be captured, if they cannot.
     fn graphs_refused(&self) -> Option<String> {
         let settings = &self.resolved.config;
-        if !settings.burn_zero.cuda_graphs.enabled {
-            return Some("off".into());
-        }
         let strategy = self.strategy();
         let reason = if self.comm.world_size() > 1 {
             "more than one rank (collectives are not captured yet)"

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
+use burn_fusion::FusionRuntime;
 use burn_fusion::stream::{Operation, OperationStreams};
-use burn_fusion::{FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use cubecl::cuda::{CapturedGraph, CudaDevice, CudaRuntime};
 use cubecl::device::Device;
@@ -21,8 +21,7 @@ use cudarc::driver::sys::{
     cuMemcpy2DAsync_v2,
 };
 
-use crate::backend::ZeroTensor;
-use crate::backend::cuda::{CudaServer, FusionClient};
+use crate::backend::cuda::{CudaServer, FusionClient, cube_tensor_of, fused_tensor_of};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 
@@ -220,10 +219,12 @@ pub(crate) fn copy_values(
     let cubes = pairs
         .iter()
         .enumerate()
-        .map(|(i, (from, into))| match (cube_of(*from), cube_of(*into)) {
-            (Some(f), Some(t)) => Ok((f, t)),
-            _ => Err(format!("tensor pair {i} is not of burn-cuda")),
-        })
+        .map(
+            |(i, (from, into))| match (cube_tensor_of(*from), cube_tensor_of(*into)) {
+                (Some(f), Some(t)) => Ok((f, t)),
+                _ => Err(format!("tensor pair {i} is not of burn-cuda")),
+            },
+        )
         .collect::<Result<Vec<_>, String>>()?;
     let Some(device) = cubes.first().map(|(f, _)| f.device.clone()) else {
         return Ok(());
@@ -234,27 +235,13 @@ pub(crate) fn copy_values(
 /// Whether `a` and `b` are the same fusion tensor (`None` unless both are fusion's CUDA
 /// tensors).
 pub(crate) fn same_tensor(a: &dyn core::any::Any, b: &dyn core::any::Any) -> Option<bool> {
-    Some(fused_of(a)?.id == fused_of(b)?.id)
+    Some(fused_tensor_of(a)?.id == fused_tensor_of(b)?.id)
 }
 
 /// Whether `any` is burn-cuda's tensor (cubecl's, fusion's, or either in a local `ZeroTensor`),
 /// by type alone.
 pub(crate) fn is_cuda(any: &dyn core::any::Any) -> bool {
-    if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
-        return zero.is_local();
-    }
-    any.is::<CubeTensor<CudaRuntime>>() || any.is::<Fused>()
-}
-
-/// Fusion's CUDA tensor behind `any` (itself, or inside a local `ZeroTensor`).
-fn fused_of(any: &dyn core::any::Any) -> Option<Fused> {
-    if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
-        let inner = zero.is_local().then(|| zero.inner())?;
-        return (inner as &dyn core::any::Any)
-            .downcast_ref::<Fused>()
-            .cloned();
-    }
-    any.downcast_ref::<Fused>().cloned()
+    any.is::<CubeTensor<CudaRuntime>>() || fused_tensor_of(any).is_some()
 }
 
 /// Copies each pair's first tensor into the second's memory as one operation of burn's fusion
@@ -275,7 +262,7 @@ pub(crate) fn zero_in_stream(tensors: &[&dyn core::any::Any]) -> bool {
 fn in_stream(tensors: &[&dyn core::any::Any], work: RawWork) -> bool {
     let Some(fused) = tensors
         .iter()
-        .map(|t| fused_of(*t))
+        .map(|t| fused_tensor_of(*t).cloned())
         .collect::<Option<Vec<_>>>()
     else {
         return false;
@@ -293,8 +280,6 @@ fn in_stream(tensors: &[&dyn core::any::Any], work: RawWork) -> bool {
     client.register(streams, OperationIr::Custom(desc), op);
     true
 }
-
-type Fused = FusionTensor<FusionCubeRuntime<CudaRuntime>>;
 
 /// What a [`RawOp`] does to its inputs' memory.
 #[derive(Debug, Clone, Copy)]
@@ -402,45 +387,43 @@ fn copy_on(
     caller: StreamId,
     copies: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
 ) -> Result<(), String> {
-    {
-        let ours = raw_stream(server, caller)?;
-        // Unpitched neighbours in both memories (parameters laid end to end) go as one copy.
-        let mut run: Option<(u64, u64, usize)> = None;
-        let flush = |run: Option<(u64, u64, usize)>| match run {
-            // SAFETY: every tensor of the run is live (held by `copies`) and the run spans
-            // consecutive elements of both memories.
-            Some((src, dst, bytes)) => unsafe { memcpy_dtod_async(dst, src, bytes, ours) }
-                .map_err(|e| format!("copying: {e:?}")),
-            None => Ok(()),
-        };
-        for (from, into) in &copies {
-            let plain =
-                |t: &CubeTensor<CudaRuntime>| rows(t).is_some_and(|(_, row, pitch)| row == pitch);
-            if !(plain(from) && plain(into)) || from.meta.shape() != into.meta.shape() {
-                flush(run.take())?;
-                copy_elements(server, (from, caller), (into, caller), ours)?;
-                continue;
-            }
-            if from.dtype != into.dtype {
-                return Err(format!("{:?} copied into {:?}", from.dtype, into.dtype));
-            }
-            let bytes = from.meta.shape().num_elements() * from.dtype.size();
-            let (src, dst) = (
-                resource(server, from, caller)?,
-                resource(server, into, caller)?,
-            );
-            run = match run {
-                Some((s, d, b)) if s + b as u64 == src && d + b as u64 == dst => {
-                    Some((s, d, b + bytes))
-                }
-                other => {
-                    flush(other)?;
-                    Some((src, dst, bytes))
-                }
-            };
+    let ours = raw_stream(server, caller)?;
+    // Unpitched neighbours in both memories (parameters laid end to end) go as one copy.
+    let mut run: Option<(u64, u64, usize)> = None;
+    let flush = |run: Option<(u64, u64, usize)>| match run {
+        // SAFETY: every tensor of the run is live (held by `copies`) and the run spans
+        // consecutive elements of both memories.
+        Some((src, dst, bytes)) => unsafe { memcpy_dtod_async(dst, src, bytes, ours) }
+            .map_err(|e| format!("copying: {e:?}")),
+        None => Ok(()),
+    };
+    for (from, into) in &copies {
+        let plain =
+            |t: &CubeTensor<CudaRuntime>| rows(t).is_some_and(|(_, row, pitch)| row == pitch);
+        if !(plain(from) && plain(into)) || from.meta.shape() != into.meta.shape() {
+            flush(run.take())?;
+            copy_elements(server, (from, caller), (into, caller), ours)?;
+            continue;
         }
-        flush(run)
+        if from.dtype != into.dtype {
+            return Err(format!("{:?} copied into {:?}", from.dtype, into.dtype));
+        }
+        let bytes = from.meta.shape().num_elements() * from.dtype.size();
+        let (src, dst) = (
+            resource(server, from, caller)?,
+            resource(server, into, caller)?,
+        );
+        run = match run {
+            Some((s, d, b)) if s + b as u64 == src && d + b as u64 == dst => {
+                Some((s, d, b + bytes))
+            }
+            other => {
+                flush(other)?;
+                Some((src, dst, bytes))
+            }
+        };
     }
+    flush(run)
 }
 
 /// Makes `waiter` wait for the work queued on `on` so far.
@@ -464,33 +447,15 @@ fn raw_stream(server: &mut CudaServer, id: StreamId) -> Result<CUstream, String>
 }
 
 /// A tensor's elements as rows: `(rows, row elements, pitch in elements)`, when its strides are
-/// row-major with rows perhaps pitched (cubecl pads the rows of tensors it allocates).
+/// row-major with rows perhaps pitched (cubecl pads the rows of tensors it allocates; the
+/// layout the RMSNorm kernels read, `cubecl_kernels::fused::row_pitch`).
 fn rows(tensor: &CubeTensor<CudaRuntime>) -> Option<(usize, usize, usize)> {
     let shape = tensor.meta.shape();
-    let strides = tensor.meta.strides();
-    let n = shape.len();
-    if n == 0 {
+    let Some((&row, leading)) = shape.split_last() else {
         return Some((1, 1, 1));
-    }
-    if strides[n - 1] != 1 && shape[n - 1] > 1 {
-        return None;
-    }
-    // Rows must not overlap: a broadcast (stride 0) or overlapping row is no buffer to copy.
-    if n >= 2 && shape[n - 2] > 1 && strides[n - 2] < shape[n - 1] {
-        return None;
-    }
-    let (row, pitch) = match n {
-        1 => (shape[0], shape[0].max(1)),
-        _ => (shape[n - 1], strides[n - 2].max(shape[n - 1]).max(1)),
     };
-    // Above the rows, each stride spans the dimensions below it.
-    for k in 0..n.saturating_sub(2) {
-        if shape[k] > 1 && strides[k] != shape[k + 1] * strides[k + 1] {
-            return None;
-        }
-    }
-    let count: usize = shape[..n.saturating_sub(1)].iter().product();
-    Some((count, row, pitch))
+    let pitch = cubecl_kernels::fused::row_pitch(shape, tensor.meta.strides())?;
+    Some((leading.iter().product(), row, pitch.max(1)))
 }
 
 /// Queues on `stream` the copy of `from`'s elements into `into`'s (same shape and dtype; rows
@@ -561,20 +526,4 @@ fn resource(
         .get_resource(binding, on)
         .map_err(|e| format!("a tensor's memory: {e:?}"))?;
     Ok(resource.resource().ptr)
-}
-
-/// burn-cuda's tensor behind `any`: a float or int primitive of `CubeBackend<CudaRuntime>`,
-/// of the same behind burn's fusion, or either inside `ZeroTensor`. `None` for other backends.
-pub(crate) fn cube_of(any: &dyn core::any::Any) -> Option<CubeTensor<CudaRuntime>> {
-    if let Some(zero) = any.downcast_ref::<ZeroTensor<burn_fusion::Fusion<Cube>>>() {
-        return zero.is_local().then(|| cube_of(zero.inner())).flatten();
-    }
-    if let Some(cube) = any.downcast_ref::<CubeTensor<CudaRuntime>>() {
-        return Some(cube.clone());
-    }
-    let fused = any.downcast_ref::<FusionTensor<FusionCubeRuntime<CudaRuntime>>>()?;
-    Some(match fused.dtype.is_float() {
-        true => fused.client.resolve_tensor_float::<Cube>(fused.clone()),
-        false => fused.client.resolve_tensor_int::<Cube>(fused.clone()),
-    })
 }

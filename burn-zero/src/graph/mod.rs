@@ -276,7 +276,8 @@ impl<B: Backend, T: Clone> StepGraphs<B, T> {
             .enumerate()
             .map(|(i, (from, into))| {
                 let cube = |p: &dyn core::any::Any| {
-                    cuda::cube_of(p).ok_or_else(|| format!("input {i} is not a CUDA tensor"))
+                    crate::backend::cuda::cube_tensor_of(p)
+                        .ok_or_else(|| format!("input {i} is not a CUDA tensor"))
                 };
                 let from = cube(&from.into_primitive() as &dyn core::any::Any)?;
                 let into = stream.executes(|| cube(into as &dyn core::any::Any))?;

@@ -209,12 +209,12 @@ impl<'a> Command<'a> {
                 reason: reason.into(),
                 backtrace: BackTrace::capture(),
             };
-            return futures_either(Err(err));
+            return read_future(Err(err));
         }
         let result = self.copies_to_bytes(descriptors, true);
         let fence = Fence::new(self.streams.current().sys);
 
-        futures_either(Ok((result, fence, descriptors_moved)))
+        read_future(Ok((result, fence, descriptors_moved)))
     }
 
     #[allow(unused)]
@@ -699,7 +699,7 @@ pub(crate) unsafe fn write_to_cpu(
 }
 
 /// burn-zero's patch: the read's future, or its refusal.
-fn futures_either(
+fn read_future(
     ready: Result<
         (
             Result<Vec<Bytes>, IoError>,
@@ -711,15 +711,13 @@ fn futures_either(
 ) -> impl Future<Output = Result<Vec<Bytes>, ServerError>> + Send {
     async move {
         let (result, fence, descriptors_moved) = ready?;
-        {
-            let sync = fence.wait_sync();
-            // Release memory handle.
-            core::mem::drop(descriptors_moved);
+        let sync = fence.wait_sync();
+        // Release memory handle.
+        core::mem::drop(descriptors_moved);
 
-            sync?;
-            let bytes = result?;
+        sync?;
+        let bytes = result?;
 
-            Ok(bytes)
-        }
+        Ok(bytes)
     }
 }

@@ -686,27 +686,29 @@ impl CudaServer {
         // burn-zero's patch: while captured, the metadata goes to memory the graph keeps
         // (`capture_constant`), written once, instead of a copy node per launch.
         let mut info_constant = None;
+        let mut upload = |command: &mut Command<'_>, data: &[u8]| -> Result<_, ServerError> {
+            match command.capture_constant(data) {
+                Some(resource) => {
+                    info_constant = Some(resource?);
+                    Ok(None)
+                }
+                None => Ok(Some(command.create_with_data(data)?)),
+            }
+        };
         let (info_const, info_binding) = if grid_constants {
             let info = &bindings.info;
 
             let mut handle = Option::None;
             if info.dynamic_metadata_offset < info.data.len() {
                 let dyn_meta = &bytemuck::cast_slice(&info.data[info.dynamic_metadata_offset..]);
-                match command.capture_constant(dyn_meta) {
-                    Some(resource) => info_constant = Some(resource?),
-                    None => handle = Some(command.create_with_data(dyn_meta)?),
-                }
+                handle = upload(&mut command, dyn_meta)?;
             }
 
             (Some(info.data.as_ptr() as *mut c_void), handle)
         } else {
             let mut handle = Option::None;
             if !bindings.info.data.is_empty() {
-                let data = bytemuck::cast_slice(&bindings.info.data);
-                match command.capture_constant(data) {
-                    Some(resource) => info_constant = Some(resource?),
-                    None => handle = Some(command.create_with_data(data)?),
-                }
+                handle = upload(&mut command, bytemuck::cast_slice(&bindings.info.data))?;
             }
             (None, handle)
         };
