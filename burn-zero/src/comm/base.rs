@@ -407,6 +407,19 @@ pub struct DeviceBuf {
     pub dtype: DType,
 }
 
+/// One collective on device buffers, as [`DeviceCollectives::collective_on`] enqueues it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collective {
+    /// Every rank's input combined, in every rank's output.
+    AllReduce(ReduceOp),
+    /// The input is `world_size` chunks of the output's length; this rank keeps its chunk.
+    ReduceScatter(ReduceOp),
+    /// Every rank's input, concatenated in rank order.
+    AllGather,
+    /// The root's input in every rank's output.
+    Broadcast(usize),
+}
+
 /// Collectives on device buffers (same length rules as [`Communicator`]), enqueued on the
 /// communicator's own stream.
 ///
@@ -464,6 +477,26 @@ pub trait DeviceCollectives: Send + Sync {
         output: DeviceBuf,
         root: usize,
     ) -> Result<(), CommError>;
+    /// Enqueues `what` on `stream` (a raw `CUstream` of the communicator's device) instead of
+    /// the communicator's own stream, unwatched: that stream orders it with the work around
+    /// it, so no flag or event is needed, and a CUDA graph captured on that stream holds it
+    /// (the watchdog's event queries would break such a capture).
+    ///
+    /// # Safety
+    /// As for [`DeviceCollectives::all_reduce`]; `stream` is a live stream of the device on
+    /// which everything that writes `input` was enqueued before this call.
+    unsafe fn collective_on(
+        &self,
+        stream: u64,
+        what: Collective,
+        input: DeviceBuf,
+        output: DeviceBuf,
+    ) -> Result<(), CommError> {
+        let _ = (stream, what, input, output);
+        Err(CommError::Aborted(
+            "this communicator cannot run a collective on another stream".into(),
+        ))
+    }
     /// Sends `input` to `peer`, which receives it with [`DeviceCollectives::recv`] of the same
     /// length and dtype. NCCL's send waits on the device until the receive is posted: ranks that
     /// exchange messages both ways use one-way links ([`DeviceCollectives::link`]).

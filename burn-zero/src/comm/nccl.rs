@@ -182,6 +182,29 @@ enum Raw {
     Recv(usize),
 }
 
+impl From<Collective> for Raw {
+    fn from(what: Collective) -> Self {
+        match what {
+            Collective::AllReduce(op) => Raw::AllReduce(op),
+            Collective::ReduceScatter(op) => Raw::ReduceScatter(op),
+            Collective::AllGather => Raw::AllGather,
+            Collective::Broadcast(root) => Raw::Broadcast(root),
+        }
+    }
+}
+
+/// Where a raw collective is enqueued, and whether the watchdog follows it.
+#[derive(Clone, Copy)]
+enum Launch {
+    /// On the communicator's stream, watched.
+    Watched,
+    /// On the communicator's stream, unwatched (a call inside a group, watched as one).
+    Unwatched,
+    /// On another stream of the device (a raw `CUstream`), unwatched: the watchdog's event
+    /// query would break a CUDA graph captured there.
+    On(u64),
+}
+
 impl Raw {
     fn signature(self, dtype: DType, count: usize) -> OpSignature {
         let kind = match self {
@@ -406,10 +429,14 @@ impl NcclComm {
         what: Raw,
         input: DeviceBuf,
         output: DeviceBuf,
+        on: Launch,
     ) -> Result<NcclStatus, NcclError> {
         let dtype = nccl_dtype(input.dtype);
         let (send, recv) = (input.ptr as *const _, output.ptr as *mut _);
-        let stream = self.stream.cu_stream() as _;
+        let stream = match on {
+            Launch::On(stream) => stream as _,
+            Launch::Watched | Launch::Unwatched => self.stream.cu_stream() as _,
+        };
         let _ = self.stream.context().bind_to_thread();
         let comm = self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: as the caller promised; `comm` is a live communicator used by one call at a time.
@@ -442,7 +469,7 @@ impl NcclComm {
         input: DeviceBuf,
         output: DeviceBuf,
         checked: bool,
-        watched: bool,
+        on: Launch,
     ) -> Result<(), CommError> {
         let call = what.signature(input.dtype, input.len);
         let world = self.world_size;
@@ -470,7 +497,7 @@ impl NcclComm {
             self.check(call)?;
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.launch(what, input, output) }.map_err(|e| {
+        unsafe { self.launch(what, input, output, on) }.map_err(|e| {
             let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
             CommError::Aborted(format!(
                 "NCCL failed on rank {} in {call}: {}",
@@ -478,7 +505,7 @@ impl NcclComm {
                 nccl_reason(e, Some(comm))
             ))
         })?;
-        if watched {
+        if let Launch::Watched = on {
             self.watch(call);
         }
         Ok(())
@@ -503,7 +530,7 @@ impl NcclComm {
             });
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.launch(what, buf, buf) }.map_err(|e| {
+        unsafe { self.launch(what, buf, buf, Launch::Watched) }.map_err(|e| {
             let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
             CommError::Aborted(format!(
                 "NCCL failed on rank {} in {call} with {peer}: {}",
@@ -567,7 +594,7 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         let b = self.slice_buf(buf);
         // SAFETY: `buf` is a live allocation on this device, borrowed for the call.
-        unsafe { self.device_collective(Raw::AllReduce(reduce), b, b, false, true) }
+        unsafe { self.device_collective(Raw::AllReduce(reduce), b, b, false, Launch::Watched) }
     }
 
     /// All-gather of device buffers: `output` holds `world_size × input` elements (enqueued).
@@ -578,7 +605,7 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         let (i, o) = (self.slice_buf(input), self.slice_buf(output));
         // SAFETY: both are live allocations on this device, borrowed for the call.
-        unsafe { self.device_collective(Raw::AllGather, i, o, false, true) }
+        unsafe { self.device_collective(Raw::AllGather, i, o, false, Launch::Watched) }
     }
 
     /// Reduce-scatter of device buffers: `input` holds `world_size × output` (enqueued).
@@ -590,7 +617,7 @@ impl NcclComm {
     ) -> Result<(), CommError> {
         let (i, o) = (self.slice_buf(input), self.slice_buf(output));
         // SAFETY: both are live allocations on this device, borrowed for the call.
-        unsafe { self.device_collective(Raw::ReduceScatter(reduce), i, o, false, true) }
+        unsafe { self.device_collective(Raw::ReduceScatter(reduce), i, o, false, Launch::Watched) }
     }
 
     /// Exchanges `call`'s signature with every rank over the side channel. A rank that does
@@ -621,7 +648,7 @@ impl NcclComm {
             .map_err(|e| fail(&e))?;
         let (i, o) = (self.slice_buf(&send), self.slice_buf(&recv));
         // SAFETY: `send` and `recv` live until the synchronization below.
-        unsafe { self.device_collective(what, i, o, true, true)? };
+        unsafe { self.device_collective(what, i, o, true, Launch::Watched)? };
         self.stream
             .memcpy_dtoh(&recv, output)
             .map_err(|e| fail(&e))?;
@@ -638,7 +665,7 @@ impl DeviceCollectives for NcclComm {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::AllReduce(op), input, output, true, true) }
+        unsafe { self.device_collective(Raw::AllReduce(op), input, output, true, Launch::Watched) }
     }
 
     unsafe fn reduce_scatter(
@@ -648,12 +675,14 @@ impl DeviceCollectives for NcclComm {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::ReduceScatter(op), input, output, true, true) }
+        unsafe {
+            self.device_collective(Raw::ReduceScatter(op), input, output, true, Launch::Watched)
+        }
     }
 
     unsafe fn all_gather(&self, input: DeviceBuf, output: DeviceBuf) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::AllGather, input, output, true, true) }
+        unsafe { self.device_collective(Raw::AllGather, input, output, true, Launch::Watched) }
     }
 
     unsafe fn all_gather_group(&self, pairs: &[(DeviceBuf, DeviceBuf)]) -> Result<(), CommError> {
@@ -671,7 +700,9 @@ impl DeviceCollectives for NcclComm {
             // SAFETY: forwarded from the caller.
             // Inside a group NCCL enqueues nothing until the group ends: the group is watched
             // as one call, after it.
-            outcome = unsafe { self.device_collective(Raw::AllGather, input, output, true, false) };
+            outcome = unsafe {
+                self.device_collective(Raw::AllGather, input, output, true, Launch::Unwatched)
+            };
             if outcome.is_err() {
                 break;
             }
@@ -694,7 +725,20 @@ impl DeviceCollectives for NcclComm {
         root: usize,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(Raw::Broadcast(root), input, output, true, true) }
+        unsafe {
+            self.device_collective(Raw::Broadcast(root), input, output, true, Launch::Watched)
+        }
+    }
+
+    unsafe fn collective_on(
+        &self,
+        stream: u64,
+        what: Collective,
+        input: DeviceBuf,
+        output: DeviceBuf,
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device_collective(what.into(), input, output, true, Launch::On(stream)) }
     }
 
     unsafe fn send(&self, input: DeviceBuf, peer: usize) -> Result<(), CommError> {

@@ -24,20 +24,11 @@ use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::comm::{Collective, CommError, Communicator, ReduceOp};
 
 /// The number of a device collective ordered by flags, in issue order: what
 /// [`FlatComm::wait_for`] orders burn's stream after.
 pub(crate) type Ticket = u64;
-
-/// One collective on a flat buffer.
-#[derive(Clone, Copy, Debug)]
-enum Op {
-    AllReduce(ReduceOp),
-    ReduceScatter(ReduceOp),
-    AllGather,
-    Broadcast(usize),
-}
 
 /// How a [`FlatComm`] holds its communicator: owned by the engine, or borrowed for one call
 /// ([`crate::collective`]).
@@ -85,6 +76,9 @@ pub(crate) struct FlatComm<I: Backend, C: CommRef = Arc<dyn Communicator>> {
     /// This communicator's flags (`stream_order.rs`).
     #[cfg(feature = "cuda")]
     channel: u64,
+    /// Device collectives run on burn's stream itself ([`FlatComm::on_compute_stream`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    on_compute_stream: bool,
     /// Collectives that ran on device memory (for reports and tests).
     pub(crate) device_calls: usize,
 }
@@ -110,8 +104,16 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             host_wait: false,
             #[cfg(feature = "cuda")]
             channel: crate::backend::stream_order::new_channel(),
+            on_compute_stream: false,
             device_calls: 0,
         }
+    }
+
+    /// Whether device collectives run on burn's stream of the calling thread instead of the
+    /// communicator's: in that stream's order, so nothing orders them and they do not overlap
+    /// compute, but a CUDA graph captured on that stream holds them (`crate::graph`).
+    pub(crate) fn on_compute_stream(&mut self, on: bool) {
+        self.on_compute_stream = on;
     }
 
     pub(crate) fn comm(&self) -> &dyn Communicator {
@@ -137,7 +139,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         t: Tensor<I, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<I, 1>, CommError> {
-        self.run(Op::AllReduce(op), t)
+        self.run(Collective::AllReduce(op), t)
     }
 
     /// Reduces `t` (`world_size × k` elements) and returns this rank's `k`.
@@ -146,12 +148,12 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         t: Tensor<I, 1>,
         op: ReduceOp,
     ) -> Result<Tensor<I, 1>, CommError> {
-        self.run(Op::ReduceScatter(op), t)
+        self.run(Collective::ReduceScatter(op), t)
     }
 
     /// Every rank's `t`, concatenated in rank order.
     pub(crate) fn all_gather(&mut self, t: Tensor<I, 1>) -> Result<Tensor<I, 1>, CommError> {
-        self.run(Op::AllGather, t)
+        self.run(Collective::AllGather, t)
     }
 
     /// Every rank's pieces of `t` (consecutive, of `pieces` elements each), gathered as one
@@ -168,7 +170,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             t.dims()[0],
             "the pieces of a grouped all-gather cover its input"
         );
-        self.run_pieces(Op::AllGather, t, pieces)
+        self.run_pieces(Collective::AllGather, t, pieces)
     }
 
     /// [`FlatComm::all_gather_group`] of an input that waits in page-locked host memory: `host`
@@ -196,6 +198,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         );
         let open = self.comm.get().world_size() > 1
             && !self.host_only
+            && !self.on_compute_stream
             && self
                 .comm
                 .get()
@@ -205,7 +208,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             return Ok(None);
         }
         let input = Tensor::<I, 1>::empty([len], (&self.device, dtype));
-        self.run_on_device(Op::AllGather, &input, pieces, Some(host))
+        self.run_on_device(Collective::AllGather, &input, pieces, Some(host))
     }
 
     /// `root`'s `t` on every rank.
@@ -214,7 +217,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         t: Tensor<I, 1>,
         root: usize,
     ) -> Result<Tensor<I, 1>, CommError> {
-        self.run(Op::Broadcast(root), t)
+        self.run(Collective::Broadcast(root), t)
     }
 
     /// The ticket of the last collective, when it ran on device memory ordered by flags
@@ -272,16 +275,16 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             .map_err(|e| CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}")))
     }
 
-    fn output_len(&self, op: Op, len: usize) -> usize {
+    fn output_len(&self, op: Collective, len: usize) -> usize {
         let world = self.comm.get().world_size();
         match op {
-            Op::AllReduce(_) | Op::Broadcast(_) => len,
-            Op::ReduceScatter(_) => len / world,
-            Op::AllGather => len * world,
+            Collective::AllReduce(_) | Collective::Broadcast(_) => len,
+            Collective::ReduceScatter(_) => len / world,
+            Collective::AllGather => len * world,
         }
     }
 
-    fn run(&mut self, op: Op, input: Tensor<I, 1>) -> Result<Tensor<I, 1>, CommError> {
+    fn run(&mut self, op: Collective, input: Tensor<I, 1>) -> Result<Tensor<I, 1>, CommError> {
         self.run_pieces(op, input, &[])
     }
 
@@ -289,7 +292,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
     /// ([`FlatComm::all_gather_group`]). No pieces: the input as one.
     fn run_pieces(
         &mut self,
-        op: Op,
+        op: Collective,
         input: Tensor<I, 1>,
         pieces: &[usize],
     ) -> Result<Tensor<I, 1>, CommError> {
@@ -308,7 +311,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
 
     fn run_on_host(
         &self,
-        op: Op,
+        op: Collective,
         input: Tensor<I, 1>,
         pieces: &[usize],
     ) -> Result<Tensor<I, 1>, CommError> {
@@ -321,20 +324,20 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         let n = self.output_len(op, values.len());
         let comm = self.comm.get();
         let values = match op {
-            Op::AllReduce(reduce) => {
+            Collective::AllReduce(reduce) => {
                 comm.all_reduce(values.as_mut_slice().into(), reduce)?;
                 values
             }
-            Op::Broadcast(root) => {
+            Collective::Broadcast(root) => {
                 comm.broadcast(values.as_mut_slice().into(), root)?;
                 values
             }
-            Op::ReduceScatter(reduce) => {
+            Collective::ReduceScatter(reduce) => {
                 let mut out = vec![0.0f32; n];
                 comm.reduce_scatter(values.as_slice().into(), out.as_mut_slice().into(), reduce)?;
                 out
             }
-            Op::AllGather => {
+            Collective::AllGather => {
                 let mut out = vec![0.0f32; n];
                 comm.all_gather(values.as_slice().into(), out.as_mut_slice().into())?;
                 if pieces.len() > 1 {
@@ -355,7 +358,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
     #[cfg(feature = "cuda")]
     fn run_on_device(
         &mut self,
-        op: Op,
+        op: Collective,
         input: &Tensor<I, 1>,
         pieces: &[usize],
         upload: Option<&[&[u8]]>,
@@ -369,6 +372,11 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             return Ok(None);
         };
         let n = self.output_len(op, src.buf.len);
+        if self.on_compute_stream {
+            return self
+                .run_on_compute_stream(op, input, src, n, pieces)
+                .map(Some);
+        }
         let ordered = (n > 0 && device.orders_by_flags())
             .then(|| ordered_output(&src, n, self.channel))
             .flatten();
@@ -409,14 +417,16 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         // `wait` has ordered burn's stream after NCCL's (or seen NCCL's stream finish).
         let ran = uploaded.and_then(|_| unsafe {
             match op {
-                Op::AllReduce(reduce) => device.all_reduce(src.buf, dst.buf, reduce),
-                Op::ReduceScatter(reduce) => device.reduce_scatter(src.buf, dst.buf, reduce),
-                Op::AllGather if pieces.len() > 1 => {
+                Collective::AllReduce(reduce) => device.all_reduce(src.buf, dst.buf, reduce),
+                Collective::ReduceScatter(reduce) => {
+                    device.reduce_scatter(src.buf, dst.buf, reduce)
+                }
+                Collective::AllGather if pieces.len() > 1 => {
                     let world = self.comm.get().world_size();
                     device.all_gather_group(&piece_pairs(src.buf, dst.buf, pieces, world))
                 }
-                Op::AllGather => device.all_gather(src.buf, dst.buf),
-                Op::Broadcast(root) => device.broadcast(src.buf, dst.buf, root),
+                Collective::AllGather => device.all_gather(src.buf, dst.buf),
+                Collective::Broadcast(root) => device.broadcast(src.buf, dst.buf, root),
             }
         });
         let ticket = self.next_ticket;
@@ -443,6 +453,49 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             self.wait()?;
         }
         Ok(Some(output))
+    }
+
+    /// [`FlatComm::run_on_device`] with the collective on burn's stream of the calling thread
+    /// ([`FlatComm::on_compute_stream`]): the stream runs it after the work that wrote `src`
+    /// and before anything queued later, so no fence is kept and the buffers go back to the
+    /// pool at once (what reuses them is queued after the collective on the same stream).
+    #[cfg(feature = "cuda")]
+    fn run_on_compute_stream(
+        &mut self,
+        op: Collective,
+        input: &Tensor<I, 1>,
+        src: crate::backend::cuda::CudaBuffer,
+        n: usize,
+        pieces: &[usize],
+    ) -> Result<Tensor<I, 1>, CommError> {
+        use crate::backend::cuda::cuda_buffer;
+        let output = Tensor::<I, 1>::empty([n], (&self.device, input.dtype()));
+        let dst = cuda_buffer::<I>(&output.clone().into_primitive().tensor())
+            .expect("a fresh tensor on the same CUDA device has an address");
+        let failed = |e: String| CommError::Aborted(format!("burn's stream for a collective: {e}"));
+        // Every launch queued on this thread's stream has reached CUDA when this returns.
+        let stream = crate::graph::caller_stream(&src._keep.device).map_err(failed)?;
+        let device = self
+            .comm
+            .get()
+            .device()
+            .expect("run_on_device checked for device collectives");
+        let calls = match op {
+            Collective::AllGather if pieces.len() > 1 => {
+                let world = self.comm.get().world_size();
+                piece_pairs(src.buf, dst.buf, pieces, world)
+            }
+            _ => vec![(src.buf, dst.buf)],
+        };
+        for (from, into) in calls {
+            // SAFETY: both buffers are live allocations of this device (held until the calls
+            // are enqueued); the stream is burn's, on which their writers were enqueued, and
+            // this thread alone queues work there.
+            unsafe { device.collective_on(stream, op, from, into)? };
+        }
+        drop((src, dst));
+        self.device_calls += 1;
+        Ok(output)
     }
 }
 

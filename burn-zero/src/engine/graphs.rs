@@ -58,7 +58,15 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
         super::device_failure::check()?;
         let mut graphs = match self.graphs.take() {
             Some(graphs) => graphs,
-            None => self.start_graphs(),
+            None => {
+                let graphs = self.start_graphs();
+                // A graph holds the collectives of the steps it captures only where they run
+                // on its stream; for every step, so warm-ups and captures do the same work.
+                if graphs.steps.is_some() {
+                    self.strategy().grads_mut().flat.on_compute_stream(true);
+                }
+                graphs
+            }
         };
         let Some(steps) = graphs.steps.as_mut() else {
             self.graphs = Some(graphs);
@@ -196,8 +204,10 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
     fn graphs_refused(&self) -> Option<String> {
         let settings = &self.resolved.config;
         let strategy = self.strategy();
-        let reason = if self.comm.world_size() > 1 {
-            "more than one rank (collectives are not captured yet)"
+        let reason = if self.comm.world_size() > 1
+            && (self.comm.device().is_none() || settings.burn_zero.host_collectives)
+        {
+            "collectives through host memory (a graph holds only NCCL's device collectives)"
         } else if strategy.stage() == ZeroStage::Parameters {
             "ZeRO stage 3 (parameters are gathered during the step)"
         } else if strategy.grads().host.is_some() || self.optim.offloaded() {

@@ -53,6 +53,16 @@ fn in_order<T: Send + 'static>(
     on.executes(|| client.sync(move || on_device_thread(&device, task)))
 }
 
+/// The raw `CUstream` of the calling thread's cubecl stream on `device`, once every launch
+/// queued there (fusion's queue drained first) has reached CUDA: what a library call enqueued
+/// on it next runs after that work, and is captured with it when the stream is captured.
+pub(crate) fn caller_stream(device: &CudaDevice) -> Result<u64, String> {
+    let caller = StreamId::current();
+    in_order(device, caller, move |server| {
+        raw_stream(server, caller).map(|s| s as u64)
+    })
+}
+
 /// Makes stream `graph` wait for the work queued so far on the calling thread's stream.
 pub(crate) fn order_after_caller(device: &CudaDevice, graph: StreamId) -> Result<(), String> {
     copy_inputs(device, graph, Vec::new())

@@ -34,6 +34,8 @@ use std::time::Duration;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::caller_stream;
 pub use policy::{GraphAction, GraphKey, GraphPolicy};
 
 /// Why a step did not run.
