@@ -129,6 +129,9 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Drop for Engine<I, M> {
         if self.step_ahead == StepAheadPlan::On {
             self.join_step_ahead();
         }
+        // First the graphs: one that captured NCCL's calls holds its communicator, whose
+        // destruction waits until every such graph is gone (it would hang on them otherwise).
+        self.graphs = None;
     }
 }
 
