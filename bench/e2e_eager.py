@@ -1,11 +1,13 @@
-"""Eager PyTorch peer of examples/src/bin/bench_e2e.rs on one GPU, without FSDP: the same Llama
+"""Eager PyTorch peer of examples/src/bin/bench_e2e.rs without FSDP: the same Llama
 (bench/llama_torch.py), starting weights (bench/shared_init.py), token stream, fused AdamW
 (betas 0.9/0.95, weight decay 0.1) and clipping at 1.0, trained the way a user fine-tunes on one
 GPU: fp32 parameters and master weights, the forward under torch.autocast(bfloat16). `--compile 1`
 wraps the model in torch.compile (its compile time falls in the untimed warm-up steps).
     python3 bench/e2e_eager.py SIZE STAGE [STEPS] [MICRO] [SEQ] [--ac 0|1] [--compile 0|1]
-STAGE is accepted for the shared interface and ignored (one GPU, nothing to shard). Prints one
-JSON line with bench-e2e's keys."""
+    torchrun --nproc-per-node N bench/e2e_eager.py ...   (DistributedDataParallel, N GPUs)
+STAGE is accepted for the shared interface and ignored (nothing is sharded). Under torchrun
+each rank trains on its own tokens (bench-e2e's stream for that rank) and DDP averages the
+gradients, as bench-e2e's ranks do. Rank 0 prints one JSON line with bench-e2e's keys."""
 import json
 import os
 import sys
@@ -37,7 +39,13 @@ def main():
         argv = argv[:i] + argv[i + 2:]
     size, stage, steps, micro, seq, ac = lt.parse(argv)
     vocab, hidden, inter, layers, heads, kv, tied = lt.preset(size)
-    device = torch.device("cuda", 0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("nccl")
+        rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     model = lt.Llama(vocab, hidden, inter, layers, heads, kv, tied, checkpointing=ac).to(device)
     with torch.no_grad():
@@ -47,6 +55,9 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)
     run_model = Autocast(model)
+    if world > 1:
+        run_model = torch.nn.parallel.DistributedDataParallel(
+            run_model, device_ids=[device.index], gradient_as_bucket_view=True)
     if compiled:
         run_model = torch.compile(run_model)
 
@@ -55,12 +66,17 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    run = lt.train(run_model, step, lambda loss: loss.backward(), size, micro, seq, steps, 0,
+    run = lt.train(run_model, step, lambda loss: loss.backward(), size, micro, seq, steps, rank,
                    device)
     system = "torch-eager-compiled" if compiled else "torch-eager"
-    print(json.dumps(lt.result(system, {"activation_checkpointing": ac, "compiled": compiled,
-                                        "precision": "fp32 parameters, bf16 autocast"},
-                               size, stage, 1, micro, seq, steps, params, *run)))
+    if world > 1:
+        system += "-ddp"
+    if rank == 0:
+        print(json.dumps(lt.result(system, {"activation_checkpointing": ac, "compiled": compiled,
+                                            "precision": "fp32 parameters, bf16 autocast"},
+                                   size, stage, world, micro, seq, steps, params, *run)))
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

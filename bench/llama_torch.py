@@ -151,14 +151,20 @@ def result(system, extra, size, stage, world, micro, seq, steps, params, times, 
                            "step": mean(stepping)},
            "losses": losses, "train_start_unix": train_start,
            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+           "phase_sync": os.environ.get("PHASE_SYNC", "1") != "0"}
     out.update(extra)
     return out
 
 
 def train(model, opt_step, backward, size, micro, seq, steps, rank, device):
-    """The timed loop both peers share: forward, loss in fp32, backward, the step."""
+    """The timed loop both peers share: forward, loss in fp32, backward, the step. Each phase
+    ends with a device sync so it is timed on its own; PHASE_SYNC=0 syncs only around the step
+    (as bench-e2e's `--graphs` runs do), so the host may queue backward while forward runs, and
+    the breakdown then holds host times."""
     vocab = preset(size)[0]
+    phase_sync = os.environ.get("PHASE_SYNC", "1") != "0"
+    sync = torch.cuda.synchronize if phase_sync else (lambda: None)
     times, forward, backward_t, stepping, losses = [], [], [], [], []
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
@@ -170,10 +176,10 @@ def train(model, opt_step, backward, size, micro, seq, steps, rank, device):
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
         del logits
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         backward(loss)
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         opt_step()
         torch.cuda.synchronize()

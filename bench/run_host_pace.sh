@@ -13,9 +13,19 @@
 # .gpu/lib/libbusy.so by bench/cupti_busy/build.sh; CUPTI from the device's torch), and the busy
 # fraction is the union of their kernels, copies and memsets over the timed steps
 # (bench/nsys_busy.py), with their kernels per step by name (bench/busy_kernels.py); NSYS_CASES does the same under Nsight Systems where it is installed.
+# GPUS=N runs every system on N GPUs (ours: N ranks; eager torch: DistributedDataParallel under
+# torchrun; FSDP2: N ranks), nvidia-smi watching GPU 0; OUT_NAME names the result file
+# ($OUT/OUT_NAME-KIND.json, default host-pace).
 #   bash bench/run_host_pace.sh KIND ["1b:2:1024:2 125m:32:256:2"]   (carry [".gpu"], staged by
 #   GPU_FEATURES=nccl scripts/gpu-stage.sh bench-e2e; STEPS, RUN_TIMEOUT, REPEATS)
 source bench/prelude.sh "$1"
+gpus="${GPUS:-1}"
+visible=$(seq -s, 0 $((gpus - 1)))
+# The eager peer: one process, or DDP under torchrun.
+eager_cmd() { # port
+  if [ "$gpus" = 1 ]; then echo python3 bench/e2e_eager.py
+  else echo torchrun --nproc-per-node "$gpus" --master-port "$1" bench/e2e_eager.py; fi
+}
 cases="${2:-1b:2:1024:2 125m:32:256:2}"
 steps="${STEPS:-12}"
 : > /tmp/pace.jsonl; : > /tmp/pace-nsys.jsonl; : > /tmp/pace-kernels.jsonl
@@ -25,7 +35,7 @@ measure() { # tag case command...
   nvidia-smi -i 0 --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits \
     -lms 100 > /tmp/smi.log &
   local smi=$!
-  CUDA_VISIBLE_DEVICES=0 timeout "${RUN_TIMEOUT:-150}" "$@" > "/tmp/$tag.out" 2> "$out/$tag.log"
+  CUDA_VISIBLE_DEVICES=$visible timeout "${RUN_TIMEOUT:-150}" "$@" > "/tmp/$tag.out" 2> "$out/$tag.log"
   local rc=$?
   kill $smi
   cp /tmp/smi.log "$out/$tag-smi.csv"
@@ -78,17 +88,21 @@ for c in $cases; do
     [ "$v" = default ] || { tag="$tag-${v%%:*}"; IFS=, read -ra assigns <<< "${v#*:}"; }
     # shellcheck disable=SC2086
     ( [ ${#assigns[@]} -eq 0 ] || export "${assigns[@]}"
-      measure "$tag$rep" "$c" .gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" \
+      measure "$tag$rep" "$c" .gpu/bin/burn-zero run --nproc-per-node "$gpus" --master-port "$port" \
         -- "${E2E_BIN:-.gpu/bin/bench-e2e}" "$size" "$stage" "$steps" "$micro" "$seq" "${flush[@]}" \
         ${OURS_ARGS:-} )
   done
   done
   port=$((port + 1))
-  [ -n "${SKIP_FSDP2:-}" ] || measure "fsdp2-$size$rep" "$c" torchrun --nproc-per-node 1 \
+  [ -n "${SKIP_FSDP2:-}" ] || measure "fsdp2-$size$rep" "$c" torchrun --nproc-per-node "$gpus" \
     --master-port "$port" bench/e2e_fsdp2.py "$size" "$stage" "$steps" "$micro" "$seq"
-  measure "eager-$size$rep" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" "$micro" "$seq"
+  port=$((port + 1))
+  # shellcheck disable=SC2046
+  measure "eager-$size$rep" "$c" $(eager_cmd "$port") "$size" "$stage" "$steps" "$micro" "$seq"
   if [ -n "${EAGER_COMPILE:-}" ] && [ "$r" = 1 ]; then
-    measure "compile-$size$rep" "$c" python3 bench/e2e_eager.py "$size" "$stage" "$steps" \
+    port=$((port + 1))
+    # shellcheck disable=SC2046
+    measure "compile-$size$rep" "$c" $(eager_cmd "$port") "$size" "$stage" "$steps" \
       "$micro" "$seq" --compile 1
   fi
 done
@@ -104,18 +118,18 @@ for c in $([ -n "${BUSY:-}" ] && [ -n "$cupti" ] && [ -f .gpu/lib/libbusy.so ] &
     port=$((port + 1))
     v=${sys#ours:}; tag="busy-$sys-$size"; assigns=()
     case $sys in
-      eager) cmd=(python3 bench/e2e_eager.py) ;;
-      fsdp2) cmd=(torchrun --nproc-per-node 1 --master-port "$port" bench/e2e_fsdp2.py) ;;
+      eager) read -ra cmd <<< "$(eager_cmd "$port")" ;;
+      fsdp2) cmd=(torchrun --nproc-per-node "$gpus" --master-port "$port" bench/e2e_fsdp2.py) ;;
       *)
         tag="busy-ours-$size$([ "$v" = default ] || echo "-${v%%:*}")"
         [ "$v" = default ] || IFS=, read -ra assigns <<< "${v#*:}"
         bin=.gpu/bin/bench-e2e
         for a in "${assigns[@]}"; do [[ $a == E2E_BIN=* ]] && bin=${a#E2E_BIN=}; done
-        cmd=(.gpu/bin/burn-zero run --nproc-per-node 1 --master-port "$port" -- "$bin") ;;
+        cmd=(.gpu/bin/burn-zero run --nproc-per-node "$gpus" --master-port "$port" -- "$bin") ;;
     esac
     rm -rf "/tmp/$tag"; mkdir -p "/tmp/$tag"
     # shellcheck disable=SC2086
-    env "${assigns[@]}" CUDA_VISIBLE_DEVICES=0 BUSY_OUT_DIR="/tmp/$tag" \
+    env "${assigns[@]}" CUDA_VISIBLE_DEVICES="$visible" BUSY_OUT_DIR="/tmp/$tag" \
       BUSY_CUPTI_LIB="$cupti" CUDA_INJECTION64_PATH="$PWD/.gpu/lib/libbusy.so" \
       timeout "${RUN_TIMEOUT:-150}" "${cmd[@]}" "$size" "$stage" "$steps" "$micro" "$seq" \
       $([[ $sys == ours:* ]] && echo "${OURS_ARGS:-}") > "/tmp/$tag.out" 2> "$out/$tag.log"
@@ -162,7 +176,7 @@ for c in ${NSYS_CASES:-}; do
 done
 [ -f /tmp/pace-nsys.jsonl ] || : > /tmp/pace-nsys.jsonl
 [ -f /tmp/pace-kernels.jsonl ] || : > /tmp/pace-kernels.jsonl
-python3 - "$kind" "$out/host-pace-$kind.json" <<'PY'
+python3 - "$kind" "$out/${OUT_NAME:-host-pace}-$kind.json" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open("/tmp/pace.jsonl")]
 nsys_runs = [json.loads(l) for l in open("/tmp/pace-nsys.jsonl") if l.strip()]
