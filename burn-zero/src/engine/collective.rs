@@ -13,7 +13,8 @@
 //!    backward keeps computing while the gradients travel.
 //!
 //! Where the flag kernels are missing, step 2 synchronizes the device and step 4 waits on the
-//! host for NCCL's stream. Every other case copies through the host and the plain
+//! host for NCCL's stream. With [`FlatComm::on_compute_stream`] (CUDA graphs) none of this
+//! applies: the collective is enqueued on burn's stream itself, after the work queued there. Every other case copies through the host and the plain
 //! [`Communicator`]; `burn_zero.host_collectives` forces that path (to compare or to rule the
 //! device path out).
 

@@ -9,6 +9,9 @@
 //!   taken after the captured backward and put back after each replay;
 //! - host values folded into the kernels: the micro-step's place in the accumulation window and
 //!   the loss scale are part of the graph's key, so a change captures a new graph.
+//!
+//! On more than one rank the gradient buffer's collectives run on burn's stream itself
+//! (`FlatComm::on_compute_stream`), so a capture holds them in the step's order.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
