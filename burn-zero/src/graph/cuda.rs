@@ -398,12 +398,15 @@ fn copy_on(
     copies: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
 ) -> Result<(), String> {
     let ours = raw_stream(server, caller)?;
-    // Unpitched neighbours in both memories (parameters laid end to end) go as one copy.
-    let mut run: Option<(u64, u64, usize)> = None;
-    let flush = |run: Option<(u64, u64, usize)>| match run {
+    // Unpitched neighbours in both memories (parameters laid end to end) go as one copy, as
+    // long as the run stays inside one allocation on each side: a copy may not cross from one
+    // allocation into the next, even where their addresses touch (pages cubecl allocated one
+    // after the other, as on one rank of a 1B run on 2 GPUs).
+    let mut run: Option<Run> = None;
+    let flush = |run: Option<Run>| match run {
         // SAFETY: every tensor of the run is live (held by `copies`) and the run spans
-        // consecutive elements of both memories.
-        Some((src, dst, bytes)) => unsafe { memcpy_dtod_async(dst, src, bytes, ours) }
+        // consecutive elements of one allocation in both memories.
+        Some(r) => unsafe { memcpy_dtod_async(r.dst, r.src, r.bytes, ours) }
             .map_err(|e| format!("copying: {e:?}")),
         None => Ok(()),
     };
@@ -424,16 +427,60 @@ fn copy_on(
             resource(server, into, caller)?,
         );
         run = match run {
-            Some((s, d, b)) if s + b as u64 == src && d + b as u64 == dst => {
-                Some((s, d, b + bytes))
-            }
+            Some(r) if r.continued_by(src, dst, bytes) => Some(Run {
+                bytes: r.bytes + bytes,
+                ..r
+            }),
             other => {
                 flush(other)?;
-                Some((src, dst, bytes))
+                Some(Run::start(src, dst, bytes)?)
             }
         };
     }
     flush(run)
+}
+
+/// Consecutive bytes copied as one: from `src` into `dst`, each inside one allocation that
+/// ends at its `*_end`.
+#[derive(Clone, Copy)]
+struct Run {
+    src: u64,
+    dst: u64,
+    bytes: usize,
+    src_end: u64,
+    dst_end: u64,
+}
+
+impl Run {
+    fn start(src: u64, dst: u64, bytes: usize) -> Result<Self, String> {
+        Ok(Self {
+            src,
+            dst,
+            bytes,
+            src_end: allocation_end(src)?,
+            dst_end: allocation_end(dst)?,
+        })
+    }
+
+    /// Whether `bytes` from `src` into `dst` follow this run in both memories, inside the same
+    /// allocations.
+    fn continued_by(&self, src: u64, dst: u64, bytes: usize) -> bool {
+        let n = self.bytes as u64;
+        self.src + n == src
+            && self.dst + n == dst
+            && src + bytes as u64 <= self.src_end
+            && dst + bytes as u64 <= self.dst_end
+    }
+}
+
+/// The end of the device allocation that holds `ptr`.
+fn allocation_end(ptr: u64) -> Result<u64, String> {
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: plain out-parameters; the driver checks the address.
+    unsafe { cudarc::driver::sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .map_err(|e| format!("the allocation of {ptr:#x}: {e:?}"))?;
+    Ok(base + size as u64)
 }
 
 /// Makes `waiter` wait for the work queued on `on` so far.
