@@ -407,7 +407,7 @@ pub struct DeviceBuf {
     pub dtype: DType,
 }
 
-/// One collective on device buffers, as [`DeviceCollectives::collective_on`] enqueues it.
+/// One collective on device buffers, as [`DeviceCollectives::unwatched`] enqueues it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Collective {
     /// Every rank's input combined, in every rank's output.
@@ -477,24 +477,22 @@ pub trait DeviceCollectives: Send + Sync {
         output: DeviceBuf,
         root: usize,
     ) -> Result<(), CommError>;
-    /// Enqueues `what` on `stream` (a raw `CUstream` of the communicator's device) instead of
-    /// the communicator's own stream, unwatched: that stream orders it with the work around
-    /// it, so no flag or event is needed, and a CUDA graph captured on that stream holds it
-    /// (the watchdog's event queries would break such a capture).
+    /// Enqueues `what` on the communicator's stream, as the methods above do, but with no
+    /// watchdog following it: for a collective that a CUDA graph captures (the stream joined
+    /// the capture through an event, [`DeviceCollectives::wait_event`]), where the watchdog's
+    /// event queries would break the capture.
     ///
     /// # Safety
-    /// As for [`DeviceCollectives::all_reduce`]; `stream` is a live stream of the device on
-    /// which everything that writes `input` was enqueued before this call.
-    unsafe fn collective_on(
+    /// As for [`DeviceCollectives::all_reduce`].
+    unsafe fn unwatched(
         &self,
-        stream: u64,
         what: Collective,
         input: DeviceBuf,
         output: DeviceBuf,
     ) -> Result<(), CommError> {
-        let _ = (stream, what, input, output);
+        let _ = (what, input, output);
         Err(CommError::Aborted(
-            "this communicator cannot run a collective on another stream".into(),
+            "this communicator cannot run an unwatched collective".into(),
         ))
     }
     /// Sends `input` to `peer`, which receives it with [`DeviceCollectives::recv`] of the same

@@ -198,11 +198,9 @@ impl From<Collective> for Raw {
 enum Launch {
     /// On the communicator's stream, watched.
     Watched,
-    /// On the communicator's stream, unwatched (a call inside a group, watched as one).
+    /// On the communicator's stream, unwatched (a call inside a group, watched as one; one a
+    /// CUDA graph captures, where the watchdog's event query would break the capture).
     Unwatched,
-    /// On another stream of the device (a raw `CUstream`), unwatched: the watchdog's event
-    /// query would break a CUDA graph captured there.
-    On(u64),
 }
 
 impl Raw {
@@ -429,14 +427,10 @@ impl NcclComm {
         what: Raw,
         input: DeviceBuf,
         output: DeviceBuf,
-        on: Launch,
     ) -> Result<NcclStatus, NcclError> {
         let dtype = nccl_dtype(input.dtype);
         let (send, recv) = (input.ptr as *const _, output.ptr as *mut _);
-        let stream = match on {
-            Launch::On(stream) => stream as _,
-            Launch::Watched | Launch::Unwatched => self.stream.cu_stream() as _,
-        };
+        let stream = self.stream.cu_stream() as _;
         let _ = self.stream.context().bind_to_thread();
         let comm = self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: as the caller promised; `comm` is a live communicator used by one call at a time.
@@ -497,7 +491,7 @@ impl NcclComm {
             self.check(call)?;
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.launch(what, input, output, on) }.map_err(|e| {
+        unsafe { self.launch(what, input, output) }.map_err(|e| {
             let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
             CommError::Aborted(format!(
                 "NCCL failed on rank {} in {call}: {}",
@@ -530,7 +524,7 @@ impl NcclComm {
             });
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.launch(what, buf, buf, Launch::Watched) }.map_err(|e| {
+        unsafe { self.launch(what, buf, buf) }.map_err(|e| {
             let comm = *self.comm.0.lock().unwrap_or_else(|e| e.into_inner());
             CommError::Aborted(format!(
                 "NCCL failed on rank {} in {call} with {peer}: {}",
@@ -730,15 +724,14 @@ impl DeviceCollectives for NcclComm {
         }
     }
 
-    unsafe fn collective_on(
+    unsafe fn unwatched(
         &self,
-        stream: u64,
         what: Collective,
         input: DeviceBuf,
         output: DeviceBuf,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.device_collective(what.into(), input, output, true, Launch::On(stream)) }
+        unsafe { self.device_collective(what.into(), input, output, true, Launch::Unwatched) }
     }
 
     unsafe fn send(&self, input: DeviceBuf, peer: usize) -> Result<(), CommError> {

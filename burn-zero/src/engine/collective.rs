@@ -13,8 +13,8 @@
 //!    backward keeps computing while the gradients travel.
 //!
 //! Where the flag kernels are missing, step 2 synchronizes the device and step 4 waits on the
-//! host for NCCL's stream. With [`FlatComm::on_compute_stream`] (CUDA graphs) none of this
-//! applies: the collective is enqueued on burn's stream itself, after the work queued there. Every other case copies through the host and the plain
+//! host for NCCL's stream. With [`FlatComm::order_by_events`] (CUDA graphs) CUDA events take
+//! the flags' place in steps 2–4, which a capture of burn's stream follows into NCCL's stream. Every other case copies through the host and the plain
 //! [`Communicator`]; `burn_zero.host_collectives` forces that path (to compare or to rule the
 //! device path out).
 
@@ -77,9 +77,13 @@ pub(crate) struct FlatComm<I: Backend, C: CommRef = Arc<dyn Communicator>> {
     /// This communicator's flags (`stream_order.rs`).
     #[cfg(feature = "cuda")]
     channel: u64,
-    /// Device collectives run on burn's stream itself ([`FlatComm::on_compute_stream`]).
+    /// Device collectives ordered by CUDA events and unwatched ([`FlatComm::order_by_events`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    on_compute_stream: bool,
+    by_events: bool,
+    /// For each collective ordered by events, in issue order: the event recorded on the
+    /// communicator's stream after it, and the device whose burn stream waits for it.
+    #[cfg(feature = "cuda")]
+    events: Vec<(Ticket, u64, cubecl::cuda::CudaDevice)>,
     /// Collectives that ran on device memory (for reports and tests).
     pub(crate) device_calls: usize,
 }
@@ -105,16 +109,19 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             host_wait: false,
             #[cfg(feature = "cuda")]
             channel: crate::backend::stream_order::new_channel(),
-            on_compute_stream: false,
+            by_events: false,
+            #[cfg(feature = "cuda")]
+            events: Vec::new(),
             device_calls: 0,
         }
     }
 
-    /// Whether device collectives run on burn's stream of the calling thread instead of the
-    /// communicator's: in that stream's order, so nothing orders them and they do not overlap
-    /// compute, but a CUDA graph captured on that stream holds them (`crate::graph`).
-    pub(crate) fn on_compute_stream(&mut self, on: bool) {
-        self.on_compute_stream = on;
+    /// Whether device collectives are ordered against burn's stream by CUDA events instead of
+    /// flags, and left unwatched: a capture of burn's stream follows the events into the
+    /// communicator's stream, so a CUDA graph holds the collectives, still running beside the
+    /// compute, where flags' sequence numbers would be frozen into it (`crate::graph`).
+    pub(crate) fn order_by_events(&mut self, on: bool) {
+        self.by_events = on;
     }
 
     pub(crate) fn comm(&self) -> &dyn Communicator {
@@ -199,7 +206,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         );
         let open = self.comm.get().world_size() > 1
             && !self.host_only
-            && !self.on_compute_stream
+            && !self.by_events
             && self
                 .comm
                 .get()
@@ -270,6 +277,17 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
     /// last one, whose handshake covers the earlier ones.
     #[cfg(feature = "cuda")]
     fn await_fences(&mut self, upto: Ticket) -> Result<(), CommError> {
+        let split = self.events.partition_point(|(t, ..)| *t <= upto);
+        let mut due: Vec<_> = self.events.drain(..split).collect();
+        if let Some((_, last, device)) = due.pop() {
+            // The communicator's stream runs its work in order: its last event covers the
+            // earlier ones.
+            due.into_iter()
+                .for_each(|(_, ev, _)| crate::backend::stream_event::drop_event(ev));
+            crate::graph::wait_on_caller(&device, last).map_err(|e| {
+                CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}"))
+            })?;
+        }
         let split = self.fences.partition_point(|(t, _)| *t <= upto);
         let fences = self.fences.drain(..split).map(|(_, fence)| fence);
         crate::backend::cuda::await_fences(fences)
@@ -373,10 +391,8 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             return Ok(None);
         };
         let n = self.output_len(op, src.buf.len);
-        if self.on_compute_stream {
-            return self
-                .run_on_compute_stream(op, input, src, n, pieces)
-                .map(Some);
+        if self.by_events {
+            return self.run_by_events(op, input, src, n, pieces).map(Some);
         }
         let ordered = (n > 0 && device.orders_by_flags())
             .then(|| ordered_output(&src, n, self.channel))
@@ -456,12 +472,12 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         Ok(Some(output))
     }
 
-    /// [`FlatComm::run_on_device`] with the collective on burn's stream of the calling thread
-    /// ([`FlatComm::on_compute_stream`]): the stream runs it after the work that wrote `src`
-    /// and before anything queued later, so no fence is kept and the buffers go back to the
-    /// pool at once (what reuses them is queued after the collective on the same stream).
+    /// [`FlatComm::run_on_device`] ordered by CUDA events ([`FlatComm::order_by_events`]): the
+    /// communicator's stream waits for an event recorded on burn's stream after the work that
+    /// wrote `src`, runs the collective unwatched and records an event that burn's stream waits
+    /// for when the output is needed ([`FlatComm::wait_for`]). The host never waits.
     #[cfg(feature = "cuda")]
-    fn run_on_compute_stream(
+    fn run_by_events(
         &mut self,
         op: Collective,
         input: &Tensor<I, 1>,
@@ -470,17 +486,25 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         pieces: &[usize],
     ) -> Result<Tensor<I, 1>, CommError> {
         use crate::backend::cuda::cuda_buffer;
+        use crate::backend::stream_event::{drop_event, new_event};
         let output = Tensor::<I, 1>::empty([n], (&self.device, input.dtype()));
         let dst = cuda_buffer::<I>(&output.clone().into_primitive().tensor())
             .expect("a fresh tensor on the same CUDA device has an address");
-        let failed = |e: String| CommError::Aborted(format!("burn's stream for a collective: {e}"));
-        // Every launch queued on this thread's stream has reached CUDA when this returns.
-        let stream = crate::graph::caller_stream(&src._keep.device).map_err(failed)?;
+        let failed =
+            |e: String| CommError::Aborted(format!("ordering NCCL's stream by events: {e}"));
+        let cuda = src._keep.device.clone();
         let device = self
             .comm
             .get()
             .device()
             .expect("run_on_device checked for device collectives");
+        // The communicator's stream starts after everything queued on burn's stream so far
+        // (joining its capture, if it is captured).
+        let ready = crate::graph::record_on_caller(&cuda).map_err(failed)?;
+        // SAFETY: a live event of this device, recorded above.
+        let waited = unsafe { device.wait_event(ready) };
+        drop_event(ready);
+        waited?;
         let calls = match op {
             Collective::AllGather if pieces.len() > 1 => {
                 let world = self.comm.get().world_size();
@@ -488,14 +512,31 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             }
             _ => vec![(src.buf, dst.buf)],
         };
-        for (from, into) in calls {
-            // SAFETY: both buffers are live allocations of this device (held until the calls
-            // are enqueued); the stream is burn's, on which their writers were enqueued, and
-            // this thread alone queues work there.
-            unsafe { device.collective_on(stream, op, from, into)? };
+        // SAFETY: both buffers are live allocations of this device, complete when the
+        // communicator's stream reaches the calls (the event above), and held in `in_flight`
+        // until burn's stream has been told to wait for the event below.
+        let ran = calls
+            .into_iter()
+            .try_for_each(|(from, into)| unsafe { device.unwatched(op, from, into) });
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        // Held even when the call failed: work enqueued before it may still use them.
+        self.in_flight.push((ticket, src));
+        self.in_flight.push((ticket, dst));
+        // Recorded even when the call failed: burn's stream may be told to wait for it.
+        let done = new_event().map_err(failed)?;
+        // SAFETY: a live event of this device.
+        if let Err(e) = unsafe { device.record_event(done) } {
+            drop_event(done);
+            return Err(e);
         }
-        drop((src, dst));
+        self.events.push((ticket, done, cuda));
+        self.last_ticket = Some(ticket);
+        ran?;
         self.device_calls += 1;
+        if !self.overlap {
+            self.wait()?;
+        }
         Ok(output)
     }
 }

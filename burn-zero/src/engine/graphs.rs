@@ -10,8 +10,9 @@
 //! - host values folded into the kernels: the micro-step's place in the accumulation window and
 //!   the loss scale are part of the graph's key, so a change captures a new graph.
 //!
-//! On more than one rank the gradient buffer's collectives run on burn's stream itself
-//! (`FlatComm::on_compute_stream`), so a capture holds them in the step's order.
+//! On more than one rank the gradient buffer's collectives are ordered by CUDA events
+//! (`FlatComm::order_by_events`), which a capture follows into NCCL's stream: the graph holds
+//! them, beside the compute as in an eager step.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
@@ -63,10 +64,10 @@ impl<I: Backend, M: Module<ZeroAutodiff<I>>> Engine<I, M> {
             Some(graphs) => graphs,
             None => {
                 let graphs = self.start_graphs();
-                // A graph holds the collectives of the steps it captures only where they run
-                // on its stream; for every step, so warm-ups and captures do the same work.
+                // A capture follows events into NCCL's stream, not flags; for every step, so
+                // warm-ups and captures do the same work.
                 if graphs.steps.is_some() {
-                    self.strategy().grads_mut().flat.on_compute_stream(true);
+                    self.strategy().grads_mut().flat.order_by_events(true);
                 }
                 graphs
             }

@@ -35,7 +35,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::caller_stream;
+pub(crate) use cuda::{record_on_caller, wait_on_caller};
 pub use policy::{GraphAction, GraphKey, GraphPolicy};
 
 /// Why a step did not run.
