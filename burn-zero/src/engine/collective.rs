@@ -498,13 +498,25 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             .get()
             .device()
             .expect("run_on_device checked for device collectives");
+        // Made before anything is enqueued: a collective must not be left without the event
+        // burn's stream waits for.
+        let done = new_event().map_err(failed)?;
         // The communicator's stream starts after everything queued on burn's stream so far
         // (joining its capture, if it is captured).
-        let ready = crate::graph::record_on_caller(&cuda).map_err(failed)?;
+        let ready = match crate::graph::record_on_caller(&cuda) {
+            Ok(ready) => ready,
+            Err(e) => {
+                drop_event(done);
+                return Err(failed(e));
+            }
+        };
         // SAFETY: a live event of this device, recorded above.
         let waited = unsafe { device.wait_event(ready) };
         drop_event(ready);
-        waited?;
+        if let Err(e) = waited {
+            drop_event(done);
+            return Err(e);
+        }
         let calls = match op {
             Collective::AllGather if pieces.len() > 1 => {
                 let world = self.comm.get().world_size();
@@ -524,20 +536,38 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         self.in_flight.push((ticket, src));
         self.in_flight.push((ticket, dst));
         // Recorded even when the call failed: burn's stream may be told to wait for it.
-        let done = new_event().map_err(failed)?;
         // SAFETY: a live event of this device.
-        if let Err(e) = unsafe { device.record_event(done) } {
-            drop_event(done);
-            return Err(e);
+        match unsafe { device.record_event(done) } {
+            Ok(()) => {
+                self.events.push((ticket, done, cuda));
+                self.last_ticket = Some(ticket);
+            }
+            Err(e) => {
+                drop_event(done);
+                // Nothing can order burn's stream after this call: `wait` blocks until the
+                // communicator's stream is done before the buffers go.
+                self.host_wait = true;
+                ran?;
+                return Err(e);
+            }
         }
-        self.events.push((ticket, done, cuda));
-        self.last_ticket = Some(ticket);
         ran?;
         self.device_calls += 1;
         if !self.overlap {
             self.wait()?;
         }
         Ok(output)
+    }
+}
+
+/// Events still pending when the communicator goes are let go (CUDA defers their release while
+/// a stream still waits for them).
+#[cfg(feature = "cuda")]
+impl<I: Backend, C: CommRef> Drop for FlatComm<I, C> {
+    fn drop(&mut self) {
+        for (_, ev, _) in self.events.drain(..) {
+            crate::backend::stream_event::drop_event(ev);
+        }
     }
 }
 

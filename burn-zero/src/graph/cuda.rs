@@ -445,6 +445,9 @@ fn copy_on(
             return Err(format!("{:?} copied into {:?}", from.dtype, into.dtype));
         }
         let bytes = from.meta.shape().num_elements() * from.dtype.size();
+        if bytes == 0 {
+            continue;
+        }
         let (src, dst) = (
             resource(server, from, caller)?,
             resource(server, into, caller)?,
