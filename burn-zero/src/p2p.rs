@@ -127,7 +127,7 @@ impl<'a> TensorLinks<'a> {
         peer: usize,
     ) -> Result<(), CommError> {
         use crate::backend::cuda::staged_copy;
-        use crate::backend::stream_event::record_in_order;
+        use crate::backend::stream_event::{between_events, record_in_order};
         let rank = self.comm.rank();
         let call = OpSignature::new(OpKind::PointToPoint, wire_dtype(tensor.dtype()), 0);
         let invalid = |reason: String| CommError::Invalid { rank, call, reason };
@@ -192,7 +192,11 @@ impl<'a> TensorLinks<'a> {
             Tensor::<I, D>::from_primitive(burn::tensor::TensorPrimitive::Float(primitive));
         // SAFETY: `dst` is allocated before `ready` and lives in `tensor`; burn's stream waits
         // for `done` below, before anything it runs later reads or frees it.
-        let done = unsafe { between_events(link, ready, "receive", || link.recv(dst.buf, from))? };
+        let done = unsafe {
+            crate::backend::stream_event::between_events(link, ready, "receive", || {
+                link.recv(dst.buf, from)
+            })?
+        };
         crate::backend::stream_event::wait_in_order(fusion, &dst._keep.device, done).map_err(
             |e| CommError::Aborted(format!("ordering burn's stream after a receive: {e}")),
         )?;
@@ -212,41 +216,6 @@ struct SentOn {
     device: cubecl::cuda::CudaDevice,
     /// The staged copies the sends read, held until burn's stream waits for `done`.
     buffers: Vec<crate::backend::cuda::CudaBuffer>,
-}
-
-/// `message` on the link's stream after burn's stream reached `ready` (an event recorded
-/// there), and an event recorded after it, returned for burn's stream to wait for. When
-/// `message` failed, its error is returned instead and the event let go.
-///
-/// # Safety
-/// The buffers `message` reads or writes are live and complete when `ready` is reached, and
-/// stay so until burn's stream has waited for the returned event.
-#[cfg(feature = "cuda")]
-unsafe fn between_events(
-    link: &dyn crate::comm::DeviceCollectives,
-    ready: crate::backend::stream_event::RawEvent,
-    what: &str,
-    message: impl FnOnce() -> Result<(), CommError>,
-) -> Result<crate::backend::stream_event::RawEvent, CommError> {
-    use crate::backend::stream_event::{drop_event, new_event};
-    // SAFETY: `ready` was recorded on burn's stream before this call.
-    let waited = unsafe { link.wait_event(ready) };
-    drop_event(ready);
-    waited?;
-    let outcome = message();
-    crate::log::trace_order(|| format!("{what} issued on the link: {outcome:?}"));
-    let done = new_event().map_err(CommError::Aborted)?;
-    // SAFETY: a live event of this device.
-    if let Err(e) = unsafe { link.record_event(done) } {
-        panic!("after a {what}, the link's stream could not record an event for burn's: {e}");
-    }
-    match outcome {
-        Ok(()) => Ok(done),
-        Err(e) => {
-            drop_event(done);
-            Err(e)
-        }
-    }
 }
 
 impl Drop for TensorLinks<'_> {

@@ -102,3 +102,40 @@ pub(crate) fn drop_event(ev: RawEvent) {
     // SAFETY: a live event; CUDA defers the release while work still uses it.
     let _ = unsafe { event::destroy(ev as CUevent) };
 }
+
+/// `work` on the communicator's stream after burn's stream reached `ready` (an event recorded
+/// there), and an event recorded after it, returned for burn's stream to wait for
+/// ([`wait_in_order`]). When `work` failed, its error is returned instead and the event let go.
+/// A capture of burn's stream follows `ready` into the communicator's stream, and the returned
+/// event back.
+///
+/// # Safety
+/// The buffers `work` reads or writes are live and complete when `ready` is reached, and stay so
+/// until burn's stream has waited for the returned event.
+pub(crate) unsafe fn between_events(
+    comm: &dyn crate::comm::DeviceCollectives,
+    ready: RawEvent,
+    what: &str,
+    work: impl FnOnce() -> Result<(), crate::comm::CommError>,
+) -> Result<RawEvent, crate::comm::CommError> {
+    // SAFETY: `ready` was recorded on burn's stream before this call.
+    let waited = unsafe { comm.wait_event(ready) };
+    drop_event(ready);
+    waited?;
+    let outcome = work();
+    crate::log::trace_order(|| format!("{what} issued on the communicator's stream: {outcome:?}"));
+    let done = new_event().map_err(crate::comm::CommError::Aborted)?;
+    // SAFETY: a live event of this device.
+    if let Err(e) = unsafe { comm.record_event(done) } {
+        panic!(
+            "after a {what}, the communicator's stream could not record an event for burn's: {e}"
+        );
+    }
+    match outcome {
+        Ok(()) => Ok(done),
+        Err(e) => {
+            drop_event(done);
+            Err(e)
+        }
+    }
+}

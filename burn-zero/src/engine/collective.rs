@@ -81,9 +81,15 @@ pub(crate) struct FlatComm<I: Backend, C: CommRef = Arc<dyn Communicator>> {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     by_events: bool,
     /// For each collective ordered by events, in issue order: the event recorded on the
-    /// communicator's stream after it, and the device whose burn stream waits for it.
+    /// communicator's stream after it, with the fusion client and device burn's stream waits
+    /// for it through.
     #[cfg(feature = "cuda")]
-    events: Vec<(Ticket, u64, cubecl::cuda::CudaDevice)>,
+    events: Vec<(
+        Ticket,
+        u64,
+        Option<crate::backend::cuda::FusionClient>,
+        cubecl::cuda::CudaDevice,
+    )>,
     /// Collectives that ran on device memory (for reports and tests).
     pub(crate) device_calls: usize,
 }
@@ -277,14 +283,14 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
     /// last one, whose handshake covers the earlier ones.
     #[cfg(feature = "cuda")]
     fn await_fences(&mut self, upto: Ticket) -> Result<(), CommError> {
+        use crate::backend::stream_event::{drop_event, wait_in_order};
         let split = self.events.partition_point(|(t, ..)| *t <= upto);
         let mut due: Vec<_> = self.events.drain(..split).collect();
-        if let Some((_, last, device)) = due.pop() {
+        if let Some((_, last, fusion, device)) = due.pop() {
             // The communicator's stream runs its work in order: its last event covers the
             // earlier ones.
-            due.into_iter()
-                .for_each(|(_, ev, _)| crate::backend::stream_event::drop_event(ev));
-            crate::graph::wait_on_caller(&device, last).map_err(|e| {
+            due.into_iter().for_each(|(_, ev, ..)| drop_event(ev));
+            wait_in_order(fusion, &device, last).map_err(|e| {
                 CommError::Aborted(format!("ordering burn's stream after NCCL's: {e}"))
             })?;
         }
@@ -392,7 +398,10 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         };
         let n = self.output_len(op, src.buf.len);
         if self.by_events {
-            return self.run_by_events(op, input, src, n, pieces).map(Some);
+            let fusion = crate::backend::cuda::fusion_client_of(&primitive as &dyn core::any::Any);
+            return self
+                .run_by_events(op, input, src, n, pieces, fusion)
+                .map(Some);
         }
         let ordered = (n > 0 && device.orders_by_flags())
             .then(|| ordered_output(&src, n, self.channel))
@@ -475,7 +484,8 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
     /// [`FlatComm::run_on_device`] ordered by CUDA events ([`FlatComm::order_by_events`]): the
     /// communicator's stream waits for an event recorded on burn's stream after the work that
     /// wrote `src`, runs the collective unwatched and records an event that burn's stream waits
-    /// for when the output is needed ([`FlatComm::wait_for`]). The host never waits.
+    /// for when the output is needed ([`FlatComm::wait_for`]), as a pipeline link's messages do
+    /// (`stream_event::between_events`). The host never waits.
     #[cfg(feature = "cuda")]
     fn run_by_events(
         &mut self,
@@ -484,39 +494,23 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
         src: crate::backend::cuda::CudaBuffer,
         n: usize,
         pieces: &[usize],
+        fusion: Option<crate::backend::cuda::FusionClient>,
     ) -> Result<Tensor<I, 1>, CommError> {
         use crate::backend::cuda::cuda_buffer;
-        use crate::backend::stream_event::{drop_event, new_event};
+        use crate::backend::stream_event::{between_events, record_in_order};
         let output = Tensor::<I, 1>::empty([n], (&self.device, input.dtype()));
         let dst = cuda_buffer::<I>(&output.clone().into_primitive().tensor())
             .expect("a fresh tensor on the same CUDA device has an address");
-        let failed =
-            |e: String| CommError::Aborted(format!("ordering NCCL's stream by events: {e}"));
         let cuda = src._keep.device.clone();
         let device = self
             .comm
             .get()
             .device()
             .expect("run_on_device checked for device collectives");
-        // Made before anything is enqueued: a collective must not be left without the event
-        // burn's stream waits for.
-        let done = new_event().map_err(failed)?;
         // The communicator's stream starts after everything queued on burn's stream so far
         // (joining its capture, if it is captured).
-        let ready = match crate::graph::record_on_caller(&cuda) {
-            Ok(ready) => ready,
-            Err(e) => {
-                drop_event(done);
-                return Err(failed(e));
-            }
-        };
-        // SAFETY: a live event of this device, recorded above.
-        let waited = unsafe { device.wait_event(ready) };
-        drop_event(ready);
-        if let Err(e) = waited {
-            drop_event(done);
-            return Err(e);
-        }
+        let ready = record_in_order(fusion.clone(), &cuda)
+            .map_err(|e| CommError::Aborted(format!("an event on burn's stream: {e}")))?;
         let calls = match op {
             Collective::AllGather if pieces.len() > 1 => {
                 let world = self.comm.get().world_size();
@@ -524,34 +518,31 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
             }
             _ => vec![(src.buf, dst.buf)],
         };
-        // SAFETY: both buffers are live allocations of this device, complete when the
-        // communicator's stream reaches the calls (the event above), and held in `in_flight`
-        // until burn's stream has been told to wait for the event below.
-        let ran = calls
-            .into_iter()
-            .try_for_each(|(from, into)| unsafe { device.unwatched(op, from, into) });
         let ticket = self.next_ticket;
         self.next_ticket += 1;
-        // Held even when the call failed: work enqueued before it may still use them.
+        // Held even when the call fails: work enqueued before it may still use them.
         self.in_flight.push((ticket, src));
         self.in_flight.push((ticket, dst));
-        // Recorded even when the call failed: burn's stream may be told to wait for it.
-        // SAFETY: a live event of this device.
-        match unsafe { device.record_event(done) } {
-            Ok(()) => {
-                self.events.push((ticket, done, cuda));
-                self.last_ticket = Some(ticket);
-            }
+        // SAFETY: both buffers are live allocations of this device, complete once `ready` is
+        // reached, and held in `in_flight` until burn's stream has been told to wait for the
+        // returned event.
+        let done = unsafe {
+            between_events(device, ready, "collective", || {
+                calls
+                    .into_iter()
+                    .try_for_each(|(from, into)| device.unwatched(op, from, into))
+            })
+        };
+        match done {
+            Ok(done) => self.events.push((ticket, done, fusion, cuda)),
             Err(e) => {
-                drop_event(done);
-                // Nothing can order burn's stream after this call: `wait` blocks until the
+                // Nothing orders burn's stream after this call: `wait` blocks until the
                 // communicator's stream is done before the buffers go.
                 self.host_wait = true;
-                ran?;
                 return Err(e);
             }
         }
-        ran?;
+        self.last_ticket = Some(ticket);
         self.device_calls += 1;
         if !self.overlap {
             self.wait()?;
@@ -565,7 +556,7 @@ impl<I: Backend, C: CommRef> FlatComm<I, C> {
 #[cfg(feature = "cuda")]
 impl<I: Backend, C: CommRef> Drop for FlatComm<I, C> {
     fn drop(&mut self) {
-        for (_, ev, _) in self.events.drain(..) {
+        for (_, ev, ..) in self.events.drain(..) {
             crate::backend::stream_event::drop_event(ev);
         }
     }

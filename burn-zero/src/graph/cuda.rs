@@ -53,39 +53,6 @@ fn in_order<T: Send + 'static>(
     on.executes(|| client.sync(move || on_device_thread(&device, task)))
 }
 
-/// A new CUDA event recorded on the calling thread's cubecl stream of `device`, after the work
-/// queued there (fusion's queue drained first). Recorded on a captured stream, it carries the
-/// capture to whichever stream waits for it.
-pub(crate) fn record_on_caller(device: &CudaDevice) -> Result<u64, String> {
-    let caller = StreamId::current();
-    in_order(device, caller, move |server| {
-        let on = raw_stream(server, caller)?;
-        // SAFETY: a fresh event recorded on cubecl's live stream of this device.
-        unsafe {
-            let ev = event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(|e| format!("creating an event: {e:?}"))?;
-            event::record(ev, on).map_err(|e| format!("recording an event: {e:?}"))?;
-            Ok(ev as u64)
-        }
-    })
-}
-
-/// Makes the calling thread's cubecl stream of `device` wait, after its queued work, for `ev`
-/// (recorded before this call), and lets the event go.
-pub(crate) fn wait_on_caller(device: &CudaDevice, ev: u64) -> Result<(), String> {
-    let caller = StreamId::current();
-    in_order(device, caller, move |server| {
-        let on = raw_stream(server, caller)?;
-        // SAFETY: `ev` was recorded before; CUDA keeps a destroyed event a stream still waits
-        // for until the wait is over.
-        unsafe {
-            stream::wait_event(on, ev as CUevent, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                .map_err(|e| format!("waiting for an event: {e:?}"))?;
-            event::destroy(ev as CUevent).map_err(|e| format!("{e:?}"))
-        }
-    })
-}
-
 /// Makes stream `graph` wait for the work queued so far on the calling thread's stream.
 pub(crate) fn order_after_caller(device: &CudaDevice, graph: StreamId) -> Result<(), String> {
     copy_inputs(device, graph, Vec::new())

@@ -34,8 +34,6 @@ use std::time::Duration;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-#[cfg(feature = "cuda")]
-pub(crate) use cuda::{record_on_caller, wait_on_caller};
 pub use policy::{GraphAction, GraphKey, GraphPolicy};
 
 /// Why a step did not run.
